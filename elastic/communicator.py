@@ -1,0 +1,274 @@
+"""A ring communicator for one world version: form it, run collectives, abort it, discard it.
+
+The runtime forms one per world version from the membership the rendezvous announces;
+tests and tools can form one from an explicit peer list::
+
+    listener = elastic.Listener("127.0.0.1")          # before rendezvous: announce .address
+    comm = elastic.Communicator.form(listener=listener, job_id="job", secret=b"s3cret",
+                                     world_version=1, rank=r, peers=addresses)
+    comm.allreduce_(tensor, elastic.Average)
+
+After any ``WorkerLostError`` the communicator is poisoned: close it and form a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from . import _native
+from .errors import ElasticError
+from .ops import ReduceOp
+
+Listener = _native.Listener
+
+_MAX_ALLGATHER_NDIM = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class CommConfig:
+    """Settings of the ring core; the one place they are read from flags or environment."""
+
+    timeout: float = 30.0            # seconds a collective may go without moving a byte (hung peers)
+    form_timeout: float = 30.0       # seconds form() waits for both ring neighbours
+    segment_bytes: int = 1 << 20     # pipeline segment: ~1 MiB keeps both directions busy
+    small_bytes: int = 64 << 10      # allreduce up to this size takes the small-message path
+    fusion_bytes: int = 64 << 20     # async allreduces are fused into buckets up to this size
+
+    _ENV = {
+        "timeout": "ELASTIC_COLLECTIVE_TIMEOUT",
+        "form_timeout": "ELASTIC_FORM_TIMEOUT",
+        "segment_bytes": "ELASTIC_SEGMENT_BYTES",
+        "small_bytes": "ELASTIC_SMALL_BYTES",
+        "fusion_bytes": "ELASTIC_FUSION_THRESHOLD",
+    }
+
+    def __post_init__(self):
+        for name in ("timeout", "form_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CommConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.segment_bytes < 64:
+            raise ValueError(f"CommConfig.segment_bytes must be at least 64, got {self.segment_bytes}")
+        for name in ("small_bytes", "fusion_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CommConfig.{name} must not be negative, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "CommConfig":
+        """Reads ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_FORM_TIMEOUT, ELASTIC_SEGMENT_BYTES,
+        ELASTIC_SMALL_BYTES and ELASTIC_FUSION_THRESHOLD; keyword overrides win."""
+        env = os.environ if env is None else env
+        values: dict = {}
+        for field in dataclasses.fields(cls):
+            var = cls._ENV.get(field.name)
+            if var and env.get(var, "") != "":
+                kind = float if field.type in ("float", float) else int
+                try:
+                    values[field.name] = kind(env[var])
+                except ValueError:
+                    raise ValueError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+        values.update(overrides)
+        return cls(**values)
+
+
+def _native_array(t: Any, what: str):
+    """The object handed to the core: a CPU, contiguous torch tensor or numpy array."""
+    if isinstance(t, np.ndarray):
+        if not t.flags.c_contiguous:
+            raise ValueError(f"{what}: array must be C-contiguous (use np.ascontiguousarray)")
+        if not t.flags.writeable:
+            raise ValueError(f"{what}: array is read-only")
+        return t
+    torch = _torch()
+    if torch is not None and isinstance(t, torch.Tensor):
+        if t.device.type != "cpu":
+            raise ValueError(f"{what}: only CPU tensors are supported (got a tensor on {t.device})")
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
+        return t.detach()
+    raise TypeError(f"{what}: expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # numpy-only installs still work
+        return None
+    return torch
+
+
+class Handle:
+    """An in-flight async allreduce; pass it to ``synchronize``."""
+
+    __slots__ = ("_comm", "_work", "tensor")
+
+    def __init__(self, comm: "Communicator", work: Any, tensor: Any):
+        self._comm = comm
+        self._work = work
+        self.tensor = tensor  # keeps the buffer alive until the collective is done
+
+    def done(self) -> bool:
+        return self._work.done()
+
+
+class Communicator:
+    """A formed ring. Collectives are blocking unless named ``*_async_``; all release the GIL."""
+
+    def __init__(self, native: Any, config: CommConfig):
+        self._native = native
+        self.config = config
+
+    @classmethod
+    def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
+             peers: Sequence[str], config: Optional[CommConfig] = None) -> "Communicator":
+        """Connects to the next rank, accepts the previous one and returns the ring.
+
+        ``peers`` lists every rank's ring address in rank order (``peers[rank]`` is this
+        worker's own). A world of one rank needs no listener and opens no socket.
+        Raises ``HandshakeError`` when a neighbour refuses, ``WorkerLostError`` on timeout
+        or abort.
+        """
+        config = config or CommConfig.from_env()
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if not isinstance(job_id, str) or not job_id:
+            raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
+        if world_version < 0:
+            raise ValueError(f"world_version must not be negative, got {world_version}")
+        native = _native.Communicator(listener, job_id, secret, world_version, rank, list(peers),
+                                      config.timeout, config.form_timeout, config.segment_bytes,
+                                      config.small_bytes, config.fusion_bytes)
+        comm = cls(native, config)
+        try:
+            native.form()
+        except BaseException:
+            native.close()
+            raise
+        return comm
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def size(self) -> int:
+        return self._native.size
+
+    @property
+    def world_version(self) -> int:
+        return self._native.world_version
+
+    @property
+    def failed(self) -> bool:
+        return self._native.failed
+
+    # ------------------------------------------------------------------ lifecycle
+    def abort(self, reason: str = "") -> None:
+        """Fails in-flight and later operations within milliseconds; safe from any thread."""
+        self._native.abort(reason)
+
+    def close(self) -> None:
+        """Aborts anything in flight, stops the executor thread and closes the sockets."""
+        self._native.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
+        self._native.allreduce_(_native_array(t, "allreduce_"), int(ReduceOp(op)))
+        return t
+
+    def allreduce(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
+        out = t.copy() if isinstance(t, np.ndarray) else t.detach().clone(memory_format=_torch().contiguous_format)
+        return self.allreduce_(out, op)
+
+    def allreduce_async_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Handle:
+        work = self._native.allreduce_async_(_native_array(t, "allreduce_async_"), int(ReduceOp(op)))
+        return Handle(self, work, t)
+
+    def synchronize(self, handle: Handle) -> Any:
+        if handle._comm is not self:
+            raise ValueError("synchronize: the handle belongs to another communicator")
+        self._native.wait(handle._work)
+        return handle.tensor
+
+    def flush(self) -> None:
+        """Starts any open fusion bucket now instead of at the next synchronize."""
+        self._native.flush()
+
+    def broadcast_(self, t: Any, root_rank: int = 0) -> Any:
+        self._native.broadcast_(_native_array(t, "broadcast_"), root_rank)
+        return t
+
+    def barrier(self) -> None:
+        self._native.barrier()
+
+    def allgather(self, t: Any) -> Any:
+        """Concatenates every rank's ``t`` along dimension 0 (its length may differ per rank)."""
+        is_np = isinstance(t, np.ndarray)
+        arr = _native_array(t, "allgather")
+        shape = tuple(arr.shape)
+        if len(shape) == 0:
+            raise ValueError("allgather: tensor needs at least one dimension")
+        if len(shape) > _MAX_ALLGATHER_NDIM + 1:
+            raise ValueError(f"allgather: at most {_MAX_ALLGATHER_NDIM + 1} dimensions are supported")
+        dtype_name = str(arr.dtype)
+        meta = np.full(16, -1, dtype=np.int64)
+        meta[0] = shape[0]
+        meta[1] = len(shape)
+        meta[2] = _dtype_id(dtype_name)
+        meta[3:3 + len(shape) - 1] = shape[1:]
+        metas = np.empty(16 * self.size, dtype=np.int64)
+        self._native.allgather_(meta, metas, [meta.nbytes] * self.size)
+        metas = metas.reshape(self.size, 16)
+        for r in range(self.size):
+            if not np.array_equal(metas[r, 1:], meta[1:]):
+                raise ValueError(f"allgather: rank {r} passed a tensor of another dtype or trailing shape "
+                                 f"than rank {self.rank} ({dtype_name}, {shape})")
+        itemsize = arr.itemsize if is_np else arr.element_size()
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+        counts = [int(metas[r, 0]) for r in range(self.size)]
+        out_shape = (sum(counts),) + shape[1:]
+        if is_np:
+            out = np.empty(out_shape, dtype=arr.dtype)
+        else:
+            out = _torch().empty(out_shape, dtype=arr.dtype)
+        self._native.allgather_(arr, out, [c * row_bytes for c in counts])
+        return out
+
+    def broadcast_object(self, obj: Any = None, root_rank: int = 0) -> Any:
+        """Pickles ``obj`` on ``root_rank`` and returns the same object on every rank."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root_rank else b""
+        length = np.array([len(payload)], dtype=np.int64)
+        self.broadcast_(length, root_rank)
+        buf = np.frombuffer(payload, dtype=np.uint8).copy() if self.rank == root_rank else \
+            np.empty(int(length[0]), dtype=np.uint8)
+        self.broadcast_(buf, root_rank)
+        return obj if self.rank == root_rank else pickle.loads(buf.tobytes())
+
+
+_DTYPE_IDS = {name: i for i, name in enumerate(
+    ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8",
+     "torch.float16", "torch.bfloat16", "torch.float32", "torch.float64", "torch.int32", "torch.int64",
+     "torch.uint8"])}
+
+
+def _dtype_id(name: str) -> int:
+    # torch and numpy spell dtypes differently; compare on the bare name.
+    bare = name.replace("torch.", "")
+    if bare not in _DTYPE_IDS:
+        raise TypeError(f"unsupported dtype {name}; supported: float16, bfloat16, float32, float64, "
+                        "int32, int64, uint8")
+    return _DTYPE_IDS[bare]
+
+
+__all__ = ["CommConfig", "Communicator", "Handle", "Listener", "ElasticError"]

@@ -1,0 +1,223 @@
+// elastic._native: the Python face of the core. Arrays arrive through DLPack (torch
+// tensors incl. bfloat16, numpy arrays) without copies; the GIL is released while
+// anything blocks; CommError becomes an elastic exception via elastic.errors._from_native.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+
+#include "auth.h"
+#include "executor.h"
+#include "reduce.h"
+#include "ring.h"
+#include "transport.h"
+
+namespace nb = nanobind;
+using namespace ering;
+
+namespace {
+
+using Array = nb::ndarray<nb::device::cpu>;
+
+struct Buffer {
+  void* ptr;
+  size_t count;
+  DType dtype;
+};
+
+DType to_dtype(const nb::dlpack::dtype& t) {
+  using Code = nb::dlpack::dtype_code;
+  if (t.lanes == 1) {
+    if (t.code == uint8_t(Code::Float) && t.bits == 16) return DType::Float16;
+    if (t.code == uint8_t(Code::Bfloat) && t.bits == 16) return DType::BFloat16;
+    if (t.code == uint8_t(Code::Float) && t.bits == 32) return DType::Float32;
+    if (t.code == uint8_t(Code::Float) && t.bits == 64) return DType::Float64;
+    if (t.code == uint8_t(Code::Int) && t.bits == 32) return DType::Int32;
+    if (t.code == uint8_t(Code::Int) && t.bits == 64) return DType::Int64;
+    if (t.code == uint8_t(Code::UInt) && t.bits == 8) return DType::UInt8;
+  }
+  throw nb::type_error(("unsupported dtype (code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
+                        " bits); supported: float16, bfloat16, float32, float64, int32, int64, uint8").c_str());
+}
+
+Buffer to_buffer(const Array& a, const char* what) {
+  // C-contiguous check: strides (in elements) must be those of a dense row-major array.
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect)
+      throw nb::value_error((std::string(what) + ": tensor must be contiguous (call .contiguous() first)").c_str());
+    expect *= int64_t(a.shape(i));
+  }
+  return {a.data(), a.size(), to_dtype(a.dtype())};
+}
+
+ReduceOp to_op(int op) {
+  if (op < 0 || op > 3) throw nb::value_error(("unknown reduce op " + std::to_string(op)).c_str());
+  return ReduceOp(op);
+}
+
+struct PyListener {
+  std::shared_ptr<Listener> impl;
+  Listener& get() {
+    if (!impl) throw nb::value_error("listener is closed");
+    return *impl;
+  }
+};
+
+// A communicator plus its executor; close() is idempotent and also runs at destruction.
+struct PyComm {
+  std::shared_ptr<Listener> listener;
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Executor> exec;
+  size_t fusion_bytes;
+
+  Communicator& c() {
+    if (!comm) throw CommError(ErrorKind::Invalid, "communicator is closed");
+    return *comm;
+  }
+  Executor& e() {
+    if (!exec) throw CommError(ErrorKind::Invalid, "communicator is closed or not formed");
+    return *exec;
+  }
+  void close() {
+    if (comm) comm->abort("communicator closed");
+    if (exec) exec->stop();
+    exec.reset();
+    comm.reset();
+    listener.reset();
+  }
+  ~PyComm() { close(); }
+};
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "elastic-ring native core: TCP ring collectives with deadlines, abort and authenticated handshakes";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const CommError& e) {
+      if (e.kind == ErrorKind::Invalid) {
+        PyErr_SetString(PyExc_ValueError, e.what());
+        return;
+      }
+      try {
+        nb::object mod = nb::module_::import_("elastic.errors");
+        nb::object exc = mod.attr("_from_native")(int(e.kind), e.what(), e.op, e.world_version, e.rank, e.peer);
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      } catch (nb::python_error& pe) {
+        pe.restore();
+      }
+    }
+  });
+
+  nb::class_<PyListener>(m, "Listener",
+                         "Listening socket for ring connections; open it before rendezvous and announce .address.")
+      .def("__init__",
+           [](PyListener* self, const std::string& host, int port, double handshake_timeout) {
+             new (self) PyListener{std::make_shared<Listener>(host, port, handshake_timeout)};
+           },
+           nb::arg("host") = "0.0.0.0", nb::arg("port") = 0, nb::arg("handshake_timeout") = 10.0)
+      .def_prop_ro("address", [](PyListener& l) { return l.get().address(); })
+      .def_prop_ro("port", [](PyListener& l) { return l.get().port(); })
+      .def_prop_ro("refusal_count", [](PyListener& l) { return l.get().refusal_count(); })
+      .def("refusals", [](PyListener& l) { return l.get().refusals(); },
+           "Recent refused connection attempts, oldest first.")
+      .def("close", [](PyListener& l) { l.impl.reset(); }, nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<Work>(m, "Work").def("done", &Work::done, nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<PyComm>(m, "Communicator")
+      .def("__init__",
+           [](PyComm* self, PyListener* listener, const std::string& job_id, nb::bytes secret, uint64_t world_version,
+              int rank, std::vector<std::string> peers, double timeout, double form_timeout, size_t segment_bytes,
+              size_t small_bytes, size_t fusion_bytes) {
+             CommConfig cfg;
+             cfg.timeout_s = timeout;
+             cfg.form_timeout_s = form_timeout;
+             cfg.segment_bytes = segment_bytes;
+             cfg.small_bytes = small_bytes;
+             std::shared_ptr<Listener> l = listener ? listener->impl : nullptr;
+             if (listener && !l) throw nb::value_error("listener is closed");
+             auto comm = std::make_unique<Communicator>(l.get(), job_id, std::string(secret.c_str(), secret.size()),
+                                                        world_version, rank, std::move(peers), cfg);
+             new (self) PyComm{l, std::move(comm), nullptr, fusion_bytes};
+           },
+           nb::arg("listener").none(), nb::arg("job_id"), nb::arg("secret"), nb::arg("world_version"), nb::arg("rank"),
+           nb::arg("peers"), nb::arg("timeout"), nb::arg("form_timeout"), nb::arg("segment_bytes"),
+           nb::arg("small_bytes"), nb::arg("fusion_bytes"))
+      .def("form",
+           [](PyComm& s) {
+             s.c().form();
+             s.exec = std::make_unique<Executor>(s.comm.get(), s.fusion_bytes);
+           },
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("abort", [](PyComm& s, const std::string& reason) { if (s.comm) s.comm->abort(reason); },
+           nb::arg("reason") = "", nb::call_guard<nb::gil_scoped_release>())
+      .def("close", &PyComm::close, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("rank", [](PyComm& s) { return s.c().rank(); })
+      .def_prop_ro("size", [](PyComm& s) { return s.c().size(); })
+      .def_prop_ro("world_version", [](PyComm& s) { return s.c().world_version(); })
+      .def_prop_ro("failed", [](PyComm& s) { return !s.comm || s.comm->failed(); })
+      .def("allreduce_",
+           [](PyComm& s, Array a, int op) {
+             Buffer b = to_buffer(a, "allreduce");
+             ReduceOp rop = to_op(op);
+             nb::gil_scoped_release nogil;
+             Communicator* c = &s.c();
+             s.e().run([&] { c->allreduce(b.ptr, b.count, b.dtype, rop); });
+           },
+           nb::arg("array").noconvert(), nb::arg("op"))
+      .def("allreduce_async_",
+           [](PyComm& s, Array a, int op) {
+             Buffer b = to_buffer(a, "allreduce_async_");
+             ReduceOp rop = to_op(op);
+             nb::gil_scoped_release nogil;
+             return s.e().allreduce_async(b.ptr, b.count, b.dtype, rop);
+           },
+           nb::arg("array").noconvert(), nb::arg("op"))
+      .def("wait", [](PyComm& s, std::shared_ptr<Work> w) { s.e().wait(w); }, nb::arg("work"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("flush", [](PyComm& s) { s.e().flush(); }, nb::call_guard<nb::gil_scoped_release>())
+      .def("broadcast_",
+           [](PyComm& s, Array a, int root) {
+             Buffer b = to_buffer(a, "broadcast_");
+             size_t bytes = b.count * dtype_size(b.dtype);
+             nb::gil_scoped_release nogil;
+             Communicator* c = &s.c();
+             s.e().run([&] { c->broadcast(b.ptr, bytes, root); });
+           },
+           nb::arg("array").noconvert(), nb::arg("root"))
+      .def("allgather_",
+           [](PyComm& s, Array in, Array out, std::vector<uint64_t> bytes_per_rank) {
+             Buffer bi = to_buffer(in, "allgather input");
+             Buffer bo = to_buffer(out, "allgather output");
+             uint64_t total = 0;
+             for (auto v : bytes_per_rank) total += v;
+             if (total != bo.count * dtype_size(bo.dtype))
+               throw nb::value_error("allgather: output size does not match the sum of per-rank sizes");
+             nb::gil_scoped_release nogil;
+             Communicator* c = &s.c();
+             if (bytes_per_rank.size() == size_t(c->size()) && bi.count * dtype_size(bi.dtype) != bytes_per_rank[c->rank()])
+               throw CommError(ErrorKind::Invalid, "allgather: input size does not match this rank's entry");
+             s.e().run([&] { c->allgather(bi.ptr, bo.ptr, bytes_per_rank); });
+           },
+           nb::arg("input").noconvert(), nb::arg("output").noconvert(), nb::arg("bytes_per_rank"))
+      .def("barrier",
+           [](PyComm& s) {
+             Communicator* c = &s.c();
+             s.e().run([c] { c->barrier(); });
+           },
+           nb::call_guard<nb::gil_scoped_release>());
+
+  m.def("hmac_sha256",
+        [](nb::bytes key, nb::bytes data) {
+          Digest d = hmac_sha256(std::string(key.c_str(), key.size()), data.c_str(), data.size());
+          return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+        },
+        "HMAC-SHA256 as used by the ring handshake (exposed for tests).");
+}

@@ -1,0 +1,118 @@
+// Encoding, decoding and judging of ring handshake messages; no sockets here.
+#include "handshake.h"
+
+#include <cstring>
+
+namespace ering {
+namespace {
+
+void put_u16(std::vector<uint8_t>& b, uint16_t v) { b.push_back(uint8_t(v >> 8)); b.push_back(uint8_t(v)); }
+void put_u32(std::vector<uint8_t>& b, uint32_t v) { for (int i = 3; i >= 0; --i) b.push_back(uint8_t(v >> (8 * i))); }
+void put_u64(std::vector<uint8_t>& b, uint64_t v) { for (int i = 7; i >= 0; --i) b.push_back(uint8_t(v >> (8 * i))); }
+uint16_t get_u16(const uint8_t* p) { return uint16_t(p[0]) << 8 | p[1]; }
+uint32_t get_u32(const uint8_t* p) { return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | p[3]; }
+uint64_t get_u64(const uint8_t* p) { return uint64_t(get_u32(p)) << 32 | get_u32(p + 4); }
+
+constexpr size_t kHelloFixed = 8 + 4 + 4 + 4 + kNonceBytes + 2;
+
+}  // namespace
+
+std::vector<uint8_t> encode_message(MsgType type, Status status, const std::vector<uint8_t>& body) {
+  std::vector<uint8_t> b;
+  b.reserve(kHeaderBytes + body.size());
+  put_u32(b, kMagic);
+  put_u16(b, kProtocolVersion);
+  b.push_back(uint8_t(type));
+  b.push_back(uint8_t(status));
+  put_u32(b, uint32_t(body.size()));
+  b.insert(b.end(), body.begin(), body.end());
+  return b;
+}
+
+std::vector<uint8_t> encode_hello_body(const Hello& h) {
+  std::vector<uint8_t> b;
+  put_u64(b, h.world_version);
+  put_u32(b, h.from_rank);
+  put_u32(b, h.to_rank);
+  put_u32(b, h.world_size);
+  b.insert(b.end(), h.nonce.begin(), h.nonce.end());
+  put_u16(b, uint16_t(h.job_id.size()));
+  b.insert(b.end(), h.job_id.begin(), h.job_id.end());
+  return b;
+}
+
+bool decode_header(const uint8_t* p, MsgHeader* out, std::string* why) {
+  if (get_u32(p) != kMagic) { *why = "not an elastic-ring handshake (bad magic)"; return false; }
+  uint16_t proto = get_u16(p + 4);
+  if (proto != kProtocolVersion) {
+    *why = "unsupported ring protocol version " + std::to_string(proto) + " (this build speaks " +
+           std::to_string(kProtocolVersion) + ")";
+    return false;
+  }
+  uint8_t type = p[6], status = p[7];
+  if (type < uint8_t(MsgType::Hello) || type > uint8_t(MsgType::Result)) {
+    *why = "unknown handshake message type " + std::to_string(type);
+    return false;
+  }
+  if (status > uint8_t(Status::Refused)) { *why = "unknown handshake status " + std::to_string(status); return false; }
+  uint32_t len = get_u32(p + 8);
+  if (len > kMaxBodyBytes) { *why = "handshake message too long (" + std::to_string(len) + " bytes)"; return false; }
+  *out = MsgHeader{MsgType(type), Status(status), len};
+  return true;
+}
+
+bool decode_hello_body(const uint8_t* p, size_t n, Hello* out, std::string* why) {
+  if (n < kHelloFixed) { *why = "HELLO too short"; return false; }
+  out->world_version = get_u64(p);
+  out->from_rank = get_u32(p + 8);
+  out->to_rank = get_u32(p + 12);
+  out->world_size = get_u32(p + 16);
+  std::memcpy(out->nonce.data(), p + 20, kNonceBytes);
+  size_t job_len = get_u16(p + 20 + kNonceBytes);
+  if (job_len > kMaxJobIdBytes || kHelloFixed + job_len != n) { *why = "HELLO has an invalid job id length"; return false; }
+  out->job_id.assign(reinterpret_cast<const char*>(p + kHelloFixed), job_len);
+  return true;
+}
+
+Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason) {
+  if (!e.active) return Verdict::Park;
+  if (h.job_id != e.job_id) {
+    *reason = "job mismatch: this worker is in job '" + e.job_id + "', the peer is in job '" + h.job_id + "'";
+    return Verdict::Refuse;
+  }
+  if (h.world_version < e.world_version) {
+    *reason = "stale world version " + std::to_string(h.world_version) + ": this worker is at world version " +
+              std::to_string(e.world_version);
+    return Verdict::Refuse;
+  }
+  if (h.world_version > e.world_version) return Verdict::Park;
+  if (h.world_size != e.world_size) {
+    *reason = "world size mismatch at world version " + std::to_string(h.world_version) + ": peer says " +
+              std::to_string(h.world_size) + ", this worker " + std::to_string(e.world_size);
+    return Verdict::Refuse;
+  }
+  if (h.to_rank != e.rank) {
+    *reason = "connection meant for rank " + std::to_string(h.to_rank) + " reached rank " + std::to_string(e.rank);
+    return Verdict::Refuse;
+  }
+  if (h.from_rank != e.prev_rank) {
+    *reason = "rank " + std::to_string(h.from_rank) + " is not this worker's ring predecessor (expected rank " +
+              std::to_string(e.prev_rank) + ")";
+    return Verdict::Refuse;
+  }
+  return Verdict::Accept;
+}
+
+Digest handshake_mac(const std::string& secret, const char* role, const std::vector<uint8_t>& hello_body,
+                     const uint8_t* acceptor_nonce) {
+  std::vector<uint8_t> t;
+  const char* label = "elastic-ring handshake v1:";
+  t.insert(t.end(), label, label + std::strlen(label));
+  t.insert(t.end(), role, role + std::strlen(role));
+  t.push_back(0);
+  t.insert(t.end(), hello_body.begin(), hello_body.end());
+  t.insert(t.end(), acceptor_nonce, acceptor_nonce + kNonceBytes);
+  return hmac_sha256(secret, t.data(), t.size());
+}
+
+}  // namespace ering

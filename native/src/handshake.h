@@ -1,0 +1,74 @@
+// The ring handshake: wire encoding of its four messages and the pure decision on a HELLO.
+//
+// Connector -> acceptor: HELLO  (job, world version, ranks, connector nonce)
+// Acceptor -> connector: ACK    (status; on OK: acceptor nonce + MAC proving the secret)
+// Connector -> acceptor: PROOF  (MAC proving the secret)
+// Acceptor -> connector: RESULT (status + reason)
+// Every message starts with a 12-byte header: magic "ERNG", protocol version,
+// type, status, body length (big-endian). See native/README.md.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "auth.h"
+
+namespace ering {
+
+constexpr uint32_t kMagic = 0x45524E47;  // "ERNG"
+constexpr uint16_t kProtocolVersion = 1;
+constexpr size_t kHeaderBytes = 12;
+constexpr size_t kMaxBodyBytes = 4096;
+constexpr size_t kMaxJobIdBytes = 255;
+constexpr size_t kNonceBytes = 16;
+
+enum class MsgType : uint8_t { Hello = 1, Ack = 2, Proof = 3, Result = 4 };
+enum class Status : uint8_t { Ok = 0, NotReady = 1, Refused = 2 };
+
+struct MsgHeader {
+  MsgType type;
+  Status status;
+  uint32_t body_len;
+};
+
+struct Hello {
+  std::string job_id;
+  uint64_t world_version = 0;
+  uint32_t from_rank = 0;
+  uint32_t to_rank = 0;
+  uint32_t world_size = 0;
+  std::array<uint8_t, kNonceBytes> nonce{};
+};
+
+// Encodes a whole message (header + body).
+std::vector<uint8_t> encode_message(MsgType type, Status status, const std::vector<uint8_t>& body);
+std::vector<uint8_t> encode_hello_body(const Hello& h);
+
+// Returns false with *why set when the 12 bytes are not a valid header of this protocol.
+bool decode_header(const uint8_t* p, MsgHeader* out, std::string* why);
+bool decode_hello_body(const uint8_t* p, size_t n, Hello* out, std::string* why);
+
+// What the acceptor expects to be connected to right now.
+struct Expectation {
+  bool active = false;        // false until a communicator starts forming
+  std::string job_id;
+  std::string secret;
+  uint64_t world_version = 0;
+  uint32_t rank = 0;
+  uint32_t prev_rank = 0;
+  uint32_t world_size = 0;
+};
+
+enum class Verdict { Accept, Park, Refuse };
+
+// Pure decision on a HELLO: Park (hold, unanswered) when this worker has not yet
+// reached the peer's world version, so a fast neighbour does not have to retry.
+Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason);
+
+// MAC over the transcript; role distinguishes the two proofs so one cannot be replayed as the other.
+Digest handshake_mac(const std::string& secret, const char* role, const std::vector<uint8_t>& hello_body,
+                     const uint8_t* acceptor_nonce);
+
+}  // namespace ering

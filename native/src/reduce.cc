@@ -1,0 +1,190 @@
+// Reduction kernels written as plain loops over restrict pointers so GCC vectorizes them
+// (-O3). On x86-64 each entry point is also compiled for Haswell (AVX2 + F16C) and the
+// loader picks the clone that matches the CPU; there is no -ffast-math, so every clone
+// gives the same IEEE result and ranks on different CPUs still agree bit for bit.
+#include "reduce.h"
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ERING_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define ERING_CLONES
+#endif
+
+namespace ering {
+namespace {
+
+using half = _Float16;
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // keep NaN a (quiet) NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return uint16_t(u >> 16);
+}
+
+struct Sum { template <class T> static T apply(T a, T b) { return a + b; } };
+struct Min { template <class T> static T apply(T a, T b) { return b < a ? b : a; } };
+struct Max { template <class T> static T apply(T a, T b) { return a < b ? b : a; } };
+
+template <class T, class Op>
+inline __attribute__((always_inline)) void loop_native(T* __restrict d, const T* __restrict s, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = Op::apply(d[i], s[i]);
+}
+
+template <class Op>
+inline __attribute__((always_inline)) void loop_half(half* __restrict d, const half* __restrict s, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = half(Op::apply(float(d[i]), float(s[i])));
+}
+
+template <class Op>
+inline __attribute__((always_inline)) void loop_bf16(uint16_t* __restrict d, const uint16_t* __restrict s, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(Op::apply(bf16_to_f32(d[i]), bf16_to_f32(s[i])));
+}
+
+template <class Op>
+inline __attribute__((always_inline)) void dispatch(void* d, const void* s, size_t n, DType t) {
+  switch (t) {
+    case DType::Float16: loop_half<Op>(static_cast<half*>(d), static_cast<const half*>(s), n); break;
+    case DType::BFloat16: loop_bf16<Op>(static_cast<uint16_t*>(d), static_cast<const uint16_t*>(s), n); break;
+    case DType::Float32: loop_native<float, Op>(static_cast<float*>(d), static_cast<const float*>(s), n); break;
+    case DType::Float64: loop_native<double, Op>(static_cast<double*>(d), static_cast<const double*>(s), n); break;
+    case DType::Int32: loop_native<int32_t, Op>(static_cast<int32_t*>(d), static_cast<const int32_t*>(s), n); break;
+    case DType::Int64: loop_native<int64_t, Op>(static_cast<int64_t*>(d), static_cast<const int64_t*>(s), n); break;
+    case DType::UInt8: loop_native<uint8_t, Op>(static_cast<uint8_t*>(d), static_cast<const uint8_t*>(s), n); break;
+  }
+}
+
+// Integer sums wrap in the tensor's dtype, as numpy and torch integer sums do.
+template <>
+inline __attribute__((always_inline)) void loop_native<int32_t, Sum>(int32_t* __restrict d, const int32_t* __restrict s, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = int32_t(uint32_t(d[i]) + uint32_t(s[i]));
+}
+template <>
+inline __attribute__((always_inline)) void loop_native<int64_t, Sum>(int64_t* __restrict d, const int64_t* __restrict s, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = int64_t(uint64_t(d[i]) + uint64_t(s[i]));
+}
+template <>
+inline __attribute__((always_inline)) void loop_native<uint8_t, Sum>(uint8_t* __restrict d, const uint8_t* __restrict s, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = uint8_t(d[i] + s[i]);
+}
+
+template <class T>
+inline __attribute__((always_inline)) void scale_loop(T* __restrict d, size_t n, int k) {
+  const T div = T(k);
+  for (size_t i = 0; i < n; ++i) d[i] = d[i] / div;
+}
+
+}  // namespace
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::Float16: case DType::BFloat16: return 2;
+    case DType::Float32: case DType::Int32: return 4;
+    case DType::Float64: case DType::Int64: return 8;
+    case DType::UInt8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Float32: return "float32";
+    case DType::Float64: return "float64";
+    case DType::Int32: return "int32";
+    case DType::Int64: return "int64";
+    case DType::UInt8: return "uint8";
+  }
+  return "?";
+}
+
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Average: return "average";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Max: return "max";
+  }
+  return "?";
+}
+
+ERING_CLONES
+void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: case ReduceOp::Average: dispatch<Sum>(dst, src, count, dtype); break;
+    case ReduceOp::Min: dispatch<Min>(dst, src, count, dtype); break;
+    case ReduceOp::Max: dispatch<Max>(dst, src, count, dtype); break;
+  }
+}
+
+ERING_CLONES
+void scale_down(void* dst, size_t count, DType dtype, int divisor) {
+  switch (dtype) {
+    case DType::Float16: {
+      half* d = static_cast<half*>(dst);
+      const float k = float(divisor);
+      for (size_t i = 0; i < count; ++i) d[i] = half(float(d[i]) / k);
+      break;
+    }
+    case DType::BFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      const float k = float(divisor);
+      for (size_t i = 0; i < count; ++i) d[i] = f32_to_bf16(bf16_to_f32(d[i]) / k);
+      break;
+    }
+    case DType::Float32: scale_loop(static_cast<float*>(dst), count, divisor); break;
+    case DType::Float64: scale_loop(static_cast<double*>(dst), count, divisor); break;
+    case DType::Int32: scale_loop(static_cast<int32_t*>(dst), count, divisor); break;
+    case DType::Int64: scale_loop(static_cast<int64_t*>(dst), count, divisor); break;
+    case DType::UInt8: scale_loop(static_cast<uint8_t*>(dst), count, divisor); break;
+  }
+}
+
+void reduce_many(void* dst, const void* const* srcs, int n, size_t count, DType dtype, ReduceOp op) {
+  if (dtype == DType::Float16 || dtype == DType::BFloat16) {
+    // Accumulate in float32 in rank order, round once: same inputs, same order, same bits on every rank.
+    std::vector<float> acc(count);
+    auto load = [&](const void* p, size_t i) {
+      return dtype == DType::Float16 ? float(static_cast<const half*>(p)[i])
+                                     : bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    };
+    for (size_t i = 0; i < count; ++i) acc[i] = load(srcs[0], i);
+    for (int k = 1; k < n; ++k) {
+      for (size_t i = 0; i < count; ++i) {
+        float v = load(srcs[k], i);
+        switch (op) {
+          case ReduceOp::Sum: case ReduceOp::Average: acc[i] += v; break;
+          case ReduceOp::Min: acc[i] = Min::apply(acc[i], v); break;
+          case ReduceOp::Max: acc[i] = Max::apply(acc[i], v); break;
+        }
+      }
+    }
+    if (op == ReduceOp::Average)
+      for (size_t i = 0; i < count; ++i) acc[i] /= float(n);
+    for (size_t i = 0; i < count; ++i) {
+      if (dtype == DType::Float16) static_cast<half*>(dst)[i] = half(acc[i]);
+      else static_cast<uint16_t*>(dst)[i] = f32_to_bf16(acc[i]);
+    }
+    return;
+  }
+  const size_t bytes = count * dtype_size(dtype);
+  std::vector<char> acc(static_cast<const char*>(srcs[0]), static_cast<const char*>(srcs[0]) + bytes);
+  for (int k = 1; k < n; ++k) reduce_into(acc.data(), srcs[k], count, dtype, op);
+  if (op == ReduceOp::Average) scale_down(acc.data(), count, dtype, n);
+  std::memcpy(dst, acc.data(), bytes);
+}
+
+}  // namespace ering

@@ -1,0 +1,21 @@
+// Element-wise reduction kernels, per dtype and op. float16 and bfloat16 reduce through float32.
+#pragma once
+
+#include <cstddef>
+
+#include "common.h"
+
+namespace ering {
+
+// dst[i] = dst[i] op src[i]. Average reduces like Sum; the division happens once, in scale_down().
+void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
+
+// dst[i] = dst[i] / divisor (floats: IEEE division; integers: truncating division).
+void scale_down(void* dst, size_t count, DType dtype, int divisor);
+
+// dst = srcs[0] op srcs[1] op ... op srcs[n-1], in that order, then / n for Average.
+// float16/bfloat16 accumulate all n inputs in float32 and round once.
+// dst may alias srcs[k] for any k.
+void reduce_many(void* dst, const void* const* srcs, int n, size_t count, DType dtype, ReduceOp op);
+
+}  // namespace ering

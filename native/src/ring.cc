@@ -1,0 +1,353 @@
+// Ring collectives as Plans for the transport: which segment goes to the next rank,
+// where the previous rank's segment lands, and what to do with it once it arrives.
+//
+// allreduce: reduce-scatter then allgather (2(n-1) steps, each rank sends 2(n-1)/n of the
+// buffer). Every chunk is reduced along one fixed path around the ring and the finished
+// chunk is then copied to everyone, so all ranks end with the same bits. Steps are not
+// separated by barriers: segment k of step g+1 leaves as soon as segment k of step g has
+// arrived and been reduced, which keeps both directions of every link busy.
+#include "ring.h"
+
+#include <unistd.h>
+
+#include <cstring>
+
+#include "reduce.h"
+
+namespace ering {
+namespace {
+
+inline size_t mod(long a, long n) { return size_t(((a % n) + n) % n); }
+
+uint32_t fnv1a(std::initializer_list<uint64_t> words) {
+  uint32_t h = 2166136261u;
+  for (uint64_t w : words)
+    for (int i = 0; i < 8; ++i) { h ^= uint8_t(w >> (8 * i)); h *= 16777619u; }
+  return h;
+}
+
+// Blocks of a buffer, one per rank, in rank order.
+struct Blocks {
+  std::vector<size_t> off, len;  // bytes
+  size_t max_len = 0;
+};
+
+Blocks even_blocks(size_t count, size_t esize, int n) {
+  Blocks b;
+  size_t base = count / n, rem = count % n, at = 0;
+  for (int c = 0; c < n; ++c) {
+    size_t elems = base + (size_t(c) < rem ? 1 : 0);
+    b.off.push_back(at * esize);
+    b.len.push_back(elems * esize);
+    at += elems;
+    b.max_len = std::max(b.max_len, elems * esize);
+  }
+  return b;
+}
+
+// Segment k of a block: [k*seg, min(len, (k+1)*seg)), possibly empty, so every rank
+// uses the same number of segments per step whatever its block sizes.
+Span segment(char* base, const Blocks& b, size_t block, size_t k, size_t seg) {
+  size_t lo = std::min(b.len[block], k * seg), hi = std::min(b.len[block], (k + 1) * seg);
+  return {base + b.off[block] + lo, hi - lo};
+}
+
+size_t segments_for(size_t max_len, size_t seg) { return std::max<size_t>(1, (max_len + seg - 1) / seg); }
+
+class AllreducePlan : public Plan {
+ public:
+  AllreducePlan(char* buf, size_t count, DType dtype, ReduceOp op, int rank, int n, size_t seg_bytes,
+                std::vector<char>& scratch)
+      : buf_(buf), dtype_(dtype), op_(op), r_(rank), n_(n), esize_(dtype_size(dtype)) {
+    blocks_ = even_blocks(count, esize_, n);
+    seg_ = std::max(esize_, seg_bytes / esize_ * esize_);
+    k_ = segments_for(blocks_.max_len, seg_);
+    if (scratch.size() < seg_) scratch.resize(seg_);
+    scratch_ = scratch.data();
+  }
+  size_t num_sends() const override { return size_t(2 * (n_ - 1)) * k_; }
+  size_t num_recvs() const override { return num_sends(); }
+  ptrdiff_t send_after(size_t i) const override { return i < k_ ? -1 : ptrdiff_t(i - k_); }
+  Span send_span(size_t i) override { return segment(buf_, blocks_, send_block(i / k_), i % k_, seg_); }
+  Span recv_span(size_t i) override {
+    size_t g = i / k_;
+    Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
+    if (g < size_t(n_ - 1)) return {scratch_, s.bytes};  // reduce-scatter: land beside, then reduce
+    return s;                                             // allgather: land in place
+  }
+  void received(size_t i) override {
+    size_t g = i / k_;
+    if (g >= size_t(n_ - 1)) return;
+    Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
+    reduce_into(s.ptr, scratch_, s.bytes / esize_, dtype_, op_);
+    // The last reduce-scatter step completes this rank's own block: divide once, here.
+    if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+  }
+
+ private:
+  size_t send_block(size_t g) const {
+    if (g < size_t(n_ - 1)) return mod(long(r_) - long(g), n_);
+    return mod(long(r_) + 1 - long(g - (n_ - 1)), n_);
+  }
+  size_t recv_block(size_t g) const {
+    if (g < size_t(n_ - 1)) return mod(long(r_) - long(g) - 1, n_);
+    return mod(long(r_) - long(g - (n_ - 1)), n_);
+  }
+  char* buf_;
+  DType dtype_;
+  ReduceOp op_;
+  int r_, n_;
+  size_t esize_, seg_, k_;
+  Blocks blocks_;
+  char* scratch_;
+};
+
+// Ring allgather of blocks already laid out in rank order in buf.
+class AllgatherPlan : public Plan {
+ public:
+  AllgatherPlan(char* buf, Blocks blocks, int rank, int n, size_t seg_bytes)
+      : buf_(buf), blocks_(std::move(blocks)), r_(rank), n_(n), seg_(std::max<size_t>(1, seg_bytes)) {
+    k_ = segments_for(blocks_.max_len, seg_);
+  }
+  size_t num_sends() const override { return size_t(n_ - 1) * k_; }
+  size_t num_recvs() const override { return num_sends(); }
+  ptrdiff_t send_after(size_t i) const override { return i < k_ ? -1 : ptrdiff_t(i - k_); }
+  Span send_span(size_t i) override { return segment(buf_, blocks_, mod(long(r_) - long(i / k_), n_), i % k_, seg_); }
+  Span recv_span(size_t i) override {
+    return segment(buf_, blocks_, mod(long(r_) - long(i / k_) - 1, n_), i % k_, seg_);
+  }
+
+ private:
+  char* buf_;
+  Blocks blocks_;
+  int r_, n_;
+  size_t seg_, k_;
+};
+
+// Pipelined chain from the root around the ring; the root's predecessor only receives.
+class BroadcastPlan : public Plan {
+ public:
+  BroadcastPlan(char* buf, size_t bytes, int rank, int n, int root, size_t seg_bytes)
+      : buf_(buf), bytes_(bytes), seg_(std::max<size_t>(1, seg_bytes)) {
+    k_ = segments_for(bytes, seg_);
+    is_root_ = rank == root;
+    is_last_ = int(mod(long(rank) + 1, n)) == root;
+  }
+  size_t num_sends() const override { return is_last_ ? 0 : k_; }
+  size_t num_recvs() const override { return is_root_ ? 0 : k_; }
+  ptrdiff_t send_after(size_t i) const override { return is_root_ ? -1 : ptrdiff_t(i); }
+  Span send_span(size_t i) override { return seg(i); }
+  Span recv_span(size_t i) override { return seg(i); }
+
+ private:
+  Span seg(size_t i) const {
+    size_t lo = std::min(bytes_, i * seg_), hi = std::min(bytes_, (i + 1) * seg_);
+    return {buf_ + lo, hi - lo};
+  }
+  char* buf_;
+  size_t bytes_, seg_, k_;
+  bool is_root_, is_last_;
+};
+
+}  // namespace
+
+Communicator::Communicator(Listener* listener, std::string job_id, std::string secret, uint64_t world_version,
+                           int rank, std::vector<std::string> peers, CommConfig cfg)
+    : listener_(listener), job_id_(std::move(job_id)), secret_(std::move(secret)), world_version_(world_version),
+      rank_(rank), peers_(std::move(peers)), cfg_(cfg) {
+  if (peers_.empty()) throw CommError(ErrorKind::Invalid, "a communicator needs at least one peer address");
+  if (rank_ < 0 || rank_ >= int(peers_.size()))
+    throw CommError(ErrorKind::Invalid, "rank " + std::to_string(rank_) + " is outside a world of size " +
+                                            std::to_string(peers_.size()));
+  if (job_id_.empty() || job_id_.size() > kMaxJobIdBytes)
+    throw CommError(ErrorKind::Invalid, "job id must be 1-255 bytes, got " + std::to_string(job_id_.size()));
+  if (cfg_.timeout_s <= 0 || cfg_.form_timeout_s <= 0)
+    throw CommError(ErrorKind::Invalid, "timeouts must be positive");
+  if (cfg_.segment_bytes < 64) throw CommError(ErrorKind::Invalid, "segment_bytes must be at least 64");
+  if (peers_.size() > 1) {
+    if (!listener_) throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
+    for (auto& p : peers_) parse_address(p);  // reject bad addresses before touching the network
+  }
+}
+
+Communicator::~Communicator() {
+  if (links_) links_->shutdown();
+}
+
+void Communicator::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> g(err_mu_);
+    if (abort_reason_.empty()) abort_reason_ = reason.empty() ? "aborted" : reason;
+  }
+  failed_.store(true);
+  abort_.fire();
+  // Wake both neighbours too: they fail within a round trip instead of at their deadline.
+  if (links_) links_->shutdown();
+}
+
+void Communicator::form() {
+  if (formed_) throw CommError(ErrorKind::Invalid, "communicator is already formed");
+  const int n = size();
+  if (n == 1) {
+    formed_ = true;
+    return;
+  }
+  const int next = (rank_ + 1) % n, prev = (rank_ + n - 1) % n;
+  Expectation e;
+  e.active = true;
+  e.job_id = job_id_;
+  e.secret = secret_;
+  e.world_version = world_version_;
+  e.rank = uint32_t(rank_);
+  e.prev_rank = uint32_t(prev);
+  e.world_size = uint32_t(n);
+  listener_->expect(e);
+  Hello h;
+  h.job_id = job_id_;
+  h.world_version = world_version_;
+  h.from_rank = uint32_t(rank_);
+  h.to_rank = uint32_t(next);
+  h.world_size = uint32_t(n);
+  random_bytes(h.nonce.data(), h.nonce.size());
+  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.form_timeout_s));
+  int next_fd = -1;
+  try {
+    next_fd = connect_ring_peer(peers_[next], h, secret_, deadline, abort_);
+    int prev_fd = listener_->take(world_version_, deadline, abort_, rank_, prev);
+    LinkContext ctx{rank_, n, world_version_, next, prev, peers_[next], peers_[prev]};
+    links_ = std::make_unique<TcpLinks>(next_fd, prev_fd, ctx, &abort_, cfg_.timeout_s);
+  } catch (CommError& err) {
+    if (next_fd >= 0 && !links_) ::close(next_fd);
+    failed_.store(true);
+    std::lock_guard<std::mutex> g(err_mu_);
+    if (!first_error_) first_error_ = std::make_unique<CommError>(err);
+    throw;
+  }
+  formed_ = true;
+  if (abort_.fired()) links_->shutdown();  // abort() raced with the end of form()
+}
+
+void Communicator::check_usable(const char* name) {
+  if (!formed_) throw CommError(ErrorKind::Invalid, std::string(name) + ": communicator is not formed");
+  if (!failed_.load()) return;
+  std::lock_guard<std::mutex> g(err_mu_);
+  if (first_error_) {
+    const CommError& e = *first_error_;
+    throw CommError(e.kind, std::string(name) + " on a failed communicator (discard it and form a new one): " + e.what(),
+                    name, e.world_version, e.rank, e.peer);
+  }
+  throw CommError(ErrorKind::Aborted,
+                  std::string(name) + " at world version " + std::to_string(world_version_) + " on rank " +
+                      std::to_string(rank_) + ": communicator aborted (" + abort_reason_ + ")",
+                  name, int64_t(world_version_), rank_, -1);
+}
+
+OpInfo Communicator::make_op(const char* name, uint32_t tag, std::string describe) {
+  uint32_t seq = seq_++;
+  return OpInfo{name, seq, tag, std::string(name) + " #" + std::to_string(seq) + " (" + describe + ")"};
+}
+
+template <class F>
+void Communicator::guarded(const char* name, F&& body) {
+  check_usable(name);
+  try {
+    body();
+  } catch (CommError& err) {
+    if (err.kind == ErrorKind::Invalid) throw;
+    failed_.store(true);
+    if (links_) links_->shutdown();
+    std::lock_guard<std::mutex> g(err_mu_);
+    if (err.kind == ErrorKind::Aborted && !abort_reason_.empty())
+      err = CommError(err.kind, std::string(err.what()) + " (" + abort_reason_ + ")", err.op, err.world_version,
+                      err.rank, err.peer);
+    if (!first_error_) first_error_ = std::make_unique<CommError>(err);
+    throw err;
+  }
+}
+
+void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
+  guarded("allreduce", [&] {
+    const int n = size();
+    const size_t esize = dtype_size(dtype), bytes = count * esize;
+    if (n == 1) {
+      if (op == ReduceOp::Average) scale_down(buf, count, dtype, 1);
+      return;
+    }
+    if (count == 0) return;
+    uint32_t tag = fnv1a({1, uint64_t(dtype), uint64_t(op), count});
+    std::string what = std::string(dtype_name(dtype)) + ", " + std::to_string(count) + " elements, " + op_name(op);
+    if (bytes <= cfg_.small_bytes) {
+      // Small message: gather every rank's whole buffer (n-1 latency steps instead of
+      // 2(n-1)) and reduce locally in rank order, which every rank does identically.
+      OpInfo info = make_op("allreduce", tag, what);
+      std::vector<char> all(bytes * n);
+      std::memcpy(all.data() + bytes * rank_, buf, bytes);
+      Blocks b;
+      for (int c = 0; c < n; ++c) { b.off.push_back(bytes * c); b.len.push_back(bytes); }
+      b.max_len = bytes;
+      AllgatherPlan plan(all.data(), b, rank_, n, std::max(bytes, cfg_.segment_bytes));
+      links_->run(plan, info);
+      std::vector<const void*> srcs(n);
+      for (int c = 0; c < n; ++c) srcs[c] = all.data() + bytes * c;
+      reduce_many(buf, srcs.data(), n, count, dtype, op);
+      return;
+    }
+    OpInfo info = make_op("allreduce", tag, what);
+    AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
+    links_->run(plan, info);
+  });
+}
+
+void Communicator::broadcast(void* buf, size_t bytes, int root) {
+  if (root < 0 || root >= size())
+    throw CommError(ErrorKind::Invalid, "broadcast root rank " + std::to_string(root) + " is outside a world of size " +
+                                            std::to_string(size()));
+  guarded("broadcast", [&] {
+    if (size() == 1 || bytes == 0) return;
+    OpInfo info = make_op("broadcast", fnv1a({2, bytes, uint64_t(root)}),
+                          std::to_string(bytes) + " bytes from rank " + std::to_string(root));
+    BroadcastPlan plan(static_cast<char*>(buf), bytes, rank_, size(), root, cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
+void Communicator::allgather(const void* in, void* out, const std::vector<uint64_t>& bytes_per_rank) {
+  const int n = size();
+  if (int(bytes_per_rank.size()) != n)
+    throw CommError(ErrorKind::Invalid, "allgather needs one size per rank: got " + std::to_string(bytes_per_rank.size()) +
+                                            " for a world of size " + std::to_string(n));
+  guarded("allgather", [&] {
+    Blocks b;
+    size_t at = 0;
+    uint32_t h = 3;
+    for (int c = 0; c < n; ++c) {
+      b.off.push_back(at);
+      b.len.push_back(bytes_per_rank[c]);
+      b.max_len = std::max<size_t>(b.max_len, bytes_per_rank[c]);
+      at += bytes_per_rank[c];
+      h = fnv1a({h, bytes_per_rank[c]});
+    }
+    char* dst = static_cast<char*>(out) + b.off[rank_];
+    if (dst != in && b.len[rank_]) std::memmove(dst, in, b.len[rank_]);
+    if (n == 1) return;
+    OpInfo info = make_op("allgather", h, std::to_string(at) + " bytes in all");
+    AllgatherPlan plan(static_cast<char*>(out), b, rank_, n, cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
+void Communicator::barrier() {
+  guarded("barrier", [&] {
+    const int n = size();
+    if (n == 1) return;
+    // An allgather of empty blocks: after n-1 steps every rank has heard from every other.
+    OpInfo info = make_op("barrier", fnv1a({4}), "barrier");
+    Blocks b;
+    b.off.assign(n, 0);
+    b.len.assign(n, 0);
+    AllgatherPlan plan(nullptr, b, rank_, n, cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
+}  // namespace ering

@@ -1,0 +1,71 @@
+// The communicator: forms a ring for one world version and runs collectives on it.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "transport.h"
+
+namespace ering {
+
+struct CommConfig {
+  double timeout_s = 30.0;       // longest a collective may go without moving a byte
+  double form_timeout_s = 30.0;  // longest form() waits for both neighbours
+  size_t segment_bytes = 1 << 20;
+  size_t small_bytes = 64 << 10;  // allreduce at or below this size takes the small-message path
+};
+
+class Communicator {
+ public:
+  Communicator(Listener* listener, std::string job_id, std::string secret, uint64_t world_version, int rank,
+               std::vector<std::string> peers, CommConfig cfg);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // Connects to the next rank and takes the previous rank's connection. Blocking; abort() breaks it.
+  void form();
+  // Fails every in-flight and later operation within milliseconds. Callable from any thread.
+  void abort(const std::string& reason);
+
+  void allreduce(void* buf, size_t count, DType dtype, ReduceOp op);
+  void broadcast(void* buf, size_t bytes, int root);
+  // out holds every rank's block, in rank order; in is this rank's block (may alias its place in out).
+  void allgather(const void* in, void* out, const std::vector<uint64_t>& bytes_per_rank);
+  void barrier();
+
+  int rank() const { return rank_; }
+  int size() const { return int(peers_.size()); }
+  uint64_t world_version() const { return world_version_; }
+  const CommConfig& config() const { return cfg_; }
+  bool failed() const { return failed_.load(); }
+
+ private:
+  template <class F>
+  void guarded(const char* name, F&& body);
+  void check_usable(const char* name);
+  OpInfo make_op(const char* name, uint32_t tag, std::string describe);
+
+  Listener* listener_;
+  std::string job_id_, secret_;
+  uint64_t world_version_;
+  int rank_;
+  std::vector<std::string> peers_;
+  CommConfig cfg_;
+  AbortSignal abort_;
+  std::unique_ptr<Links> links_;
+  bool formed_ = false;
+  uint32_t seq_ = 0;
+  std::vector<char> scratch_;
+
+  std::atomic<bool> failed_{false};
+  std::mutex err_mu_;
+  std::unique_ptr<CommError> first_error_;  // guarded by err_mu_
+  std::string abort_reason_;                // guarded by err_mu_
+};
+
+}  // namespace ering

@@ -1,0 +1,748 @@
+// TCP sockets for the ring: listener + handshake thread, connector, framed pipelined exchange.
+#include "transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+namespace ering {
+namespace {
+
+constexpr size_t kMaxPending = 128;
+constexpr size_t kMaxRefusalLog = 64;
+// A parked HELLO waits this long for its world version before it is told NOT_READY
+// and has to reconnect; long enough for any rendezvous to settle.
+constexpr double kParkSeconds = 30.0;
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+int poll_ms_until(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  if (left <= 0) return 0;
+  return int(std::min<long long>(left + 1, 1000 * 1000));
+}
+
+void tune_ring_socket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+std::string peer_name(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    port = ntohs(a->sin_port);
+  } else if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+    port = ntohs(a->sin6_port);
+    return std::string("[") + host + "]:" + std::to_string(port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
+// Blocking-style I/O on a non-blocking socket for the connector's handshake, bounded
+// by a deadline and the abort signal. Returns 0 on success, or an errno-like code:
+// ETIMEDOUT, ECANCELED (abort), EPIPE (peer closed).
+int wait_fd(int fd, short events, Clock::time_point deadline, const AbortSignal& abort) {
+  for (;;) {
+    if (abort.fired()) return ECANCELED;
+    pollfd p[2] = {{fd, events, 0}, {abort.fd(), POLLIN, 0}};
+    int ms = poll_ms_until(deadline);
+    if (ms == 0) return ETIMEDOUT;
+    int r = poll(p, 2, ms);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (p[1].revents) return ECANCELED;
+    if (p[0].revents) return 0;
+  }
+}
+
+int write_full(int fd, const uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = ::send(fd, buf + done, n - done, MSG_NOSIGNAL);
+    if (w > 0) { done += size_t(w); continue; }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (int e = wait_fd(fd, POLLOUT, deadline, abort)) return e;
+      continue;
+    }
+    return EPIPE;
+  }
+  return 0;
+}
+
+int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::recv(fd, buf + done, n - done, 0);
+    if (r > 0) { done += size_t(r); continue; }
+    if (r == 0) return EPIPE;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (int e = wait_fd(fd, POLLIN, deadline, abort)) return e;
+      continue;
+    }
+    return EPIPE;
+  }
+  return 0;
+}
+
+// Sleeps for a retry backoff, waking early on abort.
+void backoff_sleep(int ms, const AbortSignal& abort) {
+  pollfd p = {abort.fd(), POLLIN, 0};
+  poll(&p, 1, ms);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- AbortSignal
+
+AbortSignal::AbortSignal() : fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  if (fd_ < 0) throw std::runtime_error("eventfd failed: " + errno_text(errno));
+}
+AbortSignal::~AbortSignal() { ::close(fd_); }
+void AbortSignal::fire() {
+  fired_.store(true, std::memory_order_release);
+  uint64_t one = 1;
+  // The counter is never read, so the fd stays readable for every later poll().
+  ssize_t r = ::write(fd_, &one, sizeof(one));
+  (void)r;
+}
+
+// ---------------------------------------------------------------- addresses
+
+HostPort parse_address(const std::string& address) {
+  std::string host, port;
+  if (!address.empty() && address[0] == '[') {
+    auto close = address.find(']');
+    if (close == std::string::npos || close + 1 >= address.size() || address[close + 1] != ':')
+      throw CommError(ErrorKind::Invalid, "invalid ring address '" + address + "': expected [IPv6]:PORT");
+    host = address.substr(1, close - 1);
+    port = address.substr(close + 2);
+  } else {
+    auto colon = address.rfind(':');
+    if (colon == std::string::npos || colon == 0)
+      throw CommError(ErrorKind::Invalid, "invalid ring address '" + address + "': expected HOST:PORT");
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+  }
+  char* end = nullptr;
+  long p = std::strtol(port.c_str(), &end, 10);
+  if (port.empty() || *end != '\0' || p <= 0 || p > 65535)
+    throw CommError(ErrorKind::Invalid, "invalid port in ring address '" + address + "'");
+  return {host, int(p)};
+}
+
+// ---------------------------------------------------------------- Listener
+
+struct Listener::Pending {
+  int fd = -1;
+  std::string peer;
+  Clock::time_point deadline;
+  enum State { ReadHello, Parked, ReadProof } state = ReadHello;
+  std::vector<uint8_t> buf;
+  size_t have = 0;
+  bool header_done = false;
+  MsgHeader header{};
+  Hello hello;
+  std::vector<uint8_t> hello_body;
+  std::array<uint8_t, kNonceBytes> nonce{};
+  Expectation accepted;  // the expectation this connection was accepted under
+};
+
+Listener::Listener(const std::string& host, int port, double handshake_timeout_s)
+    : host_(host), handshake_timeout_s_(handshake_timeout_s) {
+  if (port < 0 || port > 65535) throw CommError(ErrorKind::Invalid, "invalid listen port " + std::to_string(port));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  std::string port_s = std::to_string(port);
+  int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port_s.c_str(), &hints, &res);
+  if (rc != 0) throw CommError(ErrorKind::Invalid, "cannot resolve listen host '" + host + "': " + gai_strerror(rc));
+  std::string last_error = "no address";
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+    if (fd < 0) { last_error = errno_text(errno); continue; }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) {
+      listen_fd_ = fd;
+      break;
+    }
+    last_error = errno_text(errno);
+    ::close(fd);
+  }
+  freeaddrinfo(res);
+  if (listen_fd_ < 0)
+    throw CommError(ErrorKind::Invalid, "cannot listen on " + host + ":" + port_s + ": " + last_error);
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  ready_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  thread_ = std::thread([this] { loop(); });
+}
+
+Listener::~Listener() {
+  stop_.store(true);
+  uint64_t one = 1;
+  ssize_t r = ::write(wake_fd_, &one, sizeof(one));
+  (void)r;
+  if (thread_.joinable()) thread_.join();
+  if (slot_fd_ >= 0) ::close(slot_fd_);
+  ::close(listen_fd_);
+  ::close(wake_fd_);
+  ::close(ready_fd_);
+}
+
+std::string Listener::address() const {
+  std::string h = host_.empty() ? "0.0.0.0" : host_;
+  if (h.find(':') != std::string::npos) return "[" + h + "]:" + std::to_string(port_);
+  return h + ":" + std::to_string(port_);
+}
+
+void Listener::expect(const Expectation& e) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    expect_ = e;
+    if (slot_fd_ >= 0 && slot_version_ != e.world_version) {
+      ::close(slot_fd_);
+      slot_fd_ = -1;
+    }
+  }
+  uint64_t one = 1;
+  ssize_t r = ::write(wake_fd_, &one, sizeof(one));
+  (void)r;
+}
+
+int Listener::take(uint64_t world_version, Clock::time_point deadline, const AbortSignal& abort, int rank,
+                   int prev_rank) {
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (slot_fd_ >= 0 && slot_version_ == world_version) {
+        int fd = slot_fd_;
+        slot_fd_ = -1;
+        return fd;
+      }
+    }
+    if (abort.fired())
+      throw CommError(ErrorKind::Aborted, "forming world version " + std::to_string(world_version) + " aborted",
+                      "form", int64_t(world_version), rank, prev_rank);
+    int ms = poll_ms_until(deadline);
+    if (ms == 0)
+      throw CommError(ErrorKind::Timeout,
+                      "form (world version " + std::to_string(world_version) + ", rank " + std::to_string(rank) +
+                          "): ring predecessor rank " + std::to_string(prev_rank) +
+                          " did not connect before the deadline",
+                      "form", int64_t(world_version), rank, prev_rank);
+    pollfd p[2] = {{ready_fd_, POLLIN, 0}, {abort.fd(), POLLIN, 0}};
+    if (poll(p, 2, ms) > 0 && p[0].revents) {
+      uint64_t v;
+      ssize_t r = ::read(ready_fd_, &v, sizeof(v));
+      (void)r;
+    }
+  }
+}
+
+std::vector<std::string> Listener::refusals() {
+  std::lock_guard<std::mutex> g(mu_);
+  return {refusals_.begin(), refusals_.end()};
+}
+
+void Listener::record_refusal(const std::string& peer, const std::string& reason) {
+  std::string line = "refused ring connection from " + peer + ": " + reason;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    refusals_.push_back(line);
+    if (refusals_.size() > kMaxRefusalLog) refusals_.pop_front();
+  }
+  refusal_count_.fetch_add(1);
+  // One line on stderr: an operator sees strays and stale workers without enabling anything.
+  std::string out = "elastic-ring: " + line + "\n";
+  ssize_t r = ::write(2, out.data(), out.size());
+  (void)r;
+}
+
+void Listener::refuse(Pending& p, const std::string& reason, bool reply) {
+  if (reply) {
+    std::vector<uint8_t> body(reason.begin(), reason.end());
+    MsgType type = p.state == Pending::ReadProof ? MsgType::Result : MsgType::Ack;
+    auto msg = encode_message(type, Status::Refused, body);
+    ssize_t w = ::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL);
+    (void)w;
+  }
+  record_refusal(p.peer, reason);
+  ::close(p.fd);
+  p.fd = -1;
+}
+
+void Listener::judge(Pending& p) {
+  Expectation e;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    e = expect_;
+  }
+  std::string reason;
+  switch (judge_hello(p.hello, e, &reason)) {
+    case Verdict::Park:
+      if (p.state != Pending::Parked) {
+        p.state = Pending::Parked;
+        p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kParkSeconds));
+      }
+      return;
+    case Verdict::Refuse:
+      p.state = Pending::ReadHello;
+      refuse(p, reason, true);
+      return;
+    case Verdict::Accept: {
+      random_bytes(p.nonce.data(), p.nonce.size());
+      Digest mac = handshake_mac(e.secret, "acceptor", p.hello_body, p.nonce.data());
+      std::vector<uint8_t> body(p.nonce.begin(), p.nonce.end());
+      body.insert(body.end(), mac.begin(), mac.end());
+      auto msg = encode_message(MsgType::Ack, Status::Ok, body);
+      if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
+        ::close(p.fd);
+        p.fd = -1;
+        return;
+      }
+      p.accepted = e;
+      p.state = Pending::ReadProof;
+      p.buf.assign(kHeaderBytes, 0);
+      p.have = 0;
+      p.header_done = false;
+      p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(handshake_timeout_s_));
+      return;
+    }
+  }
+}
+
+bool Listener::advance(Pending& p) {
+  for (;;) {
+    ssize_t r = ::recv(p.fd, p.buf.data() + p.have, p.buf.size() - p.have, 0);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      // A connector that gives up (its own deadline, or a probe) just goes away.
+      ::close(p.fd);
+      p.fd = -1;
+      return false;
+    }
+    if (r < 0) return true;
+    p.have += size_t(r);
+    if (p.have < p.buf.size()) continue;
+    if (!p.header_done) {
+      std::string why;
+      if (!decode_header(p.buf.data(), &p.header, &why)) {
+        refuse(p, why, false);
+        return false;
+      }
+      MsgType want = p.state == Pending::ReadProof ? MsgType::Proof : MsgType::Hello;
+      if (p.header.type != want) {
+        refuse(p, "unexpected handshake message type", true);
+        return false;
+      }
+      p.header_done = true;
+      p.buf.assign(p.header.body_len, 0);
+      p.have = 0;
+      if (p.header.body_len > 0) continue;
+    }
+    // A whole message body is in p.buf.
+    if (p.state == Pending::ReadHello) {
+      std::string why;
+      if (!decode_hello_body(p.buf.data(), p.buf.size(), &p.hello, &why)) {
+        refuse(p, why, true);
+        return false;
+      }
+      p.hello_body = p.buf;
+      judge(p);
+      return p.fd >= 0;
+    }
+    // PROOF: check the connector's MAC, then deliver the connection to take().
+    Digest want = handshake_mac(p.accepted.secret, "connector", p.hello_body, p.nonce.data());
+    if (p.buf.size() != want.size() || !digest_equal(p.buf.data(), want.data(), want.size())) {
+      refuse(p, "authentication failed: rank " + std::to_string(p.hello.from_rank) +
+                    " does not hold this job's secret", true);
+      return false;
+    }
+    std::unique_lock<std::mutex> g(mu_);
+    std::string why;
+    if (!expect_.active || expect_.world_version != p.accepted.world_version) {
+      g.unlock();
+      refuse(p, "world version " + std::to_string(p.accepted.world_version) +
+                    " was superseded during the handshake", true);
+      return false;
+    }
+    if (slot_fd_ >= 0) {
+      g.unlock();
+      refuse(p, "duplicate connection from rank " + std::to_string(p.hello.from_rank) + " for world version " +
+                    std::to_string(p.accepted.world_version), true);
+      return false;
+    }
+    auto msg = encode_message(MsgType::Result, Status::Ok, {});
+    if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
+      ::close(p.fd);
+      p.fd = -1;
+      return false;
+    }
+    slot_fd_ = p.fd;
+    slot_version_ = p.accepted.world_version;
+    p.fd = -1;
+    g.unlock();
+    uint64_t one = 1;
+    ssize_t w = ::write(ready_fd_, &one, sizeof(one));
+    (void)w;
+    return false;
+  }
+}
+
+void Listener::loop() {
+  std::vector<std::unique_ptr<Pending>> pending;
+  std::vector<pollfd> fds;
+  while (!stop_.load()) {
+    fds.clear();
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    auto next_deadline = Clock::now() + std::chrono::seconds(60);
+    for (auto& p : pending) {
+      // Parked connections are only watched for hang-up, not read.
+      fds.push_back({p->fd, short(p->state == Pending::Parked ? POLLRDHUP : POLLIN), 0});
+      next_deadline = std::min(next_deadline, p->deadline);
+    }
+    int r = poll(fds.data(), fds.size(), poll_ms_until(next_deadline));
+    if (r < 0 && errno != EINTR) break;
+    bool rejudge = false;
+    if (fds[0].revents) {
+      uint64_t v;
+      ssize_t n = ::read(wake_fd_, &v, sizeof(v));
+      (void)n;
+      rejudge = true;
+    }
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = *pending[i];
+      short rev = fds[i + 2].revents;
+      if (!rev) continue;
+      if (p.state == Pending::Parked) {
+        ::close(p.fd);
+        p.fd = -1;
+      } else {
+        advance(p);
+      }
+    }
+    auto now = Clock::now();
+    for (auto& p : pending) {
+      if (p->fd < 0) continue;
+      if (rejudge && p->state == Pending::Parked) judge(*p);
+      if (p->fd >= 0 && now >= p->deadline) {
+        if (p->state == Pending::Parked) {
+          // Tell the connector to come back later rather than leave it guessing.
+          auto msg = encode_message(MsgType::Ack, Status::NotReady, {});
+          ssize_t w = ::send(p->fd, msg.data(), msg.size(), MSG_NOSIGNAL);
+          (void)w;
+          ::close(p->fd);
+          p->fd = -1;
+        } else {
+          refuse(*p, "handshake not completed within " + std::to_string(int(handshake_timeout_s_)) + " s", false);
+        }
+      }
+    }
+    pending.erase(std::remove_if(pending.begin(), pending.end(), [](auto& p) { return p->fd < 0; }), pending.end());
+    if (fds[1].revents) {
+      for (;;) {
+        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) break;
+        if (pending.size() >= kMaxPending) {
+          record_refusal(peer_name(fd), "too many handshakes in progress");
+          ::close(fd);
+          continue;
+        }
+        auto p = std::make_unique<Pending>();
+        p->fd = fd;
+        p->peer = peer_name(fd);
+        p->buf.assign(kHeaderBytes, 0);
+        p->deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(handshake_timeout_s_));
+        tune_ring_socket(fd);
+        // Data may already be waiting; advancing now saves a poll round trip.
+        if (advance(*p)) pending.push_back(std::move(p));
+      }
+    }
+  }
+  for (auto& p : pending)
+    if (p->fd >= 0) ::close(p->fd);
+}
+
+// ---------------------------------------------------------------- connector
+
+int connect_ring_peer(const std::string& address, const Hello& hello, const std::string& secret,
+                      Clock::time_point deadline, const AbortSignal& abort) {
+  HostPort hp = parse_address(address);
+  auto fail = [&](ErrorKind kind, const std::string& what) -> CommError {
+    return CommError(kind,
+                     "form (world version " + std::to_string(hello.world_version) + ", rank " +
+                         std::to_string(hello.from_rank) + "): " + what,
+                     "form", int64_t(hello.world_version), int(hello.from_rank), int(hello.to_rank));
+  };
+  std::string peer = "rank " + std::to_string(hello.to_rank) + " at " + address;
+  std::vector<uint8_t> hello_body = encode_hello_body(hello);
+  std::vector<uint8_t> hello_msg = encode_message(MsgType::Hello, Status::Ok, hello_body);
+  int backoff_ms = 2;
+  std::string last_problem = "no attempt";
+  for (;;) {
+    if (abort.fired()) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
+    if (Clock::now() >= deadline) throw fail(ErrorKind::Timeout, "could not connect to " + peer + " before the deadline (" + last_problem + ")");
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* res = nullptr;
+    std::string port_s = std::to_string(hp.port);
+    int rc = getaddrinfo(hp.host.c_str(), port_s.c_str(), &hints, &res);
+    if (rc != 0) throw fail(ErrorKind::Invalid, "cannot resolve " + peer + ": " + gai_strerror(rc));
+    int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int e = 0;
+    if (fd < 0) {
+      freeaddrinfo(res);
+      throw fail(ErrorKind::PeerLost, std::string("socket() failed: ") + errno_text(errno));
+    }
+    if (::connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS) e = errno;
+    freeaddrinfo(res);
+    if (!e) e = wait_fd(fd, POLLOUT, deadline, abort);
+    if (!e) {
+      socklen_t len = sizeof(e);
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len);
+    }
+    uint8_t hdr[kHeaderBytes];
+    MsgHeader h{};
+    std::string why;
+    std::vector<uint8_t> body;
+    if (!e) e = write_full(fd, hello_msg.data(), hello_msg.size(), deadline, abort);
+    if (!e) e = read_full(fd, hdr, kHeaderBytes, deadline, abort);
+    if (!e && !decode_header(hdr, &h, &why)) {
+      ::close(fd);
+      throw fail(ErrorKind::Refused, peer + " answered with something that is not an elastic-ring handshake: " + why);
+    }
+    if (!e) {
+      body.resize(h.body_len);
+      e = read_full(fd, body.data(), body.size(), deadline, abort);
+    }
+    if (e) {
+      ::close(fd);
+      if (e == ECANCELED) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
+      if (e == ETIMEDOUT) throw fail(ErrorKind::Timeout, "no handshake with " + peer + " before the deadline");
+      // Refused or reset: the peer may not be listening yet or may be restarting.
+      last_problem = errno_text(e);
+      backoff_sleep(backoff_ms, abort);
+      backoff_ms = std::min(backoff_ms * 2, 100);
+      continue;
+    }
+    if (h.type != MsgType::Ack) {
+      ::close(fd);
+      throw fail(ErrorKind::Refused, peer + " sent an unexpected handshake message");
+    }
+    if (h.status == Status::NotReady) {
+      ::close(fd);
+      last_problem = peer + " has not reached world version " + std::to_string(hello.world_version);
+      backoff_sleep(backoff_ms, abort);
+      backoff_ms = std::min(backoff_ms * 2, 100);
+      continue;
+    }
+    if (h.status == Status::Refused) {
+      ::close(fd);
+      throw fail(ErrorKind::Refused, peer + " refused the ring connection: " + std::string(body.begin(), body.end()));
+    }
+    if (body.size() != kNonceBytes + 32) {
+      ::close(fd);
+      throw fail(ErrorKind::Refused, peer + " sent a malformed handshake acknowledgement");
+    }
+    Digest want = handshake_mac(secret, "acceptor", hello_body, body.data());
+    if (!digest_equal(body.data() + kNonceBytes, want.data(), want.size())) {
+      ::close(fd);
+      throw fail(ErrorKind::Refused, peer + " failed to prove this job's secret (wrong job secret?)");
+    }
+    Digest mine = handshake_mac(secret, "connector", hello_body, body.data());
+    auto proof = encode_message(MsgType::Proof, Status::Ok, std::vector<uint8_t>(mine.begin(), mine.end()));
+    e = write_full(fd, proof.data(), proof.size(), deadline, abort);
+    if (!e) e = read_full(fd, hdr, kHeaderBytes, deadline, abort);
+    if (!e && (!decode_header(hdr, &h, &why) || h.type != MsgType::Result)) e = EPROTO;
+    if (!e) {
+      body.assign(h.body_len, 0);
+      e = read_full(fd, body.data(), body.size(), deadline, abort);
+    }
+    if (e) {
+      ::close(fd);
+      if (e == ECANCELED) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
+      if (e == ETIMEDOUT) throw fail(ErrorKind::Timeout, "no handshake with " + peer + " before the deadline");
+      throw fail(ErrorKind::PeerLost, peer + " closed the connection during the handshake");
+    }
+    if (h.status != Status::Ok) {
+      ::close(fd);
+      throw fail(ErrorKind::Refused, peer + " refused the ring connection: " + std::string(body.begin(), body.end()));
+    }
+    tune_ring_socket(fd);
+    return fd;
+  }
+}
+
+// ---------------------------------------------------------------- data plane
+
+namespace {
+
+// Every segment travels as a 24-byte frame header + payload. The header lets the
+// receiver check that both ranks are in the same collective with the same shape.
+struct FrameHeader {
+  uint32_t seq;
+  uint32_t tag;
+  uint64_t index;
+  uint64_t bytes;
+};
+static_assert(sizeof(FrameHeader) == 24, "frame header is 24 bytes on the wire");
+
+}  // namespace
+
+TcpLinks::TcpLinks(int next_fd, int prev_fd, LinkContext ctx, const AbortSignal* abort, double timeout_s)
+    : next_fd_(next_fd), prev_fd_(prev_fd), ctx_(std::move(ctx)), abort_(abort), timeout_s_(timeout_s) {}
+
+TcpLinks::~TcpLinks() {
+  if (next_fd_ >= 0) ::close(next_fd_);
+  if (prev_fd_ >= 0) ::close(prev_fd_);
+}
+
+void TcpLinks::shutdown() {
+  // shutdown(), not close(): safe while another thread is inside poll() on these fds,
+  // and it sends FIN at once so both neighbours see EOF.
+  if (next_fd_ >= 0) ::shutdown(next_fd_, SHUT_RDWR);
+  if (prev_fd_ >= 0) ::shutdown(prev_fd_, SHUT_RDWR);
+}
+
+void TcpLinks::fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what) {
+  std::string msg = op.describe + " failed at world version " + std::to_string(ctx_.world_version) + " on rank " +
+                    std::to_string(ctx_.rank) + ": " + what;
+  throw CommError(kind, msg, op.name, int64_t(ctx_.world_version), ctx_.rank, peer);
+}
+
+void TcpLinks::run(Plan& plan, const OpInfo& op) {
+  const size_t nsend = plan.num_sends(), nrecv = plan.num_recvs();
+  size_t si = 0, ri = 0;
+  FrameHeader shdr{}, rhdr{};
+  size_t soff = 0, roff = 0;  // bytes of the current frame (header + payload) already moved
+  Span sspan{nullptr, 0}, rspan{nullptr, 0};
+  if (nsend) { sspan = plan.send_span(0); shdr = {op.seq, op.tag, 0, sspan.bytes}; }
+  if (nrecv) rspan = plan.recv_span(0);
+  const auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+  auto deadline = Clock::now() + timeout;
+  const std::string next_name = "rank " + std::to_string(ctx_.next_rank) + " (" + ctx_.next_address + ")";
+  const std::string prev_name = "rank " + std::to_string(ctx_.prev_rank) + " (" + ctx_.prev_address + ")";
+
+  while (si < nsend || ri < nrecv) {
+    if (abort_->fired()) fail(ErrorKind::Aborted, op, -1, "communicator aborted");
+    bool progress = false;
+    bool can_send = si < nsend && (plan.send_after(si) < 0 || size_t(plan.send_after(si)) < ri);
+    if (can_send) {
+      iovec iov[2];
+      int n = 0;
+      if (soff < sizeof(shdr)) iov[n++] = {reinterpret_cast<char*>(&shdr) + soff, sizeof(shdr) - soff};
+      size_t pdone = soff > sizeof(shdr) ? soff - sizeof(shdr) : 0;
+      if (sspan.bytes > pdone) iov[n++] = {sspan.ptr + pdone, sspan.bytes - pdone};
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = n;
+      ssize_t w = ::sendmsg(next_fd_, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w > 0) {
+        soff += size_t(w);
+        progress = true;
+        if (soff == sizeof(shdr) + sspan.bytes) {
+          ++si;
+          soff = 0;
+          if (si < nsend) { sspan = plan.send_span(si); shdr = {op.seq, op.tag, si, sspan.bytes}; }
+        }
+      } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        fail(ErrorKind::PeerLost, op, ctx_.next_rank, "connection to " + next_name + " lost: " + errno_text(errno));
+      }
+    }
+    if (ri < nrecv) {
+      iovec iov[2];
+      int n = 0;
+      if (roff < sizeof(rhdr)) iov[n++] = {reinterpret_cast<char*>(&rhdr) + roff, sizeof(rhdr) - roff};
+      size_t pdone = roff > sizeof(rhdr) ? roff - sizeof(rhdr) : 0;
+      if (rspan.bytes > pdone) iov[n++] = {rspan.ptr + pdone, rspan.bytes - pdone};
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = n;
+      ssize_t r = ::recvmsg(prev_fd_, &mh, MSG_DONTWAIT);
+      if (r == 0) {
+        fail(ErrorKind::PeerLost, op, ctx_.prev_rank, "connection to " + prev_name + " closed (peer exited or failed)");
+      } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        fail(ErrorKind::PeerLost, op, ctx_.prev_rank, "connection to " + prev_name + " lost: " + errno_text(errno));
+      } else if (r > 0) {
+        size_t before = roff;
+        roff += size_t(r);
+        progress = true;
+        if (before < sizeof(rhdr) && roff >= sizeof(rhdr)) {
+          if (rhdr.seq != op.seq || rhdr.tag != op.tag)
+            fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
+                 prev_name + " is in a different collective (its operation #" + std::to_string(rhdr.seq) +
+                     "; ranks must call the same collectives in the same order with the same dtype, op and size)");
+          if (rhdr.index != ri || rhdr.bytes != rspan.bytes)
+            fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
+                 prev_name + " sent segment " + std::to_string(rhdr.index) + " of " + std::to_string(rhdr.bytes) +
+                     " bytes, expected segment " + std::to_string(ri) + " of " + std::to_string(rspan.bytes) +
+                     " bytes (buffer sizes differ between ranks?)");
+        }
+        if (roff == sizeof(rhdr) + rspan.bytes) {
+          plan.received(ri);
+          ++ri;
+          roff = 0;
+          if (ri < nrecv) rspan = plan.recv_span(ri);
+        }
+      }
+    }
+    if (progress) {
+      deadline = Clock::now() + timeout;
+      continue;
+    }
+    // Nothing moved: sleep in poll() until a socket is ready, abort fires or the deadline passes.
+    can_send = si < nsend && (plan.send_after(si) < 0 || size_t(plan.send_after(si)) < ri);
+    pollfd fds[3];
+    fds[0] = {abort_->fd(), POLLIN, 0};
+    // The next rank never sends on this connection, so readable means it closed.
+    fds[1] = {next_fd_, short(si < nsend ? ((can_send ? POLLOUT : 0) | POLLIN | POLLRDHUP) : 0), 0};
+    fds[2] = {prev_fd_, short(ri < nrecv ? POLLIN : 0), 0};
+    int ms = poll_ms_until(deadline);
+    if (ms == 0) {
+      bool waiting_on_prev = ri < nrecv;
+      fail(ErrorKind::Timeout, op, waiting_on_prev ? ctx_.prev_rank : ctx_.next_rank,
+           "no progress for " + std::to_string(timeout_s_) + " s waiting on " +
+               (waiting_on_prev ? prev_name : next_name) + " (hung, stopped or partitioned?)");
+    }
+    int r = poll(fds, 3, ms);
+    if (r < 0 && errno != EINTR)
+      fail(ErrorKind::PeerLost, op, -1, std::string("poll failed: ") + errno_text(errno));
+    if (fds[0].revents) fail(ErrorKind::Aborted, op, -1, "communicator aborted");
+    if (fds[1].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))
+      fail(ErrorKind::PeerLost, op, ctx_.next_rank, "connection to " + next_name + " closed (peer exited or failed)");
+  }
+}
+
+}  // namespace ering

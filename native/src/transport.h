@@ -1,0 +1,156 @@
+// TCP transport: the listening socket and its handshake thread, connecting to a ring
+// neighbour, and moving a Plan's segments with deadlines and abort.
+//
+// The transport knows sockets and framing only; which bytes go where is the Plan's
+// business (ring.cc). A second transport (shared memory) implements Links too.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "handshake.h"
+
+namespace ering {
+
+// An eventfd that stays readable once fired, so every poll() that includes it wakes
+// at once and every later poll() returns at once: abort is sticky.
+class AbortSignal {
+ public:
+  AbortSignal();
+  ~AbortSignal();
+  AbortSignal(const AbortSignal&) = delete;
+  AbortSignal& operator=(const AbortSignal&) = delete;
+  void fire();
+  bool fired() const { return fired_.load(std::memory_order_acquire); }
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+  std::atomic<bool> fired_{false};
+};
+
+struct HostPort {
+  std::string host;
+  int port;
+};
+// Parses "host:port" or "[v6]:port"; throws CommError(Invalid) naming the bad address.
+HostPort parse_address(const std::string& address);
+
+// Listens for ring connections and runs their handshakes on one background thread,
+// many at a time, so a silent or garbage connection never delays the real neighbour.
+class Listener {
+ public:
+  Listener(const std::string& host, int port, double handshake_timeout_s);
+  ~Listener();
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+
+  std::string address() const;
+  int port() const { return port_; }
+
+  // Starts expecting the predecessor of a new world. Connections held for an older
+  // world are dropped; connections from a newer one stay parked until it is expected.
+  void expect(const Expectation& e);
+  // Waits for the authenticated connection from the expected predecessor and takes it.
+  int take(uint64_t world_version, Clock::time_point deadline, const AbortSignal& abort, int rank, int prev_rank);
+
+  std::vector<std::string> refusals();  // recent refusal messages, oldest first
+  uint64_t refusal_count() const { return refusal_count_.load(); }
+
+ private:
+  struct Pending;
+  void loop();
+  void refuse(Pending& p, const std::string& reason, bool reply);
+  void record_refusal(const std::string& peer, const std::string& reason);
+  bool advance(Pending& p);  // returns false when p is finished (closed or delivered)
+  void judge(Pending& p);
+
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;    // eventfd: wakes the loop on expect() and on shutdown
+  int ready_fd_ = -1;   // eventfd: wakes take() when the slot is filled
+  std::string host_;
+  int port_ = 0;
+  double handshake_timeout_s_;
+  std::atomic<bool> stop_{false};
+
+  std::mutex mu_;
+  Expectation expect_;        // guarded by mu_
+  int slot_fd_ = -1;          // guarded by mu_: the authenticated predecessor
+  uint64_t slot_version_ = 0; // guarded by mu_
+  std::deque<std::string> refusals_;  // guarded by mu_
+  std::atomic<uint64_t> refusal_count_{0};
+  std::thread thread_;
+};
+
+// Connects to a ring neighbour and completes the handshake, retrying while the
+// neighbour is unreachable or not yet at this world version. Returns the socket.
+int connect_ring_peer(const std::string& address, const Hello& hello, const std::string& secret,
+                      Clock::time_point deadline, const AbortSignal& abort);
+
+struct Span {
+  char* ptr;
+  size_t bytes;
+};
+
+// What one collective sends to the next rank and receives from the previous one,
+// as numbered segments. Sends and receives each go in index order.
+class Plan {
+ public:
+  virtual ~Plan() = default;
+  virtual size_t num_sends() const = 0;
+  virtual size_t num_recvs() const = 0;
+  virtual Span send_span(size_t i) = 0;
+  virtual Span recv_span(size_t i) = 0;
+  // Called once segment i has fully arrived (e.g. to reduce it).
+  virtual void received(size_t i) {}
+  // The receive that must complete before send i may start, or -1 for none.
+  virtual ptrdiff_t send_after(size_t i) const = 0;
+};
+
+struct OpInfo {
+  const char* name;      // "allreduce", "broadcast", ...
+  uint32_t seq;          // per-communicator operation counter, identical on every rank
+  uint32_t tag;          // hash of what the op is (kind, dtype, op, size): catches mismatched calls
+  std::string describe;  // for errors: "allreduce #7 (float32, 1000 elements, sum)"
+};
+
+struct LinkContext {
+  int rank;
+  int size;
+  uint64_t world_version;
+  int next_rank, prev_rank;
+  std::string next_address, prev_address;
+};
+
+// The data plane of one communicator.
+class Links {
+ public:
+  virtual ~Links() = default;
+  virtual void run(Plan& plan, const OpInfo& op) = 0;
+  // Shuts the connections down so neighbours fail fast: how one failure reaches every rank.
+  virtual void shutdown() = 0;
+};
+
+class TcpLinks : public Links {
+ public:
+  TcpLinks(int next_fd, int prev_fd, LinkContext ctx, const AbortSignal* abort, double timeout_s);
+  ~TcpLinks() override;
+  void run(Plan& plan, const OpInfo& op) override;
+  void shutdown() override;
+
+ private:
+  [[noreturn]] void fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what);
+  int next_fd_, prev_fd_;
+  LinkContext ctx_;
+  const AbortSignal* abort_;
+  double timeout_s_;
+};
+
+}  // namespace ering
