@@ -164,6 +164,11 @@ class Communicator:
         return self._native.world_version
 
     @property
+    def ops_run(self) -> int:
+        """Collectives started on this ring so far; a fused bucket counts once."""
+        return self._native.ops_run
+
+    @property
     def failed(self) -> bool:
         return self._native.failed
 

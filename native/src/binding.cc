@@ -46,7 +46,7 @@ DType to_dtype(const nb::dlpack::dtype& t) {
 Buffer to_buffer(const Array& a, const char* what) {
   // C-contiguous check: strides (in elements) must be those of a dense row-major array.
   int64_t expect = 1;
-  for (size_t i = a.ndim(); i-- > 0;) {
+  for (size_t i = a.ndim(); a.size() > 0 && i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expect)
       throw nb::value_error((std::string(what) + ": tensor must be contiguous (call .contiguous() first)").c_str());
     expect *= int64_t(a.shape(i));
@@ -162,6 +162,7 @@ NB_MODULE(_native, m) {
       .def_prop_ro("rank", [](PyComm& s) { return s.c().rank(); })
       .def_prop_ro("size", [](PyComm& s) { return s.c().size(); })
       .def_prop_ro("world_version", [](PyComm& s) { return s.c().world_version(); })
+      .def_prop_ro("ops_run", [](PyComm& s) { return s.c().ops_run(); })
       .def_prop_ro("failed", [](PyComm& s) { return !s.comm || s.comm->failed(); })
       .def("allreduce_",
            [](PyComm& s, Array a, int op) {

@@ -1,9 +1,11 @@
 // The ring handshake: wire encoding of its four messages and the pure decision on a HELLO.
 //
 // Connector -> acceptor: HELLO  (job, world version, ranks, connector nonce)
-// Acceptor -> connector: ACK    (status; on OK: acceptor nonce + MAC proving the secret)
-// Connector -> acceptor: PROOF  (MAC proving the secret)
-// Acceptor -> connector: RESULT (status + reason)
+// Acceptor -> connector: ACK    (status; on OK: acceptor nonce)
+// Connector -> acceptor: PROOF  (MAC over both nonces proving the connector holds the secret)
+// Acceptor -> connector: RESULT (status; on OK: the acceptor's MAC, else the reason)
+// The connector proves first so that a wrong secret is caught, and reported, by the
+// acceptor as well as by the connector.
 // Every message starts with a 12-byte header: magic "ERNG", protocol version,
 // type, status, body length (big-endian). See native/README.md.
 #pragma once
@@ -59,6 +61,9 @@ struct Expectation {
   uint32_t rank = 0;
   uint32_t prev_rank = 0;
   uint32_t world_size = 0;
+  // The predecessor of this world version is already connected. Checked only after
+  // authentication, so an unauthenticated peer learns nothing about the ring.
+  bool connected = false;
 };
 
 enum class Verdict { Accept, Park, Refuse };

@@ -1,15 +1,20 @@
 // Reduction kernels written as plain loops over restrict pointers so GCC vectorizes them
-// (-O3). On x86-64 each entry point is also compiled for Haswell (AVX2 + F16C) and the
-// loader picks the clone that matches the CPU; there is no -ffast-math, so every clone
-// gives the same IEEE result and ranks on different CPUs still agree bit for bit.
+// (-O3). On x86-64 each entry point is also compiled for x86-64-v3 (AVX2, FMA, F16C) and
+// the loader picks the clone the CPU supports ("arch=haswell" would match the CPU model,
+// not its features, and newer CPUs would get the slow clone). float16 has an explicit
+// F16C path because GCC converts _Float16 one element at a time. No -ffast-math: every
+// path gives the same IEEE result, so ranks on different CPUs agree bit for bit.
 #include "reduce.h"
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ERING_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#define ERING_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define ERING_F16C 1
+#include <immintrin.h>
 #else
 #define ERING_CLONES
 #endif
@@ -43,8 +48,58 @@ inline __attribute__((always_inline)) void loop_native(T* __restrict d, const T*
   for (size_t i = 0; i < n; ++i) d[i] = Op::apply(d[i], s[i]);
 }
 
+#ifdef ERING_F16C
+#define ERING_AVX __attribute__((target("avx2,f16c"), always_inline)) inline
+struct SumV { ERING_AVX static __m256 apply(__m256 a, __m256 b) { return _mm256_add_ps(a, b); } };
+// min/max with the scalar path's operand order, so NaN handling matches bit for bit.
+struct MinV { ERING_AVX static __m256 apply(__m256 a, __m256 b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(b, a, _CMP_LT_OQ)); } };
+struct MaxV { ERING_AVX static __m256 apply(__m256 a, __m256 b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); } };
+
+template <class V>
+__attribute__((target("avx2,f16c"))) void half_f16c(half* __restrict d, const half* __restrict s, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i)));
+    __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(V::apply(a, b), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) {
+    __m128 a = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(d + i)));
+    __m128 b = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(s + i)));
+    __m256 r = V::apply(_mm256_castps128_ps256(a), _mm256_castps128_ps256(b));
+    uint16_t out = uint16_t(_mm_cvtsi128_si32(_mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT)));
+    *reinterpret_cast<uint16_t*>(d + i) = out;
+  }
+}
+
+__attribute__((target("avx2,f16c"))) void half_scale_f16c(half* __restrict d, size_t n, float k) {
+  const __m256 kv = _mm256_set1_ps(k);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(_mm256_div_ps(a, kv), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) d[i] = half(float(d[i]) / k);
+}
+
+bool have_f16c() {
+  static const bool yes = [] {
+    __builtin_cpu_init();  // may run before the CPU-model constructor, so initialise explicitly
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+}
+#endif
+
 template <class Op>
 inline __attribute__((always_inline)) void loop_half(half* __restrict d, const half* __restrict s, size_t n) {
+#ifdef ERING_F16C
+  if (have_f16c()) {
+    if constexpr (std::is_same_v<Op, Sum>) return half_f16c<SumV>(d, s, n);
+    else if constexpr (std::is_same_v<Op, Min>) return half_f16c<MinV>(d, s, n);
+    else return half_f16c<MaxV>(d, s, n);
+  }
+#endif
   for (size_t i = 0; i < n; ++i) d[i] = half(Op::apply(float(d[i]), float(s[i])));
 }
 
@@ -136,6 +191,9 @@ void scale_down(void* dst, size_t count, DType dtype, int divisor) {
     case DType::Float16: {
       half* d = static_cast<half*>(dst);
       const float k = float(divisor);
+#ifdef ERING_F16C
+      if (have_f16c()) { half_scale_f16c(d, count, k); break; }
+#endif
       for (size_t i = 0; i < count; ++i) d[i] = half(float(d[i]) / k);
       break;
     }

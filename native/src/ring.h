@@ -43,6 +43,8 @@ class Communicator {
   uint64_t world_version() const { return world_version_; }
   const CommConfig& config() const { return cfg_; }
   bool failed() const { return failed_.load(); }
+  // Collectives started so far (fused buckets count once); the same on every rank.
+  uint32_t ops_run() const { return seq_.load(); }
 
  private:
   template <class F>
@@ -59,7 +61,7 @@ class Communicator {
   AbortSignal abort_;
   std::unique_ptr<Links> links_;
   bool formed_ = false;
-  uint32_t seq_ = 0;
+  std::atomic<uint32_t> seq_{0};
   std::vector<char> scratch_;
 
   std::atomic<bool> failed_{false};

@@ -248,6 +248,7 @@ int Listener::take(uint64_t world_version, Clock::time_point deadline, const Abo
       if (slot_fd_ >= 0 && slot_version_ == world_version) {
         int fd = slot_fd_;
         slot_fd_ = -1;
+        expect_.connected = true;
         return fd;
       }
     }
@@ -322,9 +323,7 @@ void Listener::judge(Pending& p) {
       return;
     case Verdict::Accept: {
       random_bytes(p.nonce.data(), p.nonce.size());
-      Digest mac = handshake_mac(e.secret, "acceptor", p.hello_body, p.nonce.data());
       std::vector<uint8_t> body(p.nonce.begin(), p.nonce.end());
-      body.insert(body.end(), mac.begin(), mac.end());
       auto msg = encode_message(MsgType::Ack, Status::Ok, body);
       if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
         ::close(p.fd);
@@ -396,13 +395,14 @@ bool Listener::advance(Pending& p) {
                     " was superseded during the handshake", true);
       return false;
     }
-    if (slot_fd_ >= 0) {
+    if (slot_fd_ >= 0 || expect_.connected) {
       g.unlock();
-      refuse(p, "duplicate connection from rank " + std::to_string(p.hello.from_rank) + " for world version " +
-                    std::to_string(p.accepted.world_version), true);
+      refuse(p, "duplicate connection from rank " + std::to_string(p.hello.from_rank) + ": world version " +
+                    std::to_string(p.accepted.world_version) + " is already connected", true);
       return false;
     }
-    auto msg = encode_message(MsgType::Result, Status::Ok, {});
+    Digest mine = handshake_mac(p.accepted.secret, "acceptor", p.hello_body, p.nonce.data());
+    auto msg = encode_message(MsgType::Result, Status::Ok, std::vector<uint8_t>(mine.begin(), mine.end()));
     if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
       ::close(p.fd);
       p.fd = -1;
@@ -572,16 +572,12 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
       ::close(fd);
       throw fail(ErrorKind::Refused, peer + " refused the ring connection: " + std::string(body.begin(), body.end()));
     }
-    if (body.size() != kNonceBytes + 32) {
+    if (body.size() != kNonceBytes) {
       ::close(fd);
       throw fail(ErrorKind::Refused, peer + " sent a malformed handshake acknowledgement");
     }
-    Digest want = handshake_mac(secret, "acceptor", hello_body, body.data());
-    if (!digest_equal(body.data() + kNonceBytes, want.data(), want.size())) {
-      ::close(fd);
-      throw fail(ErrorKind::Refused, peer + " failed to prove this job's secret (wrong job secret?)");
-    }
-    Digest mine = handshake_mac(secret, "connector", hello_body, body.data());
+    std::vector<uint8_t> acceptor_nonce = body;
+    Digest mine = handshake_mac(secret, "connector", hello_body, acceptor_nonce.data());
     auto proof = encode_message(MsgType::Proof, Status::Ok, std::vector<uint8_t>(mine.begin(), mine.end()));
     e = write_full(fd, proof.data(), proof.size(), deadline, abort);
     if (!e) e = read_full(fd, hdr, kHeaderBytes, deadline, abort);
@@ -599,6 +595,11 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
     if (h.status != Status::Ok) {
       ::close(fd);
       throw fail(ErrorKind::Refused, peer + " refused the ring connection: " + std::string(body.begin(), body.end()));
+    }
+    Digest want = handshake_mac(secret, "acceptor", hello_body, acceptor_nonce.data());
+    if (body.size() != want.size() || !digest_equal(body.data(), want.data(), want.size())) {
+      ::close(fd);
+      throw fail(ErrorKind::Refused, peer + " failed to prove this job's secret (it holds another secret)");
     }
     tune_ring_socket(fd);
     return fd;

@@ -1,0 +1,133 @@
+"""Runs a function on N real worker processes that form a ring over loopback.
+
+Workers are forked (no re-import of torch per worker), each opens its own listener,
+the parent hands every worker the full address list, and results come back over
+pipes. Every wait has a deadline; leftover processes are killed on exit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+import elastic
+
+_CTX = mp.get_context("fork")
+
+
+class WorkerFailed(AssertionError):
+    pass
+
+
+def _worker_main(rank: int, n: int, conn, fn: Callable, config: Optional[elastic.CommConfig], job_id: str,
+                 secret: bytes, world_version: int) -> None:
+    try:
+        listener = elastic.Listener("127.0.0.1", 0)
+        conn.send(("address", listener.address))
+        if not conn.poll(60):
+            return
+        peers = conn.recv()
+        comm = elastic.Communicator.form(listener=listener, job_id=job_id, secret=secret,
+                                         world_version=world_version, rank=rank, peers=peers, config=config)
+        comm.listener = listener  # for tests that inspect refusals
+        conn.send(("formed", time.monotonic()))
+        try:
+            result = fn(comm, conn) if getattr(fn, "wants_conn", False) else fn(comm)
+            conn.send(("ok", result))
+        finally:
+            comm.close()
+    except BaseException as e:  # reported to the parent, which fails the test
+        conn.send(("error", type(e).__name__, str(e), traceback.format_exc(), _attrs(e), time.monotonic()))
+    finally:
+        conn.close()
+
+
+def _attrs(e: BaseException) -> dict:
+    return {k: getattr(e, k) for k in ("op", "world_version", "rank", "peer", "reason") if hasattr(e, k)}
+
+
+class World:
+    """N worker processes forming one ring. Use as a context manager."""
+
+    def __init__(self, n: int, fn: Callable, *, config: Optional[elastic.CommConfig] = None,
+                 job_id: str = "test-job", secret: bytes = b"test-secret", world_version: int = 1):
+        self.n = n
+        self.pipes = [_CTX.Pipe() for _ in range(n)]
+        self.procs = [_CTX.Process(target=_worker_main,
+                                   args=(r, n, self.pipes[r][1], fn, config, job_id, secret, world_version),
+                                   daemon=True) for r in range(n)]
+        self.addresses: List[str] = []
+
+    def __enter__(self) -> "World":
+        for p in self.procs:
+            p.start()
+        for r in range(self.n):
+            msg = self._recv(r, 30)
+            assert msg[0] == "address", f"rank {r} failed before listening: {msg}"
+            self.addresses.append(msg[1])
+        for r in range(self.n):
+            self.pipes[r][0].send(self.addresses)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+        for p in self.procs:
+            p.join(10)
+
+    def _recv(self, rank: int, timeout: float):
+        conn = self.pipes[rank][0]
+        if not conn.poll(timeout):
+            raise WorkerFailed(f"rank {rank} sent nothing within {timeout} s")
+        return conn.recv()
+
+    def wait_formed(self, timeout: float = 30) -> None:
+        for r in range(self.n):
+            msg = self._recv(r, timeout)
+            if msg[0] != "formed":
+                raise WorkerFailed(f"rank {r} failed to form: {msg[1]}: {msg[2]}\n{msg[3]}")
+
+    def message(self, rank: int, timeout: float = 60):
+        """Next message from a worker: ("ok", result) or ("error", type, text, tb, attrs, t)."""
+        return self._recv(rank, timeout)
+
+    def expect(self, rank: int, kind: str, timeout: float = 60):
+        """Waits for a message of the given kind from a worker and returns it."""
+        msg = self._recv(rank, timeout)
+        if msg[0] != kind:
+            detail = f"{msg[1]}: {msg[2]}\n{msg[3]}" if msg[0] == "error" else repr(msg)
+            raise WorkerFailed(f"rank {rank}: expected {kind!r}, got {detail}")
+        return msg
+
+    def send(self, rank: int, obj: Any) -> None:
+        self.pipes[rank][0].send(obj)
+
+    def results(self, timeout: float = 120) -> List[Any]:
+        """Waits for every worker and returns their results; fails on any worker error."""
+        self.wait_formed(timeout)
+        out = []
+        deadline = time.monotonic() + timeout
+        for r in range(self.n):
+            msg = self._recv(r, max(1.0, deadline - time.monotonic()))
+            if msg[0] != "ok":
+                raise WorkerFailed(f"rank {r} raised {msg[1]}: {msg[2]}\n{msg[3]}")
+            out.append(msg[1])
+        return out
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> float:
+        os.kill(self.procs[rank].pid, sig)
+        return time.monotonic()
+
+
+def run_world(n: int, fn: Callable, timeout: float = 120, **kw) -> List[Any]:
+    with World(n, fn, **kw) as w:
+        return w.results(timeout)

@@ -1,0 +1,169 @@
+"""A dead, hung or aborted peer fails the collective on every survivor, fast, with context."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import elastic
+
+from .harness import World
+
+
+def _allreduce_forever(comm, conn):
+    buf = np.ones(64 << 20, dtype=np.float32)  # 256 MiB
+    comm.allreduce_(buf, elastic.Sum)
+    conn.send(("running", time.monotonic()))
+    while True:  # every moment from here on is inside a 256 MiB allreduce
+        comm.allreduce_(buf, elastic.Sum)
+
+
+_allreduce_forever.wants_conn = True
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigkill_mid_allreduce_fails_every_survivor_within_half_a_second(victim):
+    n = 4
+    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=30)) as w:
+        w.wait_formed()
+        for r in range(n):
+            w.expect(r, "running", timeout=120)
+        killed_at = w.kill(victim, signal.SIGKILL)
+        for r in range(n):
+            if r == victim:
+                continue
+            msg = w.expect(r, "error", timeout=10)
+            kind, text, attrs, raised_at = msg[1], msg[2], msg[4], msg[5]
+            assert kind == "WorkerLostError", text
+            assert raised_at - killed_at < 0.5, f"rank {r} took {raised_at - killed_at:.3f} s"
+            assert attrs["op"] == "allreduce" and attrs["world_version"] == 1 and attrs["rank"] == r
+            assert attrs["peer"] in range(n) and attrs["reason"] == "peer_lost"
+            assert "allreduce" in text and "world version 1" in text and f"rank {r}" in text
+
+
+def test_sigstop_of_a_peer_fires_the_deadline():
+    n, timeout = 3, 1.0
+    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=timeout)) as w:
+        w.wait_formed()
+        for r in range(n):
+            w.expect(r, "running", timeout=120)
+        stopped_at = w.kill(1, signal.SIGSTOP)
+        reasons = set()
+        for r in (0, 2):
+            msg = w.expect(r, "error", timeout=timeout + 10)
+            assert msg[1] == "WorkerLostError", msg[2]
+            elapsed = msg[5] - stopped_at
+            assert elapsed < timeout + 1.0, f"rank {r} waited {elapsed:.2f} s"
+            reasons.add(msg[4]["reason"])
+        # The neighbour waiting on the stopped rank times out; the failure then travels on as EOF.
+        assert "timeout" in reasons
+
+
+def _abort_from_thread(comm, conn):
+    results = {}
+    if comm.rank == 1:
+        # Rank 1 never joins the collective (and stays alive), so rank 0 is stuck until aborted.
+        if not conn.poll(60):
+            raise TimeoutError("parent never said stop")
+        conn.recv()
+        return results
+    buf = np.ones(1 << 20, dtype=np.float32)
+    fired = {}
+
+    def aborter():
+        time.sleep(0.3)  # let the allreduce block first; this is fault injection, not a wait
+        fired["t"] = time.monotonic()
+        comm.abort("rendezvous announced world version 2")
+
+    th = threading.Thread(target=aborter)
+    th.start()
+    try:
+        comm.allreduce_(buf, elastic.Sum)
+    except elastic.WorkerLostError as e:
+        results["latency"] = time.monotonic() - fired["t"]
+        results["reason"] = e.reason
+        results["text"] = str(e)
+    th.join()
+    t0 = time.monotonic()
+    try:
+        comm.allreduce_(buf, elastic.Sum)
+    except elastic.WorkerLostError as e:
+        results["later"] = (time.monotonic() - t0, e.reason)
+    return results
+
+
+_abort_from_thread.wants_conn = True
+
+
+def test_abort_from_another_thread_fails_the_collective_within_50ms():
+    with World(2, _abort_from_thread, config=elastic.CommConfig(timeout=30)) as w:
+        w.wait_formed()
+        res = w.expect(0, "ok")[1]
+        w.send(1, "stop")
+        w.expect(1, "ok")
+    assert res["reason"] == "aborted"
+    assert res["latency"] < 0.05, res
+    assert "rendezvous announced world version 2" in res["text"]
+    later_latency, later_reason = res["later"]
+    assert later_latency < 0.05 and later_reason == "aborted"
+
+
+def test_abort_breaks_a_form_that_waits_for_a_missing_peer():
+    listener = elastic.Listener("127.0.0.1", 0)
+    silent = elastic.Listener("127.0.0.1", 0)  # accepts but never forms: our HELLO stays parked
+    holder = {}
+
+    def form():
+        try:
+            elastic.Communicator.form(listener=listener, job_id="j", secret=b"s", world_version=3, rank=0,
+                                      peers=[listener.address, silent.address],
+                                      config=elastic.CommConfig(form_timeout=30))
+        except elastic.WorkerLostError as e:
+            holder["t"] = time.monotonic()
+            holder["err"] = e
+
+    native = {}
+    # Build the native communicator ourselves so this thread can abort it mid-form.
+    from elastic import _native
+    comm = _native.Communicator(listener, "j", b"s", 3, 0, [listener.address, silent.address],
+                                30.0, 30.0, 1 << 20, 1 << 16, 1 << 26)
+
+    def run():
+        try:
+            comm.form()
+        except elastic.WorkerLostError as e:
+            native["t"] = time.monotonic()
+            native["err"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(0.3)  # form is blocked; give it time to be parked at the silent peer
+    assert th.is_alive()
+    fired = time.monotonic()
+    comm.abort("test abort")
+    th.join(5)
+    assert not th.is_alive()
+    assert native["err"].reason == "aborted"
+    assert native["t"] - fired < 0.05
+    comm.close()
+    listener.close()
+    silent.close()
+
+
+def test_form_times_out_naming_the_missing_peer():
+    listener = elastic.Listener("127.0.0.1", 0)
+    silent = elastic.Listener("127.0.0.1", 0)
+    t0 = time.monotonic()
+    with pytest.raises(elastic.WorkerLostError) as info:
+        elastic.Communicator.form(listener=listener, job_id="j", secret=b"s", world_version=1, rank=0,
+                                  peers=[listener.address, silent.address],
+                                  config=elastic.CommConfig(form_timeout=0.5))
+    assert time.monotonic() - t0 < 3
+    assert info.value.reason == "timeout"
+    assert "rank 1" in str(info.value) and silent.address in str(info.value)
+    listener.close()
+    silent.close()

@@ -1,0 +1,131 @@
+"""Strangers, stale workers and impostors are refused with clear errors; the live ring never notices."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import elastic
+
+from .harness import World
+
+JOB, SECRET, VERSION = "live-job", b"live-secret", 5
+
+
+def _serve_then_allreduce(comm, conn):
+    conn.send(("ready", comm.listener.address))
+    rounds = 0
+    while True:
+        if not conn.poll(60):
+            raise TimeoutError("parent never said stop")
+        cmd = conn.recv()
+        buf = np.full(100_000, comm.rank + 1, dtype=np.float64)
+        comm.allreduce_(buf, elastic.Sum)
+        rounds += 1
+        conn.send(("round", float(buf[0])))
+        if cmd == "stop":
+            return rounds, comm.listener.refusals()
+
+
+_serve_then_allreduce.wants_conn = True
+
+
+@pytest.fixture(scope="module")
+def live_ring():
+    with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION) as w:
+        w.wait_formed()
+        addresses = [w.expect(r, "ready")[1] for r in range(3)]
+        yield w, addresses
+        for r in range(3):
+            w.send(r, "stop")
+        for r in range(3):
+            w.expect(r, "round")
+
+
+def _ring_still_works(w):
+    for r in range(3):
+        w.send(r, "go")
+    for r in range(3):
+        assert w.expect(r, "round")[1] == 6.0
+
+
+def _intrude(target, *, job=JOB, secret=SECRET, version=VERSION, size=3, rank=2):
+    """Connects to the ring's rank 0 posing as its predecessor (rank 2 of a 3-rank world)."""
+    listener = elastic.Listener("127.0.0.1", 0)
+    peers = [target, "127.0.0.1:1", listener.address] if size == 3 else [target, listener.address]
+    try:
+        with pytest.raises(elastic.HandshakeError) as info:
+            elastic.Communicator.form(listener=listener, job_id=job, secret=secret, world_version=version,
+                                      rank=rank, peers=peers, config=elastic.CommConfig(form_timeout=5))
+        return str(info.value)
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("case,kwargs,connector_says", [
+    ("wrong secret", {"secret": b"guess"}, "authentication failed"),
+    ("wrong job", {"job": "other-job"}, "job mismatch"),
+    ("stale version", {"version": VERSION - 1}, "stale world version 4"),
+    ("wrong world size", {"size": 2, "rank": 1}, "world size mismatch"),
+    ("duplicate", {}, "duplicate connection"),
+])
+def test_refused_handshake_leaves_the_live_ring_working(live_ring, case, kwargs, connector_says):
+    w, addresses = live_ring
+    text = _intrude(addresses[0], **kwargs)
+    assert connector_says in text, text
+    assert "refused" in text
+    _ring_still_works(w)
+
+
+def test_garbage_and_silent_connections_do_not_disturb_the_ring(live_ring):
+    w, addresses = live_ring
+    host, port = addresses[1].rsplit(":", 1)
+    scanner = socket.create_connection((host, int(port)), timeout=5)
+    scanner.close()  # a port scanner: connect and leave
+    silent = socket.create_connection((host, int(port)), timeout=5)  # connects, says nothing
+    garbage = socket.create_connection((host, int(port)), timeout=5)
+    garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    garbage.settimeout(5)
+    try:
+        answer = garbage.recv(100)
+    except ConnectionResetError:  # closed with our bytes unread: RST instead of FIN
+        answer = b""
+    assert answer == b""  # closed without an answer
+    garbage.close()
+    _ring_still_works(w)
+    silent.close()
+
+
+def test_refusals_are_reported_on_the_acceptor_side():
+    listener = elastic.Listener("127.0.0.1", 0)
+    other = elastic.Listener("127.0.0.1", 0)
+    # other expects world version 7 of job "a"; we come as version 6.
+    from elastic import _native
+    waiting = _native.Communicator(other, "a", b"s", 7, 1, [listener.address, other.address],
+                                   5.0, 2.0, 1 << 20, 1 << 16, 1 << 26)
+    import threading
+    th = threading.Thread(target=lambda: pytest.raises(elastic.ElasticError, waiting.form))
+    th.start()
+    deadline = time.monotonic() + 5
+    with pytest.raises(elastic.HandshakeError, match="stale world version 6"):
+        elastic.Communicator.form(listener=listener, job_id="a", secret=b"s", world_version=6, rank=0,
+                                  peers=[listener.address, other.address], config=elastic.CommConfig(form_timeout=5))
+    while other.refusal_count == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert any("stale world version 6" in r for r in other.refusals())
+    waiting.abort("done")
+    th.join(5)
+    waiting.close()
+    listener.close()
+    other.close()
+
+
+def test_hmac_matches_the_standard_library():
+    import hashlib
+    import hmac
+    from elastic import _native
+    for key, data in [(b"", b""), (b"k", b"data"), (b"x" * 100, b"y" * 1000), (bytes(range(64)), b"abc")]:
+        assert _native.hmac_sha256(key, data) == hmac.new(key, data, hashlib.sha256).digest()
