@@ -1,0 +1,245 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobSpec(_message.Message):
+    __slots__ = ("min_np", "max_np", "elastic_timeout_s")
+    MIN_NP_FIELD_NUMBER: _ClassVar[int]
+    MAX_NP_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    min_np: int
+    max_np: int
+    elastic_timeout_s: float
+    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., elastic_timeout_s: _Optional[float] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job_id", "worker_id", "host", "ring_address", "committed_step", "spec")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    worker_id: str
+    host: str
+    ring_address: str
+    committed_step: int
+    spec: JobSpec
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., committed_step: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("session_id", "world_version", "spec")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    world_version: int
+    spec: JobSpec
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("worker_id", "host", "ring_address", "rank", "local_rank", "local_size", "cross_rank", "cross_size", "committed_step")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CROSS_RANK_FIELD_NUMBER: _ClassVar[int]
+    CROSS_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    host: str
+    ring_address: str
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    committed_step: int
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., committed_step: _Optional[int] = ...) -> None: ...
+
+class World(_message.Message):
+    __slots__ = ("version", "members", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CROSS_RANK_FIELD_NUMBER: _ClassVar[int]
+    CROSS_SIZE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    def __init__(self, version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ...) -> None: ...
+
+class MembershipPending(_message.Message):
+    __slots__ = ("world_version", "reason")
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    world_version: int
+    reason: str
+    def __init__(self, world_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortVersion(_message.Message):
+    __slots__ = ("world_version", "reason")
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    world_version: int
+    reason: str
+    def __init__(self, world_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Standby(_message.Message):
+    __slots__ = ("world_version", "reason")
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    world_version: int
+    reason: str
+    def __init__(self, world_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Probe(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    def __init__(self, nonce: _Optional[int] = ...) -> None: ...
+
+class JobFinished(_message.Message):
+    __slots__ = ("succeeded", "reason")
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    succeeded: bool
+    reason: str
+    def __init__(self, succeeded: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("world", "pending", "abort", "standby", "probe", "finished")
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    world: World
+    pending: MembershipPending
+    abort: AbortVersion
+    standby: Standby
+    probe: Probe
+    finished: JobFinished
+    def __init__(self, world: _Optional[_Union[World, _Mapping]] = ..., pending: _Optional[_Union[MembershipPending, _Mapping]] = ..., abort: _Optional[_Union[AbortVersion, _Mapping]] = ..., standby: _Optional[_Union[Standby, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id", "committed_step", "probe_nonce")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    PROBE_NONCE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    committed_step: int
+    probe_nonce: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("world_version",)
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    world_version: int
+    def __init__(self, world_version: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    world_version: int
+    suspect_worker_id: str
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ("evicted", "detail")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    evicted: bool
+    detail: str
+    def __init__(self, evicted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportSuccessRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReportSuccessResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class MemberStatus(_message.Message):
+    __slots__ = ("member", "in_world", "attached", "age_s")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    IN_WORLD_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    member: Member
+    in_world: bool
+    attached: bool
+    age_s: float
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., in_world: _Optional[bool] = ..., attached: _Optional[bool] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "spec", "world_version", "phase", "reason", "members", "blacklisted_hosts")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    BLACKLISTED_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    spec: JobSpec
+    world_version: int
+    phase: str
+    reason: str
+    members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
+    blacklisted_hosts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., world_version: _Optional[int] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., blacklisted_hosts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("leader_id", "jobs")
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    leader_id: str
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, leader_id: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...

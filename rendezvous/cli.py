@@ -1,0 +1,196 @@
+"""`elastic-rendezvous`: run the rendezvous daemon (`serve`) or print a server's jobs (`status`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+from .config import ServerConfig
+
+DESCRIPTION = """\
+The elastic-ring rendezvous service: decides which workers are in a training job (world versions,
+ranks, evictions) and keeps all state in etcd so a restart or failover changes nothing.
+
+  elastic-rendezvous serve --port 29400 --etcd 10.0.0.9:2379 --token-file /etc/elastic/token
+  elastic-rendezvous serve --insecure                     # in-memory store, no auth (one machine)
+  elastic-rendezvous status --server 10.0.0.1:29400 --token-file /etc/elastic/token
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-rendezvous", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{serve,status}")
+    s = sub.add_parser("serve", help="run the rendezvous daemon",
+                       description="Run the rendezvous daemon. SIGTERM/SIGINT stop it gracefully "
+                                   "(streams end without evicting anyone; leadership is handed over).")
+    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=29400, help="port to listen on; 0 picks a free one "
+                                                            "(default: %(default)s)")
+    s.add_argument("--etcd", default="", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="etcd v3 endpoints; without it the state lives in memory (single server)")
+    s.add_argument("--etcd-prefix", default="/elastic-ring", help="key prefix in etcd "
+                                                                  "(default: %(default)s)")
+    auth = s.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--token-file", metavar="F", help="file holding the job token; every RPC must "
+                                                        "send 'authorization: Bearer <token>'")
+    auth.add_argument("--insecure", action="store_true", help="accept requests without a token")
+    s.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    s.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+    s.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
+                   help="evict a worker that stops answering keepalive pings within S seconds "
+                        "(default: %(default)s)")
+    s.add_argument("--settle", type=float, default=0.2, metavar="S",
+                   help="batch membership changes arriving within S seconds into one world "
+                        "(default: %(default)s)")
+    s.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+                   help="default time a job may stay below min-np before failing "
+                        "(default: %(default)s)")
+    s.add_argument("--blacklist-after", type=int, default=3, metavar="N",
+                   help="blacklist a host after N failures (default: %(default)s)")
+    s.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=(10.0, 300.0),
+                   metavar=("MIN", "MAX"), help="cooldown doubles from MIN up to MAX seconds "
+                                                "(default: 10 300)")
+    s.add_argument("--advertise", default="", metavar="HOST:PORT",
+                   help="address clients use to reach this replica (leader hints)")
+    s.add_argument("--port-file", metavar="F", help="write the bound port to F once serving")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    t = sub.add_parser("status", help="print a server's jobs, worlds and members as a table")
+    t.add_argument("--server", required=True, metavar="HOST:PORT")
+    t.add_argument("--job", default="", help="only this job")
+    t.add_argument("--token-file", metavar="F", help="file holding the token, if the server wants one")
+    t.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
+    t.add_argument("--timeout", type=float, default=5.0, metavar="S")
+    return p
+
+
+def _read_token(path: str) -> str:
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise SystemExit(f"elastic-rendezvous: cannot read token file {path}: {e.strerror}")
+    if not token:
+        raise SystemExit(f"elastic-rendezvous: token file {path} is empty")
+    return token
+
+
+def config_from_args(a: argparse.Namespace) -> ServerConfig:
+    endpoints = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
+    for ep in endpoints:
+        host, sep, port = ep.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise SystemExit(f"elastic-rendezvous: --etcd endpoint {ep!r} is not HOST:PORT")
+    if not 0 <= a.port < 65536:
+        raise SystemExit(f"elastic-rendezvous: --port {a.port} is outside 0..65535")
+    cfg = ServerConfig(host=a.host, port=a.port, etcd_endpoints=endpoints, etcd_prefix=a.etcd_prefix,
+                       token=_read_token(a.token_file) if a.token_file else None,
+                       insecure=a.insecure, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                       heartbeat_timeout_s=a.heartbeat_timeout, settle_s=a.settle,
+                       settle_max_s=max(2.0, a.settle * 10), default_elastic_timeout_s=a.elastic_timeout,
+                       blacklist_after=a.blacklist_after,
+                       cooldown_min_s=a.blacklist_cooldown_range[0],
+                       cooldown_max_s=a.blacklist_cooldown_range[1], advertise_address=a.advertise)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise SystemExit(f"elastic-rendezvous: {e}")
+    return cfg
+
+
+async def _serve(cfg: ServerConfig, port_file: Optional[str]) -> None:
+    from .server import RendezvousServer
+
+    server = RendezvousServer(cfg)
+    port = await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logging.getLogger("rendezvous").info(
+        "serving on %s:%d (%s store, %s)", cfg.host, port,
+        "etcd " + ",".join(cfg.etcd_endpoints) if cfg.etcd_endpoints else "in-memory",
+        "token auth" if cfg.token else "insecure")
+    if port_file:  # written atomically: whoever polls for it never reads half a number
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(port_file + ".tmp", port_file)
+    await stop.wait()
+    logging.getLogger("rendezvous").info("stopping (signal)")
+    await server.stop()
+
+
+def _status(a: argparse.Namespace) -> int:
+    import grpc
+
+    from ._proto import rendezvous_pb2 as pb
+    from ._proto import rendezvous_pb2_grpc as pb_grpc
+
+    md = (("authorization", f"Bearer {_read_token(a.token_file)}"),) if a.token_file else ()
+    if a.tls_ca:
+        try:
+            with open(a.tls_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(f.read())
+        except OSError as e:
+            raise SystemExit(f"elastic-rendezvous: cannot read --tls-ca {a.tls_ca}: {e.strerror}")
+        channel = grpc.secure_channel(a.server, creds)
+    else:
+        channel = grpc.insecure_channel(a.server)
+    with channel as ch:
+        try:
+            resp = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=a.job), timeout=a.timeout,
+                                                     metadata=md)
+        except grpc.RpcError as e:
+            print(f"elastic-rendezvous status: {a.server}: {e.code().name}: {e.details()}",
+                  file=sys.stderr)
+            return 1
+    print(format_status(resp))
+    return 0
+
+
+def format_status(resp) -> str:
+    lines = [f"leader: {resp.leader_id or '(answered by a follower, from the store)'}"]
+    if not resp.jobs:
+        lines.append("no jobs")
+    for j in resp.jobs:
+        lines.append("")
+        lines.append(f"job {j.job_id}  phase {j.phase}  world {j.world_version}  "
+                     f"np {j.spec.min_np}..{j.spec.max_np}" + (f"  ({j.reason})" if j.reason else "")
+                     + (f"  blacklisted: {','.join(j.blacklisted_hosts)}" if j.blacklisted_hosts
+                        else ""))
+        rows = [("RANK", "WORKER", "HOST", "LOCAL", "CROSS", "RING ADDRESS", "STEP", "ATTACHED",
+                 "AGE")]
+        for m in j.members:
+            mm = m.member
+            rows.append((str(mm.rank) if m.in_world else "standby", mm.worker_id, mm.host,
+                         f"{mm.local_rank}/{mm.local_size}" if m.in_world else "-",
+                         f"{mm.cross_rank}/{mm.cross_size}" if m.in_world else "-",
+                         mm.ring_address, str(mm.committed_step), "yes" if m.attached else "no",
+                         f"{m.age_s:.0f}s"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parser().parse_args(argv)
+    if a.command == "status":
+        return _status(a)
+    cfg = config_from_args(a)
+    logging.basicConfig(level=a.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_serve(cfg, a.port_file))
+    except OSError as e:
+        print(f"elastic-rendezvous: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The worker side of the rendezvous: join a job, follow its worlds, report, leave.
+
+Used by the training runtime (elastic/); blocking API, one background thread per client follows the
+Watch stream. Every call and wait takes a deadline. Calls go to the configured server addresses in
+turn: an address that is down, or a replica that is not the leader (UNAVAILABLE, with a `leader` hint
+that is tried next), costs one backoff step, never an error, until the call's deadline.
+
+    client = RendezvousClient(["10.0.0.1:29400", "10.0.0.2:29400"], job_id="job", worker_id="w0",
+                              host="node1", ring_address="10.0.0.5:41000", token=token,
+                              spec=JobSpec(min_np=2, max_np=8))
+    client.join(committed_step=-1)
+    world = client.wait_world(timeout_s=60)          # WorldInfo: version, rank, size, members, …
+    ev = client.next_event(timeout_s=0.0)            # World / Pending / Abort / Standby / Finished / Ended
+    client.heartbeat(committed_step=120)             # optional: progress picks rank 0 of the next world
+    client.report_failure("w3", world.version)       # a peer broke; the server checks it at once
+    client.leave()                                   # or client.report_success()
+    client.close()
+
+How the runtime reads the events: after `Abort(V)` a member of V failed, so abort what is in flight
+and form the ring of the next `WorldInfo`; after `Pending(V)` a clean join/leave is coming, so keep
+training in V and move to the next `WorldInfo` at a commit boundary every member agrees on. A
+`Standby` worker waits for a world that includes it. `Ended` means the server no longer knows this
+session (it was evicted, e.g. after being stopped longer than the heartbeat timeout): join again.
+
+Liveness needs nothing from the caller: the open Watch stream plus gRPC keepalive (answered by gRPC's
+C core, without the GIL) tell the server this process is alive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import threading
+import time
+from typing import Optional, Sequence, Union
+
+import grpc
+
+from ._proto import rendezvous_pb2 as pb
+from ._proto import rendezvous_pb2_grpc as pb_grpc
+
+log = logging.getLogger("rendezvous.client")
+
+# Codes after which trying again (elsewhere, a bit later) can succeed.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+class RendezvousError(RuntimeError):
+    """A rendezvous call failed for good; `code` is the gRPC status code (None: no server reached)."""
+
+    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    min_np: int = 1
+    max_np: int = 1
+    elastic_timeout_s: float = 0.0   # 0: the server's default
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberInfo:
+    worker_id: str
+    host: str
+    ring_address: str
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    committed_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldInfo:
+    """A world this worker is a member of."""
+
+    version: int
+    members: tuple[MemberInfo, ...]
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A clean join/leave is coming: switch to the next world at a commit boundary."""
+
+    world_version: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """A member of `world_version` failed: abort what is in flight and wait for the next world."""
+
+    world_version: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Standby:
+    world_version: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    succeeded: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """This session is over (evicted, replaced, or no server reachable): join again or give up."""
+
+    reason: str
+
+
+Event = Union[WorldInfo, Pending, Abort, Standby, Finished, Ended]
+
+
+def channel_options(keepalive_s: float = 1.0) -> list[tuple[str, int]]:
+    """gRPC channel options of a worker: ping the server every `keepalive_s` to notice a dead or
+    stopped server within about 3x that and reconnect elsewhere; no transparent retries (ours
+    fail over across addresses instead)."""
+    return [
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive_s * 2000)),
+        ("grpc.http2.ping_timeout_ms", int(keepalive_s * 2000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def _world(w: pb.World) -> WorldInfo:
+    members = tuple(MemberInfo(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank,
+                               m.local_size, m.cross_rank, m.cross_size, m.committed_step)
+                    for m in w.members)
+    return WorldInfo(w.version, members, w.rank, w.size, w.local_rank, w.local_size, w.cross_rank,
+                     w.cross_size)
+
+
+class RendezvousClient:
+    def __init__(self, addresses: Sequence[str], *, job_id: str, worker_id: str, host: str,
+                 ring_address: str, token: Optional[str] = None, spec: JobSpec = JobSpec(),
+                 tls_root_cert: Optional[bytes] = None, rpc_timeout_s: float = 5.0,
+                 reconnect_timeout_s: float = 30.0, backoff_max_s: float = 1.0,
+                 keepalive_s: float = 1.0):
+        if not addresses:
+            raise ValueError("RendezvousClient needs at least one HOST:PORT server address")
+        self.addresses = list(addresses)
+        self.job_id, self.worker_id, self.host = job_id, worker_id, host
+        self.ring_address = ring_address
+        self.spec = spec
+        self.rpc_timeout_s = rpc_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.backoff_max_s = backoff_max_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._creds = grpc.ssl_channel_credentials(tls_root_cert) if tls_root_cert else None
+        self._options = channel_options(keepalive_s)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._current = 0
+        self._lock = threading.Lock()
+        self._events: "queue.Queue[Event]" = queue.Queue()
+        self.session_id: Optional[str] = None
+        self.world: Optional[WorldInfo] = None        # the latest world received
+        self._closed = threading.Event()
+        self._watch_thread: Optional[threading.Thread] = None
+        self._watch_call = None
+
+    # ----------------------------------------------------------------------------- plumbing
+    def _stub(self, address: str) -> pb_grpc.RendezvousStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = (grpc.secure_channel(address, self._creds, options=self._options) if self._creds
+                      else grpc.insecure_channel(address, options=self._options))
+                self._channels[address] = ch
+            return pb_grpc.RendezvousStub(ch)
+
+    def _next_address(self, hint: str = "") -> None:
+        with self._lock:
+            if hint and hint in self.addresses:
+                self._current = self.addresses.index(hint)
+            else:
+                self._current = (self._current + 1) % len(self.addresses)
+
+    def _call(self, method: str, request, timeout_s: Optional[float] = None):
+        """Unary call with failover across addresses and backoff, until `timeout_s` runs out."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.rpc_timeout_s)
+        backoff, tried, last = 0.02, 0, None
+        while True:
+            address = self.addresses[self._current]
+            remaining = deadline - time.monotonic()
+            try:
+                return getattr(self._stub(address), method)(
+                    request, timeout=max(0.05, min(remaining, self.rpc_timeout_s)),
+                    metadata=self._metadata)
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE:
+                    raise RendezvousError(f"{method} to {address} for job {self.job_id} worker "
+                                          f"{self.worker_id}: {e.code().name}: {e.details()}",
+                                          e.code()) from None
+                last = f"{address}: {e.code().name}: {e.details()}"
+                hint = dict(e.trailing_metadata() or ()).get("leader", "")
+                self._next_address(hint)
+            tried += 1
+            if time.monotonic() + backoff > deadline:
+                raise RendezvousError(f"{method} for job {self.job_id} worker {self.worker_id}: no "
+                                      f"rendezvous server answered within the deadline ({tried} "
+                                      f"attempt(s) over {self.addresses}); last: {last}",
+                                      grpc.StatusCode.UNAVAILABLE)
+            if tried % len(self.addresses) == 0:
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    # --------------------------------------------------------------------------------- API
+    def join(self, committed_step: int = -1, timeout_s: float = 30.0) -> str:
+        """Join the job (creating it with `spec` if new) and start following it; returns the session.
+
+        Joining again (e.g. after an `Ended` event) replaces the previous session.
+        """
+        resp = self._call("Join", pb.JoinRequest(
+            job_id=self.job_id, worker_id=self.worker_id, host=self.host,
+            ring_address=self.ring_address, committed_step=committed_step,
+            spec=pb.JobSpec(min_np=self.spec.min_np, max_np=self.spec.max_np,
+                            elastic_timeout_s=self.spec.elastic_timeout_s)), timeout_s)
+        self.session_id = resp.session_id
+        self._last_world_version = self._last_abort = None
+        if self._watch_thread is None or not self._watch_thread.is_alive():
+            self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
+                                                  name=f"rdzv-watch-{self.worker_id}")
+            self._watch_thread.start()
+        return resp.session_id
+
+    def next_event(self, timeout_s: float) -> Optional[Event]:
+        """The next event from the server, or None if none arrives within `timeout_s`."""
+        try:
+            return self._events.get(timeout=max(0.0, timeout_s)) if timeout_s > 0 else \
+                self._events.get_nowait()
+        except queue.Empty:
+            return None
+
+    def wait_world(self, timeout_s: float, min_version: int = 1) -> WorldInfo:
+        """Block until a world with version >= min_version that includes this worker arrives.
+
+        Other events are consumed. Raises RendezvousError on Finished/Ended, TimeoutError on the
+        deadline (standby workers simply keep waiting).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ev = self.next_event(deadline - time.monotonic())
+            if ev is None:
+                raise TimeoutError(f"job {self.job_id} worker {self.worker_id}: no world >= "
+                                   f"{min_version} within {timeout_s} s")
+            if isinstance(ev, WorldInfo) and ev.version >= min_version:
+                return ev
+            if isinstance(ev, Finished):
+                raise RendezvousError(f"job {self.job_id} finished: {ev.reason}")
+            if isinstance(ev, Ended):
+                raise RendezvousError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}")
+
+    def heartbeat(self, committed_step: int = -1) -> int:
+        """Report the last committed step; returns the server's current world version."""
+        return self._call("Heartbeat", pb.HeartbeatRequest(session_id=self._sid(),
+                                                           committed_step=committed_step)).world_version
+
+    def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "") -> bool:
+        """Tell the server a peer broke; returns True if the server evicted it."""
+        return self._call("ReportFailure", pb.ReportFailureRequest(
+            session_id=self._sid(), world_version=world_version,
+            suspect_worker_id=suspect_worker_id, reason=reason),
+            timeout_s=self.rpc_timeout_s + 2.0).evicted
+
+    def report_success(self) -> None:
+        """This worker finished: the job completes for everyone."""
+        self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid()))
+
+    def leave(self) -> None:
+        """Leave cleanly (the others see a membership change, not a failure) and stop watching."""
+        self._call("Leave", pb.LeaveRequest(session_id=self._sid()))
+        self.close()
+
+    def close(self) -> None:
+        """Stop the watch thread and close connections (without leaving: the server evicts us)."""
+        self._closed.set()
+        call = self._watch_call
+        if call is not None:
+            call.cancel()
+        if self._watch_thread is not None and self._watch_thread is not threading.current_thread():
+            self._watch_thread.join(timeout=5.0)
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+    def _sid(self) -> str:
+        if self.session_id is None:
+            raise RendezvousError(f"worker {self.worker_id}: join() first")
+        return self.session_id
+
+    # --------------------------------------------------------------------------- watching
+    def _watch_loop(self) -> None:
+        backoff, down_since = 0.02, None
+        while not self._closed.is_set():
+            address = self.addresses[self._current]
+            sid = self.session_id
+            try:
+                call = self._stub(address).Watch(pb.WatchRequest(session_id=sid),
+                                                 metadata=self._metadata)
+                self._watch_call = call
+                for ev in call:
+                    down_since, backoff = None, 0.02
+                    self._handle(ev, address)
+                if self._closed.is_set():
+                    return
+                # The server ended the stream: after Finished, or on graceful shutdown.
+                if isinstance(self._last, Finished):
+                    return
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    return
+                code = e.code()
+                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+                    if sid != self.session_id:
+                        continue  # a rejoin replaced the session while we watched the old one
+                    self._push(Ended(f"{code.name}: {e.details()}"))
+                    return
+                hint = dict(e.trailing_metadata() or ()).get("leader", "")
+                self._next_address(hint)
+            down_since = down_since or time.monotonic()
+            if time.monotonic() - down_since > self.reconnect_timeout_s:
+                self._push(Ended(f"no rendezvous server reachable for {self.reconnect_timeout_s:g} s "
+                                 f"(tried {self.addresses})"))
+                return
+            self._closed.wait(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, self.backoff_max_s)
+
+    _last: Optional[Event] = None
+
+    def _push(self, ev: Event) -> None:
+        self._last = ev
+        self._events.put(ev)
+
+    def _handle(self, ev: pb.WatchEvent, address: str) -> None:
+        kind = ev.WhichOneof("event")
+        if kind == "probe":
+            # Answer at once, from this thread: proof that this process is alive and not wedged.
+            try:
+                self._stub(address).Heartbeat(pb.HeartbeatRequest(
+                    session_id=self.session_id, committed_step=-1, probe_nonce=ev.probe.nonce),
+                    timeout=self.rpc_timeout_s, metadata=self._metadata)
+            except grpc.RpcError as e:
+                log.warning("worker %s: answering probe failed: %s", self.worker_id, e.details())
+        elif kind == "world":
+            self.world = _world(ev.world)
+            if self._last_world_version != ev.world.version:  # a reattach resends the snapshot
+                self._last_world_version = ev.world.version
+                self._push(self.world)
+        elif kind == "pending":
+            self._push(Pending(ev.pending.world_version, ev.pending.reason))
+        elif kind == "abort":
+            if self._last_abort != ev.abort.world_version:
+                self._last_abort = ev.abort.world_version
+                self._push(Abort(ev.abort.world_version, ev.abort.reason))
+        elif kind == "standby":
+            self._push(Standby(ev.standby.world_version, ev.standby.reason))
+        elif kind == "finished":
+            self._push(Finished(ev.finished.succeeded, ev.finished.reason))
+
+    _last_world_version: Optional[int] = None
+    _last_abort: Optional[int] = None

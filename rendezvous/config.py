@@ -1,0 +1,59 @@
+"""The rendezvous server's configuration: one dataclass, filled from CLI flags (rendezvous/cli.py)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+from typing import Optional
+
+from .decision import DecisionConfig
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 29400                       # 0: pick a free port (tests)
+    etcd_endpoints: tuple[str, ...] = ()    # empty: in-memory store (single server, embedded default)
+    etcd_prefix: str = "/elastic-ring"
+    token: Optional[str] = None             # required in `authorization: Bearer <token>` metadata
+    insecure: bool = False                  # accept requests without a token
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    # Liveness: a client that stops answering HTTP/2 keepalive pings is cut off after at most
+    # heartbeat_timeout_s (ping every half, wait half for the ack); a broken stream evicts at once.
+    heartbeat_timeout_s: float = 3.0
+    probe_timeout_s: float = 1.0            # a reported suspect must answer a probe within this
+    settle_s: float = 0.2
+    settle_max_s: float = 2.0
+    blacklist_after: int = 3
+    cooldown_min_s: float = 10.0
+    cooldown_max_s: float = 300.0
+    default_elastic_timeout_s: float = 600.0
+    leader_ttl_s: int = 2                   # etcd lease of the leader key: failover takes about this long
+    max_workers_per_job: int = 16384
+    max_jobs: int = 1024                    # running jobs; finished ones do not count
+    finished_job_retention_s: float = 3600.0  # then a finished job is forgotten (its id reusable)
+    replica_id: str = dataclasses.field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    advertise_address: str = ""             # HOST:PORT clients should use to reach this replica
+
+    def validate(self) -> None:
+        if self.token is None and not self.insecure:
+            raise ValueError("a token is required (--token-file F), or pass --insecure to accept "
+                             "unauthenticated requests")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("the token is empty")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        if not 0.5 <= self.heartbeat_timeout_s <= 600:
+            raise ValueError(f"heartbeat timeout {self.heartbeat_timeout_s} s is outside 0.5..600 s")
+        if not 0 <= self.settle_s <= self.settle_max_s:
+            raise ValueError(f"need 0 <= settle ({self.settle_s}) <= settle max ({self.settle_max_s})")
+        if self.leader_ttl_s < 1:
+            raise ValueError("leader TTL must be at least 1 s")
+
+    def decision(self) -> DecisionConfig:
+        return DecisionConfig(settle_s=self.settle_s, settle_max_s=self.settle_max_s,
+                              blacklist_after=self.blacklist_after,
+                              cooldown_min_s=self.cooldown_min_s, cooldown_max_s=self.cooldown_max_s)

@@ -1,0 +1,437 @@
+"""The membership decision of one job: a pure function `decide(state, event, now) -> (state, actions)`.
+
+No sockets, threads, clocks or I/O live here: the server feeds events (joins, leaves, evictions, ticks)
+with the current wall-clock time and carries out the returned actions (persist, then announce). That
+keeps every membership rule testable as a table (tests/rendezvous/test_decision.py) and makes the state
+a plain value that round-trips through etcd as JSON, so a restarted server or another replica continues
+exactly where the last one stopped.
+
+Rules (issue 3):
+* A world forms once at least `min_np` workers are registered and no change arrived for `settle_s`
+  (simultaneous changes become one new world; `settle_max_s` bounds the wait under a steady trickle).
+* At most `max_np` workers are in the world; the rest are hot spares that fill a failed member's place in
+  the next world without waiting for a new join.
+* Stable ranks: survivors keep their relative order, newcomers are appended, the member with the highest
+  committed step becomes rank 0, and the ranks of one host are contiguous.
+* A failure (eviction) aborts the current version at once; a clean join/leave only announces that a
+  change is pending, so workers can switch at a commit boundary.
+* Hosts failing `blacklist_after` times are refused for a cooldown that doubles on each blacklisting,
+  capped at `cooldown_max_s` (like horovodrun's --blacklist-cooldown-range).
+* Below `min_np` the job waits up to its elastic timeout, then fails with a reason.
+* One worker's success completes the job for everyone.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Union
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Job-wide limits, fixed by the first worker that joins."""
+
+    min_np: int = 1
+    max_np: int = 1
+    elastic_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class DecisionConfig:
+    """Server-wide knobs of the decision (a slice of rendezvous.config.ServerConfig)."""
+
+    settle_s: float = 0.2
+    settle_max_s: float = 2.0
+    blacklist_after: int = 3
+    cooldown_min_s: float = 10.0
+    cooldown_max_s: float = 300.0
+
+
+class Phase(str, enum.Enum):
+    FORMING = "FORMING"      # no world yet
+    RUNNING = "RUNNING"      # a world is announced
+    WAITING = "WAITING"      # below min_np after a world existed
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A registered, live worker (in the world or standby)."""
+
+    worker_id: str
+    host: str
+    ring_address: str
+    committed_step: int
+    join_seq: int
+    joined_at: float
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of an announced world, with its rank layout."""
+
+    worker_id: str
+    host: str
+    ring_address: str
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    committed_step: int
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    failures: int = 0          # failures since the last blacklisting
+    blacklistings: int = 0     # how often this host was blacklisted (drives the exponential cooldown)
+    blacklisted_until: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    spec: JobSpec
+    created_at: float
+    phase: Phase = Phase.FORMING
+    version: int = 0
+    world: tuple[Member, ...] = ()
+    aborted_version: int = 0                 # last version an Abort was issued for
+    pending_version: int = 0                 # last version a Pending was issued for (once is enough)
+    workers: Mapping[str, Worker] = field(default_factory=dict)
+    hosts: Mapping[str, HostRecord] = field(default_factory=dict)
+    change_first: Optional[float] = None     # first unapplied change (settle window opened)
+    change_last: Optional[float] = None      # latest unapplied change
+    below_min_since: Optional[float] = None
+    next_seq: int = 0
+    reason: str = ""
+    finished_at: Optional[float] = None      # when the job reached SUCCEEDED/FAILED
+
+    def in_world(self, worker_id: str) -> bool:
+        return any(m.worker_id == worker_id for m in self.world)
+
+    def member(self, worker_id: str) -> Optional[Member]:
+        return next((m for m in self.world if m.worker_id == worker_id), None)
+
+    def standby(self) -> list[str]:
+        return sorted((w for w in self.workers if not self.in_world(w)),
+                      key=lambda w: self.workers[w].join_seq)
+
+    def blacklisted_hosts(self, now: float) -> list[str]:
+        return sorted(h for h, r in self.hosts.items() if r.blacklisted_until > now)
+
+
+def new_job(job_id: str, spec: JobSpec, now: float) -> JobState:
+    if spec.min_np < 1 or spec.max_np < spec.min_np:
+        raise ValueError(f"job {job_id}: need 1 <= min_np <= max_np, got min_np={spec.min_np} "
+                         f"max_np={spec.max_np}")
+    return JobState(job_id=job_id, spec=spec, created_at=now, below_min_since=now)
+
+
+# ----------------------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Join:
+    worker_id: str
+    host: str
+    ring_address: str
+    committed_step: int = -1
+
+
+@dataclass(frozen=True)
+class Leave:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """The worker failed (stream broke, keepalive timeout, confirmed peer report)."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    worker_id: str
+    committed_step: int
+
+
+@dataclass(frozen=True)
+class Success:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; lets settle windows and elastic timeouts fire."""
+
+
+Event = Union[Join, Leave, Evict, Progress, Success, Tick]
+
+
+# ---------------------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Announce:
+    """A new world: send it to its members, Standby to everyone else registered."""
+
+    version: int
+    members: tuple[Member, ...]
+    standby: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Tell the members of `version` that a clean change will produce a new world."""
+
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A member of `version` failed: its survivors must abort what is in flight."""
+
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A join was refused (blacklisted host, finished job); the RPC fails with `reason`."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A worker's old session ended (evicted, left, or replaced by a rejoin): close its stream."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    succeeded: bool
+    reason: str
+
+
+Action = Union[Announce, Pending, Abort, Rejected, Dropped, Finished]
+
+
+# ---------------------------------------------------------------------------------------------- decide
+def decide(state: JobState, event: Event, now: float,
+           config: DecisionConfig = DecisionConfig()) -> tuple[JobState, list[Action]]:
+    """Apply one event at wall-clock time `now`; return the new state and what the server must do."""
+    actions: list[Action] = []
+    if state.phase in TERMINAL:
+        if isinstance(event, Join):
+            actions.append(Rejected(event.worker_id, f"job {state.job_id} already finished "
+                                                     f"({state.phase.value}: {state.reason})"))
+        return state, actions
+
+    if isinstance(event, Join):
+        state = _on_join(state, event, now, config, actions)
+    elif isinstance(event, Leave):
+        state = _remove(state, event.worker_id, f"worker {event.worker_id} left", now, actions,
+                        failure=False, config=config)
+    elif isinstance(event, Evict):
+        state = _remove(state, event.worker_id, event.reason, now, actions, failure=True,
+                        config=config)
+    elif isinstance(event, Progress):
+        w = state.workers.get(event.worker_id)
+        if w is not None and event.committed_step > w.committed_step:
+            state = replace(state, workers={**state.workers, w.worker_id:
+                                            replace(w, committed_step=event.committed_step)})
+    elif isinstance(event, Success):
+        if event.worker_id in state.workers:
+            reason = f"worker {event.worker_id} reported success"
+            state = replace(state, phase=Phase.SUCCEEDED, reason=reason, change_first=None,
+                            change_last=None, finished_at=now)
+            actions.append(Finished(True, reason))
+            return state, actions
+    elif not isinstance(event, Tick):
+        raise TypeError(f"unknown event {event!r}")
+    return _evaluate(state, now, config, actions)
+
+
+def next_deadline(state: JobState, config: DecisionConfig = DecisionConfig()) -> Optional[float]:
+    """When the server must send the next Tick (None: nothing time-driven is pending)."""
+    if state.phase in TERMINAL:
+        return None
+    times = []
+    # Below min_np the settle window cannot produce a world; only the elastic timeout matters.
+    if state.change_last is not None and len(state.workers) >= state.spec.min_np:
+        times.append(min(state.change_last + config.settle_s, state.change_first + config.settle_max_s))
+    if state.below_min_since is not None:
+        times.append(state.below_min_since + state.spec.elastic_timeout_s)
+    return min(times) if times else None
+
+
+def _mark_change(state: JobState, now: float) -> JobState:
+    return replace(state, change_first=state.change_first if state.change_first is not None else now,
+                   change_last=now)
+
+
+def _on_join(state: JobState, ev: Join, now: float, config: DecisionConfig,
+             actions: list[Action]) -> JobState:
+    rec = state.hosts.get(ev.host)
+    if rec is not None and rec.blacklisted_until > now:
+        actions.append(Rejected(ev.worker_id, f"host {ev.host} is blacklisted for "
+                                              f"{rec.blacklisted_until - now:.1f} s more after "
+                                              f"repeated failures"))
+        return state
+    if ev.worker_id in state.workers:
+        # The same worker id joining again means its previous process is gone (e.g. restarted by the
+        # launcher): end the old membership as a failure, since it vanished without leaving.
+        state = _remove(state, ev.worker_id, f"worker {ev.worker_id} rejoined (previous session "
+                                             f"replaced)", now, actions, failure=True,
+                        config=config, count_failure=False)
+    worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.committed_step, state.next_seq, now)
+    state = replace(state, workers={**state.workers, ev.worker_id: worker},
+                    next_seq=state.next_seq + 1)
+    if state.world and len(state.world) < state.spec.max_np:
+        state = _pending(state, f"worker {ev.worker_id} on {ev.host} joined", actions)
+    return _mark_change(state, now)
+
+
+def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
+    # One notice per version: a burst of joins must not cost O(joins x members) messages.
+    if state.aborted_version == state.version or state.pending_version == state.version:
+        return state
+    actions.append(Pending(state.version, reason))
+    return replace(state, pending_version=state.version)
+
+
+def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: list[Action], *,
+            failure: bool, config: DecisionConfig, count_failure: bool = True) -> JobState:
+    worker = state.workers.get(worker_id)
+    if worker is None:
+        return state
+    workers = {k: v for k, v in state.workers.items() if k != worker_id}
+    state = replace(state, workers=workers)
+    actions.append(Dropped(worker_id, reason))
+    if failure and count_failure:
+        state = _count_host_failure(state, worker.host, now, config)
+    if state.in_world(worker_id):
+        if failure:
+            if state.aborted_version != state.version:
+                actions.append(Abort(state.version, reason))
+                state = replace(state, aborted_version=state.version)
+        else:
+            state = _pending(state, reason, actions)
+        state = _mark_change(state, now)
+    return state
+
+
+def _count_host_failure(state: JobState, host: str, now: float, config: DecisionConfig) -> JobState:
+    rec = state.hosts.get(host, HostRecord())
+    rec = replace(rec, failures=rec.failures + 1)
+    if rec.failures >= config.blacklist_after:
+        cooldown = min(config.cooldown_max_s, config.cooldown_min_s * 2 ** rec.blacklistings)
+        rec = HostRecord(failures=0, blacklistings=rec.blacklistings + 1,
+                         blacklisted_until=now + cooldown)
+    return replace(state, hosts={**state.hosts, host: rec})
+
+
+def _evaluate(state: JobState, now: float, config: DecisionConfig,
+              actions: list[Action]) -> tuple[JobState, list[Action]]:
+    alive = len(state.workers)
+    if alive < state.spec.min_np:
+        since = state.below_min_since if state.below_min_since is not None else now
+        state = replace(state, below_min_since=since,
+                        phase=Phase.WAITING if state.world else Phase.FORMING)
+        if now - since >= state.spec.elastic_timeout_s:
+            reason = (f"job {state.job_id}: only {alive} live worker(s), below min_np="
+                      f"{state.spec.min_np}, for the elastic timeout of "
+                      f"{state.spec.elastic_timeout_s:g} s")
+            state = replace(state, phase=Phase.FAILED, reason=reason, change_first=None,
+                            change_last=None, finished_at=now)
+            actions.append(Finished(False, reason))
+        return state, actions
+    state = replace(state, below_min_since=None)
+    if state.change_last is None:
+        return state, actions
+    due = min(state.change_last + config.settle_s, state.change_first + config.settle_max_s)
+    if now < due:
+        return state, actions
+    members = compute_world(state, now)
+    state = replace(state, change_first=None, change_last=None)
+    unchanged = (tuple((m.worker_id, m.rank, m.ring_address) for m in members)
+                 == tuple((m.worker_id, m.rank, m.ring_address) for m in state.world))
+    if unchanged and state.aborted_version != state.version and state.world:
+        return state, actions  # e.g. a standby joined a full world: nothing to re-form
+    version = state.version + 1
+    state = replace(state, version=version, world=members, phase=Phase.RUNNING, reason="")
+    actions.append(Announce(version, members, tuple(state.standby())))
+    return state, actions
+
+
+def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
+    """The next world's members in rank order (see the module docstring for the rules)."""
+    survivors = [m.worker_id for m in state.world if m.worker_id in state.workers]
+    blacklisted = set(state.blacklisted_hosts(now))
+    newcomers = sorted((w for w in state.workers.values()
+                        if w.worker_id not in survivors and w.host not in blacklisted),
+                       key=lambda w: w.join_seq)
+    chosen = (survivors + [w.worker_id for w in newcomers])[:state.spec.max_np]
+    if not chosen:
+        return ()
+    # Highest committed step first; max() keeps the earliest (lowest old rank) among ties.
+    best = max(chosen, key=lambda w: (state.workers[w].committed_step, -chosen.index(w)))
+    chosen.remove(best)
+    chosen.insert(0, best)
+    # Group by host in order of each host's first appearance; stable within a host.
+    host_order: list[str] = []
+    by_host: dict[str, list[str]] = {}
+    for w in chosen:
+        h = state.workers[w].host
+        if h not in by_host:
+            host_order.append(h)
+            by_host[h] = []
+        by_host[h].append(w)
+    # cross rank/size as Horovod defines them: among the hosts that have a worker with this local rank.
+    members = []
+    for h in host_order:
+        for local_rank, w in enumerate(by_host[h]):
+            hosts_with_lr = [x for x in host_order if len(by_host[x]) > local_rank]
+            worker = state.workers[w]
+            members.append(Member(worker_id=w, host=h, ring_address=worker.ring_address,
+                                  rank=len(members), local_rank=local_rank,
+                                  local_size=len(by_host[h]),
+                                  cross_rank=hosts_with_lr.index(h), cross_size=len(hosts_with_lr),
+                                  committed_step=worker.committed_step))
+    return tuple(members)
+
+
+# ------------------------------------------------------------------------------------ serialization
+def to_json(state: JobState) -> bytes:
+    """Serialize for the store (all times are wall-clock seconds, meaningful across replicas)."""
+    # vars() instead of dataclasses.asdict: asdict deep-copies, which dominated at 1,024 workers.
+    d = dict(vars(state))
+    d["spec"] = vars(state.spec)
+    d["phase"] = state.phase.value
+    d["world"] = [vars(m) for m in state.world]
+    d["workers"] = {k: vars(w) for k, w in state.workers.items()}
+    d["hosts"] = {k: vars(h) for k, h in state.hosts.items()}
+    return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
+
+
+def from_json(data: bytes) -> JobState:
+    d = json.loads(data)
+    return JobState(
+        job_id=d["job_id"], spec=JobSpec(**d["spec"]), created_at=d["created_at"],
+        phase=Phase(d["phase"]), version=d["version"],
+        world=tuple(Member(**m) for m in d["world"]), aborted_version=d["aborted_version"],
+        pending_version=d.get("pending_version", 0),
+        workers={k: Worker(**v) for k, v in d["workers"].items()},
+        hosts={k: HostRecord(**v) for k, v in d["hosts"].items()},
+        change_first=d["change_first"], change_last=d["change_last"],
+        below_min_since=d["below_min_since"], next_seq=d["next_seq"], reason=d["reason"],
+        finished_at=d.get("finished_at"))

@@ -1,0 +1,300 @@
+"""Where the rendezvous keeps its state: one small async `Store` interface, backed by etcd v3 or memory.
+
+The server needs only: versioned get, compare-and-swap put (optionally fenced by a leadership key), a
+prefix listing, leases (to elect a leader among replicas) and a watch on one key (to notice a leader's
+key vanish without polling). `MemoryStore` implements the same semantics in-process for the embedded
+single-server default; tests/rendezvous/test_store.py runs one suite against both so they cannot drift.
+
+Revisions are store-wide and strictly increasing; revision 0 means "the key does not exist", so
+`put(key, value, expected_revision=0)` creates only if absent.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import time
+from typing import Optional, Sequence
+
+
+class StoreError(RuntimeError):
+    """The store could not be reached or answered with an error; the message names the operation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+    value: bytes
+    revision: int       # the key's modification revision
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """Require `key` to hold `value` for a write to apply (a leader fences its writes with its key)."""
+
+    key: str
+    value: bytes
+
+
+class Store(abc.ABC):
+    @abc.abstractmethod
+    async def get(self, key: str) -> Optional[Versioned]: ...
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, *, expected_revision: Optional[int] = None,
+                  fence: Optional[Fence] = None, lease: Optional[int] = None) -> Optional[int]:
+        """Write; return the new revision, or None if `expected_revision`/`fence` did not hold."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str, *, fence: Optional[Fence] = None) -> bool: ...
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> dict[str, Versioned]: ...
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl_s: int) -> int: ...
+
+    @abc.abstractmethod
+    async def refresh_lease(self, lease_id: int) -> bool:
+        """Keep a lease alive; False if it already expired (keys attached to it are gone)."""
+
+    @abc.abstractmethod
+    async def revoke_lease(self, lease_id: int) -> None: ...
+
+    @abc.abstractmethod
+    async def watch(self, key: str) -> "Watch":
+        """Changes of one key from now on: each `await watch.next(timeout)` yields the new value,
+        None on deletion; raises asyncio.TimeoutError past the timeout. Close it when done."""
+
+    async def close(self) -> None:
+        return None
+
+
+class Watch(abc.ABC):
+    @abc.abstractmethod
+    async def next(self, timeout: float) -> Optional[bytes]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class _QueueWatch(Watch):
+    def __init__(self, on_close):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._on_close = on_close
+
+    async def next(self, timeout: float) -> Optional[bytes]:
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._on_close()
+
+
+# ------------------------------------------------------------------------------------------ memory
+class MemoryStore(Store):
+    """In-process store with etcd's semantics (revisions, CAS, fences, leases, watches)."""
+
+    def __init__(self):
+        self._data: dict[str, Versioned] = {}
+        self._rev = 0
+        self._leases: dict[int, tuple[float, int, set[str]]] = {}  # id -> (expiry, ttl, keys)
+        self._next_lease = 1
+        self._watches: dict[str, list[_QueueWatch]] = {}
+        self._expirer: Optional[asyncio.Task] = None
+
+    def _notify(self, key: str, value: Optional[bytes]) -> None:
+        for w in self._watches.get(key, []):
+            w.queue.put_nowait(value)
+
+    def _delete_now(self, key: str) -> None:
+        if self._data.pop(key, None) is not None:
+            self._rev += 1
+            self._notify(key, None)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for lid, (expiry, _, keys) in list(self._leases.items()):
+            if expiry <= now:
+                del self._leases[lid]
+                for k in keys:
+                    self._delete_now(k)
+
+    async def _expire_loop(self) -> None:
+        while self._leases:
+            nearest = min(e for e, _, _ in self._leases.values())
+            await asyncio.sleep(max(0.0, nearest - time.monotonic()) + 0.01)
+            self._expire()
+        self._expirer = None
+
+    def _fenced_out(self, fence: Optional[Fence]) -> bool:
+        if fence is None:
+            return False
+        cur = self._data.get(fence.key)
+        return cur is None or cur.value != fence.value
+
+    async def get(self, key):
+        self._expire()
+        return self._data.get(key)
+
+    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+        self._expire()
+        cur = self._data.get(key)
+        if expected_revision is not None and (cur.revision if cur else 0) != expected_revision:
+            return None
+        if self._fenced_out(fence):
+            return None
+        if lease is not None:
+            if lease not in self._leases:
+                raise StoreError(f"put {key}: lease {lease:x} not found (expired?)")
+            self._leases[lease][2].add(key)
+        self._rev += 1
+        self._data[key] = Versioned(bytes(value), self._rev)
+        self._notify(key, bytes(value))
+        return self._rev
+
+    async def delete(self, key, *, fence=None):
+        self._expire()
+        if self._fenced_out(fence) or key not in self._data:
+            return False
+        self._delete_now(key)
+        return True
+
+    async def get_prefix(self, prefix):
+        self._expire()
+        return {k: v for k, v in self._data.items() if k.startswith(prefix)}
+
+    async def grant_lease(self, ttl_s):
+        lid = self._next_lease
+        self._next_lease += 1
+        self._leases[lid] = (time.monotonic() + ttl_s, ttl_s, set())
+        if self._expirer is None:
+            self._expirer = asyncio.get_running_loop().create_task(self._expire_loop())
+        return lid
+
+    async def refresh_lease(self, lease_id):
+        self._expire()
+        if lease_id not in self._leases:
+            return False
+        _, ttl, keys = self._leases[lease_id]
+        self._leases[lease_id] = (time.monotonic() + ttl, ttl, keys)
+        return True
+
+    async def revoke_lease(self, lease_id):
+        entry = self._leases.pop(lease_id, None)
+        for k in (entry[2] if entry else ()):
+            self._delete_now(k)
+
+    async def watch(self, key):
+        def on_close():
+            if w in self._watches.get(key, []):
+                self._watches[key].remove(w)
+        w = _QueueWatch(on_close)
+        self._watches.setdefault(key, []).append(w)
+        return w
+
+    async def close(self):
+        if self._expirer is not None:
+            self._expirer.cancel()
+
+
+# -------------------------------------------------------------------------------------------- etcd
+class EtcdStore(Store):
+    """etcd v3 through the `etcd3` module (blocking gRPC calls, run in worker threads)."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 5.0):
+        import etcd3  # imported here so the in-memory default does not need it
+        import etcd3.transactions
+
+        self._etcd3 = etcd3
+        self._tx = etcd3.transactions
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one HOST:PORT endpoint")
+        eps = []
+        for ep in endpoints:
+            host, sep, port = ep.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint {ep!r} is not HOST:PORT")
+            eps.append(etcd3.Endpoint(host, int(port), secure=False))
+        self.endpoints = list(endpoints)
+        self._client = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s,
+                                                      failover=len(eps) > 1)
+
+    async def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except StoreError:
+            raise
+        except Exception as e:  # etcd3 raises its own ConnectionFailedError, grpc errors, …
+            raise StoreError(f"etcd {what} failed against {','.join(self.endpoints)}: "
+                             f"{type(e).__name__}: {e}") from e
+
+    def _fence_compare(self, fence: Optional[Fence]):
+        return [self._tx.Value(fence.key) == fence.value] if fence else []
+
+    async def get(self, key):
+        value, meta = await self._call(f"get {key}", self._client.get, key)
+        return None if value is None else Versioned(value, meta.mod_revision)
+
+    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+        compare = self._fence_compare(fence)
+        if expected_revision is not None:
+            compare.append(self._tx.Mod(key) == expected_revision)
+        ok, responses = await self._call(
+            f"put {key}", self._client.transaction, compare=compare,
+            success=[self._tx.Put(key, value, lease=lease)], failure=[])
+        if not ok:
+            return None
+        return responses[0].response_put.header.revision
+
+    async def delete(self, key, *, fence=None):
+        ok, responses = await self._call(
+            f"delete {key}", self._client.transaction, compare=self._fence_compare(fence),
+            success=[self._tx.Delete(key)], failure=[])
+        return bool(ok and responses[0].response_delete_range.deleted)
+
+    async def get_prefix(self, prefix):
+        items = await self._call(f"get prefix {prefix}", lambda: list(self._client.get_prefix(prefix)))
+        return {meta.key.decode(): Versioned(value, meta.mod_revision) for value, meta in items}
+
+    async def grant_lease(self, ttl_s):
+        lease = await self._call(f"grant lease ttl={ttl_s}", self._client.lease, ttl_s)
+        return lease.id
+
+    async def refresh_lease(self, lease_id):
+        responses = await self._call(f"refresh lease {lease_id:x}",
+                                     lambda: list(self._client.refresh_lease(lease_id)))
+        return bool(responses) and responses[0].TTL > 0
+
+    async def revoke_lease(self, lease_id):
+        await self._call(f"revoke lease {lease_id:x}", self._client.revoke_lease, lease_id)
+
+    async def watch(self, key):
+        loop = asyncio.get_running_loop()
+        state = {"id": None, "closed": False}
+
+        def callback(response):  # runs on etcd3's watcher thread
+            if isinstance(response, Exception):
+                items = [StoreError(f"etcd watch {key} broke: {response}")]
+            else:
+                items = [None if isinstance(ev, self._etcd3.events.DeleteEvent) else ev.value
+                         for ev in response.events]
+            for item in items:
+                loop.call_soon_threadsafe(w.queue.put_nowait, item)
+
+        def on_close():
+            if not state["closed"] and state["id"] is not None:
+                state["closed"] = True
+                try:
+                    self._client.cancel_watch(state["id"])
+                except Exception:  # the watch dies with the connection anyway
+                    pass
+
+        w = _QueueWatch(on_close)
+        state["id"] = await self._call(f"watch {key}", self._client.add_watch_callback, key,
+                                       callback)
+        return w
+
+    async def close(self):
+        await asyncio.to_thread(self._client.close)

@@ -1,0 +1,55 @@
+"""Fixtures for the rendezvous tests: a real etcd on free loopback ports, store factories, servers."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from rdzv_helpers import ServerThread, server_config
+from rendezvous.etcd_process import EtcdProcess
+from rendezvous.store import EtcdStore, MemoryStore
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """One etcd member for the whole session; tests isolate themselves by key prefix / job id."""
+    proc = EtcdProcess(str(tmp_path_factory.mktemp("etcd")))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def store_kind(request):
+    return request.param
+
+
+@pytest.fixture
+def make_store(store_kind, request):
+    """A zero-argument factory for a fresh store of the parametrized kind (call it inside the loop)."""
+    if store_kind == "etcd":
+        endpoint = request.getfixturevalue("etcd").endpoint
+        return lambda: EtcdStore([endpoint])
+    return MemoryStore
+
+
+@pytest.fixture
+def prefix():
+    """A key prefix unique to the test, so tests sharing one etcd never see each other's keys."""
+    return f"/t/{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture
+def serve(make_store):
+    """Start servers on the parametrized store kind: `serve(**config_overrides) -> ServerThread`."""
+    started = []
+
+    def start(**kw):
+        s = ServerThread(server_config(**kw), make_store)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        losses = s.service.leadership_losses
+        s.stop()
+        assert losses == 0, "the only replica must never lose leadership (clients would hide it)"

@@ -1,0 +1,79 @@
+"""`elastic-rendezvous` command line: help, argument errors, serve + status as real processes."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from rdzv_helpers import REPO, ServerProc, child_env, make_client, unique, wait_world_of
+from rendezvous.cli import main
+
+
+def test_serve_help_documents_the_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--port", "--etcd", "--token-file", "--insecure", "--tls-cert", "--tls-key",
+                 "--heartbeat-timeout", "--settle", "SIGTERM"):
+        assert flag in out, flag
+
+
+def test_serve_requires_a_token_or_insecure(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve"])
+    assert e.value.code == 2 and "--token-file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--insecure", "--etcd", "nohost"], "--etcd endpoint 'nohost' is not HOST:PORT"),
+    (["--insecure", "--port", "70000"], "--port 70000 is outside"),
+    (["--insecure", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
+    (["--insecure", "--heartbeat-timeout", "0.1"], "heartbeat timeout"),
+    (["--token-file", "/nonexistent/token"], "cannot read token file /nonexistent/token"),
+])
+def test_serve_rejects_bad_arguments_with_a_clear_message(args, message):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *args])
+    assert message in str(e.value.code)
+
+
+def test_empty_token_file_is_rejected(tmp_path):
+    f = tmp_path / "token"
+    f.write_text("\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--token-file", str(f)])
+    assert "is empty" in str(e.value.code)
+
+
+def test_status_prints_a_table_of_the_job(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-123\n")
+    server = ServerProc(tmp_path, "--token-file", str(token))
+    try:
+        job = unique("job")
+        cs = [make_client([server.address], f"w{i}", job_id=job, host="nodeA", token="tok-123")
+              for i in range(2)]
+        for c in cs:
+            c.join()
+        wait_world_of(cs, 2)
+        out = subprocess.run([sys.executable, "-m", "rendezvous", "status", "--server",
+                              server.address, "--token-file", str(token)], cwd=REPO, env=child_env(),
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert f"job {job}  phase RUNNING  world 1  np 1..8" in out.stdout
+        rows = [line.split() for line in out.stdout.splitlines() if "nodeA" in line]
+        assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("0", "w0", "nodeA", "0/2"),
+                                                            ("1", "w1", "nodeA", "1/2")]
+        denied = subprocess.run([sys.executable, "-m", "rendezvous", "status", "--server",
+                                 server.address], cwd=REPO, env=child_env(), capture_output=True,
+                                text=True, timeout=30)
+        assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+        for c in cs:
+            c.close()
+        server.signal(signal.SIGTERM)
+        assert server.wait(10) == 0
+    finally:
+        server.kill()

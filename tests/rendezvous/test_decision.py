@@ -1,0 +1,231 @@
+"""Table tests of the membership decision: pure function, no sockets, threads or sleeps."""
+from __future__ import annotations
+
+import pytest
+
+from rendezvous.decision import (Abort, Announce, DecisionConfig, Evict, Finished, Join, JobSpec,
+                                 Leave, Pending, Phase, Progress, Rejected, Success, Tick, decide,
+                                 from_json, new_job, next_deadline, to_json)
+
+CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
+                     cooldown_max_s=35.0)
+
+
+def run(state, events, cfg=CFG):
+    """Apply (time, event) pairs; return the final state and all actions, each tagged with its time."""
+    out = []
+    for t, ev in events:
+        state, actions = decide(state, ev, t, cfg)
+        out += [(t, a) for a in actions]
+    return state, out
+
+
+def announces(actions):
+    return [a for _, a in actions if isinstance(a, Announce)]
+
+
+def ids(announce):
+    return [m.worker_id for m in announce.members]
+
+
+def job(min_np=2, max_np=4, timeout=30.0):
+    return new_job("j", JobSpec(min_np, max_np, timeout), 0.0)
+
+
+def formed(workers, min_np=2, max_np=4, steps=None):
+    """A job whose first world holds `workers` = [(id, host)] in order."""
+    steps = steps or {}
+    evs = [(0.0, Join(w, h, f"{h}:{9000 + i}", steps.get(w, -1))) for i, (w, h) in enumerate(workers)]
+    state, actions = run(job(min_np, max_np), evs + [(1.0, Tick())])
+    assert len(announces(actions)) == 1
+    return state
+
+
+def test_world_forms_only_after_settle_window():
+    s, acts = run(job(), [(0.0, Join("a", "h1", "h1:1")), (0.05, Join("b", "h1", "h1:2")),
+                          (0.2, Tick())])
+    assert announces(acts) == []
+    assert next_deadline(s, CFG) == pytest.approx(0.25)
+    s, acts = run(s, [(0.25, Tick())])
+    assert [ids(a) for a in announces(acts)] == [["a", "b"]]
+    assert s.version == 1 and s.phase is Phase.RUNNING
+
+
+def test_simultaneous_joins_batch_into_one_world():
+    evs = [(0.01 * i, Join(f"w{i}", "h", f"h:{i}")) for i in range(4)]
+    s, acts = run(job(), evs + [(0.5, Tick())])
+    assert len(announces(acts)) == 1 and s.version == 1
+    assert ids(announces(acts)[0]) == ["w0", "w1", "w2", "w3"]
+
+
+def test_settle_max_bounds_wait_under_steady_trickle():
+    evs = [(0.15 * i, Join(f"w{i}", "h", f"h:{i}")) for i in range(20)]  # never 0.2 s quiet
+    s, acts = run(job(max_np=100), evs)
+    assert announces(acts), "a world must form within settle_max_s even if joins keep coming"
+    assert acts[0][0] <= CFG.settle_max_s + 0.15
+
+
+def test_no_world_below_min_np():
+    s, acts = run(job(min_np=3), [(0.0, Join("a", "h", "h:1")), (0.0, Join("b", "h", "h:2")),
+                                  (5.0, Tick())])
+    assert announces(acts) == [] and s.phase is Phase.FORMING
+
+
+def test_workers_beyond_max_np_are_standby():
+    s, acts = run(job(max_np=2), [(0.0, Join(w, "h", f"h:{i}")) for i, w in enumerate("abc")]
+                  + [(1.0, Tick())])
+    (a,) = announces(acts)
+    assert ids(a) == ["a", "b"] and a.standby == ("c",)
+
+
+def test_standby_joining_full_world_changes_nothing():
+    s = formed([("a", "h"), ("b", "h")], max_np=2)
+    s, acts = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick())])
+    assert acts == [] and s.version == 1 and s.standby() == ["c"]
+
+
+def test_hot_spare_replaces_failed_member_without_new_join():
+    s = formed([("a", "h1"), ("b", "h2")], max_np=2)
+    s, _ = run(s, [(2.0, Join("spare", "h3", "h3:1"))])
+    s, acts = run(s, [(3.0, Evict("a", "crashed")), (3.2, Tick())])
+    assert [type(a) for _, a in acts if not isinstance(a, type(None))][-1] is Announce
+    assert [a for _, a in acts if isinstance(a, Abort)] == [Abort(1, "crashed")]
+    assert ids(announces(acts)[0]) == ["b", "spare"] and s.version == 2
+
+
+def test_failure_aborts_old_version_at_once_and_new_world_after_settle():
+    s = formed([("a", "h"), ("b", "h"), ("c", "h")])
+    s, acts = run(s, [(5.0, Evict("b", "stream broken"))])
+    assert [a for _, a in acts if isinstance(a, (Abort, Announce))] == [Abort(1, "stream broken")]
+    s, acts = run(s, [(5.1, Tick())])
+    assert announces(acts) == []
+    s, acts = run(s, [(5.2, Tick())])
+    assert ids(announces(acts)[0]) == ["a", "c"]
+
+
+def test_two_failures_in_one_window_give_one_abort_and_one_world():
+    s = formed([("a", "h"), ("b", "h"), ("c", "h"), ("d", "h")])
+    s, acts = run(s, [(5.0, Evict("b", "x")), (5.1, Evict("c", "y")), (5.5, Tick())])
+    assert len([a for _, a in acts if isinstance(a, Abort)]) == 1
+    assert [ids(a) for a in announces(acts)] == [["a", "d"]]
+
+
+def test_clean_join_and_leave_announce_pending_not_abort():
+    s = formed([("a", "h"), ("b", "h")])
+    s, acts = run(s, [(2.0, Join("c", "h", "h:3"))])
+    assert [a for _, a in acts] == [Pending(1, "worker c on h joined")]
+    s, acts = run(s, [(3.0, Tick())])
+    assert ids(announces(acts)[0]) == ["a", "b", "c"]
+    s, acts = run(s, [(4.0, Leave("a"))])
+    assert not any(isinstance(a, Abort) for _, a in acts)
+    assert Pending(2, "worker a left") in [a for _, a in acts]
+
+
+def test_survivors_keep_relative_order_and_newcomers_are_appended():
+    s = formed([("a", "h"), ("b", "h"), ("c", "h"), ("d", "h")], max_np=8)
+    s, acts = run(s, [(2.0, Evict("b", "x")), (2.0, Join("e", "h", "h:5")), (3.0, Tick())])
+    assert ids(announces(acts)[0]) == ["a", "c", "d", "e"]
+
+
+def test_highest_committed_step_becomes_rank_zero():
+    s = formed([("a", "h"), ("b", "h"), ("c", "h")], steps={"a": 5, "b": 5, "c": 5})
+    s, _ = run(s, [(1.5, Progress("c", 9)), (1.5, Progress("b", 3))])  # lower steps are ignored
+    s, acts = run(s, [(2.0, Evict("a", "x")), (3.0, Tick())])
+    (a,) = announces(acts)
+    assert ids(a) == ["c", "b"] and a.members[0].committed_step == 9
+
+
+def test_ties_in_committed_step_keep_lowest_rank_first():
+    s = formed([("a", "h"), ("b", "h"), ("c", "h")], steps={"a": 1, "b": 7, "c": 7})
+    assert ids(Announce(s.version, s.world, ())) == ["b", "a", "c"]
+
+
+def test_ranks_of_one_host_are_contiguous_with_local_and_cross_ranks():
+    s = formed([("a", "h1"), ("b", "h2"), ("c", "h1"), ("d", "h2"), ("e", "h3")], max_np=8)
+    layout = [(m.worker_id, m.rank, m.local_rank, m.local_size, m.cross_rank, m.cross_size)
+              for m in s.world]
+    assert layout == [("a", 0, 0, 2, 0, 3), ("c", 1, 1, 2, 0, 2), ("b", 2, 0, 2, 1, 3),
+                      ("d", 3, 1, 2, 1, 2), ("e", 4, 0, 1, 2, 3)]
+
+
+def test_repeated_failures_blacklist_host_with_exponential_cooldown():
+    s = formed([("a", "bad"), ("b", "good")])
+    s, _ = run(s, [(2.0, Evict("a", "x")), (2.0, Join("a2", "bad", "bad:2")),
+                   (2.1, Evict("a2", "x"))])
+    s, acts = run(s, [(3.0, Join("a3", "bad", "bad:3"))])
+    assert isinstance(acts[0][1], Rejected) and "blacklisted" in acts[0][1].reason
+    assert s.hosts["bad"].blacklisted_until == pytest.approx(2.1 + 10.0)
+    s, acts = run(s, [(12.2, Join("a4", "bad", "bad:4"))])  # first cooldown (10 s) over
+    assert not any(isinstance(a, Rejected) for _, a in acts)
+    s, _ = run(s, [(13.0, Evict("a4", "x")), (13.0, Join("a5", "bad", "bad:5")),
+                   (13.0, Evict("a5", "x"))])
+    assert s.hosts["bad"].blacklisted_until == pytest.approx(13.0 + 20.0)  # doubled
+    s, _ = run(s, [(40.0, Join("a6", "bad", "b:6")), (40.0, Evict("a6", "x")),
+                   (40.0, Join("a7", "bad", "b:7")), (40.0, Evict("a7", "x"))])
+    assert s.hosts["bad"].blacklisted_until == pytest.approx(40.0 + 35.0)  # capped at max
+
+
+def test_clean_leaves_do_not_count_toward_blacklist():
+    s = formed([("a", "h"), ("b", "h")])
+    s, _ = run(s, [(2.0, Leave("a")), (2.0, Join("a", "h", "h:1")), (2.0, Leave("a"))])
+    assert s.hosts.get("h") is None or s.hosts["h"].blacklistings == 0
+
+
+def test_below_min_np_waits_then_fails_with_reason():
+    s = formed([("a", "h"), ("b", "h")], min_np=2)
+    s, acts = run(s, [(10.0, Evict("b", "x")), (20.0, Tick())])
+    assert s.phase is Phase.WAITING and not any(isinstance(a, Finished) for _, a in acts)
+    assert next_deadline(s, CFG) == pytest.approx(40.0)
+    s, acts = run(s, [(40.0, Tick())])
+    (fin,) = [a for _, a in acts if isinstance(a, Finished)]
+    assert not fin.succeeded and "below min_np=2" in fin.reason and s.phase is Phase.FAILED
+
+
+def test_recovering_to_min_np_before_timeout_forms_world():
+    s = formed([("a", "h"), ("b", "h")], min_np=2)
+    s, _ = run(s, [(10.0, Evict("b", "x"))])
+    s, acts = run(s, [(15.0, Join("c", "h", "h:3")), (16.0, Tick())])
+    assert ids(announces(acts)[0]) == ["a", "c"] and s.phase is Phase.RUNNING
+
+
+def test_initial_formation_also_bounded_by_elastic_timeout():
+    s, acts = run(job(min_np=2, timeout=30.0), [(0.0, Join("a", "h", "h:1")), (30.0, Tick())])
+    assert s.phase is Phase.FAILED
+
+
+def test_success_of_one_worker_completes_job_and_refuses_joins():
+    s = formed([("a", "h"), ("b", "h")])
+    s, acts = run(s, [(2.0, Success("b"))])
+    assert [a for _, a in acts] == [Finished(True, "worker b reported success")]
+    s, acts = run(s, [(3.0, Join("c", "h", "h:3"))])
+    assert isinstance(acts[0][1], Rejected) and s.phase is Phase.SUCCEEDED
+
+
+def test_rejoin_with_same_worker_id_replaces_old_membership():
+    s = formed([("a", "h"), ("b", "h")])
+    s, acts = run(s, [(2.0, Join("b", "h", "h:99")), (3.0, Tick())])
+    assert any(isinstance(a, Abort) for _, a in acts)
+    assert [m.ring_address for m in announces(acts)[0].members] == ["h:9000", "h:99"]
+
+
+def test_invalid_spec_is_refused():
+    with pytest.raises(ValueError, match="min_np"):
+        new_job("j", JobSpec(3, 2, 1.0), 0.0)
+
+
+def test_state_round_trips_through_json():
+    s = formed([("a", "h1"), ("b", "h2")])
+    s, _ = run(s, [(2.0, Evict("a", "x")), (2.0, Join("c", "h1", "h1:5"))])
+    assert from_json(to_json(s)) == s
+    s, _ = run(s, [(3.0, Success("c"))])
+    assert s.finished_at == 3.0 and from_json(to_json(s)) == s
+
+
+def test_burst_of_joins_into_running_world_sends_one_pending_notice():
+    s = formed([("a", "h"), ("b", "h")], max_np=16)
+    s, acts = run(s, [(2.0 + 0.01 * i, Join(f"n{i}", "h", f"h:{100 + i}")) for i in range(10)])
+    assert [a for _, a in acts if isinstance(a, Pending)] == [Pending(1, "worker n0 on h joined")]
+    s, acts = run(s, [(3.0, Tick())])
+    assert announces(acts)[0].version == 2 and len(s.world) == 12
+    s, acts = run(s, [(4.0, Join("late", "h", "h:999"))])
+    assert [a for _, a in acts] == [Pending(2, "worker late on h joined")]  # new version: notify again

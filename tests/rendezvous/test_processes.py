@@ -1,0 +1,207 @@
+"""Integration with real processes and signals: crashed, stopped and GIL-bound workers; server restart
+and leader failover against a real etcd; graceful SIGTERM."""
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from rdzv_helpers import (ServerProc, ServerThread, WorkerProc, make_client, server_config, unique,
+                          wait_until, wait_world_of)
+from rendezvous._proto import rendezvous_pb2 as pb
+from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.client import Abort, WorldInfo
+from rendezvous.store import EtcdStore
+
+
+def status(address, job):
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
+
+
+@pytest.fixture
+def etcd_server(etcd):
+    started = []
+
+    def start(**kw):
+        s = ServerThread(server_config(**kw), lambda: EtcdStore([etcd.endpoint]))
+        started.append(s)
+        return s
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def workers():
+    procs = []
+
+    def start(*args, **kw):
+        p = WorkerProc(*args, **kw)
+        procs.append(p)
+        return p
+    yield start
+    for p in procs:
+        p.kill()
+
+
+def test_sigkilled_worker_process_is_evicted_and_survivors_get_next_world(etcd_server, workers):
+    s = etcd_server(settle_s=0.2)
+    job = unique("job")
+    ws = [workers([s.address], job, f"w{i}", min_np=2) for i in range(3)]
+    v = max(w.world_of_size(3)["version"] for w in ws)
+    killed_at = time.time()
+    ws[1].kill(signal.SIGKILL)
+    for w in (ws[0], ws[2]):
+        abort = w.wait_event(lambda e: e["event"] == "abort" and e["version"] == v, 2.0, "abort")
+        assert "w1" in abort["reason"] and "watch stream broken" in abort["reason"]
+        world = w.world(v + 1, timeout_s=2.0)
+        assert sorted(world["members"]) == ["w0", "w2"]
+    print(f"SIGKILL -> next world: {max(w.world(v + 1)['t'] for w in (ws[0], ws[2])) - killed_at:.3f} s")
+
+
+def test_sigstopped_worker_is_evicted_within_heartbeat_timeout(etcd_server, workers):
+    s = etcd_server(heartbeat_timeout_s=2.0)
+    job = unique("job")
+    ws = [workers([s.address], job, f"w{i}", min_np=2) for i in range(3)]
+    v = max(w.world_of_size(3)["version"] for w in ws)
+    stopped_at = time.time()
+    ws[2].kill(signal.SIGSTOP)
+    abort = ws[0].wait_event(lambda e: e["event"] == "abort" and e["version"] == v, 2.0 + 2.0,
+                             "abort after SIGSTOP")
+    assert "w2" in abort["reason"]
+    assert sorted(ws[1].world(v + 1, timeout_s=2.0)["members"]) == ["w0", "w1"]
+    print(f"SIGSTOP -> abort notice: {abort['t'] - stopped_at:.3f} s (heartbeat timeout 2 s)")
+    ws[2].kill(signal.SIGCONT)  # woken up, it learns it was evicted
+    ended = ws[2].wait_event(lambda e: e["event"] == "ended", 5.0, "session ended after SIGCONT")
+    assert "NOT_FOUND" in ended["reason"]
+
+
+def test_worker_holding_the_gil_longer_than_heartbeat_timeout_is_not_evicted(etcd_server, workers):
+    # Keepalive pings are answered by gRPC's C core without the GIL: a busy worker stays in.
+    s = etcd_server(heartbeat_timeout_s=1.5)
+    job = unique("job")
+    busy = workers([s.address], job, "busy", min_np=2, hold_gil_s=4.0)
+    calm = workers([s.address], job, "calm", min_np=2)
+    v = busy.world_of_size(2)["version"]
+    calm.world_of_size(2)
+    released = busy.wait_event(lambda e: e["event"] == "released", 20.0, "GIL released")
+    holding = busy.wait_event(lambda e: e["event"] == "holding", 1.0, "GIL holding")
+    assert released["t"] - holding["t"] > 1.5, "the worker must hold the GIL past the timeout"
+    assert not [e for e in calm.events if e["event"] == "abort"]
+    assert status(s.address, job).world_version == v
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_server_restart_against_etcd_changes_no_world(etcd, tmp_path, sig):
+    prefix = f"/t/{unique('restart')}"
+    args = ["--etcd", etcd.endpoint, "--etcd-prefix", prefix, "--insecure",
+            "--heartbeat-timeout", "3"]
+    first = ServerProc(tmp_path, *args)
+    job = unique("job")
+    cs = [make_client([first.address], f"w{i}", job_id=job) for i in range(3)]
+    for c in cs:
+        c.join(timeout_s=20)
+    wait_world_of(cs, 3)
+    first.signal(sig)
+    if sig == signal.SIGTERM:
+        assert first.wait(10) == 0, first.log()
+        assert "stopping (signal)" in first.log()
+    first.kill()
+    second = ServerProc(tmp_path, *args, port=first.port)  # same address: clients reattach
+    try:
+        job_status = wait_until(
+            lambda: _all_attached(second.address, job, 3), 15.0, "all 3 workers reattached")
+        assert job_status.world_version == 1 and job_status.phase == "RUNNING"
+        assert [m.member.worker_id for m in job_status.members] == ["w0", "w1", "w2"]
+        assert not [e for c in cs for e in _drain(c) if isinstance(e, Abort)]
+    finally:
+        for c in cs:
+            c.close()
+        second.kill()
+
+
+def test_leader_failover_between_replicas_changes_no_world(etcd, tmp_path):
+    prefix = f"/t/{unique('failover')}"
+    args = ["--etcd", etcd.endpoint, "--etcd-prefix", prefix, "--insecure",
+            "--heartbeat-timeout", "3"]
+    a = ServerProc(tmp_path, *args)
+    wait_until(lambda: _leader_id(a.address), 10.0, "replica A to lead")
+    b = ServerProc(tmp_path, *args)
+    try:
+        assert _leader_id(b.address) == ""  # a follower
+        job = unique("job")
+        cs = [make_client([b.address, a.address], f"w{i}", job_id=job) for i in range(3)]
+        for c in cs:
+            c.join(timeout_s=20)        # b answers UNAVAILABLE + leader hint; clients go to a
+        wait_world_of(cs, 3)
+        a.signal(signal.SIGKILL)
+        job_status = wait_until(lambda: _all_attached(b.address, job, 3), 15.0,
+                                "workers reattached to replica B")
+        assert job_status.world_version == 1
+        assert not [e for c in cs for e in _drain(c) if isinstance(e, Abort)]
+        cs[0].close()                    # the new leader evicts as before
+        assert wait_until(lambda: status(b.address, job).world_version == 2, 5.0, "world 2")
+        for c in cs[1:]:
+            c.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+def _leader_id(address):
+    try:
+        with grpc.insecure_channel(address) as ch:
+            return pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(), timeout=2).leader_id
+    except grpc.RpcError:
+        return None
+
+
+def _all_attached(address, job, n):
+    try:
+        st = status(address, job)
+    except (grpc.RpcError, IndexError):
+        return None
+    return st if len(st.members) == n and all(m.attached for m in st.members) else None
+
+
+def _drain(client):
+    out = []
+    while (ev := client.next_event(0)) is not None:
+        out.append(ev)
+    return out
+
+
+def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(etcd, tmp_path):
+    prefix = f"/t/{unique('grace')}"
+    args = ["--etcd", etcd.endpoint, "--etcd-prefix", prefix, "--insecure",
+            "--heartbeat-timeout", "1.5"]
+    first = ServerProc(tmp_path, *args)
+    job = unique("job")
+    cs = [make_client([first.address], f"w{i}", job_id=job) for i in range(3)]
+    for c in cs:
+        c.join(timeout_s=20)
+    wait_world_of(cs, 3)
+    first.signal(signal.SIGKILL)
+    first.kill()
+    cs[2].close()                      # dies while no server runs: nobody sees its stream break
+    second = ServerProc(tmp_path, *args, port=first.port)
+    try:
+        seen = []
+        deadline = time.monotonic() + 15.0
+        while not (seen and isinstance(seen[-1], WorldInfo) and seen[-1].version >= 2):
+            ev = cs[0].next_event(deadline - time.monotonic())
+            assert ev is not None, f"no world 2 within 15 s; events {seen}"
+            seen.append(ev)
+        assert [m.worker_id for m in seen[-1].members] == ["w0", "w1"]
+        (abort,) = [e for e in seen if isinstance(e, Abort)]
+        assert abort.world_version == 1 and "w2" in abort.reason
+        assert "did not reattach within 1.5 s" in abort.reason
+        other = cs[1].wait_world(timeout_s=5.0, min_version=2)
+        assert (other.version, other.rank) == (seen[-1].version, 1)
+    finally:
+        for c in cs[:2]:
+            c.close()
+        second.kill()
