@@ -1,7 +1,8 @@
 """elastic-ring: elastic, fault-tolerant data-parallel training for PyTorch.
 
-A ring-allreduce core in C++ (``elastic._native``) with collectives that fail fast
-when a peer dies, hangs or is fenced out, so survivors re-form instead of restarting.
+Workers that die, hang or join are handled without restarting the survivors: the ring is
+aborted, re-formed for a new world version, and the last committed state is restored (on a
+failure) or kept (on a clean join or leave) and synced to everyone. See ``elastic.run``.
 """
 
 from .collectives import (
@@ -25,12 +26,27 @@ from .errors import (
     WorkerLostError,
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
+from .run import run
+from .runtime import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size, world_version
+from .sampler import ElasticSampler
+from .state import ObjectState, State, TorchState
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # torch-dependent names load lazily so numpy-only use does not import torch.
+    if name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"):
+        from . import optimizer
+        return getattr(optimizer, name)
+    raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+
 
 __all__ = [
     "allgather", "allreduce", "allreduce_", "allreduce_async_", "barrier", "broadcast_", "broadcast_object",
     "synchronize", "CommConfig", "Communicator", "Handle", "Listener", "CollectiveMismatchError", "ElasticError",
     "ElasticTimeout", "HandshakeError", "MembershipChanged", "RendezvousError", "WorkerLostError", "Average", "Max",
-    "Min", "ReduceOp", "Sum",
+    "Min", "ReduceOp", "Sum", "run", "init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "world_version", "ElasticSampler", "State", "ObjectState", "TorchState", "DistributedOptimizer",
+    "broadcast_parameters", "broadcast_optimizer_state",
 ]

@@ -123,14 +123,12 @@ class Communicator:
         self.config = config
 
     @classmethod
-    def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
-             peers: Sequence[str], config: Optional[CommConfig] = None) -> "Communicator":
-        """Connects to the next rank, accepts the previous one and returns the ring.
+    def create(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
+               peers: Sequence[str], config: Optional[CommConfig] = None) -> "Communicator":
+        """Validates the arguments and returns an unconnected communicator; ``connect()`` forms it.
 
-        ``peers`` lists every rank's ring address in rank order (``peers[rank]`` is this
-        worker's own). A world of one rank needs no listener and opens no socket.
-        Raises ``HandshakeError`` when a neighbour refuses, ``WorkerLostError`` on timeout
-        or abort.
+        Splitting the two lets another thread hold the communicator, and abort it, while
+        ``connect()`` is still waiting for a neighbour.
         """
         config = config or CommConfig.from_env()
         if isinstance(secret, str):
@@ -142,13 +140,31 @@ class Communicator:
         native = _native.Communicator(listener, job_id, secret, world_version, rank, list(peers),
                                       config.timeout, config.form_timeout, config.segment_bytes,
                                       config.small_bytes, config.fusion_bytes)
-        comm = cls(native, config)
+        return cls(native, config)
+
+    def connect(self) -> "Communicator":
+        """Connects to the next rank and accepts the previous one (blocking, GIL released).
+
+        On failure the communicator is closed and the error raised: ``HandshakeError`` when
+        a neighbour refuses, ``WorkerLostError`` on timeout or abort.
+        """
         try:
-            native.form()
+            self._native.form()
         except BaseException:
-            native.close()
+            self._native.close()
             raise
-        return comm
+        return self
+
+    @classmethod
+    def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
+             peers: Sequence[str], config: Optional[CommConfig] = None) -> "Communicator":
+        """Creates and connects a ring in one call.
+
+        ``peers`` lists every rank's ring address in rank order (``peers[rank]`` is this
+        worker's own). A world of one rank needs no listener and opens no socket.
+        """
+        return cls.create(listener=listener, job_id=job_id, secret=secret, world_version=world_version,
+                          rank=rank, peers=peers, config=config).connect()
 
     # ------------------------------------------------------------------ identity
     @property

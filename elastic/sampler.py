@@ -1,0 +1,137 @@
+"""ElasticSampler: shards an epoch's not-yet-processed samples over the current world.
+
+Semantics (DESIGN.md §6): every rank gets the same number of samples; within an epoch no
+sample is skipped, and the only repeats are the padding that makes the shards equal (at
+most ``size()-1`` per re-partition).
+
+How: the sampler holds the epoch's *remaining* indices (in epoch order) and how many samples
+each rank has processed in the current partition. Every rank has processed the same count
+(the shards are equal and training is in lock-step), so the processed set follows from
+(remaining, partition size, count) alone, and the whole state is identical on every rank:
+committing and broadcasting it is enough. On a world change the processed samples are
+removed from ``remaining`` and the rest is partitioned again over the new world.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+
+def partition(remaining: Sequence[int], size: int) -> List[np.ndarray]:
+    """Splits ``remaining`` into ``size`` equal shards, rank r taking every size-th index from r;
+    pads by repeating from the start (fewer than ``size`` repeats)."""
+    remaining = np.asarray(remaining, dtype=np.int64)
+    if size < 1:
+        raise ValueError(f"partition size must be >= 1, got {size}")
+    if remaining.size == 0:
+        return [remaining.copy() for _ in range(size)]
+    per_rank = -(-remaining.size // size)
+    padded = np.resize(remaining, per_rank * size)  # np.resize repeats from the start
+    return [padded[r::size] for r in range(size)]
+
+
+def processed_indices(remaining: Sequence[int], size: int, count: int) -> np.ndarray:
+    """The distinct indices that ``size`` ranks have processed after ``count`` samples each."""
+    shards = partition(remaining, size)
+    if count <= 0:
+        return np.empty(0, dtype=np.int64)
+    return np.unique(np.concatenate([s[:count] for s in shards]))
+
+
+class ElasticSampler:
+    """A ``torch.utils.data.Sampler`` that survives world changes mid-epoch.
+
+    ``set_epoch(e)`` starts epoch e (same e again: no-op, keeps progress); call
+    ``record_batch(batch_idx, batch_size)`` after each batch so a re-partition knows what
+    was done. Put the sampler in your ``TorchState`` so it is committed and synced.
+    ``num_replicas``/``rank`` default to ``elastic.size()``/``elastic.rank()``.
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0,
+                 num_replicas: Optional[int] = None, rank: Optional[int] = None):
+        self.dataset_len = len(dataset)
+        self.shuffle = shuffle
+        self.seed = seed
+        self._fixed_size = num_replicas
+        self._fixed_rank = rank
+        self.epoch = -1
+        self.remaining = np.empty(0, dtype=np.int64)
+        self.partition_size = 1   # world size of the current partition
+        self.processed = 0        # samples each rank has processed in the current partition
+        self._last_batch = -1
+        self.set_epoch(0)
+
+    # -- world
+    def _world(self):
+        if self._fixed_size is not None:
+            return (self._fixed_rank or 0), self._fixed_size
+        from . import runtime
+        rt = runtime._runtime
+        if rt is None or rt.world is None:
+            return 0, 1
+        return rt.world.rank, rt.world.size
+
+    def _repartition_if_needed(self) -> None:
+        _, size = self._world()
+        if size != self.partition_size:
+            self.reset()
+
+    def reset(self) -> None:
+        """Removes what was processed and partitions the rest over the current world."""
+        done = processed_indices(self.remaining, self.partition_size, self.processed)
+        if done.size:
+            self.remaining = self.remaining[~np.isin(self.remaining, done)]
+        self.partition_size = self._world()[1]
+        self.processed = 0
+        self._last_batch = -1
+
+    # -- epochs and progress
+    def set_epoch(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            return  # idempotent: a restart of the same epoch keeps its progress
+        self.epoch = epoch
+        if self.shuffle:
+            self.remaining = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_len).astype(np.int64)
+        else:
+            self.remaining = np.arange(self.dataset_len, dtype=np.int64)
+        self.partition_size = self._world()[1]
+        self.processed = 0
+        self._last_batch = -1
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Marks batch ``batch_idx`` (counted from 0 since the last (re)partition) as processed."""
+        if batch_idx > self._last_batch:
+            self.processed += int(batch_size)
+            self._last_batch = batch_idx
+
+    # -- iteration
+    def _shard(self) -> np.ndarray:
+        rank, size = self._world()
+        if rank >= size:
+            raise ValueError(f"ElasticSampler: rank {rank} outside a world of size {size}")
+        return partition(self.remaining, size)[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        self._repartition_if_needed()
+        self._last_batch = -1  # the loader's batch indices start again at 0
+        return iter(self._shard()[self.processed:].tolist())
+
+    def __len__(self) -> int:
+        self._repartition_if_needed()
+        return max(0, len(self._shard()) - self.processed)
+
+    # -- committed state
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "remaining": self.remaining.copy(), "partition_size": self.partition_size,
+                "processed": self.processed, "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.epoch = int(sd["epoch"])
+        self.remaining = np.asarray(sd["remaining"], dtype=np.int64).copy()
+        self.partition_size = int(sd["partition_size"])
+        self.processed = int(sd["processed"])
+        self.seed = sd.get("seed", self.seed)
+        self.shuffle = sd.get("shuffle", self.shuffle)
+        self._last_batch = -1

@@ -1,0 +1,143 @@
+"""A real training job for the runtime tests; run as a worker process with ELASTIC_* set.
+
+The model carries a buffer that counts, per sample, how often it was trained on (summed
+over ranks with an allreduce each step), so the committed/restored/synced state itself
+proves the sample accounting. Knobs (environment):
+  JOB_OUT        directory for progress-<worker>.txt and result-<worker>.json
+  JOB_EPOCHS     epochs (default 3); JOB_SAMPLES dataset size (default 240); JOB_BATCH (8)
+  JOB_STEP_SLEEP seconds per step, to leave time for faults (default 0.02)
+  JOB_DIE_IN     "commit" or "sync": SIGKILL this very process inside that call, at
+                 commit JOB_DIE_AT (commit) or at the JOB_DIE_AT-th re-sync (sync)
+  JOB_RAISE_AT   raise a ValueError at this global step on every rank
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import elastic
+
+OUT = os.environ["JOB_OUT"]
+WORKER = os.environ["ELASTIC_WORKER_ID"]
+EPOCHS = int(os.environ.get("JOB_EPOCHS", "3"))
+SAMPLES = int(os.environ.get("JOB_SAMPLES", "240"))
+BATCH = int(os.environ.get("JOB_BATCH", "8"))
+STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0.02"))
+DIE_IN = os.environ.get("JOB_DIE_IN", "")
+DIE_AT = int(os.environ.get("JOB_DIE_AT", "-1"))
+RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+X = torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(1))
+Y = X @ torch.arange(16, dtype=torch.float32).unsqueeze(1) / 16
+IDX = torch.arange(SAMPLES)
+dataset = torch.utils.data.TensorDataset(X, Y, IDX)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 1)
+        self.register_buffer("seen", torch.zeros(SAMPLES, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+model = Model()
+opt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+state = elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0, step=0)
+log = {"resets": [], "restores": 0, "commits_at_change": []}
+
+
+def record_reset():
+    log["resets"].append({"size": elastic.size(), "version": elastic.world_version(), "commit": state.commit_step})
+
+
+state.register_reset_callbacks([record_reset])
+
+_restore = state.restore
+
+
+def counting_restore():
+    log["restores"] += 1
+    _restore()
+
+
+state.restore = counting_restore
+_sync = state.sync
+syncs = {"n": 0}
+
+
+def sync_maybe_dying():
+    syncs["n"] += 1
+    if DIE_IN == "sync" and syncs["n"] - 1 == DIE_AT:
+        # Die between the allgather of commit steps and the broadcast of the state.
+        comm = elastic.collectives.current_communicator()
+        comm.allgather(torch.tensor([state.commit_step]))
+        os.kill(os.getpid(), signal.SIGKILL)
+    _sync()
+
+
+state.sync = sync_maybe_dying
+
+def progress(text):
+    tmp = os.path.join(OUT, f".progress-{WORKER}")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(OUT, f"progress-{WORKER}.txt"))
+
+
+@elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, EPOCHS):
+        sampler.set_epoch(state.epoch)
+        for state.batch, (x, y, idx) in enumerate(loader):
+            if state.step == RAISE_AT:
+                raise ValueError(f"deterministic user error at step {state.step}")
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            onehot = torch.zeros(SAMPLES, dtype=torch.float64)
+            onehot[idx] = 1
+            model.seen += elastic.allreduce(onehot, elastic.Sum)
+            sampler.record_batch(state.batch, len(x))
+            state.step += 1
+            progress(f"{state.step} {elastic.size()} {elastic.world_version()}")
+            time.sleep(STEP_SLEEP)
+            if state.batch % 3 == 0:
+                if DIE_IN == "commit" and state.commit_step + 1 == DIE_AT:
+                    state.save()  # the commit's copy is taken; the process dies before it completes
+                    os.kill(os.getpid(), signal.SIGKILL)
+                try:
+                    state.commit()
+                except elastic.MembershipChanged:
+                    log["commits_at_change"].append(state.commit_step)
+                    raise
+        state.commit()
+    log["final_size"] = elastic.size()
+
+
+train(state)
+
+digest = hashlib.sha256()
+for k, v in sorted(model.state_dict().items()):
+    digest.update(k.encode()); digest.update(v.numpy().tobytes())
+for k, v in sorted(opt.state_dict()["state"].items()):
+    digest.update(v["momentum_buffer"].numpy().tobytes())
+result = {"worker": WORKER, "hash": digest.hexdigest(), "seen": model.seen.tolist(), "step": state.step,
+          "commit_step": state.commit_step, "weight": model.linear.weight.detach().view(-1).tolist(), **log}
+with open(os.path.join(OUT, f"result-{WORKER}.json"), "w") as f:
+    json.dump(result, f)
+print(f"worker {WORKER} done at step {state.step}", flush=True)
