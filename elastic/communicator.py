@@ -75,13 +75,17 @@ class CommConfig:
         return cls(**values)
 
 
-def _native_array(t: Any, what: str):
+def _native_array(t: Any, what: str, *, read_only: bool = False):
     """The object handed to the core: a CPU, contiguous torch tensor or numpy array."""
     if isinstance(t, np.ndarray):
         if not t.flags.c_contiguous:
             raise ValueError(f"{what}: array must be C-contiguous (use np.ascontiguousarray)")
+        if not t.dtype.isnative:
+            raise ValueError(f"{what}: array has non-native byte order ({t.dtype}); use .astype(native dtype)")
         if not t.flags.writeable:
-            raise ValueError(f"{what}: array is read-only")
+            if not read_only:
+                raise ValueError(f"{what}: array is read-only")
+            return t.copy()  # the core takes writable buffers; this one is only read
         return t
     torch = _torch()
     if torch is not None and isinstance(t, torch.Tensor):
@@ -89,6 +93,10 @@ def _native_array(t: Any, what: str):
             raise ValueError(f"{what}: only CPU tensors are supported (got a tensor on {t.device})")
         if not t.is_contiguous():
             raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
+        if not read_only and t.requires_grad and torch.is_grad_enabled():
+            # Writing through .detach() would change a tensor autograd may still need, unseen.
+            raise ValueError(f"{what}: in-place collective on a tensor that requires grad; "
+                             "wrap it in torch.no_grad() or pass tensor.detach()")
         return t.detach()
     raise TypeError(f"{what}: expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
 
@@ -121,6 +129,9 @@ class Communicator:
     def __init__(self, native: Any, config: CommConfig):
         self._native = native
         self.config = config
+        # Async handles not yet synchronized: the core holds raw pointers into their tensors,
+        # so the tensors must live until the work is done even if the caller drops the handle.
+        self._inflight: dict = {}
 
     @classmethod
     def create(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
@@ -195,7 +206,8 @@ class Communicator:
 
     def close(self) -> None:
         """Aborts anything in flight, stops the executor thread and closes the sockets."""
-        self._native.close()
+        self._native.close()  # returns after the executor thread has finished every queued op
+        self._inflight.clear()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -214,12 +226,19 @@ class Communicator:
 
     def allreduce_async_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Handle:
         work = self._native.allreduce_async_(_native_array(t, "allreduce_async_"), int(ReduceOp(op)))
-        return Handle(self, work, t)
+        handle = Handle(self, work, t)
+        if len(self._inflight) >= 4096:
+            self._inflight = {k: h for k, h in self._inflight.items() if not h.done()}
+        self._inflight[id(handle)] = handle
+        return handle
 
     def synchronize(self, handle: Handle) -> Any:
         if handle._comm is not self:
             raise ValueError("synchronize: the handle belongs to another communicator")
-        self._native.wait(handle._work)
+        try:
+            self._native.wait(handle._work)
+        finally:
+            self._inflight.pop(id(handle), None)
         return handle.tensor
 
     def flush(self) -> None:
@@ -236,7 +255,7 @@ class Communicator:
     def allgather(self, t: Any) -> Any:
         """Concatenates every rank's ``t`` along dimension 0 (its length may differ per rank)."""
         is_np = isinstance(t, np.ndarray)
-        arr = _native_array(t, "allgather")
+        arr = _native_array(t, "allgather", read_only=True)
         shape = tuple(arr.shape)
         if len(shape) == 0:
             raise ValueError("allgather: tensor needs at least one dimension")

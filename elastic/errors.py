@@ -13,8 +13,10 @@ class WorkerLostError(ElasticError):
     The communicator that raised it is unusable; ``elastic.run`` restores the last
     commit and re-forms the ring for the next world version. Attributes say where:
     ``op`` (the collective), ``world_version``, ``rank`` (this worker), ``peer`` (the
-    suspected rank, or -1 when unknown, e.g. after an abort) and ``reason`` (one of
-    ``"peer_lost"``, ``"timeout"``, ``"aborted"``).
+    suspected rank, or -1 when unknown, e.g. after an abort) and ``reason``: ``"peer_lost"``
+    (the neighbour ``peer`` died or reset), ``"timeout"`` (``peer`` went silent), ``"propagated"``
+    (the neighbour ``peer`` is alive and gave up because of a failure further round the ring)
+    or ``"aborted"`` (``abort()`` was called, e.g. on a rendezvous notice).
     """
 
     def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1,
@@ -48,14 +50,21 @@ class HandshakeError(RendezvousError):
 class CollectiveMismatchError(ElasticError):
     """Ranks called different collectives (or with different sizes): a bug in the program."""
 
+    def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1, peer: int = -1):
+        super().__init__(message)
+        self.op = op
+        self.world_version = world_version
+        self.rank = rank
+        self.peer = peer
+
 
 class ElasticTimeout(ElasticError):
     """The job stayed below its minimum size for longer than its elastic timeout."""
 
 
 # Mirrors ering::ErrorKind in native/src/common.h.
-_PEER_LOST, _TIMEOUT, _ABORTED, _REFUSED, _INVALID, _MISMATCH = range(6)
-_REASONS = {_PEER_LOST: "peer_lost", _TIMEOUT: "timeout", _ABORTED: "aborted"}
+_PEER_LOST, _TIMEOUT, _ABORTED, _REFUSED, _INVALID, _MISMATCH, _PROPAGATED = range(7)
+_REASONS = {_PEER_LOST: "peer_lost", _TIMEOUT: "timeout", _ABORTED: "aborted", _PROPAGATED: "propagated"}
 
 
 def _from_native(kind: int, message: str, op: str, world_version: int, rank: int, peer: int) -> Exception:
@@ -66,5 +75,5 @@ def _from_native(kind: int, message: str, op: str, world_version: int, rank: int
     if kind == _REFUSED:
         return HandshakeError(message, world_version=world_version, rank=rank, peer=peer)
     if kind == _MISMATCH:
-        return CollectiveMismatchError(message)
+        return CollectiveMismatchError(message, op=op, world_version=world_version, rank=rank, peer=peer)
     return ValueError(message)

@@ -196,7 +196,9 @@ class Runtime:
     def report_failure(self, err: WorkerLostError) -> None:
         """Tells the server which peer broke, so it checks that peer at once instead of at its timeout."""
         world = self.world
-        if world is None or err.reason == "aborted" or not 0 <= err.peer < len(world.members):
+        # Aborted: the server already knows. Propagated: the neighbour is alive, the failed
+        # rank is further on and its own neighbour reports it.
+        if world is None or err.reason in ("aborted", "propagated") or not 0 <= err.peer < len(world.members):
             return
         suspect = world.members[err.peer].worker_id
         try:

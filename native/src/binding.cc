@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <memory>
+#include <mutex>
 
 #include "auth.h"
 #include "executor.h"
@@ -60,34 +61,56 @@ ReduceOp to_op(int op) {
 }
 
 struct PyListener {
+  std::mutex mu;
   std::shared_ptr<Listener> impl;
-  Listener& get() {
+  std::shared_ptr<Listener> get() {
+    std::lock_guard<std::mutex> g(mu);
     if (!impl) throw nb::value_error("listener is closed");
-    return *impl;
+    return impl;
+  }
+  void close() {
+    std::shared_ptr<Listener> l;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      l = std::move(impl);
+    }
   }
 };
 
-// A communicator plus its executor; close() is idempotent and also runs at destruction.
+// A communicator plus its executor. Every method takes shared_ptr snapshots under mu, so
+// close() from one thread never frees what abort() or a collective in another thread is
+// still using: the last snapshot to go frees it.
 struct PyComm {
+  std::mutex mu;
   std::shared_ptr<Listener> listener;
-  std::unique_ptr<Communicator> comm;
-  std::unique_ptr<Executor> exec;
-  size_t fusion_bytes;
+  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<Executor> exec;
+  size_t fusion_bytes = 0;
 
-  Communicator& c() {
+  std::shared_ptr<Communicator> c() {
+    std::lock_guard<std::mutex> g(mu);
     if (!comm) throw CommError(ErrorKind::Invalid, "communicator is closed");
-    return *comm;
+    return comm;
   }
-  Executor& e() {
-    if (!exec) throw CommError(ErrorKind::Invalid, "communicator is closed or not formed");
-    return *exec;
+  std::shared_ptr<Executor> e() {
+    std::lock_guard<std::mutex> g(mu);
+    if (!exec) {
+      if (!comm) throw CommError(ErrorKind::Aborted, "communicator is closed");
+      throw CommError(ErrorKind::Invalid, "communicator is not formed");
+    }
+    return exec;
   }
   void close() {
-    if (comm) comm->abort("communicator closed");
-    if (exec) exec->stop();
-    exec.reset();
-    comm.reset();
-    listener.reset();
+    std::shared_ptr<Communicator> c;
+    std::shared_ptr<Executor> e;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      c = std::move(comm);
+      e = std::move(exec);
+      listener.reset();
+    }
+    if (c) c->abort("communicator closed");
+    if (e) e->stop();
   }
   ~PyComm() { close(); }
 };
@@ -119,15 +142,17 @@ NB_MODULE(_native, m) {
                          "Listening socket for ring connections; open it before rendezvous and announce .address.")
       .def("__init__",
            [](PyListener* self, const std::string& host, int port, double handshake_timeout) {
-             new (self) PyListener{std::make_shared<Listener>(host, port, handshake_timeout)};
+             auto l = std::make_shared<Listener>(host, port, handshake_timeout);
+             new (self) PyListener();
+             self->impl = std::move(l);
            },
-           nb::arg("host") = "0.0.0.0", nb::arg("port") = 0, nb::arg("handshake_timeout") = 10.0)
-      .def_prop_ro("address", [](PyListener& l) { return l.get().address(); })
-      .def_prop_ro("port", [](PyListener& l) { return l.get().port(); })
-      .def_prop_ro("refusal_count", [](PyListener& l) { return l.get().refusal_count(); })
-      .def("refusals", [](PyListener& l) { return l.get().refusals(); },
+           nb::arg("host") = "127.0.0.1", nb::arg("port") = 0, nb::arg("handshake_timeout") = 5.0)
+      .def_prop_ro("address", [](PyListener& l) { return l.get()->address(); })
+      .def_prop_ro("port", [](PyListener& l) { return l.get()->port(); })
+      .def_prop_ro("refusal_count", [](PyListener& l) { return l.get()->refusal_count(); })
+      .def("refusals", [](PyListener& l) { return l.get()->refusals(); },
            "Recent refused connection attempts, oldest first.")
-      .def("close", [](PyListener& l) { l.impl.reset(); }, nb::call_guard<nb::gil_scoped_release>());
+      .def("close", &PyListener::close, nb::call_guard<nb::gil_scoped_release>());
 
   nb::class_<Work>(m, "Work").def("done", &Work::done, nb::call_guard<nb::gil_scoped_release>());
 
@@ -141,36 +166,57 @@ NB_MODULE(_native, m) {
              cfg.form_timeout_s = form_timeout;
              cfg.segment_bytes = segment_bytes;
              cfg.small_bytes = small_bytes;
-             std::shared_ptr<Listener> l = listener ? listener->impl : nullptr;
-             if (listener && !l) throw nb::value_error("listener is closed");
-             auto comm = std::make_unique<Communicator>(l.get(), job_id, std::string(secret.c_str(), secret.size()),
+             std::shared_ptr<Listener> l = listener ? listener->get() : nullptr;
+             auto comm = std::make_shared<Communicator>(l.get(), job_id, std::string(secret.c_str(), secret.size()),
                                                         world_version, rank, std::move(peers), cfg);
-             new (self) PyComm{l, std::move(comm), nullptr, fusion_bytes};
+             auto* pc = new (self) PyComm();
+             pc->listener = l;
+             pc->comm = std::move(comm);
+             pc->fusion_bytes = fusion_bytes;
            },
            nb::arg("listener").none(), nb::arg("job_id"), nb::arg("secret"), nb::arg("world_version"), nb::arg("rank"),
            nb::arg("peers"), nb::arg("timeout"), nb::arg("form_timeout"), nb::arg("segment_bytes"),
            nb::arg("small_bytes"), nb::arg("fusion_bytes"))
       .def("form",
            [](PyComm& s) {
-             s.c().form();
-             s.exec = std::make_unique<Executor>(s.comm.get(), s.fusion_bytes);
+             auto c = s.c();
+             c->form();
+             auto e = std::make_shared<Executor>(c, s.fusion_bytes);
+             std::lock_guard<std::mutex> g(s.mu);
+             if (!s.comm) {  // closed while forming
+               e->stop();
+               throw CommError(ErrorKind::Aborted, "communicator closed while forming", "form");
+             }
+             s.exec = std::move(e);
            },
            nb::call_guard<nb::gil_scoped_release>())
-      .def("abort", [](PyComm& s, const std::string& reason) { if (s.comm) s.comm->abort(reason); },
+      .def("abort",
+           [](PyComm& s, const std::string& reason) {
+             std::shared_ptr<Communicator> c;
+             {
+               std::lock_guard<std::mutex> g(s.mu);
+               c = s.comm;
+             }
+             if (c) c->abort(reason);
+           },
            nb::arg("reason") = "", nb::call_guard<nb::gil_scoped_release>())
       .def("close", &PyComm::close, nb::call_guard<nb::gil_scoped_release>())
-      .def_prop_ro("rank", [](PyComm& s) { return s.c().rank(); })
-      .def_prop_ro("size", [](PyComm& s) { return s.c().size(); })
-      .def_prop_ro("world_version", [](PyComm& s) { return s.c().world_version(); })
-      .def_prop_ro("ops_run", [](PyComm& s) { return s.c().ops_run(); })
-      .def_prop_ro("failed", [](PyComm& s) { return !s.comm || s.comm->failed(); })
+      .def_prop_ro("rank", [](PyComm& s) { return s.c()->rank(); })
+      .def_prop_ro("size", [](PyComm& s) { return s.c()->size(); })
+      .def_prop_ro("world_version", [](PyComm& s) { return s.c()->world_version(); })
+      .def_prop_ro("ops_run", [](PyComm& s) { return s.c()->ops_run(); })
+      .def_prop_ro("failed",
+                   [](PyComm& s) {
+                     std::lock_guard<std::mutex> g(s.mu);
+                     return !s.comm || s.comm->failed();
+                   })
       .def("allreduce_",
            [](PyComm& s, Array a, int op) {
              Buffer b = to_buffer(a, "allreduce");
              ReduceOp rop = to_op(op);
              nb::gil_scoped_release nogil;
-             Communicator* c = &s.c();
-             s.e().run([&] { c->allreduce(b.ptr, b.count, b.dtype, rop); });
+             auto c = s.c();
+             s.e()->run([&] { c->allreduce(b.ptr, b.count, b.dtype, rop); });
            },
            nb::arg("array").noconvert(), nb::arg("op"))
       .def("allreduce_async_",
@@ -178,19 +224,31 @@ NB_MODULE(_native, m) {
              Buffer b = to_buffer(a, "allreduce_async_");
              ReduceOp rop = to_op(op);
              nb::gil_scoped_release nogil;
-             return s.e().allreduce_async(b.ptr, b.count, b.dtype, rop);
+             return s.e()->allreduce_async(b.ptr, b.count, b.dtype, rop);
            },
            nb::arg("array").noconvert(), nb::arg("op"))
-      .def("wait", [](PyComm& s, std::shared_ptr<Work> w) { s.e().wait(w); }, nb::arg("work"),
+      .def("wait",
+           [](PyComm& s, std::shared_ptr<Work> w) {
+             std::shared_ptr<Executor> e;
+             {
+               std::lock_guard<std::mutex> g(s.mu);
+               e = s.exec;
+             }
+             // After close() every submitted Work has finished (the executor drains its
+             // queue on a dead ring), so its own error is the answer.
+             if (e) e->wait(w);
+             else w->wait();
+           },
+           nb::arg("work"),
            nb::call_guard<nb::gil_scoped_release>())
-      .def("flush", [](PyComm& s) { s.e().flush(); }, nb::call_guard<nb::gil_scoped_release>())
+      .def("flush", [](PyComm& s) { s.e()->flush(); }, nb::call_guard<nb::gil_scoped_release>())
       .def("broadcast_",
            [](PyComm& s, Array a, int root) {
              Buffer b = to_buffer(a, "broadcast_");
              size_t bytes = b.count * dtype_size(b.dtype);
              nb::gil_scoped_release nogil;
-             Communicator* c = &s.c();
-             s.e().run([&] { c->broadcast(b.ptr, bytes, root); });
+             auto c = s.c();
+             s.e()->run([&] { c->broadcast(b.ptr, bytes, root); });
            },
            nb::arg("array").noconvert(), nb::arg("root"))
       .def("allgather_",
@@ -202,16 +260,16 @@ NB_MODULE(_native, m) {
              if (total != bo.count * dtype_size(bo.dtype))
                throw nb::value_error("allgather: output size does not match the sum of per-rank sizes");
              nb::gil_scoped_release nogil;
-             Communicator* c = &s.c();
+             auto c = s.c();
              if (bytes_per_rank.size() == size_t(c->size()) && bi.count * dtype_size(bi.dtype) != bytes_per_rank[c->rank()])
                throw CommError(ErrorKind::Invalid, "allgather: input size does not match this rank's entry");
-             s.e().run([&] { c->allgather(bi.ptr, bo.ptr, bytes_per_rank); });
+             s.e()->run([&] { c->allgather(bi.ptr, bo.ptr, bytes_per_rank); });
            },
            nb::arg("input").noconvert(), nb::arg("output").noconvert(), nb::arg("bytes_per_rank"))
       .def("barrier",
            [](PyComm& s) {
-             Communicator* c = &s.c();
-             s.e().run([c] { c->barrier(); });
+             auto c = s.c();
+             s.e()->run([c] { c->barrier(); });
            },
            nb::call_guard<nb::gil_scoped_release>());
 

@@ -31,6 +31,7 @@ enum class ErrorKind : int {
   Refused = 3,    // a handshake was refused (wrong job, secret or world version)
   Invalid = 4,    // bad arguments; the communicator is still usable
   Mismatch = 5,   // ranks called different collectives (a program bug)
+  Propagated = 6, // a neighbour failed or aborted because of a failure elsewhere in the ring
 };
 
 class CommError : public std::runtime_error {

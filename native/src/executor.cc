@@ -27,7 +27,8 @@ bool Work::done() {
   return done_;
 }
 
-Executor::Executor(Communicator* comm, size_t fusion_bytes) : comm_(comm), fusion_bytes_(fusion_bytes) {
+Executor::Executor(std::shared_ptr<Communicator> comm, size_t fusion_bytes)
+    : comm_(std::move(comm)), fusion_bytes_(fusion_bytes) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -36,12 +37,17 @@ Executor::~Executor() { stop(); }
 void Executor::stop() {
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (stop_) return;
-    close_bucket_locked();
-    stop_ = true;
-    cv_.notify_all();
+    if (!stop_) {
+      close_bucket_locked();  // queued work still runs (and fails fast on an aborted ring)
+      stop_ = true;
+      cv_.notify_all();
+    }
   }
-  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> j(join_mu_);
+  if (!joined_ && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
+    thread_.join();
+    joined_ = true;
+  }
 }
 
 void Executor::close_bucket_locked() {

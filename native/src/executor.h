@@ -35,7 +35,8 @@ class Work {
 
 class Executor {
  public:
-  Executor(Communicator* comm, size_t fusion_bytes);
+  // Shares ownership of comm so the communicator outlives the executor thread.
+  Executor(std::shared_ptr<Communicator> comm, size_t fusion_bytes);
   ~Executor();  // aborting is the caller's job; this only stops the thread
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -65,7 +66,7 @@ class Executor {
   void loop();
   void execute(Job& job);
 
-  Communicator* comm_;
+  std::shared_ptr<Communicator> comm_;
   size_t fusion_bytes_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -73,6 +74,8 @@ class Executor {
   std::vector<Entry> open_;
   size_t open_bytes_ = 0;
   bool stop_ = false;
+  bool joined_ = false;
+  std::mutex join_mu_;  // two concurrent stop() calls must not both join
   std::vector<char> fusion_buf_;
   std::thread thread_;
 };

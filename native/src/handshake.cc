@@ -80,9 +80,9 @@ Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason) {
     *reason = "job mismatch: this worker is in job '" + e.job_id + "', the peer is in job '" + h.job_id + "'";
     return Verdict::Refuse;
   }
-  if (h.world_version < e.world_version) {
+  if (h.world_version < e.world_version || (e.retired && h.world_version == e.world_version)) {
     *reason = "stale world version " + std::to_string(h.world_version) + ": this worker is at world version " +
-              std::to_string(e.world_version);
+              std::to_string(e.world_version) + (e.retired ? " (closed)" : "");
     return Verdict::Refuse;
   }
   if (h.world_version > e.world_version) return Verdict::Park;

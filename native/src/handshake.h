@@ -2,10 +2,11 @@
 //
 // Connector -> acceptor: HELLO  (job, world version, ranks, connector nonce)
 // Acceptor -> connector: ACK    (status; on OK: acceptor nonce)
-// Connector -> acceptor: PROOF  (MAC over both nonces proving the connector holds the secret)
+// Connector -> acceptor: PROOF  (MAC over HELLO and both nonces: the connector holds the secret)
 // Acceptor -> connector: RESULT (status; on OK: the acceptor's MAC, else the reason)
-// The connector proves first so that a wrong secret is caught, and reported, by the
-// acceptor as well as by the connector.
+// The acceptor judges the HELLO only after the PROOF checks out, so an unauthenticated
+// peer learns nothing about the ring (not even the job id) and cannot park connections;
+// a peer that holds the secret gets the precise reason (stale version, wrong rank, ...).
 // Every message starts with a 12-byte header: magic "ERNG", protocol version,
 // type, status, body length (big-endian). See native/README.md.
 #pragma once
@@ -61,15 +62,14 @@ struct Expectation {
   uint32_t rank = 0;
   uint32_t prev_rank = 0;
   uint32_t world_size = 0;
-  // The predecessor of this world version is already connected. Checked only after
-  // authentication, so an unauthenticated peer learns nothing about the ring.
-  bool connected = false;
+  bool connected = false;     // the predecessor of this world version is already connected
+  bool retired = false;       // the communicator of this version is gone: refuse, don't park
 };
 
 enum class Verdict { Accept, Park, Refuse };
 
-// Pure decision on a HELLO: Park (hold, unanswered) when this worker has not yet
-// reached the peer's world version, so a fast neighbour does not have to retry.
+// Pure decision on an authenticated HELLO: Park (hold, unanswered) when this worker has
+// not yet reached the peer's world version, so a fast neighbour does not have to retry.
 Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason);
 
 // MAC over the transcript; role distinguishes the two proofs so one cannot be replayed as the other.

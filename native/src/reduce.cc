@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -137,8 +138,14 @@ inline __attribute__((always_inline)) void loop_native<uint8_t, Sum>(uint8_t* __
 
 template <class T>
 inline __attribute__((always_inline)) void scale_loop(T* __restrict d, size_t n, int k) {
-  const T div = T(k);
-  for (size_t i = 0; i < n; ++i) d[i] = d[i] / div;
+  if constexpr (std::is_integral_v<T>) {
+    // In 64 bits: T(k) would be 0 for uint8 at 256 ranks.
+    const int64_t div = k;
+    for (size_t i = 0; i < n; ++i) d[i] = T(int64_t(d[i]) / div);
+  } else {
+    const T div = T(k);
+    for (size_t i = 0; i < n; ++i) d[i] = d[i] / div;
+  }
 }
 
 }  // namespace
@@ -208,6 +215,26 @@ void scale_down(void* dst, size_t count, DType dtype, int divisor) {
     case DType::Int32: scale_loop(static_cast<int32_t*>(dst), count, divisor); break;
     case DType::Int64: scale_loop(static_cast<int64_t*>(dst), count, divisor); break;
     case DType::UInt8: scale_loop(static_cast<uint8_t*>(dst), count, divisor); break;
+  }
+}
+
+void widen_to_f32(float* dst, const void* src, size_t count, DType dtype) {
+  if (dtype == DType::Float16) {
+    const half* s = static_cast<const half*>(src);
+    for (size_t i = 0; i < count; ++i) dst[i] = float(s[i]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(s[i]);
+  }
+}
+
+void narrow_from_f32(void* dst, const float* src, size_t count, DType dtype) {
+  if (dtype == DType::Float16) {
+    half* d = static_cast<half*>(dst);
+    for (size_t i = 0; i < count; ++i) d[i] = half(src[i]);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (size_t i = 0; i < count; ++i) d[i] = f32_to_bf16(src[i]);
   }
 }
 

@@ -13,6 +13,10 @@ void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp
 // dst[i] = dst[i] / divisor (floats: IEEE division; integers: truncating division).
 void scale_down(void* dst, size_t count, DType dtype, int divisor);
 
+// float16/bfloat16 <-> float32, rounding to nearest even; used to sum 16-bit tensors in float32.
+void widen_to_f32(float* dst, const void* src, size_t count, DType dtype);
+void narrow_from_f32(void* dst, const float* src, size_t count, DType dtype);
+
 // dst = srcs[0] op srcs[1] op ... op srcs[n-1], in that order, then / n for Average.
 // float16/bfloat16 accumulate all n inputs in float32 and round once.
 // dst may alias srcs[k] for any k.

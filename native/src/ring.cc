@@ -166,12 +166,19 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
   if (cfg_.segment_bytes < 64) throw CommError(ErrorKind::Invalid, "segment_bytes must be at least 64");
   if (peers_.size() > 1) {
     if (!listener_) throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
-    for (auto& p : peers_) parse_address(p);  // reject bad addresses before touching the network
+    for (auto& p : peers_) {  // reject bad addresses before touching the network
+      HostPort hp = parse_address(p);
+      if (hp.host == "0.0.0.0" || hp.host == "::" || hp.host.empty())
+        throw CommError(ErrorKind::Invalid, "peer address '" + p + "' is a wildcard: announce an address other "
+                                                "hosts can connect to (bind the listener to it)");
+    }
   }
 }
 
 Communicator::~Communicator() {
   if (links_) links_->shutdown();
+  // Nobody will take a connection for this version any more: refuse late neighbours at once.
+  if (listener_ && size() > 1) listener_->retire(world_version_);
 }
 
 void Communicator::abort(const std::string& reason) {
@@ -182,6 +189,7 @@ void Communicator::abort(const std::string& reason) {
   failed_.store(true);
   abort_.fire();
   // Wake both neighbours too: they fail within a round trip instead of at their deadline.
+  std::lock_guard<std::mutex> g(err_mu_);
   if (links_) links_->shutdown();
 }
 
@@ -215,7 +223,9 @@ void Communicator::form() {
     next_fd = connect_ring_peer(peers_[next], h, secret_, deadline, abort_);
     int prev_fd = listener_->take(world_version_, deadline, abort_, rank_, prev);
     LinkContext ctx{rank_, n, world_version_, next, prev, peers_[next], peers_[prev]};
-    links_ = std::make_unique<TcpLinks>(next_fd, prev_fd, ctx, &abort_, cfg_.timeout_s);
+    auto links = std::make_unique<TcpLinks>(next_fd, prev_fd, ctx, &abort_, cfg_.timeout_s);
+    std::lock_guard<std::mutex> g(err_mu_);
+    links_ = std::move(links);
   } catch (CommError& err) {
     if (next_fd >= 0 && !links_) ::close(next_fd);
     failed_.store(true);
@@ -224,6 +234,7 @@ void Communicator::form() {
     throw;
   }
   formed_ = true;
+  std::lock_guard<std::mutex> g(err_mu_);
   if (abort_.fired()) links_->shutdown();  // abort() raced with the end of form()
 }
 
@@ -251,12 +262,20 @@ template <class F>
 void Communicator::guarded(const char* name, F&& body) {
   check_usable(name);
   try {
-    body();
+    try {
+      body();
+    } catch (CommError&) {
+      throw;
+    } catch (std::exception& other) {
+      // e.g. bad_alloc after the op sequence advanced: the ring is out of step, so poison it.
+      throw CommError(ErrorKind::Aborted, std::string(name) + " failed on rank " + std::to_string(rank_) + ": " +
+                                              other.what(), name, int64_t(world_version_), rank_, -1);
+    }
   } catch (CommError& err) {
     if (err.kind == ErrorKind::Invalid) throw;
     failed_.store(true);
-    if (links_) links_->shutdown();
     std::lock_guard<std::mutex> g(err_mu_);
+    if (links_) links_->shutdown();
     if (err.kind == ErrorKind::Aborted && !abort_reason_.empty())
       err = CommError(err.kind, std::string(err.what()) + " (" + abort_reason_ + ")", err.op, err.world_version,
                       err.rank, err.peer);
@@ -293,6 +312,17 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) 
       return;
     }
     OpInfo info = make_op("allreduce", tag, what);
+    if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
+      // Sums of 16-bit floats travel and accumulate as float32 and are rounded once at the
+      // end, as the small path does: no overflow of partial sums, one rounding.
+      std::vector<float> wide(count);
+      widen_to_f32(wide.data(), buf, count, dtype);
+      AllreducePlan plan(reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, rank_, n,
+                         cfg_.segment_bytes, scratch_);
+      links_->run(plan, info);
+      narrow_from_f32(buf, wide.data(), count, dtype);
+      return;
+    }
     AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
     links_->run(plan, info);
   });

@@ -160,7 +160,9 @@ struct Listener::Pending {
   int fd = -1;
   std::string peer;
   Clock::time_point deadline;
-  enum State { ReadHello, Parked, ReadProof } state = ReadHello;
+  // ReadHello -> (WaitActive ->) ReadProof -> (Parked ->) delivered or refused
+  enum State { ReadHello, WaitActive, ReadProof, Parked } state = ReadHello;
+  bool authenticated = false;
   std::vector<uint8_t> buf;
   size_t have = 0;
   bool header_done = false;
@@ -168,12 +170,18 @@ struct Listener::Pending {
   Hello hello;
   std::vector<uint8_t> hello_body;
   std::array<uint8_t, kNonceBytes> nonce{};
-  Expectation accepted;  // the expectation this connection was accepted under
 };
+
+namespace {
+Clock::time_point after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+}  // namespace
 
 Listener::Listener(const std::string& host, int port, double handshake_timeout_s)
     : host_(host), handshake_timeout_s_(handshake_timeout_s) {
   if (port < 0 || port > 65535) throw CommError(ErrorKind::Invalid, "invalid listen port " + std::to_string(port));
+  if (!(handshake_timeout_s > 0)) throw CommError(ErrorKind::Invalid, "handshake timeout must be positive");
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -210,14 +218,18 @@ Listener::Listener(const std::string& host, int port, double handshake_timeout_s
 
 Listener::~Listener() {
   stop_.store(true);
-  uint64_t one = 1;
-  ssize_t r = ::write(wake_fd_, &one, sizeof(one));
-  (void)r;
+  wake();
   if (thread_.joinable()) thread_.join();
   if (slot_fd_ >= 0) ::close(slot_fd_);
   ::close(listen_fd_);
   ::close(wake_fd_);
   ::close(ready_fd_);
+}
+
+void Listener::wake() {
+  uint64_t one = 1;
+  ssize_t r = ::write(wake_fd_, &one, sizeof(one));
+  (void)r;
 }
 
 std::string Listener::address() const {
@@ -235,9 +247,20 @@ void Listener::expect(const Expectation& e) {
       slot_fd_ = -1;
     }
   }
-  uint64_t one = 1;
-  ssize_t r = ::write(wake_fd_, &one, sizeof(one));
-  (void)r;
+  wake();
+}
+
+void Listener::retire(uint64_t world_version) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!expect_.active || expect_.world_version != world_version) return;
+    expect_.retired = true;
+    if (slot_fd_ >= 0) {
+      ::close(slot_fd_);
+      slot_fd_ = -1;
+    }
+  }
+  wake();
 }
 
 int Listener::take(uint64_t world_version, Clock::time_point deadline, const AbortSignal& abort, int rank,
@@ -290,55 +313,77 @@ void Listener::record_refusal(const std::string& peer, const std::string& reason
   (void)r;
 }
 
-void Listener::refuse(Pending& p, const std::string& reason, bool reply) {
-  if (reply) {
-    std::vector<uint8_t> body(reason.begin(), reason.end());
-    MsgType type = p.state == Pending::ReadProof ? MsgType::Result : MsgType::Ack;
-    auto msg = encode_message(type, Status::Refused, body);
-    ssize_t w = ::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL);
-    (void)w;
-  }
-  record_refusal(p.peer, reason);
+void Listener::close_pending(Pending& p) {
   ::close(p.fd);
   p.fd = -1;
 }
 
-void Listener::judge(Pending& p) {
-  Expectation e;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    e = expect_;
+void Listener::refuse(Pending& p, const std::string& told, const std::string& logged) {
+  // Recorded before answering, so the refusal is on record once the peer hears of it.
+  record_refusal(p.peer, logged.empty() ? told : logged);
+  if (!told.empty()) {
+    std::vector<uint8_t> body(told.begin(), told.end());
+    MsgType type = p.state == Pending::ReadHello ? MsgType::Ack : MsgType::Result;
+    auto msg = encode_message(type, Status::Refused, body);
+    ssize_t w = ::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL);
+    (void)w;
   }
+  close_pending(p);
+}
+
+void Listener::send_ack(Pending& p) {
+  random_bytes(p.nonce.data(), p.nonce.size());
+  auto msg = encode_message(MsgType::Ack, Status::Ok, std::vector<uint8_t>(p.nonce.begin(), p.nonce.end()));
+  if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
+    close_pending(p);
+    return;
+  }
+  p.state = Pending::ReadProof;
+  p.buf.assign(kHeaderBytes, 0);
+  p.have = 0;
+  p.header_done = false;
+  p.deadline = after(handshake_timeout_s_);
+}
+
+// Called once the peer is authenticated, and again for parked peers when the expectation moves.
+void Listener::decide(Pending& p) {
+  std::unique_lock<std::mutex> g(mu_);
+  Expectation e = expect_;
   std::string reason;
-  switch (judge_hello(p.hello, e, &reason)) {
-    case Verdict::Park:
-      if (p.state != Pending::Parked) {
-        p.state = Pending::Parked;
-        p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kParkSeconds));
-      }
-      return;
-    case Verdict::Refuse:
-      p.state = Pending::ReadHello;
-      refuse(p, reason, true);
-      return;
-    case Verdict::Accept: {
-      random_bytes(p.nonce.data(), p.nonce.size());
-      std::vector<uint8_t> body(p.nonce.begin(), p.nonce.end());
-      auto msg = encode_message(MsgType::Ack, Status::Ok, body);
-      if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
-        ::close(p.fd);
-        p.fd = -1;
-        return;
-      }
-      p.accepted = e;
-      p.state = Pending::ReadProof;
-      p.buf.assign(kHeaderBytes, 0);
-      p.have = 0;
-      p.header_done = false;
-      p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(handshake_timeout_s_));
-      return;
+  Verdict v = judge_hello(p.hello, e, &reason);
+  if (v == Verdict::Park) {
+    g.unlock();
+    if (p.state != Pending::Parked) {
+      p.state = Pending::Parked;
+      p.deadline = after(kParkSeconds);
     }
+    return;
   }
+  if (v == Verdict::Accept && (slot_fd_ >= 0 || e.connected)) {
+    v = Verdict::Refuse;
+    reason = "duplicate connection from rank " + std::to_string(p.hello.from_rank) + ": world version " +
+             std::to_string(p.hello.world_version) + " is already connected";
+  }
+  if (v == Verdict::Refuse) {
+    g.unlock();
+    p.state = Pending::ReadProof;  // the answer is a RESULT
+    refuse(p, reason, "");
+    return;
+  }
+  Digest mine = handshake_mac(e.secret, "acceptor", p.hello_body, p.nonce.data());
+  auto msg = encode_message(MsgType::Result, Status::Ok, std::vector<uint8_t>(mine.begin(), mine.end()));
+  if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
+    g.unlock();
+    close_pending(p);
+    return;
+  }
+  slot_fd_ = p.fd;
+  slot_version_ = e.world_version;
+  p.fd = -1;
+  g.unlock();
+  uint64_t one = 1;
+  ssize_t w = ::write(ready_fd_, &one, sizeof(one));
+  (void)w;
 }
 
 bool Listener::advance(Pending& p) {
@@ -346,8 +391,7 @@ bool Listener::advance(Pending& p) {
     ssize_t r = ::recv(p.fd, p.buf.data() + p.have, p.buf.size() - p.have, 0);
     if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
       // A connector that gives up (its own deadline, or a probe) just goes away.
-      ::close(p.fd);
-      p.fd = -1;
+      close_pending(p);
       return false;
     }
     if (r < 0) return true;
@@ -356,12 +400,12 @@ bool Listener::advance(Pending& p) {
     if (!p.header_done) {
       std::string why;
       if (!decode_header(p.buf.data(), &p.header, &why)) {
-        refuse(p, why, false);
+        refuse(p, "", why);  // garbage: no answer
         return false;
       }
       MsgType want = p.state == Pending::ReadProof ? MsgType::Proof : MsgType::Hello;
       if (p.header.type != want) {
-        refuse(p, "unexpected handshake message type", true);
+        refuse(p, "", "unexpected handshake message type");
         return false;
       }
       p.header_done = true;
@@ -369,71 +413,71 @@ bool Listener::advance(Pending& p) {
       p.have = 0;
       if (p.header.body_len > 0) continue;
     }
-    // A whole message body is in p.buf.
     if (p.state == Pending::ReadHello) {
       std::string why;
       if (!decode_hello_body(p.buf.data(), p.buf.size(), &p.hello, &why)) {
-        refuse(p, why, true);
+        refuse(p, "", why);
         return false;
       }
       p.hello_body = p.buf;
-      judge(p);
+      bool active;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        active = expect_.active;
+      }
+      if (active) {
+        send_ack(p);
+      } else {
+        // No communicator has started forming yet, so there is no secret to check against:
+        // hold the connection (unauthenticated, so only for the short handshake timeout).
+        p.state = Pending::WaitActive;
+        p.deadline = after(handshake_timeout_s_);
+      }
       return p.fd >= 0;
     }
-    // PROOF: check the connector's MAC, then deliver the connection to take().
-    Digest want = handshake_mac(p.accepted.secret, "connector", p.hello_body, p.nonce.data());
+    // PROOF: the connector must hold this job's secret before it learns anything.
+    std::string secret;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      secret = expect_.secret;
+    }
+    Digest want = handshake_mac(secret, "connector", p.hello_body, p.nonce.data());
     if (p.buf.size() != want.size() || !digest_equal(p.buf.data(), want.data(), want.size())) {
-      refuse(p, "authentication failed: rank " + std::to_string(p.hello.from_rank) +
-                    " does not hold this job's secret", true);
+      refuse(p, "authentication failed: the peer does not hold this job's secret (or belongs to another job)",
+             "authentication failed: the peer, claiming job '" + p.hello.job_id + "' world version " +
+                 std::to_string(p.hello.world_version) + " rank " + std::to_string(p.hello.from_rank) +
+                 ", does not hold this job's secret");
       return false;
     }
-    std::unique_lock<std::mutex> g(mu_);
-    std::string why;
-    if (!expect_.active || expect_.world_version != p.accepted.world_version) {
-      g.unlock();
-      refuse(p, "world version " + std::to_string(p.accepted.world_version) +
-                    " was superseded during the handshake", true);
-      return false;
-    }
-    if (slot_fd_ >= 0 || expect_.connected) {
-      g.unlock();
-      refuse(p, "duplicate connection from rank " + std::to_string(p.hello.from_rank) + ": world version " +
-                    std::to_string(p.accepted.world_version) + " is already connected", true);
-      return false;
-    }
-    Digest mine = handshake_mac(p.accepted.secret, "acceptor", p.hello_body, p.nonce.data());
-    auto msg = encode_message(MsgType::Result, Status::Ok, std::vector<uint8_t>(mine.begin(), mine.end()));
-    if (::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) {
-      ::close(p.fd);
-      p.fd = -1;
-      return false;
-    }
-    slot_fd_ = p.fd;
-    slot_version_ = p.accepted.world_version;
-    p.fd = -1;
-    g.unlock();
-    uint64_t one = 1;
-    ssize_t w = ::write(ready_fd_, &one, sizeof(one));
-    (void)w;
-    return false;
+    p.authenticated = true;
+    decide(p);
+    return false;  // decided: delivered, refused or parked (a parked entry is kept by the caller)
   }
 }
 
 void Listener::loop() {
   std::vector<std::unique_ptr<Pending>> pending;
   std::vector<pollfd> fds;
+  bool accept_paused = false;  // out of file descriptors: stop polling the listening socket briefly
+  auto accept_resume = Clock::now();
   while (!stop_.load()) {
     fds.clear();
     fds.push_back({wake_fd_, POLLIN, 0});
-    fds.push_back({listen_fd_, POLLIN, 0});
+    if (accept_paused && Clock::now() >= accept_resume) accept_paused = false;
+    fds.push_back({listen_fd_, short(accept_paused ? 0 : POLLIN), 0});
     auto next_deadline = Clock::now() + std::chrono::seconds(60);
+    if (accept_paused) next_deadline = std::min(next_deadline, accept_resume);
     for (auto& p : pending) {
-      // Parked connections are only watched for hang-up, not read.
-      fds.push_back({p->fd, short(p->state == Pending::Parked ? POLLRDHUP : POLLIN), 0});
+      // Waiting connections are only watched for hang-up, not read.
+      bool waiting = p->state == Pending::Parked || p->state == Pending::WaitActive;
+      fds.push_back({p->fd, short(waiting ? POLLRDHUP : POLLIN), 0});
       next_deadline = std::min(next_deadline, p->deadline);
     }
     int r = poll(fds.data(), fds.size(), poll_ms_until(next_deadline));
-    if (r < 0 && errno != EINTR) break;
+    if (r < 0 && errno != EINTR) {
+      record_refusal("(listener)", std::string("poll failed: ") + errno_text(errno));
+      continue;
+    }
     bool rejudge = false;
     if (fds[0].revents) {
       uint64_t v;
@@ -443,11 +487,9 @@ void Listener::loop() {
     }
     for (size_t i = 0; i < pending.size(); ++i) {
       Pending& p = *pending[i];
-      short rev = fds[i + 2].revents;
-      if (!rev) continue;
-      if (p.state == Pending::Parked) {
-        ::close(p.fd);
-        p.fd = -1;
+      if (!fds[i + 2].revents || p.fd < 0) continue;
+      if (p.state == Pending::Parked || p.state == Pending::WaitActive) {
+        close_pending(p);
       } else {
         advance(p);
       }
@@ -455,17 +497,25 @@ void Listener::loop() {
     auto now = Clock::now();
     for (auto& p : pending) {
       if (p->fd < 0) continue;
-      if (rejudge && p->state == Pending::Parked) judge(*p);
+      if (rejudge && p->state == Pending::WaitActive) {
+        bool active;
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          active = expect_.active;
+        }
+        if (active) send_ack(*p);
+      } else if (rejudge && p->state == Pending::Parked) {
+        decide(*p);
+      }
       if (p->fd >= 0 && now >= p->deadline) {
-        if (p->state == Pending::Parked) {
+        if (p->state == Pending::Parked || p->state == Pending::WaitActive) {
           // Tell the connector to come back later rather than leave it guessing.
-          auto msg = encode_message(MsgType::Ack, Status::NotReady, {});
+          auto msg = encode_message(p->state == Pending::Parked ? MsgType::Result : MsgType::Ack, Status::NotReady, {});
           ssize_t w = ::send(p->fd, msg.data(), msg.size(), MSG_NOSIGNAL);
           (void)w;
-          ::close(p->fd);
-          p->fd = -1;
+          close_pending(*p);
         } else {
-          refuse(*p, "handshake not completed within " + std::to_string(int(handshake_timeout_s_)) + " s", false);
+          refuse(*p, "", "handshake not completed within " + std::to_string(handshake_timeout_s_) + " s");
         }
       }
     }
@@ -473,20 +523,34 @@ void Listener::loop() {
     if (fds[1].revents) {
       for (;;) {
         int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) break;
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            accept_paused = true;  // the socket stays readable: don't spin on it
+            accept_resume = Clock::now() + std::chrono::milliseconds(50);
+          }
+          break;
+        }
         if (pending.size() >= kMaxPending) {
-          record_refusal(peer_name(fd), "too many handshakes in progress");
-          ::close(fd);
-          continue;
+          // Full: drop the oldest connection that has not authenticated, so a flood of
+          // silent strays cannot lock the real neighbour out.
+          auto victim = std::find_if(pending.begin(), pending.end(), [](auto& p) { return !p->authenticated; });
+          if (victim == pending.end()) {
+            record_refusal(peer_name(fd), "too many handshakes in progress");
+            ::close(fd);
+            continue;
+          }
+          refuse(**victim, "", "dropped: too many handshakes in progress");
+          pending.erase(victim);
         }
         auto p = std::make_unique<Pending>();
         p->fd = fd;
         p->peer = peer_name(fd);
         p->buf.assign(kHeaderBytes, 0);
-        p->deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(handshake_timeout_s_));
+        p->deadline = after(handshake_timeout_s_);
         tune_ring_socket(fd);
         // Data may already be waiting; advancing now saves a poll round trip.
-        if (advance(*p)) pending.push_back(std::move(p));
+        advance(*p);
+        if (p->fd >= 0) pending.push_back(std::move(p));
       }
     }
   }
@@ -592,6 +656,13 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
       if (e == ETIMEDOUT) throw fail(ErrorKind::Timeout, "no handshake with " + peer + " before the deadline");
       throw fail(ErrorKind::PeerLost, peer + " closed the connection during the handshake");
     }
+    if (h.status == Status::NotReady) {
+      ::close(fd);
+      last_problem = peer + " has not reached world version " + std::to_string(hello.world_version);
+      backoff_sleep(backoff_ms, abort);
+      backoff_ms = std::min(backoff_ms * 2, 100);
+      continue;
+    }
     if (h.status != Status::Ok) {
       ::close(fd);
       throw fail(ErrorKind::Refused, peer + " refused the ring connection: " + std::string(body.begin(), body.end()));
@@ -630,11 +701,31 @@ TcpLinks::~TcpLinks() {
   if (prev_fd_ >= 0) ::close(prev_fd_);
 }
 
+// One TCP urgent (out-of-band) byte sent before the FIN: it does not disturb the data
+// stream, and it tells a neighbour that this rank is alive and gave up because of a
+// failure elsewhere, so the neighbour does not blame it.
+constexpr char kPoisonByte = 'P';
+
 void TcpLinks::shutdown() {
+  if (!poisoned_.exchange(true)) {
+    for (int fd : {next_fd_, prev_fd_})
+      if (fd >= 0) {
+        ssize_t w = ::send(fd, &kPoisonByte, 1, MSG_OOB | MSG_DONTWAIT | MSG_NOSIGNAL);
+        (void)w;
+      }
+  }
   // shutdown(), not close(): safe while another thread is inside poll() on these fds,
   // and it sends FIN at once so both neighbours see EOF.
   if (next_fd_ >= 0) ::shutdown(next_fd_, SHUT_RDWR);
   if (prev_fd_ >= 0) ::shutdown(prev_fd_, SHUT_RDWR);
+}
+
+void TcpLinks::lost(const OpInfo& op, int fd, int peer, const std::string& name, const std::string& what) {
+  char b = 0;
+  if (::recv(fd, &b, 1, MSG_OOB | MSG_DONTWAIT) == 1 && b == kPoisonByte)
+    fail(ErrorKind::Propagated, op, peer,
+         name + " gave up because of a failure elsewhere in the ring (it is alive; the failed rank is further on)");
+  fail(ErrorKind::PeerLost, op, peer, what);
 }
 
 void TcpLinks::fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what) {
@@ -679,7 +770,7 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
           if (si < nsend) { sspan = plan.send_span(si); shdr = {op.seq, op.tag, si, sspan.bytes}; }
         }
       } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(ErrorKind::PeerLost, op, ctx_.next_rank, "connection to " + next_name + " lost: " + errno_text(errno));
+        lost(op, next_fd_, ctx_.next_rank, next_name, "connection to " + next_name + " lost: " + errno_text(errno));
       }
     }
     if (ri < nrecv) {
@@ -693,9 +784,9 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
       mh.msg_iovlen = n;
       ssize_t r = ::recvmsg(prev_fd_, &mh, MSG_DONTWAIT);
       if (r == 0) {
-        fail(ErrorKind::PeerLost, op, ctx_.prev_rank, "connection to " + prev_name + " closed (peer exited or failed)");
+        lost(op, prev_fd_, ctx_.prev_rank, prev_name, "connection to " + prev_name + " closed (peer exited or failed)");
       } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(ErrorKind::PeerLost, op, ctx_.prev_rank, "connection to " + prev_name + " lost: " + errno_text(errno));
+        lost(op, prev_fd_, ctx_.prev_rank, prev_name, "connection to " + prev_name + " lost: " + errno_text(errno));
       } else if (r > 0) {
         size_t before = roff;
         roff += size_t(r);
@@ -728,7 +819,9 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
     pollfd fds[3];
     fds[0] = {abort_->fd(), POLLIN, 0};
     // The next rank never sends on this connection, so readable means it closed.
-    fds[1] = {next_fd_, short(si < nsend ? ((can_send ? POLLOUT : 0) | POLLIN | POLLRDHUP) : 0), 0};
+    fds[1] = {next_fd_, short(si < nsend ? ((can_send ? POLLOUT : 0) | POLLIN | POLLRDHUP | POLLPRI) : 0), 0};
+    // No POLLPRI on prev: a neighbour that finished and closed may leave its marker ahead of
+    // data we still have to read; the marker is only consulted once the stream ends.
     fds[2] = {prev_fd_, short(ri < nrecv ? POLLIN : 0), 0};
     int ms = poll_ms_until(deadline);
     if (ms == 0) {
@@ -741,8 +834,8 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
     if (r < 0 && errno != EINTR)
       fail(ErrorKind::PeerLost, op, -1, std::string("poll failed: ") + errno_text(errno));
     if (fds[0].revents) fail(ErrorKind::Aborted, op, -1, "communicator aborted");
-    if (fds[1].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))
-      fail(ErrorKind::PeerLost, op, ctx_.next_rank, "connection to " + next_name + " closed (peer exited or failed)");
+    if (fds[1].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR | POLLPRI))
+      lost(op, next_fd_, ctx_.next_rank, next_name, "connection to " + next_name + " closed (peer exited or failed)");
   }
 }
 

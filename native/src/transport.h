@@ -58,6 +58,8 @@ class Listener {
   // Starts expecting the predecessor of a new world. Connections held for an older
   // world are dropped; connections from a newer one stay parked until it is expected.
   void expect(const Expectation& e);
+  // The communicator of this version is gone: late neighbours are refused, not parked.
+  void retire(uint64_t world_version);
   // Waits for the authenticated connection from the expected predecessor and takes it.
   int take(uint64_t world_version, Clock::time_point deadline, const AbortSignal& abort, int rank, int prev_rank);
 
@@ -67,10 +69,14 @@ class Listener {
  private:
   struct Pending;
   void loop();
-  void refuse(Pending& p, const std::string& reason, bool reply);
+  void wake();
+  // Answers `told` (empty: no answer) and logs `logged` (empty: the same), then closes.
+  void refuse(Pending& p, const std::string& told, const std::string& logged);
   void record_refusal(const std::string& peer, const std::string& reason);
-  bool advance(Pending& p);  // returns false when p is finished (closed or delivered)
-  void judge(Pending& p);
+  void close_pending(Pending& p);
+  void send_ack(Pending& p);
+  void decide(Pending& p);
+  bool advance(Pending& p);
 
   int listen_fd_ = -1;
   int wake_fd_ = -1;    // eventfd: wakes the loop on expect() and on shutdown
@@ -147,7 +153,9 @@ class TcpLinks : public Links {
 
  private:
   [[noreturn]] void fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what);
+  [[noreturn]] void lost(const OpInfo& op, int fd, int peer, const std::string& name, const std::string& what);
   int next_fd_, prev_fd_;
+  std::atomic<bool> poisoned_{false};
   LinkContext ctx_;
   const AbortSignal* abort_;
   double timeout_s_;
