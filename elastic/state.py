@@ -195,6 +195,22 @@ class ObjectState(State):
                 self._names.append(k)
 
 
+def _copy_into(old: Any, new: Any) -> Any:
+    """A deep copy of ``new``, reusing ``old``'s tensors where structure, shape and dtype match."""
+    import torch
+    if isinstance(new, torch.Tensor):
+        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
+            return old.copy_(new.detach())
+        return new.detach().clone()
+    if isinstance(new, dict):
+        old = old if isinstance(old, dict) else {}
+        return {k: _copy_into(old.get(k), v) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        old = old if isinstance(old, type(new)) and len(old) == len(new) else [None] * len(new)
+        return type(new)(_copy_into(o, v) for o, v in zip(old, new))
+    return copy.deepcopy(new)
+
+
 class TorchState(ObjectState):
     """Committed model, optimizer and attributes. Attributes with ``state_dict``/``load_state_dict``
     (an ``ElasticSampler``, an lr scheduler) are committed through those; others are deep-copied."""
@@ -209,14 +225,17 @@ class TorchState(ObjectState):
 
     def save(self) -> Any:
         handlers = self._handlers()
+        prev = self._snapshot or {}
         snap: Dict[str, Any] = {
             "attrs": copy.deepcopy({k: v for k, v in self._plain().items() if k not in handlers}),
             "handlers": {k: copy.deepcopy(v.state_dict()) for k, v in handlers.items()},
         }
+        # Copy into the previous commit's tensors when the shapes still match: no allocation,
+        # so a commit costs one memory copy of the model and optimizer state.
         if self.model is not None:
-            snap["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            snap["model"] = _copy_into(prev.get("model"), self.model.state_dict())
         if self.optimizer is not None:
-            snap["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+            snap["optimizer"] = _copy_into(prev.get("optimizer"), self.optimizer.state_dict())
         return snap
 
     def load(self, snapshot: Any) -> None:

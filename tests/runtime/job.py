@@ -9,6 +9,7 @@ proves the sample accounting. Knobs (environment):
   JOB_DIE_IN     "commit" or "sync": SIGKILL this very process inside that call, at
                  commit JOB_DIE_AT (commit) or at the JOB_DIE_AT-th re-sync (sync)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
+  JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0.02"))
 DIE_IN = os.environ.get("JOB_DIE_IN", "")
 DIE_AT = int(os.environ.get("JOB_DIE_AT", "-1"))
 RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
+CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -99,8 +101,10 @@ def progress(text):
     os.replace(tmp, os.path.join(OUT, f"progress-{WORKER}.txt"))
 
 
-@elastic.run
+@elastic.run(checkpoint_dir=CHECKPOINT, checkpoint_every=2)
 def train(state):
+    log.setdefault("start_commit", state.commit_step)
+    log.setdefault("start_step", state.step)
     for state.epoch in range(state.epoch, EPOCHS):
         sampler.set_epoch(state.epoch)
         for state.batch, (x, y, idx) in enumerate(loader):
