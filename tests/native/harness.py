@@ -3,6 +3,10 @@
 Workers are forked (no re-import of torch per worker), each opens its own listener,
 the parent hands every worker the full address list, and results come back over
 pipes. Every wait has a deadline; leftover processes are killed on exit.
+
+``transport`` picks how the ring runs: "tcp" (no host names: every link over TCP), "shm"
+(every rank announces the same host name: every link through shared memory), or an
+explicit list of host names per rank (a mixed world when some differ).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import elastic
 
@@ -23,8 +27,21 @@ class WorkerFailed(AssertionError):
     pass
 
 
+TRANSPORTS = ["tcp", "shm"]
+
+
+def hosts_for(transport: Union[str, Sequence[str]], n: int) -> Optional[List[str]]:
+    if transport == "tcp":
+        return None
+    if transport == "shm":
+        return ["this-host"] * n
+    hosts = list(transport)
+    assert len(hosts) == n, f"{len(hosts)} host names for {n} ranks"
+    return hosts
+
+
 def _worker_main(rank: int, n: int, conn, fn: Callable, config: Optional[elastic.CommConfig], job_id: str,
-                 secret: bytes, world_version: int) -> None:
+                 secret: bytes, world_version: int, hosts: Optional[List[str]]) -> None:
     try:
         listener = elastic.Listener("127.0.0.1", 0)
         conn.send(("address", listener.address))
@@ -32,8 +49,10 @@ def _worker_main(rank: int, n: int, conn, fn: Callable, config: Optional[elastic
             return
         peers = conn.recv()
         comm = elastic.Communicator.form(listener=listener, job_id=job_id, secret=secret,
-                                         world_version=world_version, rank=rank, peers=peers, config=config)
+                                         world_version=world_version, rank=rank, peers=peers, config=config,
+                                         hosts=hosts)
         comm.listener = listener  # for tests that inspect refusals
+        comm.hosts = hosts  # for tests that re-form
         conn.send(("formed", time.monotonic()))
         try:
             result = fn(comm, conn) if getattr(fn, "wants_conn", False) else fn(comm)
@@ -54,11 +73,14 @@ class World:
     """N worker processes forming one ring. Use as a context manager."""
 
     def __init__(self, n: int, fn: Callable, *, config: Optional[elastic.CommConfig] = None,
-                 job_id: str = "test-job", secret: bytes = b"test-secret", world_version: int = 1):
+                 job_id: str = "test-job", secret: bytes = b"test-secret", world_version: int = 1,
+                 transport: Union[str, Sequence[str]] = "tcp"):
         self.n = n
+        self.hosts = hosts_for(transport, n)
         self.pipes = [_CTX.Pipe() for _ in range(n)]
         self.procs = [_CTX.Process(target=_worker_main,
-                                   args=(r, n, self.pipes[r][1], fn, config, job_id, secret, world_version),
+                                   args=(r, n, self.pipes[r][1], fn, config, job_id, secret, world_version,
+                                         self.hosts),
                                    daemon=True) for r in range(n)]
         self.addresses: List[str] = []
 

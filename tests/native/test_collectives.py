@@ -9,7 +9,7 @@ import torch
 import elastic
 
 from .cases import DTYPES, OPS, digest, make_input, raw, reference
-from .harness import run_world
+from .harness import TRANSPORTS, run_world
 
 SIZES = [0, 1, 7, 1001, 70_001, 400_009]
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -38,10 +38,11 @@ def _matrix(comm):
     return failures, digests
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_allreduce_matches_numpy_bitwise_on_every_rank(n, config):
-    results = run_world(n, _matrix, config=CONFIGS[config], timeout=240)
+def test_allreduce_matches_numpy_bitwise_on_every_rank(n, config, transport):
+    results = run_world(n, _matrix, config=CONFIGS[config], timeout=240, transport=transport)
     for rank, (failures, _) in enumerate(results):
         assert failures == [], f"rank {rank} differs from numpy for {failures}"
     for rank, (_, digests) in enumerate(results[1:], start=1):
@@ -62,10 +63,11 @@ def _random_floats(comm):
     return out
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [3, 5])
-def test_allreduce_of_arbitrary_floats_is_identical_on_every_rank(n):
+def test_allreduce_of_arbitrary_floats_is_identical_on_every_rank(n, transport):
     # With non-integer values the summation order matters; every rank must still hold the same bits.
-    results = run_world(n, _random_floats)
+    results = run_world(n, _random_floats, transport=transport)
     assert all(r == results[0] for r in results)
 
 
@@ -76,8 +78,9 @@ def _one_gib(comm):
     return bool((t == expect).all()), digest(torch.from_numpy(t[:1 << 20]))
 
 
-def test_allreduce_of_one_gib():
-    results = run_world(2, _one_gib, config=elastic.CommConfig(timeout=120), timeout=300)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_allreduce_of_one_gib(transport):
+    results = run_world(2, _one_gib, config=elastic.CommConfig(timeout=120), timeout=300, transport=transport)
     assert all(ok for ok, _ in results)
     assert results[0][1] == results[1][1]
 
@@ -95,9 +98,10 @@ def _broadcast_every_root(comm):
     return seen
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 4, 7])
-def test_broadcast_from_every_root(n):
-    for seen in run_world(n, _broadcast_every_root):
+def test_broadcast_from_every_root(n, transport):
+    for seen in run_world(n, _broadcast_every_root, transport=transport):
         assert all(seen)
 
 
@@ -113,9 +117,10 @@ def _allgather_ragged(comm):
     return torch.equal(out, want), bool(np.array_equal(big_out, big_want)), tuple(out.shape)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
-def test_allgather_with_different_first_dimensions(n):
-    for same, same_big, shape in run_world(n, _allgather_ragged):
+def test_allgather_with_different_first_dimensions(n, transport):
+    for same, same_big, shape in run_world(n, _allgather_ragged, transport=transport):
         assert same and same_big
         assert shape == (sum([3, 0, 5, 1, 2, 7, 4, 6][:n]), 3)
 
@@ -142,8 +147,9 @@ def _barrier_and_object(comm):
     return obj
 
 
-def test_barrier_and_broadcast_object():
-    for obj in run_world(3, _barrier_and_object):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_barrier_and_broadcast_object(transport):
+    for obj in run_world(3, _barrier_and_object, transport=transport):
         assert obj == {"rank": 1, "payload": list(range(1000))}
 
 
@@ -159,8 +165,9 @@ def _async_fusion(comm):
     return ok, fused_ops
 
 
-def test_async_allreduces_are_fused_into_one_collective():
-    for ok, fused_ops in run_world(3, _async_fusion):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_async_allreduces_are_fused_into_one_collective(transport):
+    for ok, fused_ops in run_world(3, _async_fusion, transport=transport):
         assert ok
         assert fused_ops == 1
 
@@ -183,8 +190,9 @@ def _zero_copy(comm):
     return t.data_ptr() == ptr, float(t[0]), arr.dtype.name, float(new[0])
 
 
-def test_torch_tensors_and_numpy_arrays_are_reduced_in_place():
-    for same_ptr, value, dtype, new in run_world(2, _zero_copy):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_torch_tensors_and_numpy_arrays_are_reduced_in_place(transport):
+    for same_ptr, value, dtype, new in run_world(2, _zero_copy, transport=transport):
         assert same_ptr and value == 2.0 and dtype == "float16" and new == 2.0
 
 
@@ -207,8 +215,9 @@ def _bad_inputs(comm):
     return errors, float(t[0])
 
 
-def test_bad_inputs_get_clear_errors_and_leave_the_ring_usable():
-    for errors, value in run_world(2, _bad_inputs):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bad_inputs_get_clear_errors_and_leave_the_ring_usable(transport):
+    for errors, value in run_world(2, _bad_inputs, transport=transport):
         assert None not in errors, errors
         assert "contiguous" in errors[0]
         assert "dtype" in errors[1] and "dtype" in errors[2]

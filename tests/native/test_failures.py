@@ -11,7 +11,7 @@ import pytest
 
 import elastic
 
-from .harness import World
+from .harness import TRANSPORTS, World
 
 
 def _allreduce_forever(comm, conn):
@@ -25,10 +25,11 @@ def _allreduce_forever(comm, conn):
 _allreduce_forever.wants_conn = True
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("victim", [0, 1])
-def test_sigkill_mid_allreduce_fails_every_survivor_within_half_a_second(victim):
+def test_sigkill_mid_allreduce_fails_every_survivor_within_half_a_second(victim, transport):
     n = 4
-    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=30)) as w:
+    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=30), transport=transport) as w:
         w.wait_formed()
         for r in range(n):
             w.expect(r, "running", timeout=120)
@@ -51,9 +52,10 @@ def test_sigkill_mid_allreduce_fails_every_survivor_within_half_a_second(victim)
         assert blamed and set(blamed) == {victim}, blamed
 
 
-def test_sigstop_of_a_peer_fires_the_deadline():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigstop_of_a_peer_fires_the_deadline(transport):
     n, timeout = 3, 1.0
-    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=timeout)) as w:
+    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=timeout), transport=transport) as w:
         w.wait_formed()
         for r in range(n):
             w.expect(r, "running", timeout=120)
@@ -105,8 +107,9 @@ def _abort_from_thread(comm, conn):
 _abort_from_thread.wants_conn = True
 
 
-def test_abort_from_another_thread_fails_the_collective_within_50ms():
-    with World(2, _abort_from_thread, config=elastic.CommConfig(timeout=30)) as w:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_from_another_thread_fails_the_collective_within_50ms(transport):
+    with World(2, _abort_from_thread, config=elastic.CommConfig(timeout=30), transport=transport) as w:
         w.wait_formed()
         res = w.expect(0, "ok")[1]
         w.send(1, "stop")

@@ -11,7 +11,7 @@ import pytest
 
 import elastic
 
-from .harness import World
+from .harness import TRANSPORTS, World
 
 JOB, SECRET, VERSION = "live-job", b"live-secret", 5
 
@@ -34,9 +34,11 @@ def _serve_then_allreduce(comm, conn):
 _serve_then_allreduce.wants_conn = True
 
 
-@pytest.fixture(scope="module")
-def live_ring():
-    with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION) as w:
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def live_ring(request):
+    # Over shared memory too: a refused stranger never reaches the link set-up.
+    with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION,
+               transport=request.param) as w:
         w.wait_formed()
         addresses = [w.expect(r, "ready")[1] for r in range(3)]
         yield w, addresses

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 import elastic
 
-from .harness import World
+from .harness import TRANSPORTS, World
 
 CYCLES = 1000
 
@@ -38,7 +39,8 @@ def _reform_cycles(comm):
     for cycle in range(CYCLES):
         version = 2 + cycle
         c = elastic.Communicator.form(listener=listener, job_id="test-job", secret=b"test-secret",
-                                      world_version=version, rank=rank, peers=peers, config=config)
+                                      world_version=version, rank=rank, peers=peers, config=config,
+                                      hosts=comm.hosts)
         buf = np.ones(4096, dtype=np.float32)
         try:
             if cycle % 2 == 0:
@@ -56,8 +58,9 @@ def _reform_cycles(comm):
     return samples, failures
 
 
-def test_a_thousand_form_abort_cycles_leak_nothing():
-    with World(3, _reform_cycles, config=elastic.CommConfig(timeout=10)) as w:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_thousand_form_abort_cycles_leak_nothing(transport):
+    with World(3, _reform_cycles, config=elastic.CommConfig(timeout=10), transport=transport) as w:
         results = w.results(timeout=600)
     for rank, (samples, failures) in enumerate(results):
         fds_50, threads_50, rss_50 = samples[49]

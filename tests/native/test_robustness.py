@@ -15,7 +15,7 @@ import torch
 
 import elastic
 
-from .harness import World
+from .harness import TRANSPORTS, World
 
 
 def _abort_races_close(comm):
@@ -25,7 +25,7 @@ def _abort_races_close(comm):
     comm.close()
     for cycle in range(30):
         c = elastic.Communicator.form(listener=listener, job_id="test-job", secret=b"test-secret",
-                                      world_version=2 + cycle, rank=rank, peers=peers,
+                                      world_version=2 + cycle, rank=rank, peers=peers, hosts=comm.hosts,
                                       config=elastic.CommConfig(timeout=10, form_timeout=10))
         stop = threading.Event()
 
@@ -53,8 +53,9 @@ def _exchange(comm, text):
     return [bytes(out[i * 64:(i + 1) * 64]) for i in range(comm.size)]
 
 
-def test_abort_from_other_threads_racing_close_never_crashes():
-    with World(2, _abort_races_close) as w:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_from_other_threads_racing_close_never_crashes(transport):
+    with World(2, _abort_races_close, transport=transport) as w:
         assert w.results(timeout=120) == ["survived", "survived"]
 
 
@@ -67,8 +68,9 @@ def _dropped_handles(comm):
     return all(float(v.sum()) == 0.0 for v in victims)
 
 
-def test_dropping_an_async_handle_does_not_corrupt_other_memory():
-    assert run(2, _dropped_handles) == [True, True]
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_dropping_an_async_handle_does_not_corrupt_other_memory(transport):
+    assert run(2, _dropped_handles, transport=transport) == [True, True]
 
 
 def run(n, fn, **kw):
@@ -159,8 +161,9 @@ def _fp16_average_large(comm):
     return float(t[0]), float(t[-1]), bool(torch.isfinite(b).all())
 
 
-def test_sixteen_bit_average_accumulates_in_float32_without_overflow():
-    for first, last, finite in run(2, _fp16_average_large):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sixteen_bit_average_accumulates_in_float32_without_overflow(transport):
+    for first, last, finite in run(2, _fp16_average_large, transport=transport):
         assert first == last == 40000.0 and finite
 
 
@@ -175,8 +178,9 @@ def _mismatched(comm):
     return "ok", ""
 
 
-def test_ranks_calling_different_collectives_get_a_mismatch_error():
-    results = run(2, _mismatched, config=elastic.CommConfig(small_bytes=0))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ranks_calling_different_collectives_get_a_mismatch_error(transport):
+    results = run(2, _mismatched, config=elastic.CommConfig(small_bytes=0), transport=transport)
     assert ("mismatch", "allreduce") in results
     assert all(kind in ("mismatch", "propagated", "peer_lost") for kind, _ in results)
 
@@ -203,8 +207,9 @@ def _async_failure(comm, conn):
 _async_failure.wants_conn = True
 
 
-def test_failed_async_work_raises_worker_lost_in_synchronize_even_after_close():
-    with World(2, _async_failure) as w:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_failed_async_work_raises_worker_lost_in_synchronize_even_after_close(transport):
+    with World(2, _async_failure, transport=transport) as w:
         res = w.results()
     first, after_close = res[0]
     assert first in ("peer_lost", "propagated")
@@ -224,14 +229,15 @@ _loop_op.wants_conn = True
 OPS = {}
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("name,fn", [
     ("broadcast", lambda c, b: c.broadcast_(b, root_rank=0)),
     ("allgather", lambda c, b: c.allgather(b[: 1 << 20])),
     ("barrier", lambda c, b: c.barrier()),
 ])
-def test_every_collective_fails_fast_when_a_peer_is_killed(name, fn):
+def test_every_collective_fails_fast_when_a_peer_is_killed(name, fn, transport):
     OPS[3] = fn
-    with World(3, _loop_op) as w:
+    with World(3, _loop_op, transport=transport) as w:
         w.wait_formed()
         for r in range(3):
             w.expect(r, "running", timeout=60)

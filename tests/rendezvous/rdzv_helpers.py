@@ -217,3 +217,65 @@ def wait_world_of(clients, size, timeout_s=10.0, min_version=1):
     assert len({w.version for w in worlds}) == 1, [w.version for w in worlds]
     assert sorted(w.rank for w in worlds) == list(range(size))
     return worlds
+
+
+class StallProxy:
+    """A TCP proxy on loopback whose traffic can be frozen (`stall()`): connections stay open but no
+    byte moves, as when a replica's link to etcd hangs while its clients still reach it."""
+
+    def __init__(self, target_port: int):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._writers = []
+
+        async def start():
+            self._flowing = asyncio.Event()
+            self._flowing.set()
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            return self._server.sockets[0].getsockname()[1]
+
+        self._target = target_port
+        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    async def _pipe(self, reader, writer):
+        try:
+            while True:
+                await self._flowing.wait()
+                data = await reader.read(65536)
+                if not data:
+                    break
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, reader, writer):
+        try:
+            tr, tw = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            writer.close()
+            return
+        self._writers += [writer, tw]
+        asyncio.ensure_future(self._pipe(reader, tw))
+        asyncio.ensure_future(self._pipe(tr, writer))
+
+    def stall(self):
+        self.loop.call_soon_threadsafe(self._flowing.clear)
+
+    def resume(self):
+        self.loop.call_soon_threadsafe(self._flowing.set)
+
+    def close(self):
+        async def shut():
+            self._server.close()
+            for w in self._writers:
+                w.close()
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+

@@ -81,3 +81,103 @@ def test_tls_server_accepts_tls_clients_and_refuses_plaintext(tmp_path, capsys):
         plain.close()
     finally:
         s.stop()
+
+
+def _events(client, until, timeout_s=5.0):
+    """Events up to and including the first one matching `until` (fails after the deadline)."""
+    out = []
+    deadline = time.monotonic() + timeout_s
+    while not (out and until(out[-1])):
+        ev = client.next_event(deadline - time.monotonic())
+        assert ev is not None, f"{client.worker_id}: nothing matching within {timeout_s} s; {out}"
+        out.append(ev)
+    return out
+
+
+def _attached(server, job):
+    import grpc as _grpc
+    from rendezvous._proto import rendezvous_pb2 as pb, rendezvous_pb2_grpc as pb_grpc
+    with _grpc.insecure_channel(server.address) as ch:
+        st = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
+    return [(m.member.worker_id, m.attached) for m in st.members]
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_rejoin_delivers_nothing_from_the_replaced_session(server, trial):
+    from rendezvous.client import Ended, WorldInfo
+
+    job = unique("job")
+    c = make_client(server.address, "a", job_id=job)
+    c.join()
+    assert c.wait_world(timeout_s=5.0).version == 1
+    c.join()   # e.g. the runtime decided to come back as a new member
+    events = _events(c, lambda e: isinstance(e, WorldInfo) and e.version >= 2)
+    assert not [e for e in events if isinstance(e, Ended)], events
+    assert c._watching and c._watch_thread.is_alive()
+    assert _attached(server, job) == [("a", True)]
+    c.close()
+
+
+def test_world_with_same_version_but_other_members_is_a_new_event():
+    from rendezvous._proto import rendezvous_pb2 as pb
+
+    c = make_client("127.0.0.1:1", "a", job_id="j")
+
+    def world(*members):
+        return pb.WatchEvent(world=pb.World(version=1, size=len(members), members=[
+            pb.Member(worker_id=w, rank=i) for i, w in enumerate(members)]))
+    for ev in (world("a", "b"), world("a", "b"), world("a", "c")):
+        c._handle(ev, "127.0.0.1:1", c._gen)
+    got = [c.next_event(0), c.next_event(0), c.next_event(0)]
+    assert [[m.worker_id for m in w.members] for w in got[:2]] == [["a", "b"], ["a", "c"]]
+    assert got[2] is None
+    c.close()
+
+
+def test_leave_whose_first_attempt_timed_out_but_took_effect_succeeds_and_closes():
+    import asyncio
+
+    s = ServerThread(server_config(), MemoryStore)
+    try:
+        job = unique("job")
+        a = make_client(s.address, "a", job_id=job)
+        b = make_client(s.address, "b", job_id=job, rpc_timeout_s=0.5)
+        a.join()
+        b.join()
+        wait_world_of([a, b], 2)
+        store = s.server.store
+        real_put = store.put
+
+        async def slow_put(key, value, **kw):   # the Leave is applied, its answer comes too late
+            await asyncio.sleep(0.8)
+            return await real_put(key, value, **kw)
+        store.put = slow_put
+        b.leave()
+        assert not b._watch_thread.is_alive()
+        store.put = real_put
+        assert [w for w, _ in _attached(s, job)] == ["a"]
+        a.close()
+    finally:
+        s.stop()
+
+
+def test_internal_errors_are_not_retried_and_leave_still_closes():
+    s = ServerThread(server_config(), MemoryStore)
+    try:
+        c = make_client(s.address, "a", job_id=unique("job"))
+        c.join()
+        c.wait_world(timeout_s=5.0)   # its Watch is open: from now on only our calls reach _session
+        calls = []
+
+        def broken(sid):    # a server bug: the RPC answers INTERNAL
+            calls.append(sid)
+            raise RuntimeError("bug")
+        s.service._session = broken
+        with pytest.raises(RendezvousError) as e:
+            c.heartbeat(committed_step=1, timeout_s=3.0)
+        assert e.value.code == grpc.StatusCode.INTERNAL and len(calls) == 1
+        with pytest.raises(RendezvousError):
+            c.leave()
+        assert c._closed.is_set() and not c._watch_thread.is_alive()
+    finally:
+        s.stop()

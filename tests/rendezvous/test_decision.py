@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rendezvous.decision import (Abort, Announce, DecisionConfig, Evict, Finished, Join, JobSpec,
+from rendezvous.decision import (Abort, Announce, Attach, DecisionConfig, Evict, Finished, Join, JobSpec,
                                  Leave, Pending, Phase, Progress, Rejected, Success, Tick, decide,
                                  from_json, new_job, next_deadline, to_json)
 
@@ -229,3 +229,75 @@ def test_burst_of_joins_into_running_world_sends_one_pending_notice():
     assert announces(acts)[0].version == 2 and len(s.world) == 12
     s, acts = run(s, [(4.0, Join("late", "h", "h:999"))])
     assert [a for _, a in acts] == [Pending(2, "worker late on h joined")]  # new version: notify again
+
+
+# ---------------------------------------------------------------- review findings (issue 3 follow-up)
+def kinds(actions):
+    return [f"{type(a).__name__}{getattr(a, 'version', '')}" for _, a in actions]
+
+
+@pytest.mark.parametrize("gone", [Leave("c"), Evict("c", "stream broken")], ids=["leave", "crash"])
+def test_pending_notice_is_always_followed_by_a_new_version(gone):
+    # A newcomer joins (Pending(1) goes out) and is gone within the settle window: the members were
+    # promised a version > 1, so one comes, with the same members.
+    s = formed([("a", "h"), ("b", "h")])
+    s, acts = run(s, [(2.0, Join("c", "h", "h:3")), (2.1, gone), (3.0, Tick())])
+    assert kinds(acts)[0] == "Pending1"
+    (a,) = announces(acts)
+    assert a.version == 2 and ids(a) == ["a", "b"] and s.version == 2
+
+
+def test_unattached_worker_stays_out_of_worlds_until_it_attaches():
+    s, acts = run(job(min_np=1), [(0.0, Join("a", "h", "h:1")),
+                                  (0.0, Join("b", "h", "h:2", attached=False)), (1.0, Tick())])
+    assert [ids(a) for a in announces(acts)] == [["a"]]
+    s, acts = run(s, [(1.5, Attach("b")), (1.6, Tick()), (1.75, Tick())])
+    assert [ids(a) for a in announces(acts)] == [["a", "b"]]
+    assert next_deadline(s, CFG) is None
+
+
+def test_unattached_workers_do_not_count_toward_min_np():
+    s, acts = run(job(min_np=2), [(0.0, Join("a", "h", "h:1")),
+                                  (0.0, Join("b", "h", "h:2", attached=False)), (5.0, Tick())])
+    assert announces(acts) == [] and s.phase is Phase.FORMING
+
+
+def test_server_caused_eviction_does_not_count_against_the_host():
+    s = formed([("a", "h1"), ("b", "h2")])
+    s, acts = run(s, [(2.0, Evict("b", "did not reattach", count_failure=False))],
+                  DecisionConfig(blacklist_after=1))
+    assert s.hosts.get("h2") is None and s.blacklisted_hosts(2.0) == []
+
+
+# Blacklisted standbys: rows of (what happens, expected world members / phase).
+def test_blacklisted_standby_does_not_count_toward_min_np():
+    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
+    s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
+               [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
+                (0.0, Join("c", "h1", "h1:2")), (1.0, Tick())], cfg)
+    assert [m.worker_id for m in s.world] == ["a", "b"] and s.standby() == ["c"]
+    s, acts = run(s, [(2.0, Evict("a", "crash")), (3.0, Tick())], cfg)   # h1 blacklisted to 12.0
+    assert announces(acts) == [], "a world below min_np must not be announced"
+    assert s.phase is Phase.WAITING and s.below_min_since == 2.0
+
+
+def test_spare_is_promoted_when_its_hosts_cooldown_ends():
+    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
+    s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
+               [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
+                (0.0, Join("c", "h1", "h1:2")), (1.0, Tick()), (2.0, Evict("a", "crash"))], cfg)
+    assert next_deadline(s, cfg) == pytest.approx(12.0)   # the cooldown, before the elastic timeout
+    # The change (a's failure) has waited past settle_max already: the world forms at once.
+    s, acts = run(s, [(12.0, Tick())], cfg)
+    assert [ids(a) for a in announces(acts)] == [["b", "c"]] and s.phase is Phase.RUNNING
+    assert next_deadline(s, cfg) is None
+
+
+def test_blacklisted_standby_lets_the_elastic_timeout_fire():
+    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=100.0, cooldown_max_s=300.0)
+    s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
+               [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
+                (0.0, Join("c", "h1", "h1:2")), (1.0, Tick()), (2.0, Evict("a", "crash"))], cfg)
+    assert next_deadline(s, cfg) == pytest.approx(32.0)
+    s, acts = run(s, [(32.0, Tick())], cfg)
+    assert s.phase is Phase.FAILED and "1 eligible worker(s), below min_np=2" in s.reason

@@ -8,11 +8,12 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import (ServerProc, ServerThread, WorkerProc, make_client, server_config, unique,
-                          wait_until, wait_world_of)
+from rdzv_helpers import (ServerProc, ServerThread, StallProxy, WorkerProc, make_client,
+                          server_config, unique, wait_until, wait_world_of)
 from rendezvous._proto import rendezvous_pb2 as pb
 from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.client import Abort, WorldInfo
+from rendezvous.client import Abort, Ended, JobSpec, WorldInfo
+from rendezvous.config import ServerConfig
 from rendezvous.store import EtcdStore
 
 
@@ -47,8 +48,17 @@ def workers():
         p.kill()
 
 
-def test_sigkilled_worker_process_is_evicted_and_survivors_get_next_world(etcd_server, workers):
-    s = etcd_server(settle_s=0.2)
+# Issue 3: a crashed worker is evicted and the next world announced within 0.3 s, settle window (0.2 s
+# by default) included. Measured from SIGKILL to the moment a survivor process holds the next world;
+# the stated margin of 0.2 s covers a loaded 2-core CI machine (process scheduling, etcd fsync).
+CRASH_TO_WORLD_TARGET_S = 0.3
+CI_MARGIN_S = 0.2
+
+
+def test_sigkilled_worker_process_is_evicted_and_survivors_get_next_world_within_0_3_s(
+        etcd_server, workers):
+    s = etcd_server(settle_s=ServerConfig.settle_s)   # the default settle window
+    assert s.config.settle_s == 0.2
     job = unique("job")
     ws = [workers([s.address], job, f"w{i}", min_np=2) for i in range(3)]
     v = max(w.world_of_size(3)["version"] for w in ws)
@@ -59,7 +69,9 @@ def test_sigkilled_worker_process_is_evicted_and_survivors_get_next_world(etcd_s
         assert "w1" in abort["reason"] and "watch stream broken" in abort["reason"]
         world = w.world(v + 1, timeout_s=2.0)
         assert sorted(world["members"]) == ["w0", "w2"]
-    print(f"SIGKILL -> next world: {max(w.world(v + 1)['t'] for w in (ws[0], ws[2])) - killed_at:.3f} s")
+    latency = max(w.world(v + 1)["t"] for w in (ws[0], ws[2])) - killed_at
+    print(f"SIGKILL -> next world on every survivor: {latency:.3f} s")
+    assert latency < CRASH_TO_WORLD_TARGET_S + CI_MARGIN_S, latency
 
 
 def test_sigstopped_worker_is_evicted_within_heartbeat_timeout(etcd_server, workers):
@@ -74,24 +86,59 @@ def test_sigstopped_worker_is_evicted_within_heartbeat_timeout(etcd_server, work
     assert "w2" in abort["reason"]
     assert sorted(ws[1].world(v + 1, timeout_s=2.0)["members"]) == ["w0", "w1"]
     print(f"SIGSTOP -> abort notice: {abort['t'] - stopped_at:.3f} s (heartbeat timeout 2 s)")
+    # Pings every T/3 with T/3 to answer: cut off by 2T/3; the rest of T is margin for a slow CI.
+    assert abort["t"] - stopped_at < 2.0, abort
     ws[2].kill(signal.SIGCONT)  # woken up, it learns it was evicted
     ended = ws[2].wait_event(lambda e: e["event"] == "ended", 5.0, "session ended after SIGCONT")
     assert "NOT_FOUND" in ended["reason"]
 
 
-def test_worker_holding_the_gil_longer_than_heartbeat_timeout_is_not_evicted(etcd_server, workers):
-    # Keepalive pings are answered by gRPC's C core without the GIL: a busy worker stays in.
+def test_worker_holding_the_gil_is_not_evicted_even_when_a_peer_reports_it(etcd_server, workers):
+    # Keepalive pings are answered by gRPC's C core without the GIL: a busy worker stays in, and a
+    # peer's report (its probe goes unanswered: the client's Python thread cannot run) defers to
+    # keepalive instead of evicting it.
     s = etcd_server(heartbeat_timeout_s=1.5)
     job = unique("job")
-    busy = workers([s.address], job, "busy", min_np=2, hold_gil_s=4.0)
-    calm = workers([s.address], job, "calm", min_np=2)
-    v = busy.world_of_size(2)["version"]
-    calm.world_of_size(2)
-    released = busy.wait_event(lambda e: e["event"] == "released", 20.0, "GIL released")
-    holding = busy.wait_event(lambda e: e["event"] == "holding", 1.0, "GIL holding")
-    assert released["t"] - holding["t"] > 1.5, "the worker must hold the GIL past the timeout"
-    assert not [e for e in calm.events if e["event"] == "abort"]
-    assert status(s.address, job).world_version == v
+    busy = workers([s.address], job, "busy", min_np=2, max_np=2, hold_gil_s=3.5)
+    calm = make_client(s.address, "calm", job_id=job, spec=JobSpec(min_np=2, max_np=2))
+    calm.join()
+    try:
+        v = calm.wait_world(timeout_s=10.0).version   # min_np=2: the first world has both
+        holding = busy.wait_event(lambda e: e["event"] == "holding", 10.0, "GIL holding")
+        # "holding" is printed just before the GIL-bound call; a report racing into those few ms
+        # may still get its probe answered (also a correct "not evicted"). Report until one
+        # lands inside the hold: that one must wait for keepalive (~the heartbeat timeout).
+        waits = []
+        while not waits or waits[-1] < 1.5 - 0.1:
+            assert len(waits) < 3, waits
+            reported_at = time.time()
+            assert calm.report_failure("busy", v, "ring peer timed out") is False
+            waits.append(time.time() - reported_at)
+        released = busy.wait_event(lambda e: e["event"] == "released", 20.0, "GIL released")
+        assert released["t"] - holding["t"] > 1.5, "the worker must hold the GIL past the timeout"
+        assert not [e for e in busy.events if e["event"] in ("abort", "ended")]
+        assert calm.next_event(0) is None
+        assert status(s.address, job).world_version == v
+    finally:
+        calm.close()
+
+
+def test_stopped_worker_reported_by_a_peer_is_evicted_within_heartbeat_timeout(etcd_server, workers):
+    s = etcd_server(heartbeat_timeout_s=1.5)
+    job = unique("job")
+    stopped = workers([s.address], job, "stopped", min_np=2, max_np=2)
+    calm = make_client(s.address, "calm", job_id=job, spec=JobSpec(min_np=2, max_np=2))
+    calm.join()
+    try:
+        v = calm.wait_world(timeout_s=10.0).version   # min_np=2: the first world has both
+        stopped.world_of_size(2)
+        stopped.kill(signal.SIGSTOP)
+        reported_at = time.monotonic()
+        assert calm.report_failure("stopped", v, "ring peer timed out") is True
+        assert time.monotonic() - reported_at < 1.5 + 0.5
+    finally:
+        stopped.kill(signal.SIGKILL)
+        calm.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
@@ -177,7 +224,7 @@ def _drain(client):
 def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(etcd, tmp_path):
     prefix = f"/t/{unique('grace')}"
     args = ["--etcd", etcd.endpoint, "--etcd-prefix", prefix, "--insecure",
-            "--heartbeat-timeout", "1.5"]
+            "--heartbeat-timeout", "1.5", "--leader-ttl", "1"]
     first = ServerProc(tmp_path, *args)
     job = unique("job")
     cs = [make_client([first.address], f"w{i}", job_id=job) for i in range(3)]
@@ -198,10 +245,51 @@ def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(e
         assert [m.worker_id for m in seen[-1].members] == ["w0", "w1"]
         (abort,) = [e for e in seen if isinstance(e, Abort)]
         assert abort.world_version == 1 and "w2" in abort.reason
-        assert "did not reattach within 1.5 s" in abort.reason
+        # Window: heartbeat timeout 1.5 + leader TTL 1 + reconnect allowance 2 s.
+        assert "did not reattach within 4.5 s of a leader change" in abort.reason
         other = cs[1].wait_world(timeout_s=5.0, min_version=2)
         assert (other.version, other.rank) == (seen[-1].version, 1)
     finally:
         for c in cs[:2]:
             c.close()
         second.kill()
+
+
+def test_leader_whose_etcd_link_stalls_steps_down_and_no_worker_is_evicted(etcd, tmp_path):
+    """Replica A reaches etcd through a proxy that freezes; clients still reach A. A must stop serving
+    before etcd expires its lease, so the workers move to B in time; B must evict nobody and
+    blacklist no host."""
+    proxy = StallProxy(int(etcd.endpoint.rsplit(":", 1)[1]))
+    prefix = f"/t/{unique('stall')}"
+    common = ["--etcd-prefix", prefix, "--insecure", "--heartbeat-timeout", "3"]
+    a = ServerProc(tmp_path, "--etcd", proxy.endpoint, *common)
+    b = None
+    cs = []
+    try:
+        wait_until(lambda: _leader_id(a.address), 10.0, "replica A to lead")
+        b = ServerProc(tmp_path, "--etcd", etcd.endpoint, *common)
+        job = unique("job")
+        cs = [make_client([a.address, b.address], f"w{i}", job_id=job, host=f"h{i}")
+              for i in range(3)]
+        for c in cs:
+            c.join(timeout_s=20)
+        wait_world_of(cs, 3)
+        proxy.stall()
+        stalled_at = time.monotonic()
+        job_status = wait_until(lambda: _all_attached(b.address, job, 3), 15.0,
+                                "all workers reattached to replica B")
+        print(f"etcd link of the leader stalled -> all workers on the new leader: "
+              f"{time.monotonic() - stalled_at:.2f} s")
+        assert "lost leadership" in a.log() and "no lease refresh acknowledged" in a.log()
+        assert job_status.world_version == 1 and job_status.phase == "RUNNING"
+        assert list(job_status.blacklisted_hosts) == []
+        events = [e for c in cs for e in _drain(c)]
+        assert not [e for e in events if isinstance(e, (Abort, Ended))], events
+    finally:
+        for c in cs:
+            c.close()
+        proxy.resume()
+        a.kill()
+        if b is not None:
+            b.kill()
+        proxy.close()

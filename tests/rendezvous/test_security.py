@@ -75,7 +75,9 @@ def test_wrong_tokens_are_unauthenticated(stub, token):
 @pytest.mark.parametrize("field,value", [
     ("job_id", ""), ("job_id", "a/b"), ("job_id", "x" * 129), ("worker_id", "w 1"),
     ("host", ""), ("ring_address", "nohostport"), ("ring_address", "h:0"), ("ring_address", "h:99999"),
-    ("committed_step", -2)])
+    ("committed_step", -2),
+    # `$` also matches before a trailing newline: the checks must match the whole value.
+    ("job_id", "job\n"), ("worker_id", "w\n"), ("host", "h\n"), ("ring_address", "1.2.3.4:80\n")])
 def test_invalid_join_fields_are_named_in_invalid_argument(stub, field, value):
     req = good_join("validation")
     setattr(req, field, value)
@@ -112,6 +114,19 @@ def test_unknown_and_malformed_sessions(stub):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in details
     code, details = code_of(stub.Leave, pb.LeaveRequest(session_id="good/w0/\u00b2"), timeout=5,
                             metadata=AUTH)  # a unicode digit must not reach int()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in details
+
+
+@FUZZ
+@given(field=st.sampled_from(["job_id", "worker_id", "host", "ring_address"]),
+       suffix=st.sampled_from(["\n", "\r\n", " ", "\t", "\x00", "\u2028"]))
+def test_fuzzed_trailing_characters_after_a_valid_field_are_refused(stub, field, suffix):
+    req = good_join("suffixes")
+    setattr(req, field, getattr(req, field) + suffix)
+    code, details = code_of(stub.Join, req, timeout=5, metadata=AUTH)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+    code, details = code_of(stub.Leave, pb.LeaveRequest(session_id="good/w0/0" + suffix),
+                            timeout=5, metadata=AUTH)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in details
 
 

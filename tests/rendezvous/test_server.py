@@ -135,15 +135,28 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve):
     job = unique("job")
     a = make_client(s.address, "a", job_id=job)
     a.join()
-    raw = stub(s)  # joins but never opens a Watch: looks alive until someone reports it
-    raw.Join(pb.JoinRequest(job_id=job, worker_id="b", host="h", ring_address="127.0.0.1:5",
-                            committed_step=-1), timeout=5)
+    raw = stub(s)  # b: a bare stub that will not reattach once its stream is gone
+    sid = raw.Join(pb.JoinRequest(job_id=job, worker_id="b", host="h", ring_address="127.0.0.1:5",
+                                  committed_step=-1), timeout=5).session_id
+    call = raw.Watch(pb.WatchRequest(session_id=sid), timeout=30)
+    next(iter(call))
     world = wait_until(lambda: a.world if a.world and a.world.size == 2 else None, 5.0, "2-world")
+    # As right after a leader change, before b reattached: b is registered but has no stream.
+    s.call(_detach(s, job, "b"))
     # heartbeat_timeout is 30 s: only the report can explain an eviction within these deadlines.
     assert a.report_failure("b", world.version, "connection refused") is True
     assert next_of(a, Abort, timeout_s=2.0).world_version == world.version
     assert next_of(a, WorldInfo, timeout_s=2.0).size == 1
+    call.cancel()
     a.close()
+
+
+async def _detach(s, job, worker):
+    """Forget a worker's stream without evicting it (what a new leader starts with)."""
+    from rendezvous.server import _END
+    stream = s.service.jobs[job].streams.pop(worker)
+    stream.closed_by_server = True
+    stream.queue.put_nowait(_END)
 
 
 def test_report_failure_of_live_peer_is_refuted_by_probe(serve):
@@ -288,3 +301,205 @@ def test_finished_job_is_forgotten_after_retention_and_its_id_reusable(serve):
     assert wait_world_of([again], 1)[0].version == 1   # a fresh job under the same id
     a.close()
     again.close()
+
+
+def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(serve):
+    s = serve(heartbeat_timeout_s=1.0)
+    job = unique("job")
+    a = make_client(s.address, "a", job_id=job)
+    a.join()
+    stub(s).Join(pb.JoinRequest(job_id=job, worker_id="ghost", host="ghost-host",
+                                ring_address="127.0.0.1:5", committed_step=-1), timeout=5)
+    world = a.wait_world(timeout_s=5.0)
+    assert [m.worker_id for m in world.members] == ["a"]
+    joined = time.monotonic()
+
+    def ghost_gone():
+        members = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0].members
+        return [m.member.worker_id for m in members] == ["a"]
+    wait_until(ghost_gone, 3.0, "the ghost to be evicted")
+    assert time.monotonic() - joined < 1.0 + 1.0
+    status = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
+    assert status.world_version == world.version    # it never was in a world: nothing to re-form
+    assert list(status.blacklisted_hosts) == []
+    a.close()
+
+
+def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve):
+    """While a write is slow (or will fail), a reattaching worker must see what is stored."""
+    import asyncio
+    import json
+
+    s = serve(settle_s=0.05)
+    job = unique("job")
+    cs = [make_client(s.address, w, job_id=job) for w in "abc"]
+    for c in cs:
+        c.join()
+    wait_world_of(cs, 3)
+    store = s.server.store
+    gate = asyncio.Event()
+    real_put = store.put
+
+    async def held_put(key, value, **kw):   # job writes wait for the gate (a stalled etcd)
+        if "/jobs/" in key:
+            await gate.wait()
+        return await real_put(key, value, **kw)
+    store.put = held_put
+    try:
+        cs[1].close()   # crash: Abort(1) and then world 2 are decided, but cannot be stored
+        wait_until(lambda: s.service.jobs[job].state.version == 2, 5.0, "world 2 decided in memory")
+        call = stub(s).Watch(pb.WatchRequest(session_id=cs[0].session_id), timeout=5)
+        first = next(iter(call))
+        stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}")).value)
+        assert stored["version"] == 1
+        assert first.world.version == 1 and [m.worker_id for m in first.world.members] == \
+            ["a", "b", "c"]
+        call.cancel()
+    finally:
+        s.loop.call_soon_threadsafe(gate.set)
+        store.put = real_put
+    for c in (cs[0], cs[2]):
+        c.close()
+
+
+def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve):
+    s = serve()
+    job = unique("job")
+    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(4)]
+    for c in cs:
+        c.join()
+    wait_world_of(cs, 4)
+    store = s.server.store
+    writes = []
+    real_put = store.put
+
+    async def counting_put(key, value, **kw):
+        if "/jobs/" in key:
+            writes.append(len(value))
+        return await real_put(key, value, **kw)
+    store.put = counting_put
+    try:
+        for step in range(1, 11):
+            for c in cs:
+                c.heartbeat(committed_step=step * 100 + int(c.worker_id[1:]))
+        assert writes == []
+        cs[0].close()   # the next real change stores the steps too, and ranks follow them
+        worlds = wait_world_of(cs[1:], 3, min_version=2)
+        assert [m.worker_id for m in worlds[0].members] == ["w3", "w1", "w2"]
+        assert len(writes) >= 1
+    finally:
+        store.put = real_put
+    for c in cs[1:]:
+        c.close()
+
+
+def test_committed_step_is_resent_when_reattaching(serve):
+    s = serve(heartbeat_timeout_s=30.0)
+    job = unique("job")
+    cs = [make_client(s.address, w, job_id=job) for w in ("a", "b", "c")]
+    for c in cs:
+        c.join()
+    wait_world_of(cs, 3)
+    cs[2].heartbeat(committed_step=70)
+    s.call(_forget_steps(s, job))            # as a new leader would see them: stored steps only
+    s.call(_detach(s, job, "c"))             # c reattaches at once, resending step 70
+    wait_until(lambda: "c" in s.service.jobs[job].streams, 5.0, "c to reattach")
+    cs[0].close()
+    worlds = wait_world_of(cs[1:], 2, min_version=2)
+    assert [m.worker_id for m in worlds[0].members] == ["c", "b"]
+    for c in cs[1:]:
+        c.close()
+
+
+async def _forget_steps(s, job):
+    from dataclasses import replace
+    j = s.service.jobs[job]
+    j.state = replace(j.state, workers={k: replace(w, committed_step=-1)
+                                        for k, w in j.state.workers.items()})
+
+
+def test_write_that_landed_but_reported_an_error_keeps_leadership(serve):
+    """An ambiguous etcd write (applied, response lost): the retry's CAS is refused because our own
+    write moved the revision; re-reading shows our bytes, so the replica carries on leading."""
+    from rendezvous.store import StoreError
+
+    s = serve()
+    job = unique("job")
+    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(3)]
+    for c in cs:
+        c.join()
+    wait_world_of(cs, 3)
+    store = s.server.store
+    real_put = store.put
+    armed = [True]
+
+    async def lossy_put(key, value, **kw):
+        rev = await real_put(key, value, **kw)
+        if armed[0] and "/jobs/" in key:
+            armed[0] = False
+            raise StoreError("put timed out (simulated: applied, response lost)")
+        return rev
+    store.put = lossy_put
+    try:
+        cs[2].leave()                   # a real change: Pending, then world 2
+        worlds = wait_world_of(cs[:2], 2, min_version=2)
+        assert worlds[0].version == 2 and not armed[0]
+        assert s.service.is_leader and s.service.leadership_losses == 0
+    finally:
+        store.put = real_put
+    for c in cs[:2]:
+        c.close()
+
+
+def test_membership_events_are_logged_when_they_take_effect_not_when_decided(serve, caplog):
+    import asyncio
+    import logging
+
+    caplog.set_level(logging.INFO, logger="rendezvous.server")
+    s = serve(settle_s=0.05)
+    job = unique("job")
+    cs = [make_client(s.address, w, job_id=job) for w in "ab"]
+    for c in cs:
+        c.join()
+    wait_world_of(cs, 2)
+    store = s.server.store
+    gate = asyncio.Event()
+    real_put = store.put
+
+    async def held_put(key, value, **kw):
+        if "/jobs/" in key:
+            await gate.wait()
+        return await real_put(key, value, **kw)
+    store.put = held_put
+    try:
+        cs[1].close()
+        wait_until(lambda: s.service.jobs[job].state.version == 2, 5.0, "world 2 decided")
+        assert f"job {job}: world 2 announced" not in caplog.text
+    finally:
+        s.loop.call_soon_threadsafe(gate.set)
+        store.put = real_put
+    wait_until(lambda: f"job {job}: world 2 announced" in caplog.text, 5.0, "the announcement log")
+    assert f"job {job}: abort world 1" in caplog.text
+    cs[0].close()
+
+
+def test_store_error_while_creating_a_job_is_unavailable(serve):
+    from rendezvous.store import StoreError
+
+    s = serve()
+    store = s.server.store
+    real_put = store.put
+
+    async def failing_put(key, value, **kw):
+        if "/jobs/" in key:
+            raise StoreError("etcd put failed (simulated)")
+        return await real_put(key, value, **kw)
+    store.put = failing_put
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub(s).Join(pb.JoinRequest(job_id=unique("job"), worker_id="w", host="h",
+                                        ring_address="127.0.0.1:5", committed_step=-1,
+                                        spec=pb.JobSpec(min_np=1, max_np=2)), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot create" in e.value.details()
+    finally:
+        store.put = real_put

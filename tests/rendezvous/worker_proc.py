@@ -20,14 +20,20 @@ def emit(**kw):
 
 
 def hold_gil(seconds: float) -> None:
-    # One big-integer multiplication: a single C call that never releases the GIL.
+    # One big-integer multiplication: a single C call that never releases the GIL. "holding" is
+    # printed right before it, after the calibration (during which other threads still run).
     n = 10 ** 5
-    start = time.monotonic()
-    x = 3 ** n
-    x * x
-    per = max(time.monotonic() - start, 1e-6)
+    while True:   # calibrate on a multiplication of >= 0.2 s: extrapolating from less is too rough
+        x = 3 ** n
+        start = time.monotonic()
+        x * x
+        per = max(time.monotonic() - start, 1e-6)
+        if per >= 0.2:
+            break
+        n *= 4
     digits = int(n * (seconds / per) ** (1 / 1.585))  # Karatsuba: cost ~ digits^1.585
     y = 3 ** digits
+    emit(event="holding")
     y * y
 
 
@@ -47,7 +53,6 @@ def main():
                  members=[m.worker_id for m in ev.members])
             if hold and not held:
                 held = True
-                emit(event="holding")
                 hold_gil(hold)
                 emit(event="released")
         elif isinstance(ev, Abort):

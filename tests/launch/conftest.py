@@ -1,0 +1,18 @@
+import pytest
+
+from .launch_helpers import LaunchProc
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """launch(*launcher_args, command=None, **env) -> a running LaunchProc; all are cleaned up after."""
+    procs = []
+
+    def make(*args, command=None, **env):
+        p = LaunchProc(tmp_path, *args, command=command, **env)
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        p.close()

@@ -1,0 +1,208 @@
+"""elastic-run end to end: real launcher, real rendezvous server, real worker processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+
+import pytest
+
+from .launch_helpers import REPO, wait_until
+
+LINEAR = os.path.join(REPO, "examples", "train_linear.py")
+CNN = os.path.join(REPO, "examples", "train_cnn.py")
+
+
+def last_line(p) -> str:
+    return p.stderr[-1] if p.stderr else ""
+
+
+def test_happy_path_trains_the_linear_example_to_the_known_weights(launch):
+    p = launch("--np", "2", "--host", "hA", command=[sys.executable, LINEAR, "--epochs", "4"])
+    assert p.wait(120) == 0, p.text()
+    # Rank 0 prints the loss (its first lines may carry its worker id: ranks come from Status polls).
+    p.wait_for(r"^\[(0|hA-[01])\] epoch 3: loss [0-9.]+ on 2 worker", 1)
+    errors = [float(m) for m in re.findall(r"max \|w - w_true\| = ([0-9.]+)", p.text())]
+    assert len(errors) == 2 and max(errors) < 0.01, p.text()
+    assert last_line(p) == "elastic-run: job default completed"
+    p.wait_no_leftovers()
+
+
+def test_cnn_example_learns_the_synthetic_classes(launch):
+    p = launch("--np", "2", "--host", "hA", command=[sys.executable, CNN, "--epochs", "2"])
+    assert p.wait(120) == 0, p.text()
+    accuracies = [float(a) for a in re.findall(r"accuracy on fresh images ([0-9.]+)", p.text())]
+    assert len(accuracies) == 2 and min(accuracies) > 0.9, p.text()
+
+
+def test_worker_killed_by_a_signal_is_respawned_and_the_world_regrows(launch):
+    p = launch("--np", "3", "--min-np", "1", "--host", "hA", "--max-restarts", "1", LW_STEPS="150")
+    p.wait_for(r"world \d+: 3 worker\(s\)", 30)
+    p.kill_worker("hA-1")
+    p.wait_for(r"worker hA-1 \(rank \d\) killed by SIGKILL; respawning it in 0.5 s \(restart 1 of 1\)", 10)
+    recovered = p.wait_for(r"world \d+: 2 worker\(s\); left: hA-1; recovered ([0-9.]+) s after hA-1 killed", 15)
+    assert float(recovered.group(1)) < 5
+    p.wait_for(r"world \d+: 3 worker\(s\); joined: hA-1-r1", 30)
+    assert p.wait(60) == 0, p.text()
+    assert re.match(r"elastic-run: job default completed \(1 recovery\(ies\), [0-9.]+-[0-9.]+ s each\)",
+                    last_line(p)), p.text()
+    assert len(p.wait_for(r"^\[\d\] done", 1) and [l for l in p.stdout if l.endswith("] done")]) == 3
+    p.wait_no_leftovers()
+
+
+def test_worker_killed_without_respawn_leaves_a_smaller_world_that_finishes(launch):
+    p = launch("--np", "3", "--min-np", "2", "--host", "hA", "--max-restarts", "0", LW_STEPS="120")
+    p.wait_for(r"world \d+: 3 worker\(s\)", 30)
+    p.kill_worker("hA-2")
+    p.wait_for(r"worker hA-2 \(rank \d\) killed by SIGKILL; not respawned \(--max-restarts 0\)", 10)
+    p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2; recovered", 15)
+    assert p.wait(60) == 0, p.text()
+    assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[0] done", "[1] done"]
+    assert not os.path.exists(os.path.join(p.out_dir, "pid-hA-2-r1.txt"))
+
+
+def test_below_min_np_fails_within_the_elastic_timeout_and_leaves_nothing(launch):
+    p = launch("--np", "2", "--min-np", "2", "--max-restarts", "0", "--elastic-timeout", "3", "--host", "hA",
+               LW_STEPS="100000")
+    p.wait_for(r"world \d+: 2 worker\(s\)", 30)
+    p.kill_worker("hA-0")
+    killed = time.monotonic()
+    p.wait_for(r"below min-np=2: 1 worker\(s\) left; the job fails if it stays below for 3 s", 10)
+    assert p.wait(30) == 1, p.text()
+    took = time.monotonic() - killed
+    assert 3 <= took < 3 + 8, f"failed {took:.1f} s after the kill"
+    assert re.fullmatch(r"elastic-run: error: job default failed: only 1 eligible worker\(s\), below min_np=2, "
+                        r"for the elastic timeout of 3 s \(last failure on this host: worker hA-0 \(rank \d\) "
+                        r"killed by SIGKILL\)", last_line(p)), p.text()
+    p.wait_no_leftovers()
+
+
+def test_worker_error_ends_the_job_with_a_one_line_reason_and_no_respawn(launch):
+    p = launch("--np", "2", "--host", "hA", LW_RAISE_AT="6")
+    assert p.wait(60) == 1, p.text()
+    assert re.fullmatch(r"elastic-run: error: worker hA-[01] \(rank [01]\) exited with status 1: ValueError: "
+                        r"deterministic user error at step 6; job default stopped", last_line(p)), p.text()
+    assert "respawning" not in p.text()
+    p.wait_no_leftovers()
+
+
+def test_second_launcher_joins_the_running_job_and_the_world_grows_at_a_commit(launch):
+    a = launch("--np", "2", "--host", "hA", LW_STEPS="200")
+    address = a.wait_for(r"rendezvous server for job default on (127\.0\.0\.1:\d+) \(embedded\)", 30).group(1)
+    a.wait_for(r"world \d+: 2 worker\(s\)", 30)
+    b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default", LW_STEPS="200")
+    b.wait_for(r"joining job default at world \d+ \(2 worker\(s\), phase RUNNING\)", 30)
+    a.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0$", 30)
+    b.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0 \([0-9.]+ s after start\)", 30)
+    # The newcomer trains in the grown world, under its rank.
+    b.wait_for(r"^\[2\] step \d+ size 3$", 30, stream="out")
+    assert b.wait(60) == 0, b.text()
+    assert a.wait(60) == 0, a.text()
+    assert not any("restoring commit" in l for l in a.stderr), "a clean join must not look like a failure"
+    a.wait_no_leftovers()
+    b.wait_no_leftovers()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_every_worker_and_the_server(launch, sig):
+    p = launch("--np", "3", "--host", "hA", LW_STEPS="100000")
+    p.wait_for(r"world \d+: 3 worker\(s\)", 30)
+    assert len(p.leftovers()) >= 4  # 3 workers and the embedded server
+    p.proc.send_signal(sig)
+    assert p.wait(20) == 128 + sig, p.text()
+    assert last_line(p) == f"elastic-run: stopped by {signal.Signals(sig).name}"
+    assert p.leftovers() == []
+
+
+def test_a_killed_launcher_takes_its_workers_and_server_with_it(launch):
+    p = launch("--np", "2", "--host", "hA", LW_STEPS="100000")
+    p.wait_for(r"world \d+: 2 worker\(s\)", 30)
+    p.proc.kill()
+    p.wait(10)
+    p.wait_no_leftovers(10)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--np", "2", "--bogus"], r"unrecognized arguments: --bogus"),
+    (["--np", "0"], r"--np must be at least 1, got 0"),
+    (["--np", "two"], r"argument --np: invalid int value: 'two'"),
+    (["--np", "2", "--min-np", "0"], r"need 1 <= --min-np <= --max-np <= 2048, got 0 and 1024"),
+    (["--np", "2", "--min-np", "3", "--max-np", "2"], r"need 1 <= --min-np <= --max-np <= 2048, got 3 and 2"),
+    (["--np", "2", "--rendezvous", "nohost"], r"--rendezvous: 'nohost' is not HOST:PORT"),
+    (["--np", "2", "--rendezvous", "127.0.0.1:5"], r"--rendezvous needs --job-id"),
+    (["--np", "2", "--port", "5", "--rendezvous", "127.0.0.1:5"], r"not allowed with argument"),
+    (["--np", "2", "--job-id", "bad id"], r"--job-id 'bad id': use 1-128 characters"),
+    (["--np", "2", "--elastic-timeout", "0"], r"--elastic-timeout must be in"),
+    (["--np", "2", "--host-discovery-script", "/nonexistent"], r"is not an executable file"),
+])
+def test_bad_flags_give_a_one_line_error(launch, args, message):
+    p = launch(*args)
+    assert p.wait(30) == 2
+    assert len(p.stderr) == 1 and p.stdout == [], p.text()
+    assert re.match(r"elastic-run: error: .*" + message, p.stderr[0]), p.stderr[0]
+
+
+def test_missing_command_and_unknown_command_give_a_one_line_error(launch):
+    p = launch("--np", "2", command=["no-such-command-xyz"])
+    assert p.wait(30) == 2
+    assert p.stderr == ["elastic-run: error: worker command 'no-such-command-xyz' not found (not an executable, "
+                        "nor on PATH) (see elastic-run --help)"]
+
+
+def test_unreachable_rendezvous_gives_a_one_line_error(launch):
+    p = launch("--np", "2", "--rendezvous", "127.0.0.1:1", "--job-id", "j", "--connect-timeout", "1")
+    assert p.wait(30) == 1
+    assert len(p.stderr) == 1, p.text()
+    assert p.stderr[0].startswith("elastic-run: error: cannot reach the rendezvous server at 127.0.0.1:1: "
+                                  "UNAVAILABLE"), p.stderr[0]
+    p.wait_no_leftovers()
+
+
+def test_help_documents_the_flags_and_the_worker_environment(launch):
+    p = launch("--help")
+    assert p.wait(30) == 0
+    text = "\n".join(p.stdout)
+    for flag in ("--np", "--min-np", "--max-np", "--max-restarts", "--elastic-timeout", "--port", "--rendezvous",
+                 "--job-id", "--host", "--host-discovery-script"):
+        assert flag in text
+    for var in ("ELASTIC_RENDEZVOUS", "ELASTIC_JOB_ID", "ELASTIC_WORKER_ID", "ELASTIC_HOST", "ELASTIC_MIN_NP",
+                "ELASTIC_MAX_NP", "ELASTIC_ELASTIC_TIMEOUT"):
+        assert var in text
+
+
+def test_discovery_script_sets_the_slots_of_this_host(launch, tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("hD:2\nother-host:4\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    p = launch("--host", "hD", "--host-discovery-script", str(script), "--discovery-interval", "0.2",
+               LW_STEPS="200")
+    p.wait_for(r"discovery: 2 slot\(s\) on this host \(hD\); other hosts, not started by this launcher "
+               r"\(run elastic-run --rendezvous there\): other-host:4", 30)
+    p.wait_for(r"world \d+: 2 worker\(s\)", 30)
+    tmp = tmp_path / "hosts.tmp"
+    tmp.write_text("hD:3\n")
+    tmp.replace(hosts)
+    p.wait_for(r"discovery: 3 slot\(s\) on this host \(hD\)$", 10)
+    p.wait_for(r"world \d+: 3 worker\(s\); joined: hD-2", 30)
+    assert p.wait(60) == 0, p.text()
+
+
+def test_a_joining_launcher_refuses_a_host_already_in_the_job_and_a_different_spec(launch):
+    a = launch("--np", "2", "--host", "hA", LW_STEPS="100000")
+    address = a.wait_for(r"rendezvous server for job default on (127\.0\.0\.1:\d+) \(embedded\)", 30).group(1)
+    a.wait_for(r"world \d+: 2 worker\(s\)", 30)
+    same_host = launch("--np", "1", "--host", "hA", "--rendezvous", address, "--job-id", "default")
+    other_spec = launch("--np", "1", "--host", "hB", "--min-np", "3", "--rendezvous", address, "--job-id", "default")
+    assert same_host.wait(30) == 1 and other_spec.wait(30) == 1
+    assert same_host.stderr == ["elastic-run: error: job default already has workers from host hA: give this "
+                                "launcher another --host"], same_host.text()
+    assert other_spec.stderr == ["elastic-run: error: job default runs with --min-np 2 --max-np 1024; this "
+                                 "launcher asks for 3 and 1024"], other_spec.text()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.wait(20) == 128 + signal.SIGTERM
+    a.wait_no_leftovers()

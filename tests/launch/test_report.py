@@ -1,0 +1,84 @@
+"""What the launcher reports, as a function of Status answers and local events (no processes)."""
+
+import pytest
+
+from elastic.launch_discovery import DiscoveryError, local_slots, parse_hosts
+from elastic.launch_procs import describe_exit, signal_of
+from elastic.launch_rendezvous import JobView, Member
+from elastic.launch_report import Reporter
+
+
+def view(version, ranked, standby=(), phase="RUNNING", min_np=1):
+    members = tuple(Member(w, "h", r, True, 0) for r, w in enumerate(ranked))
+    members += tuple(Member(w, "h", None, True, -1) for w in standby)
+    return JobView("job", phase, "", version, min_np, 8, 600.0, members)
+
+
+def test_first_world_is_reported_with_the_time_since_launch():
+    r = Reporter(now=100.0)
+    assert r.update(view(0, [], standby=["a", "b"], phase="FORMING"), 100.5) == []
+    assert r.update(view(1, ["a", "b"]), 101.25) == ["world 1: 2 worker(s), formed 1.25 s after launch"]
+
+
+def test_a_failure_is_reported_with_who_left_and_the_recovery_time():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b", "c"]), 1.0)
+    r.note_failure("b killed by SIGKILL", 10.0)
+    # b already gone from Status at the same version: still reported as having left at the next world
+    assert r.update(view(1, ["a", "c"]), 10.1) == []
+    assert r.update(view(2, ["a", "c"]), 10.4) == [
+        "world 2: 2 worker(s); left: b; recovered 0.40 s after b killed by SIGKILL"]
+    assert r.recoveries == [pytest.approx(0.4)]
+
+
+def test_a_remote_failure_starts_the_clock_when_status_shows_the_member_gone():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    r.update(view(1, ["a"]), 5.0)
+    assert r.update(view(2, ["a"]), 5.5) == ["world 2: 1 worker(s); left: b; recovered 0.50 s after b left the world"]
+
+
+def test_a_join_is_reported_with_the_time_since_the_worker_started_and_no_recovery():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    r.note_start("c", 2.0)
+    assert r.update(view(1, ["a", "b"], standby=["c"]), 2.5) == []
+    assert r.update(view(2, ["a", "b", "c"]), 4.0) == ["world 2: 3 worker(s); joined: c (2.00 s after start)"]
+    assert r.recoveries == []
+
+
+def test_waiting_below_min_np_and_coming_back_are_reported():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"], min_np=2), 1.0)
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == [
+        "below min-np=2: 1 worker(s) left; the job fails if it stays below for 600 s"]
+    assert r.update(view(2, ["a", "b2"], min_np=2), 3.0)[-1] == "back at 2 worker(s), at least min-np=2"
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("a:2\nb\n", {"a": 2, "b": 1}),
+    ("  a:2  \n\n# comment\nb:4 # trailing\n", {"a": 2, "b": 4}),
+    ("a:1\na:2\n", {"a": 3}),
+    ("", {}),
+])
+def test_discovery_output_is_parsed_as_host_slots_lines(text, hosts):
+    assert parse_hosts(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["a:b\n", "a:2:3\n", "a b\n"])
+def test_malformed_discovery_lines_are_refused_with_the_line_number(text):
+    with pytest.raises(DiscoveryError, match="line 1"):
+        parse_hosts(text)
+
+
+def test_local_slots_count_every_name_of_this_host():
+    assert local_slots({"node1": 2, "localhost": 1, "node2": 8}, ["node1", "localhost"]) == 3
+
+
+@pytest.mark.parametrize("code, text, sig", [
+    (-9, "killed by SIGKILL", 9), (137, "killed by SIGKILL", 9), (1, "exited with status 1", None),
+    (0, "exited with status 0", None),
+])
+def test_exit_statuses_are_described_and_signals_recognised(code, text, sig):
+    assert describe_exit(code) == text
+    assert signal_of(code) == sig

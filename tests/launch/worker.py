@@ -1,0 +1,44 @@
+"""A small numpy-only training job for the launcher tests (starts fast: no torch import).
+
+Knobs (environment): LW_OUT directory for pid-<worker>.txt; LW_STEPS steps (default 40);
+LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank.
+Prints "step S size N" after every step and "done" at the end.
+"""
+
+import logging
+import os
+import time
+
+import numpy as np
+
+import elastic
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+OUT = os.environ["LW_OUT"]
+WORKER = os.environ["ELASTIC_WORKER_ID"]
+STEPS = int(os.environ.get("LW_STEPS", "40"))
+SLEEP = float(os.environ.get("LW_SLEEP", "0.05"))
+RAISE_AT = int(os.environ.get("LW_RAISE_AT", "-1"))
+
+with open(os.path.join(OUT, f"pid-{WORKER}.txt"), "w") as f:
+    f.write(str(os.getpid()))
+
+state = elastic.ObjectState(step=0, total=0.0)
+
+
+@elastic.run
+def train(state):
+    while state.step < STEPS:
+        if state.step == RAISE_AT:
+            raise ValueError(f"deterministic user error at step {state.step}")
+        ones = elastic.allreduce(np.ones(4, dtype=np.float32), elastic.Sum)
+        state.total += float(ones[0])
+        state.step += 1
+        print(f"step {state.step} size {elastic.size()}", flush=True)
+        time.sleep(SLEEP)
+        if state.step % 2 == 0:
+            state.commit()
+
+
+train(state)
+print("done", flush=True)
