@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
                    help="evict a worker that stops answering keepalive pings within S seconds "
                         "(default: %(default)s)")
+    s.add_argument("--leader-ttl", type=int, default=2, metavar="S",
+                   help="TTL of the leader's etcd lease: a failed leader is replaced after about S "
+                        "seconds; workers get heartbeat timeout + S + 2 s to reattach "
+                        "(default: %(default)s)")
     s.add_argument("--settle", type=float, default=0.2, metavar="S",
                    help="batch membership changes arriving within S seconds into one world "
                         "(default: %(default)s)")
@@ -92,6 +96,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                        token=_read_token(a.token_file) if a.token_file else None,
                        insecure=a.insecure, tls_cert=a.tls_cert, tls_key=a.tls_key,
                        heartbeat_timeout_s=a.heartbeat_timeout, settle_s=a.settle,
+                       leader_ttl_s=a.leader_ttl,
                        settle_max_s=max(2.0, a.settle * 10), default_elastic_timeout_s=a.elastic_timeout,
                        blacklist_after=a.blacklist_after,
                        cooldown_min_s=a.blacklist_cooldown_range[0],

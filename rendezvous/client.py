@@ -24,6 +24,10 @@ session (it was evicted, e.g. after being stopped longer than the heartbeat time
 
 Liveness needs nothing from the caller: the open Watch stream plus gRPC keepalive (answered by gRPC's
 C core, without the GIL) tell the server this process is alive.
+
+Sessions are numbered: `join()` starts a new one, empties the event queue, and events still arriving
+from the replaced session (its stream being closed, a stale `Ended`) are dropped, under the same lock
+that pushes them. A World with the same version as the last one but different members counts as new.
 """
 from __future__ import annotations
 
@@ -42,9 +46,10 @@ from ._proto import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rendezvous.client")
 
-# Codes after which trying again (elsewhere, a bit later) can succeed.
+# Codes after which trying again (elsewhere, a bit later) can succeed. Not INTERNAL/UNKNOWN: those
+# are server bugs, and repeating the request would repeat them.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+              grpc.StatusCode.CANCELLED)
 
 
 class RendezvousError(RuntimeError):
@@ -176,6 +181,14 @@ class RendezvousClient:
         self._closed = threading.Event()
         self._watch_thread: Optional[threading.Thread] = None
         self._watch_call = None
+        # Guards the session number, session id, event queue pushes and the watching flag.
+        self._session = threading.Condition()
+        self._gen = 0                       # session number: bumped by every join()
+        self._watching = False              # a watch thread runs (or is about to) for this client
+        self._committed_step = -1           # resent on every (re)attach: the server keeps it soft
+        self._last_world_key = None         # (version, members) of the last pushed world
+        self._last_abort: Optional[int] = None
+        self._last: Optional[Event] = None
 
     # ----------------------------------------------------------------------------- plumbing
     def _stub(self, address: str) -> pb_grpc.RendezvousStub:
@@ -194,18 +207,28 @@ class RendezvousClient:
             else:
                 self._current = (self._current + 1) % len(self.addresses)
 
-    def _call(self, method: str, request, timeout_s: Optional[float] = None):
-        """Unary call with failover across addresses and backoff, until `timeout_s` runs out."""
+    def _call(self, method: str, request, timeout_s: Optional[float] = None, *,
+              attempt_s: Optional[float] = None, done_if_retried=()):
+        """Unary call with failover across addresses and backoff, until `timeout_s` runs out.
+
+        `done_if_retried`: status codes that, on a retry after an attempt whose outcome is unknown
+        (DEADLINE_EXCEEDED, CANCELLED), mean the first attempt took effect (returns None then).
+        """
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.rpc_timeout_s)
-        backoff, tried, last = 0.02, 0, None
+        attempt_s = attempt_s or self.rpc_timeout_s
+        backoff, tried, last, unsure = 0.02, 0, None, False
         while True:
             address = self.addresses[self._current]
             remaining = deadline - time.monotonic()
             try:
                 return getattr(self._stub(address), method)(
-                    request, timeout=max(0.05, min(remaining, self.rpc_timeout_s)),
+                    request, timeout=max(0.05, min(remaining, attempt_s)),
                     metadata=self._metadata)
             except grpc.RpcError as e:
+                if unsure and e.code() in done_if_retried:
+                    return None
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    unsure = True
                 if e.code() not in _RETRYABLE:
                     raise RendezvousError(f"{method} to {address} for job {self.job_id} worker "
                                           f"{self.worker_id}: {e.code().name}: {e.details()}",
@@ -227,20 +250,51 @@ class RendezvousClient:
     def join(self, committed_step: int = -1, timeout_s: float = 30.0) -> str:
         """Join the job (creating it with `spec` if new) and start following it; returns the session.
 
-        Joining again (e.g. after an `Ended` event) replaces the previous session.
+        Joining again (e.g. after an `Ended` event) replaces the previous session: the event queue is
+        emptied and nothing from the old session is delivered any more.
         """
-        resp = self._call("Join", pb.JoinRequest(
-            job_id=self.job_id, worker_id=self.worker_id, host=self.host,
-            ring_address=self.ring_address, committed_step=committed_step,
-            spec=pb.JobSpec(min_np=self.spec.min_np, max_np=self.spec.max_np,
-                            elastic_timeout_s=self.spec.elastic_timeout_s)), timeout_s)
-        self.session_id = resp.session_id
-        self._last_world_version = self._last_abort = None
-        if self._watch_thread is None or not self._watch_thread.is_alive():
+        with self._session:
+            self._gen += 1
+            old_sid, self.session_id = self.session_id, None   # the watch thread pauses meanwhile
+            self._committed_step = max(self._committed_step, committed_step)
+        try:
+            # A retried Join (first attempt timed out) simply replaces the session it may have made.
+            resp = self._call("Join", pb.JoinRequest(
+                job_id=self.job_id, worker_id=self.worker_id, host=self.host,
+                ring_address=self.ring_address, committed_step=committed_step,
+                spec=pb.JobSpec(min_np=self.spec.min_np, max_np=self.spec.max_np,
+                                elastic_timeout_s=self.spec.elastic_timeout_s)), timeout_s)
+        except BaseException:
+            with self._session:
+                if self.session_id is None:
+                    self.session_id = old_sid
+                self._session.notify_all()
+            raise
+        with self._session:
+            self.session_id = resp.session_id
+            self._drain_queue()
+            self._last_world_key = self._last_abort = self._last = None
+            self.world = None
+            start = not self._watching
+            self._watching = True
+            self._session.notify_all()
+            call = self._watch_call
+        if call is not None and old_sid is not None:
+            call.cancel()   # stop reading the replaced session's stream now
+        if start:
+            if self._watch_thread is not None and self._watch_thread is not threading.current_thread():
+                self._watch_thread.join(timeout=5.0)
             self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
                                                   name=f"rdzv-watch-{self.worker_id}")
             self._watch_thread.start()
         return resp.session_id
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                self._events.get_nowait()
+            except queue.Empty:
+                return
 
     def next_event(self, timeout_s: float) -> Optional[Event]:
         """The next event from the server, or None if none arrives within `timeout_s`."""
@@ -269,30 +323,46 @@ class RendezvousClient:
             if isinstance(ev, Ended):
                 raise RendezvousError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}")
 
-    def heartbeat(self, committed_step: int = -1) -> int:
-        """Report the last committed step; returns the server's current world version."""
+    def heartbeat(self, committed_step: int = -1, timeout_s: float = 1.0) -> int:
+        """Report the last committed step; returns the server's current world version.
+
+        Short default deadline: callers send it from their event loop, which must not stall for long
+        during a server outage (the step is resent on the next call and on reattach anyway).
+        """
+        if committed_step > self._committed_step:
+            self._committed_step = committed_step
         return self._call("Heartbeat", pb.HeartbeatRequest(session_id=self._sid(),
-                                                           committed_step=committed_step)).world_version
+                                                           committed_step=committed_step),
+                          timeout_s).world_version
 
     def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "") -> bool:
         """Tell the server a peer broke; returns True if the server evicted it."""
         return self._call("ReportFailure", pb.ReportFailureRequest(
             session_id=self._sid(), world_version=world_version,
             suspect_worker_id=suspect_worker_id, reason=reason),
-            timeout_s=self.rpc_timeout_s + 2.0).evicted
+            # The server may wait up to its heartbeat timeout for the suspect's stream to break.
+            timeout_s=max(30.0, self.rpc_timeout_s), attempt_s=max(15.0, self.rpc_timeout_s)).evicted
 
     def report_success(self) -> None:
         """This worker finished: the job completes for everyone."""
-        self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid()))
+        # Retried after an unknown outcome, FAILED_PRECONDITION means the job already finished.
+        self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid()),
+                   3 * self.rpc_timeout_s, done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
 
     def leave(self) -> None:
         """Leave cleanly (the others see a membership change, not a failure) and stop watching."""
-        self._call("Leave", pb.LeaveRequest(session_id=self._sid()))
-        self.close()
+        try:
+            # Retried after an unknown outcome, NOT_FOUND means the first attempt removed us.
+            self._call("Leave", pb.LeaveRequest(session_id=self._sid()), 3 * self.rpc_timeout_s,
+                       done_if_retried=(grpc.StatusCode.NOT_FOUND,))
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Stop the watch thread and close connections (without leaving: the server evicts us)."""
         self._closed.set()
+        with self._session:
+            self._session.notify_all()
         call = self._watch_call
         if call is not None:
             call.cancel()
@@ -312,47 +382,70 @@ class RendezvousClient:
     def _watch_loop(self) -> None:
         backoff, down_since = 0.02, None
         while not self._closed.is_set():
+            with self._session:
+                while self.session_id is None and not self._closed.is_set():
+                    self._session.wait(0.5)    # a join() is replacing the session
+                sid, gen = self.session_id, self._gen
+            if sid is None:
+                break
             address = self.addresses[self._current]
-            sid = self.session_id
             try:
-                call = self._stub(address).Watch(pb.WatchRequest(session_id=sid),
-                                                 metadata=self._metadata)
+                call = self._stub(address).Watch(
+                    pb.WatchRequest(session_id=sid, committed_step=self._committed_step),
+                    metadata=self._metadata)
                 self._watch_call = call
                 for ev in call:
                     down_since, backoff = None, 0.02
-                    self._handle(ev, address)
+                    self._handle(ev, address, gen)
                 if self._closed.is_set():
+                    break
+                # The server ended the stream: after Finished, or on graceful shutdown / stepping
+                # down as leader (then another replica is the better bet).
+                if isinstance(self._last, Finished) and self._stop_if(gen):
                     return
-                # The server ended the stream: after Finished, or on graceful shutdown.
-                if isinstance(self._last, Finished):
-                    return
+                self._next_address()
             except grpc.RpcError as e:
                 if self._closed.is_set():
-                    return
+                    break
                 code = e.code()
                 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
-                    if sid != self.session_id:
-                        continue  # a rejoin replaced the session while we watched the old one
-                    self._push(Ended(f"{code.name}: {e.details()}"))
-                    return
+                    if self._push(Ended(f"{code.name}: {e.details()}"), gen) and self._stop_if(gen):
+                        return
+                    continue  # a join() replaced the session while we watched the old one
                 hint = dict(e.trailing_metadata() or ()).get("leader", "")
                 self._next_address(hint)
             down_since = down_since or time.monotonic()
             if time.monotonic() - down_since > self.reconnect_timeout_s:
-                self._push(Ended(f"no rendezvous server reachable for {self.reconnect_timeout_s:g} s "
-                                 f"(tried {self.addresses})"))
-                return
+                if self._push(Ended(f"no rendezvous server reachable for "
+                                    f"{self.reconnect_timeout_s:g} s (tried {self.addresses})"),
+                              gen) and self._stop_if(gen):
+                    return
+                down_since = None
+                continue
             self._closed.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.backoff_max_s)
+        with self._session:
+            self._watching = False
 
-    _last: Optional[Event] = None
+    def _stop_if(self, gen: int) -> bool:
+        """End the watch thread if session `gen` is still current (the next join() starts another)."""
+        with self._session:
+            if gen != self._gen:
+                return False
+            self._watching = False
+            return True
 
-    def _push(self, ev: Event) -> None:
-        self._last = ev
-        self._events.put(ev)
+    def _push(self, ev: Event, gen: int) -> bool:
+        """Queue `ev` if it belongs to the current session; False if the session was replaced."""
+        with self._session:
+            if gen != self._gen:
+                return False
+            self._last = ev
+            self._events.put(ev)
+            return True
 
-    def _handle(self, ev: pb.WatchEvent, address: str) -> None:
+    def _handle(self, ev: pb.WatchEvent, address: str, gen: int) -> None:
         kind = ev.WhichOneof("event")
         if kind == "probe":
             # Answer at once, from this thread: proof that this process is alive and not wedged.
@@ -363,20 +456,28 @@ class RendezvousClient:
             except grpc.RpcError as e:
                 log.warning("worker %s: answering probe failed: %s", self.worker_id, e.details())
         elif kind == "world":
-            self.world = _world(ev.world)
-            if self._last_world_version != ev.world.version:  # a reattach resends the snapshot
-                self._last_world_version = ev.world.version
-                self._push(self.world)
+            world = _world(ev.world)
+            key = (world.version, world.members)
+            with self._session:
+                if gen != self._gen:
+                    return
+                self.world = world
+                # A reattach resends the snapshot: skip it if it is exactly the world we have; a
+                # world of the same version with other members is new.
+                if key != self._last_world_key:
+                    self._last_world_key = key
+                    self._last = world
+                    self._events.put(world)
         elif kind == "pending":
-            self._push(Pending(ev.pending.world_version, ev.pending.reason))
+            self._push(Pending(ev.pending.world_version, ev.pending.reason), gen)
         elif kind == "abort":
-            if self._last_abort != ev.abort.world_version:
+            with self._session:
+                if gen != self._gen or self._last_abort == ev.abort.world_version:
+                    return
                 self._last_abort = ev.abort.world_version
-                self._push(Abort(ev.abort.world_version, ev.abort.reason))
+                self._last = ev = Abort(ev.abort.world_version, ev.abort.reason)
+                self._events.put(ev)
         elif kind == "standby":
-            self._push(Standby(ev.standby.world_version, ev.standby.reason))
+            self._push(Standby(ev.standby.world_version, ev.standby.reason), gen)
         elif kind == "finished":
-            self._push(Finished(ev.finished.succeeded, ev.finished.reason))
-
-    _last_world_version: Optional[int] = None
-    _last_abort: Optional[int] = None
+            self._push(Finished(ev.finished.succeeded, ev.finished.reason), gen)

@@ -16,8 +16,13 @@ Rules (issue 3):
 * A failure (eviction) aborts the current version at once; a clean join/leave only announces that a
   change is pending, so workers can switch at a commit boundary.
 * Hosts failing `blacklist_after` times are refused for a cooldown that doubles on each blacklisting,
-  capped at `cooldown_max_s` (like horovodrun's --blacklist-cooldown-range).
+  capped at `cooldown_max_s` (like horovodrun's --blacklist-cooldown-range). A worker already waiting
+  on such a host is promoted when the cooldown ends (the deadline includes the expiry).
+* Only eligible workers count towards `min_np` and enter a new world: survivors of the current world,
+  and newcomers that opened their Watch stream (`attached`) on a host that is not blacklisted.
 * Below `min_np` the job waits up to its elastic timeout, then fails with a reason.
+* Evictions the server caused itself (a worker that did not reattach after a leader change) are not
+  counted against the host: they say more about the control plane than about the host.
 * One worker's success completes the job for everyone.
 """
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Worker:
     committed_step: int
     join_seq: int
     joined_at: float
+    attached: bool = True      # opened its Watch stream at least once (only then can it enter a world)
 
 
 @dataclass(frozen=True)
@@ -118,8 +124,12 @@ class JobState:
     def member(self, worker_id: str) -> Optional[Member]:
         return next((m for m in self.world if m.worker_id == worker_id), None)
 
+    def world_ids(self) -> set[str]:
+        return {m.worker_id for m in self.world}
+
     def standby(self) -> list[str]:
-        return sorted((w for w in self.workers if not self.in_world(w)),
+        in_world = self.world_ids()
+        return sorted((w for w in self.workers if w not in in_world),
                       key=lambda w: self.workers[w].join_seq)
 
     def blacklisted_hosts(self, now: float) -> list[str]:
@@ -140,6 +150,14 @@ class Join:
     host: str
     ring_address: str
     committed_step: int = -1
+    attached: bool = True      # the server joins workers unattached and sends Attach on their Watch
+
+
+@dataclass(frozen=True)
+class Attach:
+    """The worker opened its Watch stream: it can receive a world, so it may enter one."""
+
+    worker_id: str
 
 
 @dataclass(frozen=True)
@@ -153,6 +171,7 @@ class Evict:
 
     worker_id: str
     reason: str
+    count_failure: bool = True   # False: the server caused it (no reattach after failover)
 
 
 @dataclass(frozen=True)
@@ -171,7 +190,7 @@ class Tick:
     """Time passed; lets settle windows and elastic timeouts fire."""
 
 
-Event = Union[Join, Leave, Evict, Progress, Success, Tick]
+Event = Union[Join, Attach, Leave, Evict, Progress, Success, Tick]
 
 
 # ---------------------------------------------------------------------------------------------- actions
@@ -243,7 +262,13 @@ def decide(state: JobState, event: Event, now: float,
                         failure=False, config=config)
     elif isinstance(event, Evict):
         state = _remove(state, event.worker_id, event.reason, now, actions, failure=True,
-                        config=config)
+                        config=config, count_failure=event.count_failure)
+    elif isinstance(event, Attach):
+        w = state.workers.get(event.worker_id)
+        if w is not None and not w.attached:
+            state = replace(state, workers={**state.workers, w.worker_id: replace(w, attached=True)})
+            if not state.in_world(w.worker_id):
+                state = _mark_change(state, now)
     elif isinstance(event, Progress):
         w = state.workers.get(event.worker_id)
         if w is not None and event.committed_step > w.committed_step:
@@ -267,11 +292,40 @@ def next_deadline(state: JobState, config: DecisionConfig = DecisionConfig()) ->
         return None
     times = []
     # Below min_np the settle window cannot produce a world; only the elastic timeout matters.
-    if state.change_last is not None and len(state.workers) >= state.spec.min_np:
+    if state.change_last is not None and eligible_count(state) >= state.spec.min_np:
         times.append(min(state.change_last + config.settle_s, state.change_first + config.settle_max_s))
     if state.below_min_since is not None:
         times.append(state.below_min_since + state.spec.elastic_timeout_s)
+    # A worker waiting on a blacklisted host becomes eligible when the cooldown ends. (Expired
+    # records are reset by the next decide(), so no deadline here is ever left in the past.)
+    blacklisted = {h: r.blacklisted_until for h, r in state.hosts.items() if r.blacklisted_until}
+    if blacklisted:
+        in_world = state.world_ids()
+        times += [blacklisted[w.host] for w in state.workers.values()
+                  if w.host in blacklisted and w.attached and w.worker_id not in in_world]
     return min(times) if times else None
+
+
+def eligible_count(state: JobState, now: Optional[float] = None) -> int:
+    """len(eligible(state, now)) without sorting (the server asks after every event)."""
+    in_world = state.world_ids()
+    blocked = {h for h, r in state.hosts.items()
+               if r.blacklisted_until and (now is None or r.blacklisted_until > now)}
+    return sum(1 for w in state.workers.values()
+               if w.worker_id in in_world or (w.attached and w.host not in blocked))
+
+
+def eligible(state: JobState, now: Optional[float] = None) -> list[str]:
+    """Workers that may be in the next world, in order: survivors, then attached newcomers on hosts
+    that are not blacklisted at `now` (None: by the records as they stand), by join order."""
+    survivors = [m.worker_id for m in state.world if m.worker_id in state.workers]
+    blocked = {h for h, r in state.hosts.items()
+               if r.blacklisted_until and (now is None or r.blacklisted_until > now)}
+    kept = set(survivors)
+    newcomers = sorted((w for w in state.workers.values()
+                        if w.worker_id not in kept and w.attached and w.host not in blocked),
+                       key=lambda w: w.join_seq)
+    return survivors + [w.worker_id for w in newcomers]
 
 
 def _mark_change(state: JobState, now: float) -> JobState:
@@ -293,12 +347,26 @@ def _on_join(state: JobState, ev: Join, now: float, config: DecisionConfig,
         state = _remove(state, ev.worker_id, f"worker {ev.worker_id} rejoined (previous session "
                                              f"replaced)", now, actions, failure=True,
                         config=config, count_failure=False)
-    worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.committed_step, state.next_seq, now)
+    worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.committed_step, state.next_seq, now,
+                    attached=ev.attached)
     state = replace(state, workers={**state.workers, ev.worker_id: worker},
                     next_seq=state.next_seq + 1)
     if state.world and len(state.world) < state.spec.max_np:
         state = _pending(state, f"worker {ev.worker_id} on {ev.host} joined", actions)
     return _mark_change(state, now)
+
+
+def _reset_expired_blacklists(state: JobState, now: float) -> JobState:
+    expired = {h: replace(r, blacklisted_until=0.0) for h, r in state.hosts.items()
+               if r.blacklisted_until and r.blacklisted_until <= now}
+    if not expired:
+        return state
+    state = replace(state, hosts={**state.hosts, **expired})
+    # A worker waiting on one of these hosts may now fill a place in the world.
+    in_world = state.world_ids()
+    if any(w.host in expired and w.worker_id not in in_world for w in state.workers.values()):
+        state = _mark_change(state, now)
+    return state
 
 
 def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
@@ -342,13 +410,14 @@ def _count_host_failure(state: JobState, host: str, now: float, config: Decision
 
 def _evaluate(state: JobState, now: float, config: DecisionConfig,
               actions: list[Action]) -> tuple[JobState, list[Action]]:
-    alive = len(state.workers)
+    state = _reset_expired_blacklists(state, now)
+    alive = eligible_count(state, now)
     if alive < state.spec.min_np:
         since = state.below_min_since if state.below_min_since is not None else now
         state = replace(state, below_min_since=since,
                         phase=Phase.WAITING if state.world else Phase.FORMING)
         if now - since >= state.spec.elastic_timeout_s:
-            reason = (f"job {state.job_id}: only {alive} live worker(s), below min_np="
+            reason = (f"job {state.job_id}: only {alive} eligible worker(s), below min_np="
                       f"{state.spec.min_np}, for the elastic timeout of "
                       f"{state.spec.elastic_timeout_s:g} s")
             state = replace(state, phase=Phase.FAILED, reason=reason, change_first=None,
@@ -365,7 +434,10 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
     state = replace(state, change_first=None, change_last=None)
     unchanged = (tuple((m.worker_id, m.rank, m.ring_address) for m in members)
                  == tuple((m.worker_id, m.rank, m.ring_address) for m in state.world))
-    if unchanged and state.aborted_version != state.version and state.world:
+    # Re-announcing an unchanged world is needed after an Abort (the ring broke) and after a Pending
+    # notice (its members wait for a version > V, e.g. a newcomer that left within the window).
+    if (unchanged and state.world and state.aborted_version != state.version
+            and state.pending_version != state.version):
         return state, actions  # e.g. a standby joined a full world: nothing to re-form
     version = state.version + 1
     state = replace(state, version=version, world=members, phase=Phase.RUNNING, reason="")
@@ -375,12 +447,7 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
 
 def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
     """The next world's members in rank order (see the module docstring for the rules)."""
-    survivors = [m.worker_id for m in state.world if m.worker_id in state.workers]
-    blacklisted = set(state.blacklisted_hosts(now))
-    newcomers = sorted((w for w in state.workers.values()
-                        if w.worker_id not in survivors and w.host not in blacklisted),
-                       key=lambda w: w.join_seq)
-    chosen = (survivors + [w.worker_id for w in newcomers])[:state.spec.max_np]
+    chosen = eligible(state, now)[:state.spec.max_np]
     if not chosen:
         return ()
     # Highest committed step first; max() keeps the earliest (lowest old rank) among ties.

@@ -3,13 +3,20 @@
 The leader writes every job state fenced by this key (`Fence(key, identity)`), so a replica that lost its
 lease (paused, partitioned) can never overwrite what the new leader wrote. Only the leader's lease is
 kept alive against etcd — not one lease per worker — so the store's load does not grow with the job.
+
+Stepping down is driven by a clock, not by the refresh call: a refresh that hangs (etcd connection
+stalled, etcd overloaded) must not keep this replica serving while etcd expires its lease and another
+replica takes over. Each refresh has a deadline below ttl/3, and leadership is valid only until the
+send time of the last acknowledged refresh plus 0.6 x ttl — well before etcd (which measures the TTL
+from when it received that refresh) can expire the lease. `valid()` says so at any instant, and a
+watchdog calls `on_lost` when that time passes even if the refresh is still stuck.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Callable, Optional
 
 from .store import Fence, Store, StoreError
 
@@ -18,7 +25,7 @@ log = logging.getLogger("rendezvous.leader")
 
 class Leadership:
     def __init__(self, store: Store, key: str, identity: str, ttl_s: int,
-                 on_lost: Callable[[str], Awaitable[None]]):
+                 on_lost: Callable[[str], None]):
         self.store = store
         self.key = key
         self.identity = identity.encode()
@@ -26,6 +33,16 @@ class Leadership:
         self._on_lost = on_lost
         self._lease: Optional[int] = None
         self._keepalive: Optional[asyncio.Task] = None
+        self._watchdog: Optional[asyncio.Task] = None
+        self._valid_until = 0.0          # monotonic: leadership may be acted on until then
+
+    @property
+    def step_down_after_s(self) -> float:
+        return self.ttl_s * 0.6
+
+    def valid(self) -> bool:
+        """Held, and the last acknowledged refresh is recent enough that etcd still counts it."""
+        return self._lease is not None and time.monotonic() < self._valid_until
 
     @property
     def fence(self) -> Fence:
@@ -44,10 +61,14 @@ class Leadership:
         backoff = 0.1
         while True:
             try:
+                sent = time.monotonic()
                 lease = await self.store.grant_lease(self.ttl_s)
                 if await self.store.put(self.key, self.identity, expected_revision=0, lease=lease):
                     self._lease = lease
-                    self._keepalive = asyncio.get_running_loop().create_task(self._keep_alive())
+                    self._valid_until = sent + self.step_down_after_s
+                    loop = asyncio.get_running_loop()
+                    self._keepalive = loop.create_task(self._keep_alive(lease))
+                    self._watchdog = loop.create_task(self._watch_validity(lease))
                     return
                 await self.store.revoke_lease(lease)
                 watch = await self.store.watch(self.key)
@@ -66,30 +87,44 @@ class Leadership:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
-    async def _keep_alive(self) -> None:
-        last_ok = time.monotonic()
-        while self._lease is not None:
-            await asyncio.sleep(self.ttl_s / 3)
+    async def _keep_alive(self, lease: int) -> None:
+        period = self.ttl_s / 3
+        while self._lease == lease:
+            await asyncio.sleep(period)
+            sent = time.monotonic()
             try:
-                if await self.store.refresh_lease(self._lease):
-                    last_ok = time.monotonic()
-                    continue
-                reason = "leader lease expired"
-            except StoreError as e:
-                # Unsure whether etcd still counts the lease: stop acting as leader before it could
-                # have expired, so two replicas never both believe they lead.
-                if time.monotonic() - last_ok < self.ttl_s * 0.6:
-                    continue
-                reason = f"cannot refresh leader lease: {e}"
-            self._lease = None
-            await self._on_lost(reason)
+                # Deadline below ttl/3: a hung call must not delay the next attempt.
+                alive = await asyncio.wait_for(self.store.refresh_lease(lease), period * 0.9)
+            except (StoreError, asyncio.TimeoutError) as e:
+                log.warning("leader lease refresh failed: %s", e or "no answer within "
+                            f"{period * 0.9:.2f} s")
+                continue  # the watchdog steps down if this goes on
+            if self._lease != lease:
+                return
+            if not alive:
+                self._lose(lease, "leader lease expired")
+                return
+            self._valid_until = max(self._valid_until, sent + self.step_down_after_s)
+
+    async def _watch_validity(self, lease: int) -> None:
+        while self._lease == lease:
+            left = self._valid_until - time.monotonic()
+            if left <= 0:
+                self._lose(lease, f"no lease refresh acknowledged for {self.step_down_after_s:.1f} s "
+                                  f"(etcd unreachable or stalled)")
+                return
+            await asyncio.sleep(left + 0.005)
+
+    def _lose(self, lease: int, reason: str) -> None:
+        if self._lease != lease:
             return
+        self.drop()
+        self._on_lost(reason)
 
     async def resign(self) -> None:
         """Give the key up now (graceful shutdown) so another replica takes over without waiting."""
-        lease, self._lease = self._lease, None
-        if self._keepalive is not None:
-            self._keepalive.cancel()
+        lease = self._lease
+        self.drop()
         if lease is not None:
             try:
                 await self.store.revoke_lease(lease)
@@ -97,7 +132,10 @@ class Leadership:
                 log.warning("resign: %s (the lease will expire by itself)", e)
 
     def drop(self) -> None:
-        """Forget leadership locally (after a fenced write was refused)."""
+        """Forget leadership locally (after a fenced write was refused, or on stepping down)."""
         self._lease = None
-        if self._keepalive is not None:
-            self._keepalive.cancel()
+        self._valid_until = 0.0
+        current = asyncio.current_task()
+        for task in (self._keepalive, self._watchdog):
+            if task is not None and task is not current:
+                task.cancel()

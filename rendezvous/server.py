@@ -14,11 +14,21 @@ Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
   heartbeats would detect it, but they starve whenever training code holds the GIL (TorchElastic's
   own warning) and cost one RPC per worker per period. HTTP/2 keepalive pings are answered by gRPC's
   C core without the GIL, cost nothing in Python on either side, and a stopped process answers none:
-  the server pings every heartbeat_timeout/2 and drops the connection when an ack is heartbeat_timeout/2
-  late, which cancels the stream and evicts the worker. So the open stream plus keepalive is the
-  liveness signal; the Heartbeat RPC only carries progress (committed step) and probe answers.
-* After a leader change or restart nobody has a stream yet: each registered worker gets
-  heartbeat_timeout to reattach before it is evicted, so a short server outage evicts no one.
+  the server pings every heartbeat_timeout/3 and drops the connection when an ack is
+  heartbeat_timeout/3 late (so a stopped worker is cut within 2/3 of the timeout), which cancels the
+  stream and evicts the worker. So the open stream plus keepalive is the liveness signal; the Heartbeat
+  RPC only carries progress (committed step) and probe answers.
+* A peer's ReportFailure evicts at once only a suspect without a stream. A suspect with a stream is
+  probed; if its (Python) client does not answer, e.g. because training code holds the GIL, we trust
+  keepalive: the report waits up to the heartbeat timeout for the stream to break, and evicts nobody
+  while the connection stays alive.
+* A worker must open its Watch within heartbeat_timeout of joining; until it has, it is not put into a
+  world (it could not learn about it).
+* After a leader change or restart nobody has a stream yet: each registered worker gets the reattach
+  window (heartbeat timeout + leader lease TTL + client reconnect allowance) before it is evicted, and
+  such evictions are not counted against its host.
+* Committed steps (Heartbeat, Watch) are soft state: they update the in-memory job state and ride along
+  with the next real change that is written; a client resends its step when it reattaches.
 """
 from __future__ import annotations
 
@@ -42,10 +52,12 @@ from .store import MemoryStore, Store, StoreError
 
 log = logging.getLogger("rendezvous.server")
 
-ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-HOST_RE = re.compile(r"^[A-Za-z0-9._:\[\]-]{1,255}$")
-ADDR_RE = re.compile(r"^[A-Za-z0-9._\-\[\]:]{1,255}:[0-9]{1,5}$")
-SEQ_RE = re.compile(r"^[0-9]{1,18}$")
+# Used with fullmatch: `$` in re.match would also accept a trailing newline.
+ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+HOST_RE = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")
+ADDR_RE = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,255}:[0-9]{1,5}")
+SEQ_RE = re.compile(r"[0-9]{1,18}")
+RECONNECT_ALLOWANCE_S = 2.0   # client backoff tops out at 1 s (x1.5 jitter) plus one connect
 MAX_REASON = 1024
 _END = object()
 
@@ -65,12 +77,14 @@ class _Stream:
     session_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     closed_by_server: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)   # the handler returned
 
 
 @dataclass
 class _Job:
     state: d.JobState
     revision: int                          # store revision of the last durable state
+    durable_state: Optional[d.JobState] = None  # the state as last written (what Watch snapshots show)
     seq: int = 0                           # in-memory change counter
     durable_seq: int = 0
     outbox: list = field(default_factory=list)          # (seq, action, world-at-action)
@@ -98,7 +112,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.leadership = Leadership(store, f"{config.etcd_prefix}/leader",
                                      f"{config.replica_id}|{config.advertise_address}",
                                      config.leader_ttl_s, self._lost_leadership)
-        self.is_leader = False
+        self._leading = False
         self.leadership_losses = 0
         self.stopping = False
         self._campaign: Optional[asyncio.Task] = None
@@ -106,6 +120,16 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self._nonce = int(time.time() * 1000) << 16
 
     # ----------------------------------------------------------------------------- leadership
+    @property
+    def is_leader(self) -> bool:
+        # Checked against the lease clock too: after a stall (e.g. the process was stopped) the
+        # watchdog may not have run yet, but nothing may be served on a lease etcd may have expired.
+        return self._leading and self.leadership.valid()
+
+    def reattach_window_s(self) -> float:
+        return (self.config.heartbeat_timeout_s + self.config.leader_ttl_s
+                + RECONNECT_ALLOWANCE_S)
+
     def start(self) -> None:
         self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
 
@@ -118,25 +142,28 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             await self.leadership.resign()
             self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
             return
-        grace = time.time() + self.config.heartbeat_timeout_s
+        window = self.reattach_window_s()
+        grace = time.time() + window
         self.jobs = {}
         for versioned in items.values():
             state = d.from_json(versioned.value)
-            job = _Job(state=state, revision=versioned.revision)
+            job = _Job(state=state, revision=versioned.revision, durable_state=state)
             if state.phase not in d.TERMINAL:
-                job.attach_deadline = {w: grace for w in state.workers}
+                what = f"did not reattach within {window:g} s of a leader change"
+                job.attach_deadline = {w: (grace, what) for w in state.workers}
             self.jobs[state.job_id] = job
             self._start_timer(job)
-        self.is_leader = True
+        self._leading = True
         log.info("replica %s is the leader (%d job(s) loaded; workers have %.1f s to reattach)",
-                 self.config.replica_id, len(self.jobs), self.config.heartbeat_timeout_s)
+                 self.config.replica_id, len(self.jobs), window)
 
-    async def _lost_leadership(self, reason: str) -> None:
-        if not self.is_leader:
+    def _lost_leadership(self, reason: str) -> None:
+        """Stop acting as leader at once: end every stream (clients go to the next leader)."""
+        if not self._leading:
             return
         log.warning("replica %s lost leadership: %s", self.config.replica_id, reason)
         self.leadership_losses += 1
-        self.is_leader = False
+        self._leading = False
         self.leadership.drop()
         for job in self.jobs.values():
             if job.timer:
@@ -168,13 +195,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                     await asyncio.wait_for(self._wait_durable(job, job.seq), 2.0)
                 except Exception:
                     pass
-        self.is_leader = False
+        self._leading = False
         await self.leadership.resign()
 
     async def _leader_hint(self) -> str:
         try:
-            current = await self.leadership.current_leader()
-        except StoreError:
+            # Bounded: this replica may be the one whose store connection stalls.
+            current = await asyncio.wait_for(self.leadership.current_leader(), 0.5)
+        except (StoreError, asyncio.TimeoutError):
             return ""
         return current.split("|", 1)[1] if current and "|" in current else ""
 
@@ -195,12 +223,15 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         world_before = job.state.world
         state, actions = d.decide(job.state, event, now, self.dcfg)
         if state is not job.state:
-            job.seq += 1
             job.state = state
+            if isinstance(event, d.Progress) and not actions:
+                # Soft state: not worth a write of the whole job per report. It is stored with the
+                # next real change, and resent by the client on reattach / next heartbeat.
+                return job.seq, actions
+            job.seq += 1
             for a in actions:
                 if not isinstance(a, d.Rejected):
                     job.outbox.append((job.seq, a, world_before))
-                    self._log_action(job, a)
             self._kick_flush(job)
         job.wake.set()
         return job.seq, actions
@@ -212,6 +243,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                      len(a.members), len(a.standby))
         elif isinstance(a, d.Abort):
             log.info("job %s: abort world %d: %s", jid, a.version, a.reason)
+        elif isinstance(a, d.Pending):
+            log.info("job %s: change pending for world %d: %s", jid, a.version, a.reason)
         elif isinstance(a, d.Dropped):
             log.info("job %s: worker %s dropped: %s", jid, a.worker_id, a.reason)
         elif isinstance(a, d.Finished):
@@ -227,23 +260,38 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         """Group commit: write the latest state, then send every action that state covers."""
         key = f"{self.config.etcd_prefix}/jobs/{job.state.job_id}"
         backoff = 0.05
+        unsure: list[bytes] = []   # writes whose outcome we did not learn (error, lost response)
         try:
             while job.durable_seq < job.seq and self.is_leader:
-                seq, data = job.seq, d.to_json(job.state)
+                seq, state = job.seq, job.state
+                data = d.to_json(state)
                 try:
                     rev = await self.store.put(key, data, expected_revision=job.revision,
                                                fence=self.leadership.fence)
+                    if rev is None and unsure:
+                        # CAS refused after an ambiguous write: if that write did land, the key
+                        # holds exactly our bytes and we are still the one writing this job.
+                        cur = await self.store.get(key)
+                        if cur is not None and cur.value in unsure:
+                            log.info("job %s: an earlier write did land (revision %d); continuing",
+                                     job.state.job_id, cur.revision)
+                            job.revision = cur.revision
+                            unsure = []
+                            continue
                 except StoreError as e:
                     log.warning("job %s: writing state failed: %s; retrying", job.state.job_id, e)
+                    unsure.append(data)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
                     continue
                 if rev is None:
-                    await self._lost_leadership(f"fenced write of job {job.state.job_id} refused: "
-                                                f"another replica leads or wrote it")
+                    self._lost_leadership(f"fenced write of job {job.state.job_id} refused: "
+                                          f"another replica leads or wrote it")
                     return
+                unsure = []
                 job.revision = rev
                 job.durable_seq = seq
+                job.durable_state = state
                 ready = [x for x in job.outbox if x[0] <= seq]
                 job.outbox = [x for x in job.outbox if x[0] > seq]
                 for _, action, world_before in ready:
@@ -271,6 +319,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             stream.queue.put_nowait(event)
 
     def _dispatch(self, job: _Job, action, world_before) -> None:
+        self._log_action(job, action)   # logged when it takes effect (durable, sent), not decided
         if isinstance(action, d.Announce):
             # The member list is serialized once; each recipient's own rank fields are appended as
             # bytes (protobuf merges concatenated messages). At 1,024 workers this turns 1,024
@@ -295,8 +344,9 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             for m in world_before:
                 self._send(job, m.worker_id, event)
         elif isinstance(action, d.Dropped):
+            # (Its attach deadline stays: after a rejoin it is the new session's; a stale one finds
+            # nobody to evict.)
             stream = job.streams.pop(action.worker_id, None)
-            job.attach_deadline.pop(action.worker_id, None)
             if stream is not None:
                 stream.closed_by_server = True
                 stream.queue.put_nowait(_Abort(grpc.StatusCode.NOT_FOUND,
@@ -317,7 +367,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         """Fires settle windows, elastic timeouts, reattach deadlines and probe deadlines."""
         while job.state.phase not in d.TERMINAL:
             deadlines = [t for t in [d.next_deadline(job.state, self.dcfg),
-                                     *job.attach_deadline.values()] if t is not None]
+                                     *(t for t, _ in job.attach_deadline.values())] if t is not None]
             timeout = max(0.0, min(deadlines) - time.time()) if deadlines else None
             try:
                 await asyncio.wait_for(job.wake.wait(), timeout)
@@ -325,12 +375,13 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 pass
             job.wake.clear()
             now = time.time()
-            for w, t in list(job.attach_deadline.items()):
+            for w, (t, what) in list(job.attach_deadline.items()):
                 if t <= now:
                     del job.attach_deadline[w]
-                    if w not in job.streams:
-                        self._evict(job, w, f"worker {w} did not reattach within "
-                                            f"{self.config.heartbeat_timeout_s:g} s")
+                    if w not in job.streams and self.is_leader:
+                        # The server's own doing (failover, restart) as much as the worker's:
+                        # not counted against the host.
+                        self._evict(job, w, what, count_failure=False)
             due = d.next_deadline(job.state, self.dcfg)
             if due is not None and due <= now:
                 self._apply(job, d.Tick())
@@ -354,16 +405,17 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             log.info("job %s: finished %.0f s ago, forgotten", job_id,
                      self.config.finished_job_retention_s)
 
-    def _evict(self, job: _Job, worker_id: str, reason: str) -> None:
+    def _evict(self, job: _Job, worker_id: str, reason: str, count_failure: bool = True) -> None:
         w = job.state.workers.get(worker_id)
         if w is None:
             return
-        self._apply(job, d.Evict(worker_id, f"worker {worker_id} on host {w.host} evicted: {reason}"))
+        self._apply(job, d.Evict(worker_id, f"worker {worker_id} on host {w.host} evicted: {reason}",
+                                 count_failure))
 
     # ------------------------------------------------------------------------------- lookups
     def _session(self, sid: str) -> tuple[_Job, d.Worker]:
         parts = sid.split("/")
-        if len(sid) > 400 or len(parts) != 3 or not SEQ_RE.match(parts[2]):
+        if len(sid) > 400 or len(parts) != 3 or not SEQ_RE.fullmatch(parts[2]):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed session_id {sid[:80]!r}")
         job_id, worker_id, seq = parts[0], parts[1], int(parts[2])
         job = self.jobs.get(job_id)
@@ -384,9 +436,9 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         await self._require_leader()
         _check_id("job_id", request.job_id)
         _check_id("worker_id", request.worker_id)
-        if not HOST_RE.match(request.host):
+        if not HOST_RE.fullmatch(request.host):
             raise _bad("host", request.host, "1..255 chars of [A-Za-z0-9._:[]-]")
-        if not ADDR_RE.match(request.ring_address) or not 0 < int(
+        if not ADDR_RE.fullmatch(request.ring_address) or not 0 < int(
                 request.ring_address.rsplit(":", 1)[1]) < 65536:
             raise _bad("ring_address", request.ring_address, "HOST:PORT with port 1..65535")
         if request.committed_step < -1:
@@ -420,11 +472,17 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"job {request.job_id} already has {len(job.state.workers)} workers")
         seq, actions = self._apply(job, d.Join(request.worker_id, request.host,
-                                                request.ring_address, request.committed_step))
+                                                request.ring_address, request.committed_step,
+                                                attached=False))
         for a in actions:
             if isinstance(a, d.Rejected):
                 raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                              f"job {request.job_id}: worker {request.worker_id} refused: {a.reason}")
+        # It must open its Watch within the heartbeat timeout; until then it is kept out of worlds.
+        job.attach_deadline[request.worker_id] = (
+            time.time() + self.config.heartbeat_timeout_s,
+            f"did not open its watch stream within {self.config.heartbeat_timeout_s:g} s of joining")
+        job.wake.set()
         await self._wait_durable(job, seq)
         w = job.state.workers[request.worker_id]
         s = job.state.spec
@@ -444,12 +502,26 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def _create_job_once(self, job_id: str, spec: d.JobSpec) -> _Job:
         state = d.new_job(job_id, spec, time.time())
-        rev = await self.store.put(f"{self.config.etcd_prefix}/jobs/{job_id}", d.to_json(state),
-                                   expected_revision=0, fence=self.leadership.fence)
+        key = f"{self.config.etcd_prefix}/jobs/{job_id}"
+        data = d.to_json(state)
+        try:
+            rev = await self.store.put(key, data, expected_revision=0, fence=self.leadership.fence)
+        except StoreError as e:
+            # Ambiguous: it may have landed. Re-read once; otherwise the client retries the Join.
+            try:
+                cur = await self.store.get(key)
+            except StoreError:
+                cur = None
+            if cur is None or cur.value != data:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"job {job_id}: cannot create it in the "
+                                                          f"store ({e}); retry") from None
+            rev = cur.revision
         if rev is None:  # only the leader creates jobs: someone else leads, or wrote it
-            await self._lost_leadership(f"fenced create of job {job_id} refused")
+            self._lost_leadership(f"fenced create of job {job_id} refused")
             await self._require_leader()
-        job = _Job(state=state, revision=rev)
+        if not self.is_leader:
+            await self._require_leader()
+        job = _Job(state=state, revision=rev, durable_state=state)
         self.jobs[job_id] = job
         self._start_timer(job)
         return job
@@ -462,9 +534,21 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             old.closed_by_server = True
             old.queue.put_nowait(_Abort(grpc.StatusCode.CANCELLED, "replaced by a newer Watch"))
         stream = _Stream(request.session_id)
+        try:
+            await self._watch(job, w, request, context, stream)
+        finally:
+            stream.ended.set()
+
+    async def _watch(self, job: _Job, w: d.Worker, request, context, stream: _Stream) -> None:
         job.streams[w.worker_id] = stream
         job.attach_deadline.pop(w.worker_id, None)
-        state = job.state
+        if not w.attached:
+            self._apply(job, d.Attach(w.worker_id))
+        if request.committed_step > w.committed_step:   # resent on reattach: progress is soft state
+            self._apply(job, d.Progress(w.worker_id, request.committed_step))
+        # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
+        # write fails and another replica takes over); later changes follow through the outbox.
+        state = job.durable_state if job.durable_state is not None else job.state
         member = state.member(w.worker_id)
         if state.phase in d.TERMINAL:
             await context.write(pb.WatchEvent(finished=pb.JobFinished(
@@ -542,21 +626,45 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             seq, _ = self._apply_evict(job, suspect, f"no watch stream; {why}")
             await self._wait_durable(job, seq)
             return pb.ReportFailureResponse(evicted=True, detail="suspect had no watch stream")
+        # The suspect has a stream, so keepalive vouches for it (answered by gRPC's C core, even while
+        # its training code holds the GIL). Probe it, and wait up to the heartbeat timeout for either
+        # a probe answer or the stream to break (a stopped/partitioned process fails keepalive).
         self._nonce += 1
         nonce = self._nonce
         fut = asyncio.get_running_loop().create_future()
         job.probes[nonce] = fut
         self._send(job, suspect, pb.WatchEvent(probe=pb.Probe(nonce=nonce)))
+        deadline = time.monotonic() + self.config.heartbeat_timeout_s + 0.25
         try:
-            await asyncio.wait_for(fut, self.config.probe_timeout_s)
-            return pb.ReportFailureResponse(evicted=False, detail=f"{suspect} answered a probe")
-        except asyncio.TimeoutError:
-            if job.state.workers.get(suspect) is None:
-                return pb.ReportFailureResponse(evicted=True, detail="suspect already evicted")
-            seq, _ = self._apply_evict(job, suspect, f"no answer to a probe within "
-                                                     f"{self.config.probe_timeout_s:g} s; {why}")
-            await self._wait_durable(job, seq)
-            return pb.ReportFailureResponse(evicted=True, detail="suspect did not answer a probe")
+            while True:
+                await self._require_leader()   # stepping down ends every stream: answer UNAVAILABLE
+                cur = job.state.workers.get(suspect)
+                if cur is None or cur.join_seq != state.workers[suspect].join_seq:
+                    await self._wait_durable(job, job.seq)
+                    return pb.ReportFailureResponse(evicted=True, detail="suspect's stream broke")
+                stream = job.streams.get(suspect)
+                if stream is None:
+                    seq, _ = self._apply_evict(job, suspect, f"no watch stream; {why}")
+                    await self._wait_durable(job, seq)
+                    return pb.ReportFailureResponse(evicted=True, detail="suspect lost its stream")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return pb.ReportFailureResponse(
+                        evicted=False, detail=f"{suspect} did not answer the probe but its "
+                                              f"connection stayed alive (keepalive) for "
+                                              f"{self.config.heartbeat_timeout_s:g} s")
+                if stream.ended.is_set():   # closed by us (shutting down): do not spin
+                    await asyncio.sleep(min(left, 0.05))
+                    continue
+                ended = asyncio.ensure_future(stream.ended.wait())
+                try:
+                    await asyncio.wait([fut, ended], timeout=left,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ended.cancel()
+                if fut.done() and not fut.cancelled():
+                    return pb.ReportFailureResponse(evicted=False,
+                                                    detail=f"{suspect} answered a probe")
         finally:
             job.probes.pop(nonce, None)
 
@@ -633,7 +741,7 @@ def _member_pb(m: d.Member) -> pb.Member:
 
 
 def _check_id(name: str, value: str) -> None:
-    if not ID_RE.match(value):
+    if not ID_RE.fullmatch(value):
         raise _bad(name, value, "1..128 chars of [A-Za-z0-9._-]")
 
 
@@ -718,13 +826,15 @@ async def _abort(context, e: _Abort):
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
-    half_ms = int(config.heartbeat_timeout_s * 1000 / 2)
+    # Ping every T/3 and wait T/3 for the ack: a worker stopped right after an ack is cut off by
+    # 2T/3, so the heartbeat timeout T holds with a third to spare for scheduling delays.
+    third_ms = int(config.heartbeat_timeout_s * 1000 / 3)
     return [
-        ("grpc.keepalive_time_ms", half_ms),
-        ("grpc.keepalive_timeout_ms", half_ms),
+        ("grpc.keepalive_time_ms", third_ms),
+        ("grpc.keepalive_timeout_ms", third_ms),
         # Measured with grpcio 1.85: keepalive_timeout_ms alone never closed the connection of a
         # SIGSTOPped client; the ping ack deadline that does is this one.
-        ("grpc.http2.ping_timeout_ms", half_ms),
+        ("grpc.http2.ping_timeout_ms", third_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         # Watch streams are idle between events; without this the server stops pinging after two
         # pings without data and a stopped worker would never be detected.

@@ -43,10 +43,12 @@ class JoinResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "committed_step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    committed_step: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("worker_id", "host", "ring_address", "rank", "local_rank", "local_size", "cross_rank", "cross_size", "committed_step")

@@ -83,9 +83,10 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """The session's event stream. The first event is a snapshot: the current world if the worker is in
-        it, or a Standby notice. Reattaching after a reconnect (same session_id) is how a worker rides
-        through a server restart or leader failover without being evicted.
+        """The session's event stream. The first event is a snapshot of the last stored state: the current
+        world if the worker is in it, or a Standby notice. Reattaching after a reconnect (same
+        session_id) is how a worker rides through a server restart or leader failover without being
+        evicted. A worker that has not opened it within the heartbeat timeout of its Join is evicted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,7 +108,8 @@ class RendezvousServicer:
 
     def ReportFailure(self, request, context):
         """A survivor could not reach `suspect` in world `world_version`. The server checks the suspect at
-        once (stream gone → evict; else probe it and evict if it does not answer within probe timeout).
+        once: no stream → evict now; else probe it and wait up to the heartbeat timeout for the probe
+        answer (not evicted) or the stream to break (evicted); a stream that stays alive is trusted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,9 +2,10 @@
 
     python worker_proc.py ADDR[,ADDR] JOB WORKER_ID HOST MIN_NP MAX_NP [--hold-gil-after-world S]
 
-With --hold-gil-after-world, after the first world it runs one long C-level computation that holds the
-GIL for about S seconds (what training code does in a big op), then prints {"event": "released"}.
+With --hold-gil-after-world, after the first world it makes one C call that holds the GIL for S seconds
+(what training code does in a big op), then prints {"event": "released"}.
 """
+import ctypes
 import json
 import sys
 import time
@@ -20,21 +21,12 @@ def emit(**kw):
 
 
 def hold_gil(seconds: float) -> None:
-    # One big-integer multiplication: a single C call that never releases the GIL. "holding" is
-    # printed right before it, after the calibration (during which other threads still run).
-    n = 10 ** 5
-    while True:   # calibrate on a multiplication of >= 0.2 s: extrapolating from less is too rough
-        x = 3 ** n
-        start = time.monotonic()
-        x * x
-        per = max(time.monotonic() - start, 1e-6)
-        if per >= 0.2:
-            break
-        n *= 4
-    digits = int(n * (seconds / per) ** (1 / 1.585))  # Karatsuba: cost ~ digits^1.585
-    y = 3 ** digits
+    # libc's usleep called through ctypes.PyDLL, which (unlike CDLL) keeps the GIL for the whole
+    # call: what a long C/C++ op in training code does, for an exact duration.
+    usleep = ctypes.PyDLL(None).usleep
+    usleep.argtypes = [ctypes.c_uint]
     emit(event="holding")
-    y * y
+    usleep(int(seconds * 1e6))
 
 
 def main():
