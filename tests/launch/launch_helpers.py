@@ -96,10 +96,17 @@ class LaunchProc:
                             return m
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    code = self.proc.poll()
                     raise AssertionError(f"no line matching {pattern!r} within {timeout} s; launcher "
-                                         f"{'exited ' + str(self.proc.returncode) if self.proc.poll() is not None else 'running'}:\n"
-                                         + self.text())
+                                         f"{'running' if code is None else f'exited {code}'}:\n{self.text()}")
                 self._cond.wait(min(left, 0.1))
+
+    def wait_training(self, size: int, timeout: float = 30.0) -> None:
+        """Until tests/launch/worker.py has printed 2*size steps in a world of ``size``: its ring is
+        formed and in use (a step line follows an allreduce over the whole world), not just announced."""
+        rx = re.compile(rf"^\[\S+\] step \d+ size {size}$")
+        wait_until(lambda: sum(1 for line in list(self.stdout) if rx.match(line)) >= 2 * size, timeout,
+                   f"training in a world of {size}")
 
     def wait(self, timeout: float = 60.0) -> int:
         try:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .launch_helpers import REPO, wait_until
+from .launch_helpers import REPO
 
 LINEAR = os.path.join(REPO, "examples", "train_linear.py")
 CNN = os.path.join(REPO, "examples", "train_cnn.py")
@@ -40,7 +40,7 @@ def test_cnn_example_learns_the_synthetic_classes(launch):
 
 def test_worker_killed_by_a_signal_is_respawned_and_the_world_regrows(launch):
     p = launch("--np", "3", "--min-np", "1", "--host", "hA", "--max-restarts", "1", LW_STEPS="150")
-    p.wait_for(r"world \d+: 3 worker\(s\)", 30)
+    p.wait_training(3)
     p.kill_worker("hA-1")
     p.wait_for(r"worker hA-1 \(rank \d\) killed by SIGKILL; respawning it in 0.5 s \(restart 1 of 1\)", 10)
     recovered = p.wait_for(r"world \d+: 2 worker\(s\); left: hA-1; recovered ([0-9.]+) s after hA-1 killed", 15)
@@ -55,7 +55,7 @@ def test_worker_killed_by_a_signal_is_respawned_and_the_world_regrows(launch):
 
 def test_worker_killed_without_respawn_leaves_a_smaller_world_that_finishes(launch):
     p = launch("--np", "3", "--min-np", "2", "--host", "hA", "--max-restarts", "0", LW_STEPS="120")
-    p.wait_for(r"world \d+: 3 worker\(s\)", 30)
+    p.wait_training(3)
     p.kill_worker("hA-2")
     p.wait_for(r"worker hA-2 \(rank \d\) killed by SIGKILL; not respawned \(--max-restarts 0\)", 10)
     p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2; recovered", 15)
@@ -67,7 +67,7 @@ def test_worker_killed_without_respawn_leaves_a_smaller_world_that_finishes(laun
 def test_below_min_np_fails_within_the_elastic_timeout_and_leaves_nothing(launch):
     p = launch("--np", "2", "--min-np", "2", "--max-restarts", "0", "--elastic-timeout", "3", "--host", "hA",
                LW_STEPS="100000")
-    p.wait_for(r"world \d+: 2 worker\(s\)", 30)
+    p.wait_training(2)
     p.kill_worker("hA-0")
     killed = time.monotonic()
     p.wait_for(r"below min-np=2: 1 worker\(s\) left; the job fails if it stays below for 3 s", 10)
@@ -92,7 +92,7 @@ def test_worker_error_ends_the_job_with_a_one_line_reason_and_no_respawn(launch)
 def test_second_launcher_joins_the_running_job_and_the_world_grows_at_a_commit(launch):
     a = launch("--np", "2", "--host", "hA", LW_STEPS="200")
     address = a.wait_for(r"rendezvous server for job default on (127\.0\.0\.1:\d+) \(embedded\)", 30).group(1)
-    a.wait_for(r"world \d+: 2 worker\(s\)", 30)
+    a.wait_training(2)
     b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default", LW_STEPS="200")
     b.wait_for(r"joining job default at world \d+ \(2 worker\(s\), phase RUNNING\)", 30)
     a.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0$", 30)

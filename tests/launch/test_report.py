@@ -3,7 +3,7 @@
 import pytest
 
 from elastic.launch_discovery import DiscoveryError, local_slots, parse_hosts
-from elastic.launch_procs import describe_exit, signal_of
+from elastic.launch_procs import describe_exit, exception_line, signal_of
 from elastic.launch_rendezvous import JobView, Member
 from elastic.launch_report import Reporter
 
@@ -82,3 +82,13 @@ def test_local_slots_count_every_name_of_this_host():
 def test_exit_statuses_are_described_and_signals_recognised(code, text, sig):
     assert describe_exit(code) == text
     assert signal_of(code) == sig
+
+
+def test_the_reason_of_a_failed_worker_is_its_exception_line_even_with_noise_after_it():
+    lines = ["Traceback (most recent call last):", '  File "t.py", line 3, in <module>',
+             "elastic.errors.WorkerLostError: forming world version 1 aborted",
+             "nanobind: leaked 2 instances!", "See https://nanobind.readthedocs.io/en/latest/refleaks.html"]
+    assert exception_line(lines) == "elastic.errors.WorkerLostError: forming world version 1 aborted"
+    assert exception_line(["ValueError: bad input"]) == "ValueError: bad input"
+    assert exception_line(["something went wrong", "exiting"]) == "exiting"
+    assert exception_line([]) == ""

@@ -1,0 +1,389 @@
+"""`elastic-run` (also `python -m elastic.launch`): start and keep this host's workers of a job.
+
+One launcher per host. It starts the embedded rendezvous server unless given --rendezvous,
+spawns the local workers (each in its own process group), prefixes their output with their
+rank, respawns the ones killed by a signal (with backoff, --max-restarts per slot), and
+follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
+(exit 0 when it completed, 1 with a one-line reason when it failed), and on Ctrl-C/SIGTERM
+stops every worker before it exits. Flags: elastic/launch_config.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+from .launch_config import LaunchConfig, UsageError, parse
+from .launch_discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
+from .launch_procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
+from .launch_rendezvous import EmbeddedServer, JobView, RendezvousUnreachable, StatusClient
+from .launch_report import Reporter
+
+POLL_S = 0.05            # reap workers / check signals
+STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
+SUCCESS_GRACE_S = 30.0   # after the job succeeded, how long local workers may take to exit
+FAILED_GRACE_S = 5.0     # after the job failed, how long local workers may take to exit on their own
+
+
+class LaunchFailed(RuntimeError):
+    """The job (or this launcher's part of it) failed; the message is the one-line reason."""
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Launcher:
+    def __init__(self, cfg: LaunchConfig, output: Output):
+        self.cfg, self.out = cfg, output
+        self.workers: Dict[int, Worker] = {}        # slot -> its latest incarnation
+        self.all_workers: List[Worker] = []
+        self.spawns: Dict[int, int] = {}            # slot -> incarnations started
+        self.failures: Dict[int, int] = {}          # slot -> respawns used
+        self.respawn_at: Dict[int, float] = {}      # slot -> when to start it again
+        self.succeeded: set = set()                 # slots whose worker exited 0
+        self.target = cfg.np                        # local workers wanted
+        self.server: Optional[EmbeddedServer] = None
+        self.status: Optional[StatusClient] = None
+        self.view: Optional[JobView] = None
+        self.reporter = Reporter(time.monotonic())
+        self.last_failure = ""
+        self.signum: Optional[int] = None
+        self.signals_seen = 0
+        self.min_np, self.max_np = cfg.min_np, cfg.max_np
+        self.discovery: Optional[DiscoveryPoller] = None
+        self._last_hosts: Optional[Dict[str, int]] = None
+        self._addresses: Sequence[str] = cfg.rendezvous
+
+    # ------------------------------------------------------------------ entry
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        try:
+            code = self._run()
+            self._shutdown()
+            return code
+        except Interrupted as e:
+            name = signal.Signals(e.signum).name
+            self.out.note(f"{name}: stopping {sum(w.alive for w in self.all_workers)} worker(s)")
+            self._shutdown()
+            self.out.note(f"stopped by {name}")
+            return 128 + e.signum
+        except LaunchFailed as e:
+            self._shutdown()
+            self.out.note(f"error: {e}")
+            return 1
+        except BaseException:
+            self._shutdown()   # a bug here must not leave workers behind; the traceback follows
+            raise
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals_seen += 1
+        if self.signum is None:
+            self.signum = signum
+
+    def _check_signal(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+    def _shutdown(self) -> None:
+        stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals_seen > 1)
+        if self.server is not None:
+            self.server.stop()
+        if self.status is not None:
+            self.status.close()
+
+    # ------------------------------------------------------------------ main loop
+    def _run(self) -> int:
+        cfg = self.cfg
+        if cfg.embedded:
+            self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
+                                         lambda line: self.out.line("err", None, line.encode()))
+            try:
+                self._addresses = (self.server.wait_ready(cancelled=lambda: self.signum is not None),)
+            except RendezvousUnreachable as e:
+                raise LaunchFailed(str(e)) from None
+            self._check_signal()
+            self.out.note(f"rendezvous server for job {cfg.job_id} on {self._addresses[0]} (embedded)")
+        self.status = StatusClient(self._addresses, _read_token(cfg.token_file))
+        self._check_job()
+        if cfg.host_discovery_script:
+            try:
+                self._apply_hosts(run_script(cfg.host_discovery_script))
+            except DiscoveryError as e:
+                raise LaunchFailed(f"--host-discovery-script: {e}") from None
+            self.discovery = DiscoveryPoller(cfg.host_discovery_script, cfg.discovery_interval, self.out.note)
+            self.discovery.start()
+        self._scale()
+        next_status = 0.0
+        while True:
+            self._check_signal()
+            now = time.monotonic()
+            self._reap(now)
+            if now >= next_status:
+                # Faster while a local worker has no rank yet: its first lines should carry one.
+                unranked = any(w.alive and self.out.rank(w.worker_id) is None and now - w.started_at < 60
+                               for w in self.workers.values())
+                next_status = now + (POLL_S if unranked else STATUS_EVERY_S)
+                code = self._follow_job(now)
+                if code is not None:
+                    return code
+            if self.discovery is not None:
+                hosts = self.discovery.latest()
+                if hosts is not None:
+                    self._apply_hosts(hosts)
+            self._respawn_due(now)
+            code = self._local_end()
+            if code is not None:
+                return code
+            time.sleep(POLL_S)
+
+    def _check_job(self) -> None:
+        """Reachability, and agreement with a job that already exists on the server."""
+        cfg = self.cfg
+        where = ",".join(self._addresses)
+        try:
+            view = self.status.wait_reachable(cfg.job_id, timeout_s=cfg.connect_timeout,
+                                              cancelled=lambda: self.signum is not None)
+        except RendezvousUnreachable as e:
+            self._check_signal()
+            raise LaunchFailed(f"cannot reach the rendezvous server at {where}: {e}") from None
+        if view is None:
+            return
+        if view.terminal:
+            raise LaunchFailed(f"job {cfg.job_id} on {where} already finished ({view.phase}: {view.reason}); "
+                               "use another --job-id")
+        if (cfg.min_np_given and cfg.min_np != view.min_np) or (cfg.max_np_given and cfg.max_np != view.max_np):
+            raise LaunchFailed(f"job {cfg.job_id} runs with --min-np {view.min_np} --max-np {view.max_np}; "
+                               f"this launcher asks for {cfg.min_np} and {cfg.max_np}")
+        if any(m.host == cfg.host and m.attached for m in view.members):
+            raise LaunchFailed(f"job {cfg.job_id} already has workers from host {cfg.host}: give this launcher "
+                               "another --host")
+        self.min_np, self.max_np = view.min_np, view.max_np
+        self.reporter.last = view   # report changes from here on, not the job's history
+        self.reporter.world = set(view.ranks())
+        self.out.note(f"joining job {cfg.job_id} at world {view.world_version} ({len(view.ranks())} worker(s), "
+                      f"phase {view.phase})")
+
+    # ------------------------------------------------------------------ workers
+    def _spawn(self, slot: int) -> Worker:
+        cfg = self.cfg
+        n = self.spawns.get(slot, 0)
+        self.spawns[slot] = n + 1
+        worker_id = f"{cfg.host}-{slot}" + (f"-r{n}" if n else "")
+        env = worker_env(os.environ, {
+            "ELASTIC_RENDEZVOUS": ",".join(self._addresses), "ELASTIC_JOB_ID": cfg.job_id,
+            "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
+            "ELASTIC_MIN_NP": str(self.min_np), "ELASTIC_MAX_NP": str(self.max_np),
+            "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}",
+            "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n),
+            **({"ELASTIC_TOKEN_FILE": os.path.abspath(cfg.token_file)} if cfg.token_file else {}),
+        })
+        try:
+            w = Worker(slot, n, worker_id, cfg.command, env, self.out)
+        except OSError as e:
+            raise LaunchFailed(f"cannot start {cfg.command[0]!r}: {e.strerror}") from None
+        self.workers[slot] = w
+        self.all_workers.append(w)
+        self.reporter.note_start(worker_id, time.monotonic())
+        return w
+
+    def _scale(self) -> None:
+        """Runs slots 0..target-1 (those not finished or waiting to respawn); stops the others."""
+        started = []
+        for slot in range(self.target):
+            w = self.workers.get(slot)
+            if slot in self.succeeded or slot in self.respawn_at or (w is not None and (w.alive or not w.stopping)):
+                continue
+            started.append(self._spawn(slot))
+        if started:
+            self.out.note(f"started {len(started)} worker(s): "
+                          + ", ".join(f"{w.worker_id} (pid {w.pid})" for w in started))
+        for slot, w in self.workers.items():
+            if slot >= self.target and w.alive and not w.stopping:
+                self.out.note(f"stopping worker {w.worker_id}: discovery gives this host {self.target} slot(s)")
+                w.stopping = True
+                w.signal_group(signal.SIGTERM)
+        for slot in [s for s in self.respawn_at if s >= self.target]:
+            del self.respawn_at[slot]
+
+    def _label(self, w: Worker) -> str:
+        rank = self.out.rank(w.worker_id)
+        return f"worker {w.worker_id}" + (f" (rank {rank})" if rank is not None else "")
+
+    def _reap(self, now: float) -> None:
+        for slot, w in list(self.workers.items()):
+            if w.handled:
+                continue
+            code = w.poll()
+            if code is None:
+                continue
+            w.handled = True
+            self._on_exit(slot, w, code, now)
+
+    def _on_exit(self, slot: int, w: Worker, code: int, now: float) -> None:
+        cfg = self.cfg
+        what = describe_exit(code)
+        if w.stopping:
+            return
+        if code == 0:
+            self.succeeded.add(slot)
+            return
+        view = self._status_now()
+        if view is not None and view.terminal:
+            return  # its exit follows from the job's end; _follow_job reports that
+        label = self._label(w)
+        if signal_of(code) is not None:
+            self.last_failure = f"{label} {what}"
+            self.reporter.note_failure(f"{w.worker_id} {what}", now)
+            used = self.failures.get(slot, 0)
+            if used < cfg.max_restarts:
+                delay = min(0.5 * 2 ** used, 10.0)
+                self.failures[slot] = used + 1
+                self.respawn_at[slot] = now + delay
+                self.out.note(f"{label} {what}; respawning it in {delay:.1f} s "
+                              f"(restart {used + 1} of {cfg.max_restarts})")
+            else:
+                self.out.note(f"{label} {what}; not respawned (--max-restarts {cfg.max_restarts}"
+                              + (" used up)" if cfg.max_restarts else ")"))
+            return
+        err = w.last_error_line()
+        raise LaunchFailed(f"{label} {what}" + (f": {err}" if err else "") + f"; job {cfg.job_id} stopped")
+
+    def _respawn_due(self, now: float) -> None:
+        for slot, at in list(self.respawn_at.items()):
+            if now >= at:
+                del self.respawn_at[slot]
+                if self.view is not None and self.view.terminal:
+                    continue
+                w = self._spawn(slot)
+                self.out.note(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
+
+    # ------------------------------------------------------------------ the job
+    def _status_now(self) -> Optional[JobView]:
+        try:
+            view = self.status.job(self.cfg.job_id, timeout_s=2.0)
+        except RendezvousUnreachable:
+            return self.view
+        return view if view is not None else self.view
+
+    def _follow_job(self, now: float) -> Optional[int]:
+        cfg = self.cfg
+        if self.server is not None and not self.server.alive():
+            raise LaunchFailed(f"the embedded rendezvous server exited with status {self.server.proc.returncode}")
+        try:
+            view = self.status.job(cfg.job_id, timeout_s=1.0)
+        except RendezvousUnreachable:
+            return None  # workers ride through a server restart on their own; so does the launcher
+        if view is None:
+            return None
+        for m in view.members:
+            self.out.set_rank(m.worker_id, view.world_version, m.rank)
+        for msg in self.reporter.update(view, now):
+            self.out.note(msg)
+        self.view = view
+        if view.phase == "FAILED":
+            self._wait_local_exit(FAILED_GRACE_S)
+            more = f" (last failure on this host: {self.last_failure})" if self.last_failure else ""
+            raise LaunchFailed(f"job {cfg.job_id} failed: {_strip_job(view.reason, cfg.job_id)}{more}")
+        if view.phase == "SUCCEEDED":
+            self._wait_local_exit(SUCCESS_GRACE_S)
+            self._check_signal()
+            if self.server is not None:
+                self._wait_remote_detach(10.0)
+            self.out.note(f"job {cfg.job_id} completed" + self._recovery_summary())
+            return 0
+        return None
+
+    def _local_end(self) -> Optional[int]:
+        """The end decided by the local workers alone (all done, or all gone for good)."""
+        if any(w.alive for w in self.workers.values()) or self.respawn_at or self.cfg.host_discovery_script:
+            return None
+        view = self._status_now()
+        if view is not None and view.terminal:
+            return None  # _follow_job reports the job's end
+        if self.target and self.succeeded >= set(range(self.target)):
+            # Every worker exited 0 without the job being marked done (a script not under elastic.run).
+            self.out.note(f"job {self.cfg.job_id} completed" + self._recovery_summary())
+            return 0
+        if self.cfg.embedded:
+            return None  # the server decides: workers of other hosts may go on, or it fails the job
+        raise LaunchFailed(f"every local worker is gone ({self.last_failure or 'none left'}); "
+                           f"job {self.cfg.job_id} goes on without host {self.cfg.host}")
+
+    def _wait_local_exit(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(w.alive for w in self.all_workers) and time.monotonic() < deadline:
+            self._check_signal()
+            time.sleep(POLL_S)
+
+    def _wait_remote_detach(self, timeout_s: float) -> None:
+        """Keeps the embedded server up while workers of other hosts still hear about the job's end."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            view = self._status_now()
+            if view is None or not any(m.attached for m in view.members):
+                return
+            self._check_signal()
+            time.sleep(STATUS_EVERY_S)
+
+    def _recovery_summary(self) -> str:
+        r = self.reporter.recoveries
+        if not r:
+            return ""
+        return f" ({len(r)} recovery(ies), {min(r):.2f}-{max(r):.2f} s each)"
+
+    # ------------------------------------------------------------------ discovery
+    def _names(self) -> set:
+        return {self.cfg.host, socket.gethostname(), "localhost", "127.0.0.1"}
+
+    def _apply_hosts(self, hosts: Dict[str, int]) -> None:
+        slots = min(local_slots(hosts, self._names()), self.max_np)
+        if hosts != self._last_hosts:
+            others = {h: s for h, s in hosts.items() if h not in self._names()}
+            self.out.note(f"discovery: {slots} slot(s) on this host ({self.cfg.host})"
+                          + (f"; other hosts, not started by this launcher (run elastic-run --rendezvous there): "
+                             + ", ".join(f"{h}:{s}" for h, s in sorted(others.items())) if others else ""))
+            self._last_hosts = hosts
+        if slots != self.target:
+            self.target = slots
+            # A slot that discovery takes away and gives back starts fresh.
+            for slot in list(self.succeeded):
+                if slot >= slots:
+                    self.succeeded.discard(slot)
+        self._scale()
+
+
+def _strip_job(reason: str, job_id: str) -> str:
+    prefix = f"job {job_id}: "
+    return reason[len(prefix):] if reason.startswith(prefix) else reason
+
+
+def _read_token(path: Optional[str]) -> Optional[str]:
+    if not path:
+        return os.environ.get("ELASTIC_TOKEN") or None
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError as e:
+        raise LaunchFailed(f"cannot read --token-file {path}: {e.strerror}") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        cfg = parse(argv)
+    except UsageError as e:
+        print(f"elastic-run: error: {e} (see elastic-run --help)", file=sys.stderr)
+        return 2
+    out, err = stdout_streams()
+    return Launcher(cfg, Output(out, err)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""`elastic-run` flags: the argument parser, its help text, and the one dataclass they fill.
+
+Everything the launcher decides from the command line lives in ``LaunchConfig``; bad input
+raises ``UsageError`` with a one-line message (printed without a traceback by ``elastic.launch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import socket
+from typing import List, Optional, Sequence, Tuple
+
+ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+DESCRIPTION = """\
+Start the workers of an elastic-ring training job on this host and keep them going.
+
+  elastic-run --np 4 -- python examples/train_linear.py            # one machine, embedded rendezvous
+  elastic-run --np 4 --min-np 2 --max-restarts 3 -- python train.py --lr 0.1
+  elastic-run --np 8 --rendezvous 10.0.0.1:29400,10.0.0.2:29400 --job-id exp7 -- python train.py
+
+Without --rendezvous, an embedded rendezvous server (in-memory store, no token, bound to
+127.0.0.1) runs as a child of this launcher and stops with it. With --rendezvous, the workers
+join job --job-id on those servers: run one elastic-run per host (torchrun style) to span
+hosts, or to add a host to a running job. Dead workers (killed by a signal) are respawned with
+backoff, at most --max-restarts times per slot; a worker that exits with an error ends the job.
+Exit status: 0 when the job completed; 1 with a one-line reason when it failed; 2 for bad
+flags; 128+N when stopped by signal N (every worker is stopped first).
+"""
+
+EPILOG = """\
+environment given to every worker (on top of this launcher's own, which is inherited):
+  ELASTIC_RENDEZVOUS       rendezvous server(s), HOST:PORT[,HOST:PORT...]
+  ELASTIC_JOB_ID           the job id (--job-id)
+  ELASTIC_WORKER_ID        unique worker id: HOST-SLOT, HOST-SLOT-rN after the N-th respawn
+  ELASTIC_HOST             this host's name (--host); ranks of one host are contiguous
+  ELASTIC_MIN_NP           --min-np (the first worker of a job fixes it)
+  ELASTIC_MAX_NP           --max-np (the first worker of a job fixes it)
+  ELASTIC_ELASTIC_TIMEOUT  --elastic-timeout: seconds the job may stay below min-np
+  ELASTIC_TOKEN_FILE       --token-file, when given
+  ELASTIC_LOCAL_SLOT       this worker's slot on this host (0..np-1); stable across respawns
+  ELASTIC_RESTART_COUNT    how many times this slot was started before (0 the first time)
+  PYTHONUNBUFFERED=1       so output reaches the launcher line by line
+Variables already set pass through, e.g. ELASTIC_RING_HOST (the address the ring listens on),
+ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_WORLD_TIMEOUT, ELASTIC_RESET_LIMIT, ELASTIC_TOKEN.
+
+output: every worker line is prefixed with the worker's rank, "[3] ...", updated when the
+world changes ("[HOST-SLOT] ..." while a worker has no rank: joining or on standby). Launcher
+lines start with "elastic-run:" and report worlds, failures and recoveries with durations.
+"""
+
+
+class UsageError(ValueError):
+    """A bad flag or flag combination; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    command: Tuple[str, ...]
+    np: int
+    min_np: int
+    max_np: int
+    min_np_given: bool
+    max_np_given: bool
+    max_restarts: int
+    elastic_timeout: float
+    port: int
+    rendezvous: Tuple[str, ...]       # empty: start the embedded server
+    job_id: str
+    host: str
+    host_discovery_script: Optional[str]
+    discovery_interval: float
+    token_file: Optional[str]
+    stop_timeout: float
+    connect_timeout: float
+
+    @property
+    def embedded(self) -> bool:
+        return not self.rendezvous
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit status 2, no usage dump
+        raise UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="elastic-run", description=DESCRIPTION, epilog=EPILOG,
+                usage="elastic-run --np N [options] -- COMMAND [ARGS...]",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, metavar="N",
+                   help="workers to run on this host (default: 1, or the slots the discovery script "
+                        "gives this host)")
+    p.add_argument("--min-np", type=int, metavar="N",
+                   help="the job waits while it has fewer than N workers, and fails after "
+                        "--elastic-timeout (default: --np, as horovodrun, so the first world has them all; "
+                        "with --rendezvous, the running job's)")
+    p.add_argument("--max-np", type=int, metavar="N",
+                   help="workers beyond N wait on standby (default: 1024; with --rendezvous, the "
+                        "running job's)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="respawn a worker killed by a signal at most N times per slot, with backoff "
+                        "(0: never; default: %(default)s)")
+    p.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds the job may stay below --min-np before it fails (default: %(default)g)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--port", type=int, default=0, metavar="P",
+                       help="port of the embedded rendezvous server (default: a free one)")
+    where.add_argument("--rendezvous", metavar="HOST:PORT[,HOST:PORT...]",
+                       help="join a job on these rendezvous servers instead of starting one")
+    p.add_argument("--job-id", metavar="ID",
+                   help="job id, [A-Za-z0-9._-] (default: 'default'; required with --rendezvous)")
+    p.add_argument("--host", metavar="NAME",
+                   help="this host's name in the job (default: the hostname); give two launchers "
+                        "on one machine different names")
+    p.add_argument("--host-discovery-script", metavar="PATH",
+                   help="executable printing 'host[:slots]' lines (horovodrun format), polled: "
+                        "the slots listed for THIS host (--host, or localhost) set how many workers "
+                        "run here; other hosts are reported, not started (run elastic-run there)")
+    p.add_argument("--discovery-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between runs of the discovery script (default: %(default)g)")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                   help="give up when no --rendezvous server answers within S seconds at start "
+                        "(default: %(default)g)")
+    p.add_argument("--token-file", metavar="F",
+                   help="rendezvous token file, passed to workers as ELASTIC_TOKEN_FILE")
+    p.add_argument("--stop-timeout", type=float, default=10.0, metavar="S",
+                   help="on Ctrl-C/SIGTERM or job end, SIGKILL workers still running S seconds after "
+                        "SIGTERM (default: %(default)g)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
+    return p
+
+
+def _addresses(text: str) -> Tuple[str, ...]:
+    out = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not out:
+        raise UsageError("--rendezvous needs HOST:PORT[,HOST:PORT...]")
+    for a in out:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--rendezvous: {a!r} is not HOST:PORT")
+    return out
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
+    a = parser().parse_args(argv)
+    command: List[str] = list(a.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("no worker command: put it after '--', e.g. elastic-run --np 2 -- python train.py")
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"worker command {command[0]!r} not found (not an executable, nor on PATH)")
+    if a.np is not None and a.np < (0 if a.host_discovery_script else 1):
+        raise UsageError(f"--np must be at least 1, got {a.np}")
+    np_ = a.np if a.np is not None else (0 if a.host_discovery_script else 1)
+    min_np = max(1, np_) if a.min_np is None else a.min_np
+    max_np = 1024 if a.max_np is None else a.max_np
+    if min_np < 1 or max_np < min_np or max_np > 2048:
+        raise UsageError(f"need 1 <= --min-np <= --max-np <= 2048, got {min_np} and {max_np}")
+    if a.max_restarts < 0:
+        raise UsageError(f"--max-restarts must not be negative, got {a.max_restarts}")
+    if not 0 < a.elastic_timeout <= 7 * 86400:
+        raise UsageError(f"--elastic-timeout must be in (0, 604800] seconds, got {a.elastic_timeout:g}")
+    if not 0 <= a.port < 65536:
+        raise UsageError(f"--port {a.port} is outside 0..65535")
+    if a.stop_timeout < 0 or a.discovery_interval <= 0 or a.connect_timeout <= 0:
+        raise UsageError("--stop-timeout must be >= 0, --discovery-interval and --connect-timeout > 0")
+    rendezvous = _addresses(a.rendezvous) if a.rendezvous is not None else ()
+    if rendezvous and not a.job_id:
+        raise UsageError("--rendezvous needs --job-id: the job these workers join")
+    job_id = a.job_id or "default"
+    if not ID_RE.fullmatch(job_id):
+        raise UsageError(f"--job-id {job_id!r}: use 1-128 characters of [A-Za-z0-9._-]")
+    host = a.host or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100] or "localhost"
+    if not ID_RE.fullmatch(host) or len(host) > 100:
+        raise UsageError(f"--host {host!r}: use 1-100 characters of [A-Za-z0-9._-]")
+    script = a.host_discovery_script
+    if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        raise UsageError(f"--host-discovery-script {script!r} is not an executable file")
+    if a.token_file is not None and not os.path.isfile(a.token_file):
+        raise UsageError(f"--token-file {a.token_file!r} does not exist")
+    return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
+                        min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
+                        max_restarts=a.max_restarts, elastic_timeout=a.elastic_timeout, port=a.port,
+                        rendezvous=rendezvous, job_id=job_id, host=host, host_discovery_script=script,
+                        discovery_interval=a.discovery_interval, token_file=a.token_file,
+                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout)

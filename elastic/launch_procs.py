@@ -1,0 +1,190 @@
+"""Local worker processes: spawn each in its own process group, prefix its output with its rank,
+describe how it ended, and stop it (SIGTERM to the group, SIGKILL after a deadline).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+# The runtime's line after every re-form (elastic/run.py); lets the prefix follow a rank change at once.
+_RANK_LINE = re.compile(rb"elastic: worker (\S+) is rank (\d+) of \d+ in world version (\d+)")
+# The last line of a Python traceback: "ValueError: ...", "elastic.errors.WorkerLostError: ...".
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Finished|Timeout)\b(:|$)")
+
+
+# Runs before the real command, in the same process (exec): die with the launcher even if the
+# launcher is SIGKILLed (PR_SET_PDEATHSIG survives exec). Not a preexec_fn: forking a process that
+# runs gRPC threads without exec'ing at once can abort the child inside gRPC's fork handlers.
+_PDEATHSIG_SHIM = ("import ctypes,os,sys\n"
+                   "try: ctypes.CDLL(None).prctl(1, 9)\n"
+                   "except Exception: pass\n"
+                   "if os.getppid() != int(sys.argv[1]): sys.exit(137)\n"
+                   "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def with_parent_death_signal(command: Sequence[str]) -> List[str]:
+    """``command`` wrapped so that it is SIGKILLed when this process dies (Linux; elsewhere as is)."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command]
+
+
+class Output:
+    """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's current rank."""
+
+    def __init__(self, out: IO[bytes], err: IO[bytes]):
+        self._streams = {"out": out, "err": err}
+        self._lock = threading.Lock()
+        self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}   # worker id -> (world version, rank)
+
+    def set_rank(self, worker_id: str, version: int, rank: Optional[int]) -> None:
+        with self._lock:
+            if version >= self._ranks.get(worker_id, (-1, None))[0]:
+                self._ranks[worker_id] = (version, rank)
+
+    def rank(self, worker_id: str) -> Optional[int]:
+        with self._lock:
+            return self._ranks.get(worker_id, (0, None))[1]
+
+    def prefix(self, worker_id: str) -> bytes:
+        r = self.rank(worker_id)
+        return f"[{r}] ".encode() if r is not None else f"[{worker_id}] ".encode()
+
+    def line(self, stream: str, worker_id: Optional[str], data: bytes) -> None:
+        if not data.endswith(b"\n"):
+            data += b"\n"
+        if worker_id is not None:
+            data = self.prefix(worker_id) + data
+        with self._lock:
+            s = self._streams[stream]
+            try:
+                s.write(data)
+                s.flush()
+            except (OSError, ValueError):
+                pass   # our own stdout closed (e.g. piped to head): keep the job going
+
+    def note(self, text: str) -> None:
+        """A launcher line (on stderr)."""
+        self.line("err", None, f"elastic-run: {text}".encode())
+
+
+def exception_line(lines: Sequence[str]) -> str:
+    """The last exception line of a traceback among ``lines`` (noise may follow it), else the last line."""
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return lines[-1] if lines else ""
+
+
+def describe_exit(code: int) -> str:
+    sig = signal_of(code)
+    if sig is not None:
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exited with status {code}"
+
+
+def signal_of(code: int) -> Optional[int]:
+    """The signal that ended a worker: Popen's -N, or 128+N from a shell that ran it."""
+    if code < 0:
+        return -code
+    if 128 < code < 128 + 65:
+        return code - 128
+    return None
+
+
+class Worker:
+    """One local worker process (one incarnation of a slot)."""
+
+    def __init__(self, slot: int, restart: int, worker_id: str, command: Sequence[str],
+                 env: Mapping[str, str], output: Output):
+        self.slot, self.restart, self.worker_id = slot, restart, worker_id
+        self.output = output
+        self.tail: "collections.deque[str]" = collections.deque(maxlen=20)
+        self.started_at = time.monotonic()
+        self.ended_at: Optional[float] = None
+        self.stopping = False            # the launcher is stopping it: its end is no failure
+        self.handled = False             # the launcher has acted on its exit
+        self.proc = subprocess.Popen(with_parent_death_signal(command), env=dict(env), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.pid = self.proc.pid
+        self._readers: List[threading.Thread] = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, "out"), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, "err"), daemon=True)]
+        for t in self._readers:
+            t.start()
+
+    def _pump(self, pipe: IO[bytes], stream: str) -> None:
+        for raw in pipe:
+            m = _RANK_LINE.search(raw)
+            if m and m.group(1).decode(errors="replace") == self.worker_id:
+                self.output.set_rank(self.worker_id, int(m.group(3)), int(m.group(2)))
+            if stream == "err" and raw.strip():
+                self.tail.append(raw.decode(errors="replace").strip())
+            self.output.line(stream, self.worker_id, raw)
+        pipe.close()
+
+    def poll(self) -> Optional[int]:
+        code = self.proc.poll()
+        if code is not None and self.ended_at is None:
+            self.ended_at = time.monotonic()
+        return code
+
+    @property
+    def alive(self) -> bool:
+        return self.poll() is None
+
+    def last_error_line(self) -> str:
+        """The exception line that ended its traceback ('ValueError: ...'), else its last stderr line."""
+        self.join_output(1.0)
+        return exception_line(list(self.tail))
+
+    def join_output(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for t in self._readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_all(workers: Sequence[Worker], timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> None:
+    """SIGTERM every worker's process group, SIGKILL what is left after ``timeout_s`` (or as soon
+    as ``hurry()``: a second Ctrl-C), and reap all."""
+    for w in workers:
+        w.stopping = True
+        if w.alive:
+            w.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while any(w.alive for w in workers) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.02)
+    for w in workers:
+        # Also the groups whose leader is gone: a grandchild (a DataLoader worker) may live on.
+        w.signal_group(signal.SIGKILL)
+    for w in workers:
+        w.proc.wait()
+        w.join_output(2.0)
+
+
+def worker_env(base: Mapping[str, str], extra: Mapping[str, str]) -> Dict[str, str]:
+    env = dict(base)
+    env.update(extra)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def stdout_streams() -> Tuple[IO[bytes], IO[bytes]]:
+    return sys.stdout.buffer, sys.stderr.buffer

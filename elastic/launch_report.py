@@ -1,0 +1,82 @@
+"""What the launcher says about the job as it runs: new worlds (who joined, who left), recoveries
+with their durations, and phase changes. A pure function of successive Status answers and the
+local events the launcher notes, so it is tested without processes.
+
+Durations are measured here, at the launcher: from the moment it saw a failure (a local worker
+reaped, or a world member gone from Status) or a worker start, to the first Status answer that
+shows the new world. Status is polled every 0.2 s, so they are accurate to about that.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from .launch_rendezvous import JobView
+
+
+def _ids(workers) -> str:
+    workers = sorted(workers)
+    return ", ".join(workers[:8]) + (f" and {len(workers) - 8} more" if len(workers) > 8 else "")
+
+
+class Reporter:
+    def __init__(self, now: float):
+        self.started = now
+        self.last: Optional[JobView] = None
+        self.failure_since: Optional[float] = None
+        self.failure_what = ""
+        self.starts: Dict[str, float] = {}
+        self.recoveries: List[float] = []      # seconds from a failure to the next world, as reported
+        self.world: set = set()                # members of the last world reported
+
+    def note_start(self, worker_id: str, now: float) -> None:
+        self.starts[worker_id] = now
+
+    def note_failure(self, what: str, now: float) -> None:
+        if self.failure_since is None:
+            self.failure_since, self.failure_what = now, what
+
+    def update(self, view: JobView, now: float) -> List[str]:
+        msgs: List[str] = []
+        prev = self.last
+        old = self.world
+        if prev is not None and view.world_version == prev.world_version:
+            present = {m.worker_id for m in view.members}
+            lost = {m.worker_id for m in prev.members if m.rank is not None} - present
+            if lost:
+                self.note_failure(f"{_ids(lost)} left the world", now)
+        if view.world_version > 0 and view.world_version != (prev.world_version if prev else 0):
+            new = {m.worker_id: m.rank for m in view.members if m.rank is not None}
+            joined, left = set(new) - old, old - set(new)
+            self.world = set(new)
+            text = f"world {view.world_version}: {len(new)} worker(s)"
+            if prev is None or prev.world_version == 0:
+                if prev is None and view.world_version > 1:
+                    text += f" (job {view.job_id} was already running)"
+                else:
+                    text += f", formed {now - self.started:.2f} s after launch"
+            else:
+                if left:
+                    text += f"; left: {_ids(left)}"
+                if joined:
+                    waits = [now - self.starts[w] for w in joined if w in self.starts]
+                    text += f"; joined: {_ids(joined)}"
+                    if waits:
+                        text += f" ({max(waits):.2f} s after start)"
+                if self.failure_since is not None:
+                    took = now - self.failure_since
+                    self.recoveries.append(took)
+                    text += f"; recovered {took:.2f} s after {self.failure_what}"
+            self.failure_since = None
+            for w in joined:
+                self.starts.pop(w, None)
+            msgs.append(text)
+        if prev is None or view.phase != prev.phase:
+            if view.phase == "WAITING":
+                alive = sum(1 for m in view.members)
+                msgs.append(f"below min-np={view.min_np}: {alive} worker(s) left; the job fails if it stays "
+                            f"below for {view.elastic_timeout:g} s")
+            elif view.phase == "RUNNING" and prev is not None and prev.phase == "WAITING":
+                msgs.append(f"back at {len(view.ranks())} worker(s), at least min-np={view.min_np}")
+        self.last = view
+        return msgs
