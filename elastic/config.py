@@ -13,6 +13,7 @@
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 |
+| ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
 """
 
@@ -117,6 +118,11 @@ class WorkerConfig:
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),
             comm=CommConfig.from_env(env),
         )
+        if env.get("ELASTIC_FORM_TIMEOUT", "") == "":
+            # Forming is aborted by the rendezvous when a peer dies or the world is superseded,
+            # so its own deadline is only a backstop; a newcomer may wait for the old members'
+            # next commit, which can be far longer than the ring default.
+            cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, form_timeout=cfg.world_timeout))
         if cfg.min_np < 1 or cfg.max_np < cfg.min_np:
             raise ValueError(f"need 1 <= ELASTIC_MIN_NP <= ELASTIC_MAX_NP, got {cfg.min_np} and {cfg.max_np}")
         return cfg

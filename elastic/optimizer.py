@@ -6,6 +6,10 @@ submitted as fused async allreduces at once, so communication overlaps the rest 
 backward; buckets are always launched in index order, so every rank issues the same
 collectives in the same order. ``step()`` launches what is left (a parameter without a
 gradient contributes zeros), waits, then runs the wrapped optimizer.
+
+With ``backward_passes_per_step=N`` a parameter's gradient is reduced only after its N-th
+backward pass (gradient accumulation). Work in flight belongs to one communicator: after a
+re-form the bookkeeping of the old ring is dropped, never waited on.
 """
 
 from __future__ import annotations
@@ -20,8 +24,20 @@ from .ops import Average, ReduceOp
 
 class _DistributedMixin:
     def _elastic_setup(self, named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]], op: ReduceOp,
-                       bucket_bytes: int) -> None:
-        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+                       bucket_bytes: int, backward_passes_per_step: int = 1) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        for h in getattr(self, "_elastic_hooks", []):
+            h.remove()
+        self._elastic_args = (named_parameters, op, bucket_bytes, backward_passes_per_step)
+        self._elastic_passes = backward_passes_per_step
+        seen: set = set()
+        params = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:  # a shared parameter is reduced once
+                    seen.add(id(p))
+                    params.append(p)
         if named_parameters is not None:
             named = list(named_parameters)
             names = {id(p): n for n, p in named}
@@ -41,20 +57,34 @@ class _DistributedMixin:
             size += nbytes
         self._elastic_buckets = [b for b in buckets if b]
         self._elastic_bucket_of = {id(p): i for i, b in enumerate(self._elastic_buckets) for p in b}
-        self._elastic_handles: List[Any] = []
-        self._elastic_ready: List[set] = [set() for _ in self._elastic_buckets]
-        self._elastic_next = 0  # the next bucket to launch
+        self._elastic_comm = None
+        self._elastic_reset()
         self._elastic_hooks = [p.register_post_accumulate_grad_hook(self._elastic_hook) for p in params]
 
+    def _elastic_check_ring(self):
+        comm = collectives.current_communicator()
+        if comm is not self._elastic_comm:
+            self._elastic_reset()  # a re-form: whatever the old ring had in flight is gone
+            self._elastic_comm = comm
+        return comm
+
     def _elastic_hook(self, p: torch.Tensor) -> None:
+        self._elastic_check_ring()
         i = self._elastic_bucket_of[id(p)]
-        self._elastic_ready[i].add(id(p))
+        count = self._elastic_passes_seen.get(id(p), 0) + 1
+        if i < self._elastic_next:
+            raise RuntimeError("DistributedOptimizer: a gradient was accumulated after its allreduce started; "
+                               "call step() (or zero_grad()) between backward passes, or pass "
+                               "backward_passes_per_step=N to accumulate N passes")
+        self._elastic_passes_seen[id(p)] = count
+        if count == self._elastic_passes:
+            self._elastic_ready[i].add(id(p))
         while (self._elastic_next < len(self._elastic_buckets)
                and len(self._elastic_ready[self._elastic_next]) == len(self._elastic_buckets[self._elastic_next])):
             self._elastic_launch(self._elastic_next)
 
     def _elastic_launch(self, i: int) -> None:
-        comm = collectives.current_communicator()
+        comm = self._elastic_check_ring()
         for p in self._elastic_buckets[i]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -65,6 +95,7 @@ class _DistributedMixin:
     def synchronize(self) -> None:
         """Launches any bucket not yet launched and waits for every gradient allreduce."""
         try:
+            self._elastic_check_ring()
             while self._elastic_next < len(self._elastic_buckets):
                 self._elastic_launch(self._elastic_next)
             for h in self._elastic_handles:
@@ -75,7 +106,14 @@ class _DistributedMixin:
     def _elastic_reset(self) -> None:
         self._elastic_handles = []
         self._elastic_ready = [set() for _ in self._elastic_buckets]
+        self._elastic_passes_seen: Dict[int, int] = {}
         self._elastic_next = 0
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_elastic_args"):  # not during the wrapped optimizer's own __init__
+            named, op, bucket_bytes, passes = self._elastic_args
+            self._elastic_setup(None, op, bucket_bytes, passes)  # hooks and buckets for the new ones too
 
     def step(self, closure=None):
         self.synchronize()
@@ -88,7 +126,7 @@ class _DistributedMixin:
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, op: ReduceOp = Average,
-                         bucket_bytes: int = 4 << 20) -> torch.optim.Optimizer:
+                         bucket_bytes: int = 4 << 20, backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so ``step()`` uses gradients averaged (``op``) over the current world.
 
     Returns an instance of a subclass of the optimizer's own class, sharing its parameter
@@ -99,7 +137,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     wrapped.__dict__.update(optimizer.__dict__)
     if hasattr(wrapped, "_patch_step_function"):
         wrapped._patch_step_function()  # what Optimizer.__init__ does: step hooks and profiling
-    wrapped._elastic_setup(named_parameters, op, bucket_bytes)
+    wrapped._elastic_setup(named_parameters, op, bucket_bytes, backward_passes_per_step)
     return wrapped
 
 

@@ -39,29 +39,32 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
             raise TypeError(f"elastic.run: the first argument must be an elastic State, got {type(state).__name__}")
         if checkpoint_dir:
             state.enable_durable_commits(checkpoint_dir, checkpoint_every)
-        rt = runtime.init()
+        rt = runtime.init(form=False)  # join only: forming happens in the loop, with recovery
         limit = rt.config.reset_limit if reset_limit is None else reset_limit
         resets = 0
-        fresh = True
-        min_version = rt.world.version
-        success = False
+        first = True
+        min_version = 1
+        success: Optional[bool] = False
         try:
             while True:
                 try:
-                    if not fresh:
+                    if rt.comm is None or rt.comm.failed or rt.world.version < min_version:
                         started = time.monotonic()
                         rt.form(rt.next_world(min_version))
-                        state.on_reset()
-                        log.info("elastic: worker %s is rank %d of %d in world version %d (re-formed in %.3f s)",
+                        log.info("elastic: worker %s is rank %d of %d in world version %d (formed in %.3f s)",
                                  rt.config.worker_id, rt.world.rank, rt.world.size, rt.world.version,
                                  time.monotonic() - started)
+                    if not first:
+                        state.on_reset()
+                    # The most advanced rank's state, after its reset callbacks, goes to everyone.
                     state.sync()
-                    fresh = False
+                    first = False
                     result = func(state, *args, **kwargs)
                     success = True
                     return result
                 except WorkerLostError as e:
-                    failed_version = e.world_version if e.world_version >= 0 else rt.world.version
+                    current = rt.world.version if rt.world is not None else 0
+                    failed_version = max(e.world_version, current)
                     log.warning("elastic: %s; restoring commit %d", e, state.commit_step)
                     state.restore()
                     rt.report_failure(e)
@@ -70,11 +73,10 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
                     # A neighbour is at another world version: ours is stale, take the next one.
                     log.warning("elastic: %s", e)
                     state.restore()
-                    min_version = rt.world.version + 1
+                    min_version = (rt.world.version if rt.world is not None else 0) + 1
                 except MembershipChanged as e:
                     log.info("elastic: %s", e)
                     min_version = rt.world.version + 1
-                fresh = False
                 resets += 1
                 if limit and resets > limit:
                     raise RendezvousError(f"elastic.run: gave up after {limit} re-forms (reset limit)")

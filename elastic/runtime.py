@@ -49,6 +49,7 @@ class Runtime:
         self._latest: Optional[WorldInfo] = None   # newest announced world that includes this worker
         self._pending_version = -1                 # newest version with a clean change pending
         self._aborted_version = -1                 # newest version a member of which failed
+        self._seen_version = 0                     # newest world version announced to this worker
         self._finished: Optional[Finished] = None
         self._ended: Optional[str] = None
         self._stop = threading.Event()
@@ -74,8 +75,13 @@ class Runtime:
             elif success is False:
                 self.client.leave()
         except _ClientError as e:
-            log.warning("elastic: could not tell the rendezvous server this worker %s: %s",
-                        "succeeded" if success else "left", e)
+            if success and self._finished is not None:
+                log.info("elastic: job already finished: %s", self._finished.reason)
+            elif success and "already finished" in str(e):
+                log.info("elastic: job already finished (another worker reported success first)")
+            else:
+                log.warning("elastic: could not tell the rendezvous server this worker %s: %s",
+                            "succeeded" if success else "left", e)
         with self._cond:
             comm, self.comm = self.comm, None
         if comm is not None:
@@ -108,7 +114,10 @@ class Runtime:
     def _apply(self, ev) -> None:
         comm = self.comm
         if isinstance(ev, WorldInfo):
-            if self._latest is None or ev.version > self._latest.version:
+            self._seen_version = max(self._seen_version, ev.version)
+            # Same version with other members is a new world too (the client says so).
+            if self._latest is None or ev.version > self._latest.version or \
+                    (ev.version == self._latest.version and ev.members != self._latest.members):
                 self._latest = ev
             if comm is not None and comm.world_version < ev.version and not self._formed:
                 comm.abort(f"world version {comm.world_version} superseded by {ev.version} while forming")
@@ -116,7 +125,11 @@ class Runtime:
             self._pending_version = max(self._pending_version, ev.world_version)
         elif isinstance(ev, Abort):
             self._aborted_version = max(self._aborted_version, ev.world_version)
-            if comm is not None and comm.world_version <= ev.world_version:
+            # An older ring that is waiting for a clean switch at its next commit is healthy:
+            # an abort of the newer version it will switch to is not about it.
+            older_pending = comm is not None and comm.world_version < ev.world_version and \
+                self._pending_version >= comm.world_version
+            if comm is not None and comm.world_version <= ev.world_version and not older_pending:
                 comm.abort(f"rendezvous: {ev.reason}")
         elif isinstance(ev, Finished):
             self._finished = ev
@@ -160,7 +173,8 @@ class Runtime:
                         raise RendezvousError(f"cannot rejoin job {self.config.job_id}: {e}") from None
                     finally:
                         self._cond.acquire()
-                    min_version = 1
+                    # Joining as a new member makes a new world: never take one seen before.
+                    min_version = self._seen_version + 1
                     continue
                 w = self._latest
                 if w is not None and w.version >= min_version:
@@ -217,21 +231,26 @@ _runtime: Optional[Runtime] = None
 _runtime_lock = threading.Lock()
 
 
-def init(config: Optional[WorkerConfig] = None) -> Runtime:
-    """Joins the job and forms the ring of the first world that includes this worker.
+def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Runtime:
+    """Joins the job and (unless ``form=False``) forms the ring of the first world that
+    includes this worker.
 
     Idempotent: later calls return the same session. Reads the environment the launcher
-    sets (see ``elastic.config``) unless ``config`` is given.
+    sets (see ``elastic.config``) unless ``config`` is given. ``elastic.run`` joins with
+    ``form=False`` and forms inside its recovery loop, so a failure while the first ring
+    forms is handled like any other.
     """
     global _runtime
     with _runtime_lock:
-        if _runtime is not None:
-            return _runtime
-        rt = Runtime(config or WorkerConfig.from_env())
-        rt.start()
-        _runtime = rt
-    world = rt.next_world(1)
-    rt.form(world)
+        rt = _runtime
+        if rt is None:
+            rt = Runtime(config or WorkerConfig.from_env())
+            rt.start()
+            _runtime = rt
+    if form and rt.world is None:
+        rt.form(rt.next_world(1))
+        log.info("elastic: worker %s is rank %d of %d in world version %d", rt.config.worker_id, rt.world.rank,
+                 rt.world.size, rt.world.version)
     return rt
 
 

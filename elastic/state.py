@@ -5,9 +5,12 @@ The protocol, as ``elastic.run`` drives it:
 - ``commit()`` copies everything (state dicts and attributes: copies, not references), then runs
   ``check_membership()``, so a clean join or leave takes effect at the same commit on every rank.
 - on ``WorkerLostError`` every survivor ``restore()``s its last commit;
-- after every re-form, ``sync()`` agrees (one allgather) on the highest commit step and broadcasts
-  that rank's commit to everyone, newcomers included, and everyone loads it: all ranks then hold
-  the same bits.
+- after every re-form (and the reset callbacks), ``sync()`` agrees (one allgather) on the highest
+  commit step and broadcasts that rank's state to everyone, newcomers included; everyone loads
+  the same bytes, so all ranks then hold the same bits. The broadcast state is the root's live
+  state: after a failure that is its restored commit, after a clean change it is where every
+  rank stopped (nothing is rolled back), and either way it includes what the reset callbacks
+  changed (a learning rate rescaled by ``size()``, say).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import copy
 import io
 import logging
 import os
+import sys
 import tempfile
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -36,14 +40,19 @@ class State:
     def __init__(self) -> None:
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "_spare", None)  # the commit before, whose buffers the next commit reuses
         object.__setattr__(self, "commit_step", -1)
         object.__setattr__(self, "_checkpoint_dir", None)
         object.__setattr__(self, "_checkpoint_every", 0)
 
     # -- what subclasses provide
-    def save(self) -> Any:
-        """A deep copy of the live state."""
+    def live(self) -> Any:
+        """The live state as a structure of dicts, lists, tensors and values (references)."""
         raise NotImplementedError
+
+    def save(self) -> Any:
+        """A deep copy of the live state, reusing the spare commit's tensors where they fit."""
+        return _copy_into(self._spare, self.live())
 
     def load(self, snapshot: Any) -> None:
         """Makes the live state equal to ``snapshot`` (which it must not keep references into)."""
@@ -75,9 +84,16 @@ class State:
         object.__setattr__(self, "_checkpoint_dir", directory)
         object.__setattr__(self, "_checkpoint_every", every)
 
+    def _take_snapshot(self) -> None:
+        # Double-buffered: the new copy goes into the commit before last, and only a complete
+        # copy replaces the last commit, so a commit that fails half-way loses nothing.
+        new = self.save()
+        object.__setattr__(self, "_spare", self._snapshot)
+        object.__setattr__(self, "_snapshot", new)
+
     def commit(self) -> None:
         """Copies the state in memory, then checks for a pending membership change."""
-        object.__setattr__(self, "_snapshot", self.save())
+        self._take_snapshot()
         object.__setattr__(self, "commit_step", self.commit_step + 1)
         rt = runtime._runtime
         if rt is not None:
@@ -111,14 +127,11 @@ class State:
         root = int(np.argmax(steps))  # the lowest rank among those with the highest step
         step = int(steps[root])
         if comm.rank == root:
-            if step < 0:
-                durable = self._read_checkpoint() if root == 0 else None
-                if durable is not None:
-                    step, snapshot = durable
-                else:
-                    snapshot = self.save()
+            durable = self._read_checkpoint() if step < 0 and root == 0 else None
+            if durable is not None:
+                step, snapshot = durable
             else:
-                snapshot = self._snapshot
+                snapshot = self.live()  # serialized right away: a view is enough
             payload = np.frombuffer(self.serialize((step, snapshot)), dtype=np.uint8).copy()
             size = np.array([payload.size], dtype=np.int64)
         else:
@@ -130,7 +143,7 @@ class State:
         # Every rank, the root too, loads the same bytes: identical state by construction.
         step, snapshot = self.deserialize(payload.tobytes())
         self.load(snapshot)
-        object.__setattr__(self, "_snapshot", self.save())
+        self._take_snapshot()
         object.__setattr__(self, "commit_step", step)
         rt = runtime._runtime
         if rt is not None:
@@ -146,6 +159,11 @@ class State:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(self._checkpoint_dir, _CHECKPOINT_NAME))  # atomic
+            dir_fd = os.open(self._checkpoint_dir, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the rename itself survives a crash of the machine
+            finally:
+                os.close(dir_fd)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -185,8 +203,8 @@ class ObjectState(State):
     def _plain(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self._names}
 
-    def save(self) -> Any:
-        return {"attrs": copy.deepcopy(self._plain())}
+    def live(self) -> Any:
+        return {"attrs": self._plain()}
 
     def load(self, snapshot: Any) -> None:
         for k, v in copy.deepcopy(snapshot["attrs"]).items():
@@ -197,8 +215,8 @@ class ObjectState(State):
 
 def _copy_into(old: Any, new: Any) -> Any:
     """A deep copy of ``new``, reusing ``old``'s tensors where structure, shape and dtype match."""
-    import torch
-    if isinstance(new, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    if torch is not None and isinstance(new, torch.Tensor):
         if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
             return old.copy_(new.detach())
         return new.detach().clone()
@@ -223,26 +241,27 @@ class TorchState(ObjectState):
     def _handlers(self) -> Dict[str, Any]:
         return {k: v for k, v in self._plain().items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
-    def save(self) -> Any:
+    def live(self) -> Any:
         handlers = self._handlers()
-        prev = self._snapshot or {}
-        snap: Dict[str, Any] = {
-            "attrs": copy.deepcopy({k: v for k, v in self._plain().items() if k not in handlers}),
-            "handlers": {k: copy.deepcopy(v.state_dict()) for k, v in handlers.items()},
+        view: Dict[str, Any] = {
+            "attrs": {k: v for k, v in self._plain().items() if k not in handlers},
+            "handlers": {k: v.state_dict() for k, v in handlers.items()},
         }
-        # Copy into the previous commit's tensors when the shapes still match: no allocation,
-        # so a commit costs one memory copy of the model and optimizer state.
         if self.model is not None:
-            snap["model"] = _copy_into(prev.get("model"), self.model.state_dict())
+            view["model"] = self.model.state_dict()
         if self.optimizer is not None:
-            snap["optimizer"] = _copy_into(prev.get("optimizer"), self.optimizer.state_dict())
-        return snap
+            view["optimizer"] = self.optimizer.state_dict()
+        return view
 
     def load(self, snapshot: Any) -> None:
         if self.model is not None and "model" in snapshot:
             self.model.load_state_dict(snapshot["model"])
-        if self.optimizer is not None and "optimizer" in snapshot:
-            self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        if self.optimizer is not None:
+            if "optimizer" in snapshot:
+                self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+            # Gradients of an abandoned step (some already reduced in place) must not leak
+            # into the next one, nor must a DistributedOptimizer's in-flight bookkeeping.
+            self.optimizer.zero_grad(set_to_none=True)
         handlers = self._handlers()
         for k, sd in snapshot.get("handlers", {}).items():
             if k in handlers:

@@ -175,6 +175,17 @@ class Evict:
 
 
 @dataclass(frozen=True)
+class RingBroken:
+    """A member reports that the ring of `version` broke although its suspect is alive (a
+    collective timed out on a slow peer, say). The world is unusable all the same: abort it
+    and announce it again, so every member re-forms instead of waiting for an eviction."""
+
+    reporter_id: str
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Progress:
     worker_id: str
     committed_step: int
@@ -190,7 +201,7 @@ class Tick:
     """Time passed; lets settle windows and elastic timeouts fire."""
 
 
-Event = Union[Join, Attach, Leave, Evict, Progress, Success, Tick]
+Event = Union[Join, Attach, Leave, Evict, RingBroken, Progress, Success, Tick]
 
 
 # ---------------------------------------------------------------------------------------------- actions
@@ -263,6 +274,12 @@ def decide(state: JobState, event: Event, now: float,
     elif isinstance(event, Evict):
         state = _remove(state, event.worker_id, event.reason, now, actions, failure=True,
                         config=config, count_failure=event.count_failure)
+    elif isinstance(event, RingBroken):
+        if event.version == state.version and state.in_world(event.reporter_id):
+            if state.aborted_version != state.version:
+                actions.append(Abort(state.version, event.reason))
+                state = replace(state, aborted_version=state.version)
+            state = _mark_change(state, now)
     elif isinstance(event, Attach):
         w = state.workers.get(event.worker_id)
         if w is not None and not w.attached:

@@ -649,10 +649,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                     return pb.ReportFailureResponse(evicted=True, detail="suspect lost its stream")
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    await self._ring_broken(job, reporter.worker_id, request.world_version, why)
                     return pb.ReportFailureResponse(
                         evicted=False, detail=f"{suspect} did not answer the probe but its "
                                               f"connection stayed alive (keepalive) for "
-                                              f"{self.config.heartbeat_timeout_s:g} s")
+                                              f"{self.config.heartbeat_timeout_s:g} s; world "
+                                              f"{request.world_version} re-formed")
                 if stream.ended.is_set():   # closed by us (shutting down): do not spin
                     await asyncio.sleep(min(left, 0.05))
                     continue
@@ -663,10 +665,19 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 finally:
                     ended.cancel()
                 if fut.done() and not fut.cancelled():
+                    await self._ring_broken(job, reporter.worker_id, request.world_version, why)
                     return pb.ReportFailureResponse(evicted=False,
-                                                    detail=f"{suspect} answered a probe")
+                                                    detail=f"{suspect} answered a probe; world "
+                                                           f"{request.world_version} re-formed")
         finally:
             job.probes.pop(nonce, None)
+
+    async def _ring_broken(self, job: _Job, reporter_id: str, version: int, why: str) -> None:
+        # Nobody is evicted, but the reporter's ring is broken: without a new version every
+        # member would wait for a world that never comes.
+        seq, _ = self._apply(job, d.RingBroken(reporter_id, version, f"ring of world {version} broken, "
+                                                                      f"every member alive ({why})"))
+        await self._wait_durable(job, seq)
 
     def _apply_evict(self, job: _Job, worker_id: str, reason: str):
         self._evict(job, worker_id, reason)

@@ -301,3 +301,23 @@ def test_blacklisted_standby_lets_the_elastic_timeout_fire():
     assert next_deadline(s, cfg) == pytest.approx(32.0)
     s, acts = run(s, [(32.0, Tick())], cfg)
     assert s.phase is Phase.FAILED and "1 eligible worker(s), below min_np=2" in s.reason
+
+
+@pytest.mark.parametrize("version_delta,reporter,expect_new_world", [
+    (0, "a", True),      # a member of the current world: abort it and re-form the same members
+    (-1, "a", False),    # a report about an older world changes nothing
+    (0, "zz", False),    # a reporter outside the world changes nothing
+])
+def test_ring_broken_report_aborts_and_reannounces_the_same_members(version_delta, reporter, expect_new_world):
+    from rendezvous.decision import RingBroken
+    state = formed([("a", "h1"), ("b", "h1"), ("c", "h2")])
+    v = state.version
+    state, actions = run(state, [(5.0, RingBroken(reporter, v + version_delta, "timeout on b")), (5.1, Tick()),
+                                 (6.0, Tick())])
+    aborts = [a for _, a in actions if isinstance(a, Abort)]
+    new = announces(actions)
+    if expect_new_world:
+        assert [a.version for a in aborts] == [v]
+        assert len(new) == 1 and new[0].version == v + 1 and ids(new[0]) == ["a", "b", "c"]
+    else:
+        assert aborts == [] and new == []

@@ -10,6 +10,7 @@ proves the sample accounting. Knobs (environment):
                  commit JOB_DIE_AT (commit) or at the JOB_DIE_AT-th re-sync (sync)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
+  JOB_STALL      "WORKER:STEP:SECONDS": that worker stalls once, at that step (a live but slow peer)
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ DIE_IN = os.environ.get("JOB_DIE_IN", "")
 DIE_AT = int(os.environ.get("JOB_DIE_AT", "-1"))
 RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
+STALL = os.environ.get("JOB_STALL", "::").split(":")
+stalled = {"done": False}
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -67,7 +70,14 @@ def record_reset():
     log["resets"].append({"size": elastic.size(), "version": elastic.world_version(), "commit": state.commit_step})
 
 
-state.register_reset_callbacks([record_reset])
+def rescale_lr():
+    # The usual reset callback: the learning rate follows the world size. Its effect must
+    # survive the sync that follows it.
+    for group in opt.param_groups:
+        group["lr"] = 0.05 * elastic.size() / 3
+
+
+state.register_reset_callbacks([record_reset, rescale_lr])
 
 _restore = state.restore
 
@@ -108,6 +118,9 @@ def train(state):
     for state.epoch in range(state.epoch, EPOCHS):
         sampler.set_epoch(state.epoch)
         for state.batch, (x, y, idx) in enumerate(loader):
+            if WORKER == STALL[0] and state.step == int(STALL[1]) and not stalled["done"]:
+                stalled["done"] = True
+                time.sleep(float(STALL[2]))
             if state.step == RAISE_AT:
                 raise ValueError(f"deterministic user error at step {state.step}")
             opt.zero_grad()
@@ -141,7 +154,8 @@ for k, v in sorted(model.state_dict().items()):
 for k, v in sorted(opt.state_dict()["state"].items()):
     digest.update(v["momentum_buffer"].numpy().tobytes())
 result = {"worker": WORKER, "hash": digest.hexdigest(), "seen": model.seen.tolist(), "step": state.step,
-          "commit_step": state.commit_step, "weight": model.linear.weight.detach().view(-1).tolist(), **log}
+          "commit_step": state.commit_step, "weight": model.linear.weight.detach().view(-1).tolist(),
+          "lr": opt.param_groups[0]["lr"], **log}
 with open(os.path.join(OUT, f"result-{WORKER}.json"), "w") as f:
     json.dump(result, f)
 print(f"worker {WORKER} done at step {state.step}", flush=True)

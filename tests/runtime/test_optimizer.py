@@ -114,3 +114,67 @@ def test_object_state_commit_restore_copies_not_references():
     state.history.append(9)
     state.restore()
     assert state.history == [1, 2], "restore must not hand out the snapshot itself"
+
+
+def _accumulate(comm):
+    collectives.set_communicator(comm)
+    model = _model()
+    opt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=1024,
+                                       backward_passes_per_step=2)
+    opt.zero_grad()
+    for micro in range(2):
+        x, y = _batch(comm.rank * 2 + micro)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    # Without backward_passes_per_step, a second pass is refused instead of silently diverging.
+    plain = elastic.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
+    m2 = _model()
+    plain = elastic.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1))
+    error = ""
+    try:
+        for micro in range(2):
+            x, y = _batch(micro)
+            torch.nn.functional.mse_loss(m2(x), y).backward()
+    except RuntimeError as e:
+        error = str(e)
+    plain.zero_grad()
+    ref = None
+    if comm.rank == 0:
+        m = _model()
+        grads = []
+        for r in range(comm.size):
+            m.zero_grad()
+            for micro in range(2):
+                x, y = _batch(r * 2 + micro)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(m.parameters()):
+                p -= 0.1 * torch.stack([g[i] for g in grads]).mean(0)
+        ref = [p.detach().numpy().copy() for p in m.parameters()]
+    return [p.detach().numpy().copy() for p in model.parameters()], ref, error
+
+
+def test_gradient_accumulation_over_several_backward_passes():
+    results = run_world(2, _accumulate)
+    ref = results[0][1]
+    for params, _, error in results:
+        for got, exp in zip(params, ref):
+            assert abs(got - exp).max() < 1e-6
+        assert "backward_passes_per_step" in error
+
+
+def _late_group(comm):
+    collectives.set_communicator(comm)
+    body, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt = elastic.DistributedOptimizer(torch.optim.SGD(body.parameters(), lr=0.1))
+    opt.add_param_group({"params": head.parameters()})
+    opt.zero_grad()
+    head(body(torch.ones(2, 4) * (comm.rank + 1))).sum().backward()
+    opt.step()
+    return head.weight.detach().numpy().copy()
+
+
+def test_parameters_added_later_are_averaged_too():
+    a, b = run_world(2, _late_group)
+    assert (a == b).all()

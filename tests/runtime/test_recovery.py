@@ -55,6 +55,7 @@ def test_peer_sigkilled_mid_step_survivors_restore_and_finish_identical(job_fact
     for r in results:
         assert r["restores"] >= 1, "WorkerLostError must restore"
         assert r["resets"][-1]["size"] == 2, "reset callbacks must see the new size"
+        assert abs(r["lr"] - 0.05 * 2 / 3) < 1e-12, "the callback's learning rate must survive the sync"
 
 
 def test_two_peers_killed_at_once(job_factory):
@@ -165,3 +166,19 @@ def test_after_losing_every_worker_a_relaunch_resumes_from_the_durable_commit(jo
         assert r["start_commit"] >= 2 and r["start_step"] >= 6, "the relaunch must resume, not start over"
     # The counter buffer came back from disk too: every sample still counted, none lost.
     check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
+
+
+def test_a_live_but_stalled_peer_makes_the_ring_reform_not_wedge(job_factory):
+    # w1 stalls 4 s once; the collective deadline is 1 s. Nobody died, so nobody is evicted:
+    # the failure report makes the server re-announce the same members and training goes on.
+    job = job_factory(min_np=3, max_np=3, ELASTIC_COLLECTIVE_TIMEOUT="1", ELASTIC_WORLD_TIMEOUT="30",
+                      JOB_STALL="w1:6:4")
+    workers = ["w0", "w1", "w2"]
+    for w in workers:
+        job.start(w)
+    assert job.wait(workers, timeout=90) == {w: 0 for w in workers}
+    results = [job.result(w) for w in workers]
+    check_identical(results)
+    check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
+    assert all(r["final_size"] == 3 for r in results)
+    assert any(r["restores"] >= 1 for r in results)
