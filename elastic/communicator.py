@@ -36,8 +36,11 @@ class CommConfig:
     timeout: float = 30.0            # seconds a collective may go without moving a byte (hung peers)
     form_timeout: float = 30.0       # seconds form() waits for both ring neighbours
     segment_bytes: int = 1 << 20     # pipeline segment: ~1 MiB keeps both directions busy
-    small_bytes: int = 64 << 10      # allreduce up to this size takes the small-message path
+    small_bytes: int = 32 << 10      # allreduce up to this size takes the small-message path (measured crossover)
     fusion_bytes: int = 64 << 20     # async allreduces are fused into buckets up to this size
+    # "auto": ring neighbours on the same host (same name in ``hosts``) exchange data through
+    # shared memory, the rest over TCP; "tcp": every link over TCP.
+    transport: str = "auto"
 
     _ENV = {
         "timeout": "ELASTIC_COLLECTIVE_TIMEOUT",
@@ -45,7 +48,10 @@ class CommConfig:
         "segment_bytes": "ELASTIC_SEGMENT_BYTES",
         "small_bytes": "ELASTIC_SMALL_BYTES",
         "fusion_bytes": "ELASTIC_FUSION_THRESHOLD",
+        "transport": "ELASTIC_TRANSPORT",
     }
+
+    TRANSPORTS = ("auto", "tcp")
 
     def __post_init__(self):
         for name in ("timeout", "form_timeout"):
@@ -56,16 +62,22 @@ class CommConfig:
         for name in ("small_bytes", "fusion_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CommConfig.{name} must not be negative, got {getattr(self, name)}")
+        if self.transport not in self.TRANSPORTS:
+            raise ValueError(f"CommConfig.transport must be one of {', '.join(self.TRANSPORTS)}, "
+                             f"got {self.transport!r}")
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "CommConfig":
         """Reads ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_FORM_TIMEOUT, ELASTIC_SEGMENT_BYTES,
-        ELASTIC_SMALL_BYTES and ELASTIC_FUSION_THRESHOLD; keyword overrides win."""
+        ELASTIC_SMALL_BYTES, ELASTIC_FUSION_THRESHOLD and ELASTIC_TRANSPORT; keyword overrides win."""
         env = os.environ if env is None else env
         values: dict = {}
         for field in dataclasses.fields(cls):
             var = cls._ENV.get(field.name)
             if var and env.get(var, "") != "":
+                if field.type in ("str", str):
+                    values[field.name] = env[var].strip().lower()
+                    continue
                 kind = float if field.type in ("float", float) else int
                 try:
                     values[field.name] = kind(env[var])
@@ -135,8 +147,13 @@ class Communicator:
 
     @classmethod
     def create(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
-               peers: Sequence[str], config: Optional[CommConfig] = None) -> "Communicator":
+               peers: Sequence[str], config: Optional[CommConfig] = None,
+               hosts: Optional[Sequence[str]] = None) -> "Communicator":
         """Validates the arguments and returns an unconnected communicator; ``connect()`` forms it.
+
+        ``hosts`` names each rank's host (in rank order). Ring neighbours with the same host
+        name exchange data through shared memory (unless ``config.transport == "tcp"``); the
+        TCP connection between them stays up as the liveness channel. ``None``: all TCP.
 
         Splitting the two lets another thread hold the communicator, and abort it, while
         ``connect()`` is still waiting for a neighbour.
@@ -148,9 +165,18 @@ class Communicator:
             raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
         if world_version < 0:
             raise ValueError(f"world_version must not be negative, got {world_version}")
-        native = _native.Communicator(listener, job_id, secret, world_version, rank, list(peers),
+        peers = list(peers)
+        host_list: list = []
+        if hosts is not None:
+            host_list = [str(h) for h in hosts]
+            if len(host_list) != len(peers):
+                raise ValueError(f"hosts: got {len(host_list)} host names for {len(peers)} peers; "
+                                 "give one host name per rank")
+            if not all(host_list):
+                raise ValueError("hosts: host names must not be empty")
+        native = _native.Communicator(listener, job_id, secret, world_version, rank, peers,
                                       config.timeout, config.form_timeout, config.segment_bytes,
-                                      config.small_bytes, config.fusion_bytes)
+                                      config.small_bytes, config.fusion_bytes, host_list, config.transport)
         return cls(native, config)
 
     def connect(self) -> "Communicator":
@@ -168,14 +194,16 @@ class Communicator:
 
     @classmethod
     def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
-             peers: Sequence[str], config: Optional[CommConfig] = None) -> "Communicator":
+             peers: Sequence[str], config: Optional[CommConfig] = None,
+             hosts: Optional[Sequence[str]] = None) -> "Communicator":
         """Creates and connects a ring in one call.
 
         ``peers`` lists every rank's ring address in rank order (``peers[rank]`` is this
-        worker's own). A world of one rank needs no listener and opens no socket.
+        worker's own); ``hosts``, if given, each rank's host name (see ``create``). A world
+        of one rank needs no listener and opens no socket.
         """
         return cls.create(listener=listener, job_id=job_id, secret=secret, world_version=world_version,
-                          rank=rank, peers=peers, config=config).connect()
+                          rank=rank, peers=peers, config=config, hosts=hosts).connect()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -194,6 +222,11 @@ class Communicator:
     def ops_run(self) -> int:
         """Collectives started on this ring so far; a fused bucket counts once."""
         return self._native.ops_run
+
+    @property
+    def link_kinds(self) -> tuple:
+        """How this rank's links run: (to the next rank, from the previous one), each "tcp" or "shm"."""
+        return tuple(self._native.link_kinds)
 
     @property
     def failed(self) -> bool:

@@ -190,7 +190,9 @@ class Runtime:
         """Forms the ring of ``world``; raises WorkerLostError if it is aborted or superseded meanwhile."""
         comm = Communicator.create(listener=self.listener, job_id=self.config.job_id,
                                    secret=self.config.job_secret, world_version=world.version, rank=world.rank,
-                                   peers=[m.ring_address for m in world.members], config=self.config.comm)
+                                   peers=[m.ring_address for m in world.members],
+                                   hosts=[m.host for m in world.members],  # same host: shared memory
+                                   config=self.config.comm)
         with self._cond:
             old, self.comm, self.world, self._formed = self.comm, comm, world, False
             superseded = (self._aborted_version >= world.version

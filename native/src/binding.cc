@@ -118,7 +118,10 @@ struct PyComm {
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "elastic-ring native core: TCP ring collectives with deadlines, abort and authenticated handshakes";
+  // Communicators held by module globals (the runtime, an optimizer) may still exist when
+  // the interpreter exits; that is expected, not a reference leak worth a screenful.
+  nb::set_leak_warnings(false);
+  m.doc() = "elastic-ring native core: ring collectives over TCP and same-host shared memory, with deadlines, abort and authenticated handshakes";
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -160,15 +163,18 @@ NB_MODULE(_native, m) {
       .def("__init__",
            [](PyComm* self, PyListener* listener, const std::string& job_id, nb::bytes secret, uint64_t world_version,
               int rank, std::vector<std::string> peers, double timeout, double form_timeout, size_t segment_bytes,
-              size_t small_bytes, size_t fusion_bytes) {
+              size_t small_bytes, size_t fusion_bytes, std::vector<std::string> hosts, const std::string& transport) {
              CommConfig cfg;
+             if (transport == "auto") cfg.transport = CommConfig::Transport::Auto;
+             else if (transport == "tcp") cfg.transport = CommConfig::Transport::Tcp;
+             else throw nb::value_error(("unknown transport '" + transport + "': expected 'auto' or 'tcp'").c_str());
              cfg.timeout_s = timeout;
              cfg.form_timeout_s = form_timeout;
              cfg.segment_bytes = segment_bytes;
              cfg.small_bytes = small_bytes;
              std::shared_ptr<Listener> l = listener ? listener->get() : nullptr;
              auto comm = std::make_shared<Communicator>(l.get(), job_id, std::string(secret.c_str(), secret.size()),
-                                                        world_version, rank, std::move(peers), cfg);
+                                                        world_version, rank, std::move(peers), cfg, std::move(hosts));
              auto* pc = new (self) PyComm();
              pc->listener = l;
              pc->comm = std::move(comm);
@@ -176,7 +182,8 @@ NB_MODULE(_native, m) {
            },
            nb::arg("listener").none(), nb::arg("job_id"), nb::arg("secret"), nb::arg("world_version"), nb::arg("rank"),
            nb::arg("peers"), nb::arg("timeout"), nb::arg("form_timeout"), nb::arg("segment_bytes"),
-           nb::arg("small_bytes"), nb::arg("fusion_bytes"))
+           nb::arg("small_bytes"), nb::arg("fusion_bytes"), nb::arg("hosts") = std::vector<std::string>{},
+           nb::arg("transport") = "auto")
       .def("form",
            [](PyComm& s) {
              auto c = s.c();
@@ -205,6 +212,8 @@ NB_MODULE(_native, m) {
       .def_prop_ro("size", [](PyComm& s) { return s.c()->size(); })
       .def_prop_ro("world_version", [](PyComm& s) { return s.c()->world_version(); })
       .def_prop_ro("ops_run", [](PyComm& s) { return s.c()->ops_run(); })
+      .def_prop_ro("link_kinds", [](PyComm& s) { return s.c()->link_kinds(); },
+                   "How the links run: [to the next rank, from the previous one], each 'tcp' or 'shm'.")
       .def_prop_ro("failed",
                    [](PyComm& s) {
                      std::lock_guard<std::mutex> g(s.mu);

@@ -50,7 +50,7 @@ bool decode_header(const uint8_t* p, MsgHeader* out, std::string* why) {
     return false;
   }
   uint8_t type = p[6], status = p[7];
-  if (type < uint8_t(MsgType::Hello) || type > uint8_t(MsgType::Result)) {
+  if (type < uint8_t(MsgType::Hello) || type > uint8_t(MsgType::LinkAck)) {
     *why = "unknown handshake message type " + std::to_string(type);
     return false;
   }

@@ -27,7 +27,9 @@ constexpr size_t kMaxBodyBytes = 4096;
 constexpr size_t kMaxJobIdBytes = 255;
 constexpr size_t kNonceBytes = 16;
 
-enum class MsgType : uint8_t { Hello = 1, Ack = 2, Proof = 3, Result = 4 };
+// LINK and LINK_ACK follow an accepted handshake on the same connection: how the data of
+// this link travels (TCP frames, or shared memory for a neighbour on the same host).
+enum class MsgType : uint8_t { Hello = 1, Ack = 2, Proof = 3, Result = 4, Link = 5, LinkAck = 6 };
 enum class Status : uint8_t { Ok = 0, NotReady = 1, Refused = 2 };
 
 struct MsgHeader {

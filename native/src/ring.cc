@@ -83,6 +83,21 @@ class AllreducePlan : public Plan {
     // The last reduce-scatter step completes this rank's own block: divide once, here.
     if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
   }
+  // Shared memory: reduce straight from the transport's memory, skipping the copy to scratch.
+  // Same operands in the same order as received(), so the same bits.
+  void deliver(size_t i, size_t offset, const char* src, size_t n) override {
+    size_t g = i / k_;
+    Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
+    if (g < size_t(n_ - 1)) reduce_into(s.ptr + offset, src, n / esize_, dtype_, op_);
+    else std::memcpy(s.ptr + offset, src, n);
+  }
+  void delivered(size_t i) override {
+    size_t g = i / k_;
+    if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) {
+      Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
+      scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+    }
+  }
 
  private:
   size_t send_block(size_t g) const {
@@ -152,9 +167,9 @@ class BroadcastPlan : public Plan {
 }  // namespace
 
 Communicator::Communicator(Listener* listener, std::string job_id, std::string secret, uint64_t world_version,
-                           int rank, std::vector<std::string> peers, CommConfig cfg)
+                           int rank, std::vector<std::string> peers, CommConfig cfg, std::vector<std::string> hosts)
     : listener_(listener), job_id_(std::move(job_id)), secret_(std::move(secret)), world_version_(world_version),
-      rank_(rank), peers_(std::move(peers)), cfg_(cfg) {
+      rank_(rank), peers_(std::move(peers)), hosts_(std::move(hosts)), cfg_(cfg) {
   if (peers_.empty()) throw CommError(ErrorKind::Invalid, "a communicator needs at least one peer address");
   if (rank_ < 0 || rank_ >= int(peers_.size()))
     throw CommError(ErrorKind::Invalid, "rank " + std::to_string(rank_) + " is outside a world of size " +
@@ -164,6 +179,13 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
   if (cfg_.timeout_s <= 0 || cfg_.form_timeout_s <= 0)
     throw CommError(ErrorKind::Invalid, "timeouts must be positive");
   if (cfg_.segment_bytes < 64) throw CommError(ErrorKind::Invalid, "segment_bytes must be at least 64");
+  if (!hosts_.empty()) {
+    if (hosts_.size() != peers_.size())
+      throw CommError(ErrorKind::Invalid, "hosts: got " + std::to_string(hosts_.size()) + " hosts for " +
+                                              std::to_string(peers_.size()) + " peers: give one host name per rank");
+    for (auto& h : hosts_)
+      if (h.empty()) throw CommError(ErrorKind::Invalid, "host names must not be empty");
+  }
   if (peers_.size() > 1) {
     if (!listener_) throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
     for (auto& p : peers_) {  // reject bad addresses before touching the network
@@ -218,16 +240,34 @@ void Communicator::form() {
   h.world_size = uint32_t(n);
   random_bytes(h.nonce.data(), h.nonce.size());
   auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.form_timeout_s));
-  int next_fd = -1;
+  LinkContext ctx{rank_, n, world_version_, next, prev, peers_[next], peers_[prev]};
+  auto same_host = [&](int other) {
+    return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
+  };
+  LinkSettings send_settings, recv_settings;
+  send_settings.want_shm = same_host(next);
+  recv_settings.want_shm = same_host(prev);
+  int next_fd = -1, prev_fd = -1;
   try {
     next_fd = connect_ring_peer(peers_[next], h, secret_, deadline, abort_);
-    int prev_fd = listener_->take(world_version_, deadline, abort_, rank_, prev);
-    LinkContext ctx{rank_, n, world_version_, next, prev, peers_[next], peers_[prev]};
-    auto links = std::make_unique<TcpLinks>(next_fd, prev_fd, ctx, &abort_, cfg_.timeout_s);
+    // LINK goes out before waiting for the predecessor, so no rank waits on a rank that waits on it.
+    auto offered = offer_link(next_fd, send_settings, ctx, deadline, abort_);
+    prev_fd = listener_->take(world_version_, deadline, abort_, rank_, prev);
+    auto recv_ring = accept_link(prev_fd, recv_settings, ctx, deadline, abort_);
+    auto send_ring = finish_link(next_fd, std::move(offered), ctx, deadline, abort_);
+    std::unique_ptr<Links> links;
+    if (send_ring || recv_ring)
+      links = std::make_unique<ShmLinks>(next_fd, prev_fd, std::move(send_ring), std::move(recv_ring), ctx, &abort_,
+                                         cfg_.timeout_s);
+    else
+      links = std::make_unique<TcpLinks>(next_fd, prev_fd, ctx, &abort_, cfg_.timeout_s);
     std::lock_guard<std::mutex> g(err_mu_);
     links_ = std::move(links);
   } catch (CommError& err) {
-    if (next_fd >= 0 && !links_) ::close(next_fd);
+    if (!links_) {
+      if (next_fd >= 0) ::close(next_fd);
+      if (prev_fd >= 0) ::close(prev_fd);
+    }
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
     if (!first_error_) first_error_ = std::make_unique<CommError>(err);
@@ -236,6 +276,12 @@ void Communicator::form() {
   formed_ = true;
   std::lock_guard<std::mutex> g(err_mu_);
   if (abort_.fired()) links_->shutdown();  // abort() raced with the end of form()
+}
+
+std::vector<std::string> Communicator::link_kinds() {
+  std::lock_guard<std::mutex> g(err_mu_);
+  if (!links_) return {};
+  return {links_->send_kind(), links_->recv_kind()};
 }
 
 void Communicator::check_usable(const char* name) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common.h"
+#include "shm.h"
 #include "transport.h"
 
 namespace ering {
@@ -16,13 +17,15 @@ struct CommConfig {
   double timeout_s = 30.0;       // longest a collective may go without moving a byte
   double form_timeout_s = 30.0;  // longest form() waits for both neighbours
   size_t segment_bytes = 1 << 20;
-  size_t small_bytes = 64 << 10;  // allreduce at or below this size takes the small-message path
+  size_t small_bytes = 32 << 10;  // allreduce at or below this size takes the small-message path
+  // Auto: a neighbour on the same host (same entry in `hosts`) gets shared memory; Tcp: never.
+  enum class Transport { Auto, Tcp } transport = Transport::Auto;
 };
 
 class Communicator {
  public:
   Communicator(Listener* listener, std::string job_id, std::string secret, uint64_t world_version, int rank,
-               std::vector<std::string> peers, CommConfig cfg);
+               std::vector<std::string> peers, CommConfig cfg, std::vector<std::string> hosts = {});
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -42,6 +45,8 @@ class Communicator {
   int size() const { return int(peers_.size()); }
   uint64_t world_version() const { return world_version_; }
   const CommConfig& config() const { return cfg_; }
+  // How this rank's links run once formed: {"tcp"|"shm" to the next rank, from the previous one}.
+  std::vector<std::string> link_kinds();
   bool failed() const { return failed_.load(); }
   // Collectives started so far (fused buckets count once); the same on every rank.
   uint32_t ops_run() const { return seq_.load(); }
@@ -57,6 +62,7 @@ class Communicator {
   uint64_t world_version_;
   int rank_;
   std::vector<std::string> peers_;
+  std::vector<std::string> hosts_;  // one host name per rank, or empty: every link over TCP
   CommConfig cfg_;
   AbortSignal abort_;
   std::unique_ptr<Links> links_;

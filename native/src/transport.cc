@@ -8,6 +8,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -77,6 +78,8 @@ int wait_fd(int fd, short events, Clock::time_point deadline, const AbortSignal&
   }
 }
 
+}  // namespace
+
 int write_full(int fd, const uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort) {
   size_t done = 0;
   while (done < n) {
@@ -107,6 +110,8 @@ int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const 
   }
   return 0;
 }
+
+namespace {
 
 // Sleeps for a retry backoff, waking early on abort.
 void backoff_sleep(int ms, const AbortSignal& abort) {
@@ -706,13 +711,38 @@ TcpLinks::~TcpLinks() {
 // failure elsewhere, so the neighbour does not blame it.
 constexpr char kPoisonByte = 'P';
 
+void send_poison(int fd) {
+  if (::send(fd, &kPoisonByte, 1, MSG_OOB | MSG_DONTWAIT | MSG_NOSIGNAL) == 1 || errno != EAGAIN) return;
+  // The send buffer is full of data the neighbour has not read yet: make room for one more
+  // byte so the marker queues behind it (SO_SNDBUFFORCE needs CAP_NET_ADMIN; without it the
+  // neighbour may report this live rank as lost: a wrong name, never a missed failure).
+  int cur = 0;
+  socklen_t len = sizeof(cur);
+  if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &cur, &len) != 0) return;
+  int want = cur / 2 + (64 << 10);  // the kernel doubles what it is given
+  if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &want, sizeof(want)) != 0) return;
+  ssize_t w = ::send(fd, &kPoisonByte, 1, MSG_OOB | MSG_DONTWAIT | MSG_NOSIGNAL);
+  (void)w;
+}
+
+bool take_poison(int fd) {
+  char b = 0;
+  return ::recv(fd, &b, 1, MSG_OOB | MSG_DONTWAIT) == 1 && b == kPoisonByte;
+}
+
+bool take_poison_at_mark(int fd) {
+  int at_mark = 0;
+  if (ioctl(fd, SIOCATMARK, &at_mark) != 0 || !at_mark) return false;
+  // Only the poison is ever sent urgent, so the mark alone says so, even while the byte
+  // itself has not arrived yet (it would then be dropped by the read that passes it).
+  take_poison(fd);
+  return true;
+}
+
 void TcpLinks::shutdown() {
   if (!poisoned_.exchange(true)) {
     for (int fd : {next_fd_, prev_fd_})
-      if (fd >= 0) {
-        ssize_t w = ::send(fd, &kPoisonByte, 1, MSG_OOB | MSG_DONTWAIT | MSG_NOSIGNAL);
-        (void)w;
-      }
+      if (fd >= 0) send_poison(fd);
   }
   // shutdown(), not close(): safe while another thread is inside poll() on these fds,
   // and it sends FIN at once so both neighbours see EOF.
@@ -721,8 +751,7 @@ void TcpLinks::shutdown() {
 }
 
 void TcpLinks::lost(const OpInfo& op, int fd, int peer, const std::string& name, const std::string& what) {
-  char b = 0;
-  if (::recv(fd, &b, 1, MSG_OOB | MSG_DONTWAIT) == 1 && b == kPoisonByte)
+  if (take_poison(fd) || (fd == prev_fd_ && prev_poisoned_))
     fail(ErrorKind::Propagated, op, peer,
          name + " gave up because of a failure elsewhere in the ring (it is alive; the failed rank is further on)");
   fail(ErrorKind::PeerLost, op, peer, what);
@@ -782,7 +811,12 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
       msghdr mh{};
       mh.msg_iov = iov;
       mh.msg_iovlen = n;
+      size_t want = 0;
+      for (int k = 0; k < n; ++k) want += iov[k].iov_len;
       ssize_t r = ::recvmsg(prev_fd_, &mh, MSG_DONTWAIT);
+      // Linux stops a read at the urgent mark and drops the urgent byte on the next read
+      // past it: take the poison byte now if that is where this read stopped.
+      if (r > 0 && size_t(r) < want && take_poison_at_mark(prev_fd_)) prev_poisoned_ = true;
       if (r == 0) {
         lost(op, prev_fd_, ctx_.prev_rank, prev_name, "connection to " + prev_name + " closed (peer exited or failed)");
       } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
@@ -820,9 +854,9 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
     fds[0] = {abort_->fd(), POLLIN, 0};
     // The next rank never sends on this connection, so readable means it closed.
     fds[1] = {next_fd_, short(si < nsend ? ((can_send ? POLLOUT : 0) | POLLIN | POLLRDHUP | POLLPRI) : 0), 0};
-    // No POLLPRI on prev: a neighbour that finished and closed may leave its marker ahead of
-    // data we still have to read; the marker is only consulted once the stream ends.
-    fds[2] = {prev_fd_, short(ri < nrecv ? POLLIN : 0), 0};
+    // A neighbour that finished and closed may leave its marker ahead of data we still have
+    // to read: it is taken when seen but only consulted if the stream ends early.
+    fds[2] = {prev_fd_, short(ri < nrecv ? POLLIN | POLLPRI : 0), 0};
     int ms = poll_ms_until(deadline);
     if (ms == 0) {
       bool waiting_on_prev = ri < nrecv;
@@ -834,6 +868,7 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
     if (r < 0 && errno != EINTR)
       fail(ErrorKind::PeerLost, op, -1, std::string("poll failed: ") + errno_text(errno));
     if (fds[0].revents) fail(ErrorKind::Aborted, op, -1, "communicator aborted");
+    if ((fds[2].revents & POLLPRI) && take_poison(prev_fd_)) prev_poisoned_ = true;
     if (fds[1].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR | POLLPRI))
       lost(op, next_fd_, ctx_.next_rank, next_name, "connection to " + next_name + " closed (peer exited or failed)");
   }

@@ -2,12 +2,14 @@
 // neighbour, and moving a Plan's segments with deadlines and abort.
 //
 // The transport knows sockets and framing only; which bytes go where is the Plan's
-// business (ring.cc). A second transport (shared memory) implements Links too.
+// business (ring.cc). The shared-memory transport for neighbours on the same host
+// (shm.h) implements Links too and keeps these TCP connections for liveness.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -100,6 +102,20 @@ class Listener {
 int connect_ring_peer(const std::string& address, const Hello& hello, const std::string& secret,
                       Clock::time_point deadline, const AbortSignal& abort);
 
+// Moves exactly n bytes on a non-blocking socket within the deadline. Returns 0, or
+// ETIMEDOUT, ECANCELED (abort fired) or EPIPE (the peer closed or reset).
+int write_full(int fd, const uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
+int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
+
+// The poison byte: one TCP urgent byte a rank sends before shutting a connection down when
+// it gives up, so a neighbour reports "propagated" instead of blaming a live rank.
+void send_poison(int fd);
+// Reads a pending poison byte; true if there was one.
+bool take_poison(int fd);
+// After a short read: reads the poison byte if the read stopped at the urgent mark (the
+// next read past it would discard it).
+bool take_poison_at_mark(int fd);
+
 struct Span {
   char* ptr;
   size_t bytes;
@@ -113,9 +129,18 @@ class Plan {
   virtual size_t num_sends() const = 0;
   virtual size_t num_recvs() const = 0;
   virtual Span send_span(size_t i) = 0;
+  // Where segment i lands when a transport receives it into memory of the plan's choosing.
   virtual Span recv_span(size_t i) = 0;
-  // Called once segment i has fully arrived (e.g. to reduce it).
+  // Called once segment i has fully landed in recv_span(i) (e.g. to reduce it).
   virtual void received(size_t i) {}
+  // For a transport whose bytes already sit in memory the plan can read (shared memory):
+  // hands over bytes [offset, offset + n) of segment i. The default copies them to
+  // recv_span(i); a plan may consume them in place instead (reduce straight from them).
+  virtual void deliver(size_t i, size_t offset, const char* src, size_t n) {
+    std::memcpy(recv_span(i).ptr + offset, src, n);
+  }
+  // Called once every byte of segment i went through deliver().
+  virtual void delivered(size_t i) { received(i); }
   // The receive that must complete before send i may start, or -1 for none.
   virtual ptrdiff_t send_after(size_t i) const = 0;
 };
@@ -142,6 +167,9 @@ class Links {
   virtual void run(Plan& plan, const OpInfo& op) = 0;
   // Shuts the connections down so neighbours fail fast: how one failure reaches every rank.
   virtual void shutdown() = 0;
+  // How this rank sends to the next rank and receives from the previous one: "tcp" or "shm".
+  virtual const char* send_kind() const { return "tcp"; }
+  virtual const char* recv_kind() const { return "tcp"; }
 };
 
 class TcpLinks : public Links {
@@ -156,6 +184,7 @@ class TcpLinks : public Links {
   [[noreturn]] void lost(const OpInfo& op, int fd, int peer, const std::string& name, const std::string& what);
   int next_fd_, prev_fd_;
   std::atomic<bool> poisoned_{false};
+  bool prev_poisoned_ = false;  // the predecessor's poison byte, taken before its stream ended
   LinkContext ctx_;
   const AbortSignal* abort_;
   double timeout_s_;

@@ -116,7 +116,7 @@ def test_ring_memory_has_no_descriptor_after_forming_and_no_mapping_after_close(
         assert closed == (0, 0)
 
 
-def _victim(listener_box, peers_conn, version):
+def _victim(peers_conn, version):
     """A rank that forms with the survivor, then is SIGKILLed in the middle of allreduces."""
     listener = elastic.Listener("127.0.0.1", 0)
     peers_conn.send(listener.address)
@@ -139,7 +139,7 @@ def _shmem_kib() -> int:
     return 0
 
 
-KILL_CYCLES = 200
+KILL_CYCLES = 1000
 
 
 def test_peers_killed_mid_allreduce_leave_nothing_behind():
@@ -149,7 +149,7 @@ def test_peers_killed_mid_allreduce_leave_nothing_behind():
     try:
         for cycle in range(KILL_CYCLES):
             here, there = _CTX.Pipe()
-            proc = _CTX.Process(target=_victim, args=(None, there, 10 + cycle), daemon=True)
+            proc = _CTX.Process(target=_victim, args=(there, 10 + cycle), daemon=True)
             proc.start()
             assert here.poll(30), "victim did not start"
             peer = here.recv()
@@ -168,12 +168,12 @@ def test_peers_killed_mid_allreduce_leave_nothing_behind():
             proc.join(10)
             here.close()
             there.close()
-            if cycle in (19, KILL_CYCLES - 1):
+            if cycle in (49, KILL_CYCLES - 1):
                 samples[cycle] = (len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")),
                                   _memfd_state(), _shmem_kib())
     finally:
         listener.close()
-    fds_a, threads_a, _, shmem_a = samples[19]
+    fds_a, threads_a, _, shmem_a = samples[49]
     fds_b, threads_b, memfd_b, shmem_b = samples[KILL_CYCLES - 1]
     assert fds_b - fds_a <= 2, f"{fds_b - fds_a} file descriptors leaked"
     assert threads_b == threads_a, f"{threads_b - threads_a} threads leaked"
@@ -181,5 +181,5 @@ def test_peers_killed_mid_allreduce_leave_nothing_behind():
     # A leaked 2 MiB ring per cycle would be hundreds of MiB; other processes on the
     # machine may move this number a little.
     assert shmem_b - shmem_a < 64 << 10, f"shared memory grew {(shmem_b - shmem_a) >> 10} MiB"
-    assert set(os.listdir("/dev/shm")) - dev_shm == set() or not any(
-        "elastic" in name for name in set(os.listdir("/dev/shm")) - dev_shm)
+    # Nothing is ever named in /dev/shm (other programs on the machine may add their own files).
+    assert not [name for name in set(os.listdir("/dev/shm")) - dev_shm if "elastic" in name or "ring" in name]

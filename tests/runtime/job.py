@@ -111,6 +111,14 @@ def progress(text):
     os.replace(tmp, os.path.join(OUT, f"progress-{WORKER}.txt"))
 
 
+def commit():
+    try:
+        state.commit()
+    except elastic.MembershipChanged:
+        log["commits_at_change"].append(state.commit_step)
+        raise
+
+
 @elastic.run(checkpoint_dir=CHECKPOINT, checkpoint_every=2)
 def train(state):
     log.setdefault("start_commit", state.commit_step)
@@ -137,12 +145,8 @@ def train(state):
                 if DIE_IN == "commit" and state.commit_step + 1 == DIE_AT:
                     state.save()  # the commit's copy is taken; the process dies before it completes
                     os.kill(os.getpid(), signal.SIGKILL)
-                try:
-                    state.commit()
-                except elastic.MembershipChanged:
-                    log["commits_at_change"].append(state.commit_step)
-                    raise
-        state.commit()
+                commit()
+        commit()
     log["final_size"] = elastic.size()
 
 
