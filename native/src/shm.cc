@@ -278,13 +278,6 @@ std::unique_ptr<ShmRing> accept_link(int fd, const LinkSettings& s, const LinkCo
 // ---------------------------------------------------------------- ShmLinks
 
 namespace {
-struct FrameHeader {  // TCP framing of a direction that runs over TCP, as in TcpLinks
-  uint32_t seq;
-  uint32_t tag;
-  uint64_t index;
-  uint64_t bytes;
-};
-static_assert(sizeof(FrameHeader) == 24, "frame header is 24 bytes on the wire");
 
 void ring_doorbell(int fd) {
   // Non-blocking: if the socket is full, a doorbell is already pending and wakes the peer.
@@ -381,16 +374,14 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
     ShmRing::Control* c = recv_->control();
     while (ri < nrecv && tail_ != load(c->head)) {
       ShmRing::Chunk ch = *recv_->chunk(tail_);  // a copy: checked values are the used values
-      if (ch.seq != op.seq || ch.tag != op.tag)
-        fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
-             prev_name + " is in a different collective (its operation #" + std::to_string(ch.seq) +
-                 "; ranks must call the same collectives in the same order with the same dtype, op and size)");
-      if (ch.index != ri || ch.seg_bytes != rspan.bytes || ch.offset != roff || ch.bytes > recv_->slot_bytes() ||
-          ch.bytes > rspan.bytes - roff || (ch.bytes == 0 && rspan.bytes != 0))
-        fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
-             prev_name + " sent segment " + std::to_string(ch.index) + " of " + std::to_string(ch.seg_bytes) +
-                 " bytes, expected segment " + std::to_string(ri) + " of " + std::to_string(rspan.bytes) +
-                 " bytes (buffer sizes differ between ranks?)");
+      std::string why = frame_mismatch(FrameHeader{uint32_t(ch.seq), uint32_t(ch.tag), uint64_t(ch.index),
+                                                   uint64_t(ch.seg_bytes)},
+                                       op, ri, rspan.bytes, prev_name);
+      if (why.empty() && (ch.offset != roff || ch.bytes > recv_->slot_bytes() || ch.bytes > rspan.bytes - roff ||
+                          (ch.bytes == 0 && rspan.bytes != 0)))
+        why = prev_name + " sent a malformed chunk of segment " + std::to_string(ri) + " (offset " +
+              std::to_string(ch.offset) + ", " + std::to_string(ch.bytes) + " bytes)";
+      if (!why.empty()) fail(ErrorKind::Mismatch, op, ctx_.prev_rank, why);
       if (ch.bytes) plan.deliver(ri, roff, recv_->payload(tail_), ch.bytes);
       roff += ch.bytes;
       store_fenced(c->tail, ++tail_);
@@ -457,15 +448,8 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
     size_t before = roff;
     roff += size_t(r);
     if (before < sizeof(rhdr) && roff >= sizeof(rhdr)) {
-      if (rhdr.seq != op.seq || rhdr.tag != op.tag)
-        fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
-             prev_name + " is in a different collective (its operation #" + std::to_string(rhdr.seq) +
-                 "; ranks must call the same collectives in the same order with the same dtype, op and size)");
-      if (rhdr.index != ri || rhdr.bytes != rspan.bytes)
-        fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
-             prev_name + " sent segment " + std::to_string(rhdr.index) + " of " + std::to_string(rhdr.bytes) +
-                 " bytes, expected segment " + std::to_string(ri) + " of " + std::to_string(rspan.bytes) +
-                 " bytes (buffer sizes differ between ranks?)");
+      std::string why = frame_mismatch(rhdr, op, ri, rspan.bytes, prev_name);
+      if (!why.empty()) fail(ErrorKind::Mismatch, op, ctx_.prev_rank, why);
     }
     if (roff == sizeof(rhdr) + rspan.bytes) {
       plan.received(ri);

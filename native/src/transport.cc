@@ -686,17 +686,20 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
 
 namespace {
 
-// Every segment travels as a 24-byte frame header + payload. The header lets the
-// receiver check that both ranks are in the same collective with the same shape.
-struct FrameHeader {
-  uint32_t seq;
-  uint32_t tag;
-  uint64_t index;
-  uint64_t bytes;
-};
-static_assert(sizeof(FrameHeader) == 24, "frame header is 24 bytes on the wire");
 
 }  // namespace
+
+std::string frame_mismatch(const FrameHeader& h, const OpInfo& op, size_t index, size_t bytes,
+                           const std::string& sender) {
+  if (h.seq != op.seq || h.tag != op.tag)
+    return sender + " is in a different collective (its operation #" + std::to_string(h.seq) +
+           "; ranks must call the same collectives in the same order with the same dtype, op and size)";
+  if (h.index != index || h.bytes != bytes)
+    return sender + " sent segment " + std::to_string(h.index) + " of " + std::to_string(h.bytes) +
+           " bytes, expected segment " + std::to_string(index) + " of " + std::to_string(bytes) +
+           " bytes (buffer sizes differ between ranks?)";
+  return "";
+}
 
 TcpLinks::TcpLinks(int next_fd, int prev_fd, LinkContext ctx, const AbortSignal* abort, double timeout_s)
     : next_fd_(next_fd), prev_fd_(prev_fd), ctx_(std::move(ctx)), abort_(abort), timeout_s_(timeout_s) {}
@@ -826,15 +829,8 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
         roff += size_t(r);
         progress = true;
         if (before < sizeof(rhdr) && roff >= sizeof(rhdr)) {
-          if (rhdr.seq != op.seq || rhdr.tag != op.tag)
-            fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
-                 prev_name + " is in a different collective (its operation #" + std::to_string(rhdr.seq) +
-                     "; ranks must call the same collectives in the same order with the same dtype, op and size)");
-          if (rhdr.index != ri || rhdr.bytes != rspan.bytes)
-            fail(ErrorKind::Mismatch, op, ctx_.prev_rank,
-                 prev_name + " sent segment " + std::to_string(rhdr.index) + " of " + std::to_string(rhdr.bytes) +
-                     " bytes, expected segment " + std::to_string(ri) + " of " + std::to_string(rspan.bytes) +
-                     " bytes (buffer sizes differ between ranks?)");
+          std::string why = frame_mismatch(rhdr, op, ri, rspan.bytes, prev_name);
+          if (!why.empty()) fail(ErrorKind::Mismatch, op, ctx_.prev_rank, why);
         }
         if (roff == sizeof(rhdr) + rspan.bytes) {
           plan.received(ri);

@@ -145,6 +145,21 @@ class Plan {
   virtual ptrdiff_t send_after(size_t i) const = 0;
 };
 
+// Every segment on a TCP direction travels as this 24-byte header + payload. The header
+// lets the receiver check that both ranks are in the same collective with the same shape.
+struct FrameHeader {
+  uint32_t seq;
+  uint32_t tag;
+  uint64_t index;
+  uint64_t bytes;
+};
+static_assert(sizeof(FrameHeader) == 24, "frame header is 24 bytes on the wire");
+
+struct OpInfo;
+// Empty when `h` is the header of receive `index` (`bytes` long) of `op`; else why not.
+std::string frame_mismatch(const FrameHeader& h, const OpInfo& op, size_t index, size_t bytes,
+                           const std::string& sender);
+
 struct OpInfo {
   const char* name;      // "allreduce", "broadcast", ...
   uint32_t seq;          // per-communicator operation counter, identical on every rank
