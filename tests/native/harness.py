@@ -74,11 +74,15 @@ class World:
 
     def __init__(self, n: int, fn: Callable, *, config: Optional[elastic.CommConfig] = None,
                  job_id: str = "test-job", secret: bytes = b"test-secret", world_version: int = 1,
-                 transport: Union[str, Sequence[str]] = "tcp"):
+                 transport: Union[str, Sequence[str]] = "tcp", start_method: str = "fork"):
+        # "spawn" for tests that run late in a session: by then the test process may hold gRPC
+        # and etcd client threads, and forking such a process is not safe. It needs `fn` to be
+        # importable (a module-level function) and costs an import of torch per worker.
+        ctx = _CTX if start_method == "fork" else mp.get_context(start_method)
         self.n = n
         self.hosts = hosts_for(transport, n)
-        self.pipes = [_CTX.Pipe() for _ in range(n)]
-        self.procs = [_CTX.Process(target=_worker_main,
+        self.pipes = [ctx.Pipe() for _ in range(n)]
+        self.procs = [ctx.Process(target=_worker_main,
                                    args=(r, n, self.pipes[r][1], fn, config, job_id, secret, world_version,
                                          self.hosts),
                                    daemon=True) for r in range(n)]
