@@ -51,7 +51,7 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
                     if rt.comm is None or rt.comm.failed or rt.world.version < min_version:
                         started = time.monotonic()
                         rt.form(rt.next_world(min_version))
-                        log.info("elastic: worker %s is rank %d of %d in world version %d (formed in %.3f s)",
+                        log.info("worker %s is rank %d of %d in world version %d (formed in %.3f s)",
                                  rt.config.worker_id, rt.world.rank, rt.world.size, rt.world.version,
                                  time.monotonic() - started)
                     if not first:
@@ -65,24 +65,24 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
                 except WorkerLostError as e:
                     current = rt.world.version if rt.world is not None else 0
                     failed_version = max(e.world_version, current)
-                    log.warning("elastic: %s; restoring commit %d", e, state.commit_step)
+                    log.warning("%s; restoring commit %d", e, state.commit_step)
                     state.restore()
                     rt.report_failure(e)
                     min_version = failed_version + 1
                 except HandshakeError as e:
                     # A neighbour is at another world version: ours is stale, take the next one.
-                    log.warning("elastic: %s", e)
+                    log.warning("%s", e)
                     state.restore()
                     min_version = (rt.world.version if rt.world is not None else 0) + 1
                 except MembershipChanged as e:
-                    log.info("elastic: %s", e)
+                    log.info("%s", e)
                     min_version = rt.world.version + 1
                 resets += 1
                 if limit and resets > limit:
                     raise RendezvousError(f"elastic.run: gave up after {limit} re-forms (reset limit)")
         except runtime.JobFinished as e:
             if e.succeeded:
-                log.info("elastic: %s", e)
+                log.info("%s", e)
                 success = None  # another worker reported success; nothing more to say
                 return None
             raise

@@ -76,11 +76,11 @@ class Runtime:
                 self.client.leave()
         except _ClientError as e:
             if success and self._finished is not None:
-                log.info("elastic: job already finished: %s", self._finished.reason)
+                log.info("job already finished: %s", self._finished.reason)
             elif success and "already finished" in str(e):
-                log.info("elastic: job already finished (another worker reported success first)")
+                log.info("job already finished (another worker reported success first)")
             else:
-                log.warning("elastic: could not tell the rendezvous server this worker %s: %s",
+                log.warning("could not tell the rendezvous server this worker %s: %s",
                             "succeeded" if success else "left", e)
         with self._cond:
             comm, self.comm = self.comm, None
@@ -108,7 +108,7 @@ class Runtime:
                     self.client.heartbeat(committed_step=step)
                     reported = step
                 except _ClientError as e:
-                    log.debug("elastic: progress report failed: %s", e)
+                    log.debug("progress report failed: %s", e)
                 last_report = time.monotonic()
 
     def _apply(self, ev) -> None:
@@ -140,7 +140,7 @@ class Runtime:
             if comm is not None:
                 comm.abort(f"rendezvous session ended: {ev.reason}")
         elif isinstance(ev, Standby):
-            log.info("elastic: worker %s is on standby: %s", self.config.worker_id, ev.reason)
+            log.info("worker %s is on standby: %s", self.config.worker_id, ev.reason)
 
     _formed = False
 
@@ -163,7 +163,7 @@ class Runtime:
                                       self._finished.succeeded)
                 if self._ended is not None:
                     reason, self._ended = self._ended, None
-                    log.warning("elastic: session of worker %s ended (%s); joining again as a new member",
+                    log.warning("session of worker %s ended (%s); joining again as a new member",
                                 self.config.worker_id, reason)
                     self._latest = None
                     self._cond.release()
@@ -219,10 +219,10 @@ class Runtime:
         suspect = world.members[err.peer].worker_id
         try:
             evicted = self.client.report_failure(suspect, world.version, reason=str(err)[:1000])
-            log.info("elastic: reported %s (world %d): %s", suspect, world.version,
+            log.info("reported %s (world %d): %s", suspect, world.version,
                      "evicted" if evicted else "still alive")
         except _ClientError as e:
-            log.warning("elastic: could not report failed peer %s: %s", suspect, e)
+            log.warning("could not report failed peer %s: %s", suspect, e)
 
     def record_commit(self, step: int) -> None:
         self.committed_step = step
@@ -251,7 +251,7 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Runtime
             _runtime = rt
     if form and rt.world is None:
         rt.form(rt.next_world(1))
-        log.info("elastic: worker %s is rank %d of %d in world version %d", rt.config.worker_id, rt.world.rank,
+        log.info("worker %s is rank %d of %d in world version %d", rt.config.worker_id, rt.world.rank,
                  rt.world.size, rt.world.version)
     return rt
 

@@ -177,7 +177,7 @@ class State:
             return None
         with open(path, "rb") as f:
             step, snapshot = self.deserialize(f.read())
-        log.info("elastic: resuming from durable commit %d in %s", step, path)
+        log.info("resuming from durable commit %d in %s", step, path)
         return step, snapshot
 
 
