@@ -297,26 +297,16 @@ ShmLinks::~ShmLinks() {
 }
 
 void ShmLinks::shutdown() {
-  if (!poisoned_.exchange(true)) {
-    for (int fd : {next_fd_, prev_fd_})
-      if (fd >= 0) send_poison(fd);
-  }
   // The shared memory stays mapped until the destructor: another thread may be in run().
-  if (next_fd_ >= 0) ::shutdown(next_fd_, SHUT_RDWR);
-  if (prev_fd_ >= 0) ::shutdown(prev_fd_, SHUT_RDWR);
+  give_up(poisoned_, next_fd_, prev_fd_);
 }
 
 void ShmLinks::lost(const OpInfo& op, int fd, int peer, const std::string& name, const std::string& what) {
-  if (take_poison(fd))
-    fail(ErrorKind::Propagated, op, peer,
-         name + " gave up because of a failure elsewhere in the ring (it is alive; the failed rank is further on)");
-  fail(ErrorKind::PeerLost, op, peer, what);
+  link_lost(ctx_, op, take_poison(fd), peer, name, what);
 }
 
 void ShmLinks::fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what) {
-  std::string msg = op.describe + " failed at world version " + std::to_string(ctx_.world_version) + " on rank " +
-                    std::to_string(ctx_.rank) + ": " + what;
-  throw CommError(kind, msg, op.name, int64_t(ctx_.world_version), ctx_.rank, peer);
+  link_failure(ctx_, kind, op, peer, what);
 }
 
 void ShmLinks::run(Plan& plan, const OpInfo& op) {

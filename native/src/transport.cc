@@ -742,28 +742,40 @@ bool take_poison_at_mark(int fd) {
   return true;
 }
 
-void TcpLinks::shutdown() {
-  if (!poisoned_.exchange(true)) {
-    for (int fd : {next_fd_, prev_fd_})
+void give_up(std::atomic<bool>& poisoned, int next_fd, int prev_fd) {
+  if (!poisoned.exchange(true)) {
+    for (int fd : {next_fd, prev_fd})
       if (fd >= 0) send_poison(fd);
   }
   // shutdown(), not close(): safe while another thread is inside poll() on these fds,
   // and it sends FIN at once so both neighbours see EOF.
-  if (next_fd_ >= 0) ::shutdown(next_fd_, SHUT_RDWR);
-  if (prev_fd_ >= 0) ::shutdown(prev_fd_, SHUT_RDWR);
+  if (next_fd >= 0) ::shutdown(next_fd, SHUT_RDWR);
+  if (prev_fd >= 0) ::shutdown(prev_fd, SHUT_RDWR);
 }
 
+void link_failure(const LinkContext& ctx, ErrorKind kind, const OpInfo& op, int peer, const std::string& what) {
+  std::string msg = op.describe + " failed at world version " + std::to_string(ctx.world_version) + " on rank " +
+                    std::to_string(ctx.rank) + ": " + what;
+  throw CommError(kind, msg, op.name, int64_t(ctx.world_version), ctx.rank, peer);
+}
+
+void link_lost(const LinkContext& ctx, const OpInfo& op, bool propagated, int peer, const std::string& name,
+               const std::string& what) {
+  if (propagated)
+    link_failure(ctx, ErrorKind::Propagated, op, peer,
+                 name + " gave up because of a failure elsewhere in the ring (it is alive; the failed rank is "
+                        "further on)");
+  link_failure(ctx, ErrorKind::PeerLost, op, peer, what);
+}
+
+void TcpLinks::shutdown() { give_up(poisoned_, next_fd_, prev_fd_); }
+
 void TcpLinks::lost(const OpInfo& op, int fd, int peer, const std::string& name, const std::string& what) {
-  if (take_poison(fd) || (fd == prev_fd_ && prev_poisoned_))
-    fail(ErrorKind::Propagated, op, peer,
-         name + " gave up because of a failure elsewhere in the ring (it is alive; the failed rank is further on)");
-  fail(ErrorKind::PeerLost, op, peer, what);
+  link_lost(ctx_, op, take_poison(fd) || (fd == prev_fd_ && prev_poisoned_), peer, name, what);
 }
 
 void TcpLinks::fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what) {
-  std::string msg = op.describe + " failed at world version " + std::to_string(ctx_.world_version) + " on rank " +
-                    std::to_string(ctx_.rank) + ": " + what;
-  throw CommError(kind, msg, op.name, int64_t(ctx_.world_version), ctx_.rank, peer);
+  link_failure(ctx_, kind, op, peer, what);
 }
 
 void TcpLinks::run(Plan& plan, const OpInfo& op) {

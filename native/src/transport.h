@@ -110,6 +110,17 @@ int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const 
 // The poison byte: one TCP urgent byte a rank sends before shutting a connection down when
 // it gives up, so a neighbour reports "propagated" instead of blaming a live rank.
 void send_poison(int fd);
+struct LinkContext;
+struct OpInfo;
+// What every Links does on giving up: the poison byte once on both connections, then
+// shutdown() (not close(): safe while another thread polls them; FIN reaches both at once).
+void give_up(std::atomic<bool>& poisoned, int next_fd, int prev_fd);
+// Throws the CommError of a failed operation on this rank, naming op, version, rank and peer.
+[[noreturn]] void link_failure(const LinkContext& ctx, ErrorKind kind, const OpInfo& op, int peer,
+                               const std::string& what);
+// A connection ended: "propagated" if the neighbour's poison byte came first, else the peer is lost.
+[[noreturn]] void link_lost(const LinkContext& ctx, const OpInfo& op, bool propagated, int peer,
+                            const std::string& name, const std::string& what);
 // Reads a pending poison byte; true if there was one.
 bool take_poison(int fd);
 // After a short read: reads the poison byte if the read stopped at the urgent mark (the
