@@ -15,21 +15,13 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable, List, Optional
+from typing import List, Optional
+from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "launch", "worker.py")
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def processes_with(marker: str) -> List[int]:

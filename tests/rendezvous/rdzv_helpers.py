@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "rendezvous", "worker_proc.py")
@@ -123,16 +124,6 @@ def run_async(coro, timeout_s: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.01):
-    """Poll `predicate` until truthy; fail naming `what` after the deadline. Returns its value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 _ids = itertools.count()

@@ -8,21 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
+from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(REPO, "tests", "runtime", "job.py")
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 class Job:
