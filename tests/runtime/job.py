@@ -11,6 +11,10 @@ proves the sample accounting. Knobs (environment):
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
   JOB_STALL      "WORKER:STEP:SECONDS": that worker stalls once, at that step (a live but slow peer)
+
+Besides its result, each worker appends JSON lines to events-<worker>.jsonl: every step
+(time, step, world version, size), every commit, and every sync (its commit step before and
+after), so a test can check that no committed step was lost and time each recovery.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ DIE_IN = os.environ.get("JOB_DIE_IN", "")
 DIE_AT = int(os.environ.get("JOB_DIE_AT", "-1"))
 RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
+LR = 0.1  # with momentum 0.5 the job converges (loss ~1e-5) at every world size it runs at
 STALL = os.environ.get("JOB_STALL", "::").split(":")
 stalled = {"done": False}
 
@@ -58,7 +63,9 @@ class Model(torch.nn.Module):
 
 
 model = Model()
-opt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+with torch.no_grad():
+    initial_loss = torch.nn.functional.mse_loss(model(X), Y).item()
+opt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5),
                                    named_parameters=model.named_parameters())
 sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=0)
 loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
@@ -74,7 +81,7 @@ def rescale_lr():
     # The usual reset callback: the learning rate follows the world size. Its effect must
     # survive the sync that follows it.
     for group in opt.param_groups:
-        group["lr"] = 0.05 * elastic.size() / 3
+        group["lr"] = LR * elastic.size() / 3
 
 
 state.register_reset_callbacks([record_reset, rescale_lr])
@@ -104,6 +111,20 @@ def sync_maybe_dying():
 
 state.sync = sync_maybe_dying
 
+def event(kind, **fields):
+    with open(os.path.join(OUT, f"events-{WORKER}.jsonl"), "a") as f:
+        f.write(json.dumps({"ev": kind, "t": time.time(), **fields}) + "\n")
+
+
+def logged_sync():
+    before = state.commit_step
+    sync_maybe_dying()
+    event("sync", before=before, commit=state.commit_step, v=elastic.world_version(), size=elastic.size())
+
+
+state.sync = logged_sync
+
+
 def progress(text):
     tmp = os.path.join(OUT, f".progress-{WORKER}")
     with open(tmp, "w") as f:
@@ -114,7 +135,9 @@ def progress(text):
 def commit():
     try:
         state.commit()
+        event("commit", commit=state.commit_step, v=elastic.world_version())
     except elastic.MembershipChanged:
+        event("commit", commit=state.commit_step, v=elastic.world_version())
         log["commits_at_change"].append(state.commit_step)
         raise
 
@@ -140,6 +163,7 @@ def train(state):
             sampler.record_batch(state.batch, len(x))
             state.step += 1
             progress(f"{state.step} {elastic.size()} {elastic.world_version()}")
+            event("step", step=state.step, v=elastic.world_version(), size=elastic.size())
             time.sleep(STEP_SLEEP)
             if state.batch % 3 == 0:
                 if DIE_IN == "commit" and state.commit_step + 1 == DIE_AT:
@@ -157,7 +181,9 @@ for k, v in sorted(model.state_dict().items()):
     digest.update(k.encode()); digest.update(v.numpy().tobytes())
 for k, v in sorted(opt.state_dict()["state"].items()):
     digest.update(v["momentum_buffer"].numpy().tobytes())
-result = {"worker": WORKER, "hash": digest.hexdigest(), "seen": model.seen.tolist(), "step": state.step,
+with torch.no_grad():
+    final_loss = torch.nn.functional.mse_loss(model(X), Y).item()
+result = {"worker": WORKER, "loss": final_loss, "initial_loss": initial_loss, "hash": digest.hexdigest(), "seen": model.seen.tolist(), "step": state.step,
           "commit_step": state.commit_step, "weight": model.linear.weight.detach().view(-1).tolist(),
           "lr": opt.param_groups[0]["lr"], **log}
 with open(os.path.join(OUT, f"result-{WORKER}.json"), "w") as f:

@@ -73,6 +73,14 @@ class Job:
         with open(path) as f:
             return json.load(f)
 
+    def events(self, worker_id: str) -> list:
+        """The worker's events-<id>.jsonl records (see job.py), in order."""
+        path = os.path.join(self.out, f"events-{worker_id}.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
     def close(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:

@@ -1,0 +1,71 @@
+"""What every chaos scenario asserts about a finished job: the promise of elastic.run."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List
+
+# The job of tests/runtime/job.py as the chaos tests run it (its defaults).
+EPOCHS, SAMPLES = 3, 240
+
+
+def check_identical(results: List[dict]) -> None:
+    hashes = {r["worker"]: r["hash"] for r in results}
+    assert len(set(hashes.values())) == 1, f"replicas differ at the end: {hashes}"
+
+
+def check_accounting(results: List[dict], max_repartitions: int) -> None:
+    """Every sample of every epoch was trained on; the only repeats are the padding."""
+    for r in results:
+        seen = r["seen"]
+        assert min(seen) >= EPOCHS, f"{r['worker']}: a sample was skipped ({min(seen)} < {EPOCHS})"
+        extra = sum(seen) - EPOCHS * SAMPLES
+        assert 0 <= extra <= max_repartitions, f"{r['worker']}: {extra} repeats > padding bound {max_repartitions}"
+
+
+def check_no_commit_lost(events: Dict[str, List[dict]]) -> None:
+    """After every (re)sync, each rank holds the newest commit any member of that world held.
+
+    `events` maps every worker that ever ran (victims included) to its event records. A sync
+    record carries the rank's commit step before the sync and the one it loaded.
+    """
+    syncs = defaultdict(list)
+    for worker, evs in events.items():
+        for e in evs:
+            if e["ev"] == "sync":
+                syncs[e["v"]].append((worker, e))
+    assert syncs, "no sync was recorded: the job never started"
+    for version, recs in sorted(syncs.items()):
+        loaded = {e["commit"] for _, e in recs}
+        assert len(loaded) == 1, f"world {version}: ranks loaded different commits {recs}"
+        newest = max(e["before"] for _, e in recs)
+        (got,) = loaded
+        assert got >= newest, (f"world {version}: commit {newest} held by a member was lost; "
+                               f"everyone loaded {got}: {recs}")
+        if newest >= 0:
+            assert got == newest, f"world {version}: loaded commit {got}, but the newest held was {newest}"
+
+
+def check_loss(results: List[dict], fault_free_loss: float, tolerance: float = 1e-3) -> None:
+    """Training got as far as without faults: the final loss is within `tolerance` of the
+    initial loss above the fault-free run's (the job converges to ~1e-5 at every world size,
+    so a lost or garbled state shows as a loss near the initial one)."""
+    for r in results:
+        assert r["loss"] <= fault_free_loss + tolerance * r["initial_loss"], (
+            f"{r['worker']}: final loss {r['loss']:.3g} vs fault-free {fault_free_loss:.3g} "
+            f"(initial {r['initial_loss']:.3g})")
+
+
+def check_outcome(job, survivors: Iterable[str], *, fault_free_loss: float, max_repartitions: int,
+                  codes: Dict[str, int] | None = None) -> List[dict]:
+    """The job completed on `survivors`, and everything the promise says holds."""
+    survivors = list(survivors)
+    if codes is None:
+        codes = job.wait(survivors)
+    assert codes == {w: 0 for w in survivors}, {w: (c, job.log(w)[-1500:]) for w, c in codes.items() if c}
+    results = [job.result(w) for w in survivors]
+    check_identical(results)
+    check_accounting(results, max_repartitions)
+    check_no_commit_lost({w: job.events(w) for w in job.procs})
+    check_loss(results, fault_free_loss)
+    return results

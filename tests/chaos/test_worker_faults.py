@@ -1,0 +1,130 @@
+"""Chaos on the workers of a real training job: killed, hung, failing in user code, all lost."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.waiting import wait_until
+
+from .checks import EPOCHS, check_no_commit_lost, check_outcome
+
+
+def start(job, workers, **env):
+    for w in workers:
+        job.start(w, **env)
+
+
+@pytest.mark.parametrize("victim", ["w1", "w0"], ids=["peer", "rank0"])
+def test_sigkill_one_worker(server, jobs, fault_free_loss, victim):
+    job = jobs(server.address, min_np=2, max_np=3)
+    workers = ["w0", "w1", "w2"]
+    start(job, workers)
+    job.wait_step(8, workers)
+    job.kill(victim)
+    survivors = [w for w in workers if w != victim]
+    results = check_outcome(job, survivors, fault_free_loss=fault_free_loss, max_repartitions=2 * (EPOCHS + 2))
+    for r in results:
+        assert r["restores"] >= 1, "WorkerLostError must restore"
+        assert r["resets"][-1]["size"] == 2, "reset callbacks must see the new size"
+        assert abs(r["lr"] - 0.1 * 2 / 3) < 1e-12, "the callback's learning rate must survive the sync"
+
+
+def test_sigkill_two_workers_at_once(server, jobs, fault_free_loss):
+    job = jobs(server.address, min_np=2, max_np=4)
+    workers = ["w0", "w1", "w2", "w3"]
+    start(job, workers)
+    job.wait_step(6, workers)
+    job.kill("w1")
+    job.kill("w2")
+    check_outcome(job, ["w0", "w3"], fault_free_loss=fault_free_loss, max_repartitions=3 * (EPOCHS + 2))
+
+
+@pytest.mark.parametrize("where", ["commit", "sync"])
+def test_sigkill_during_commit_or_during_sync(server, jobs, fault_free_loss, where):
+    job = jobs(server.address, min_np=2, max_np=4)
+    workers = ["w0", "w1", "w2", "w3"]
+    start(job, ["w0", "w1", "w2"])
+    # w3 kills itself inside commit 2, or inside its second sync (the one after a failure).
+    job.start("w3", JOB_DIE_IN=where, JOB_DIE_AT=2 if where == "commit" else 1)
+    if where == "sync":
+        job.wait_step(5, workers)
+        job.kill("w1")  # forces a re-sync, in which w3 dies
+        survivors = ["w0", "w2"]
+    else:
+        survivors = ["w0", "w1", "w2"]
+    codes = job.wait(survivors)
+    assert job.procs["w3"].wait(5) == -signal.SIGKILL
+    check_outcome(job, survivors, fault_free_loss=fault_free_loss, max_repartitions=4 * (EPOCHS + 3),
+                  codes=codes)
+
+
+def test_sigstop_fenced_then_sigcont_rejoins_as_a_new_member(server, jobs, fault_free_loss):
+    # Heartbeat timeout 2 s (server fixture), collective deadline 20 s: the fencing must come
+    # from the server's abort notice, not from the ring's own deadline.
+    job = jobs(server.address, min_np=2, max_np=3, JOB_STEP_SLEEP="0.1")
+    workers = ["w0", "w1", "w2"]
+    start(job, workers)
+    job.wait_step(6, workers)
+    job.kill("w1", signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    survivors = ["w0", "w2"]
+    wait_until(lambda: all((job.progress(w) or (0, 0))[1] == 2 for w in survivors), 15,
+               "survivors to step in a world of 2")
+    fenced_s = time.monotonic() - stopped_at
+    print(f"SIGSTOP -> survivors stepping in a world of 2: {fenced_s:.2f} s")
+    assert fenced_s < 2.0 + 1.5, "fenced out within the heartbeat timeout (plus the re-form)"
+    stale_version = job.events("w1")[-1]["v"]
+    small_version = job.progress("w0")[2]
+    job.wait_step(job.progress("w0")[0] + 3, survivors)
+    restores_before_cont = len([e for e in job.events("w0") if e["ev"] == "sync"])
+    job.kill("w1", signal.SIGCONT)
+    results = check_outcome(job, workers, fault_free_loss=fault_free_loss, max_repartitions=3 * (EPOCHS + 2))
+    assert all(r["final_size"] == 3 for r in results)
+    # The woken worker's ring of the old version is gone: it fails there, learns that its session
+    # ended, and comes back as a new member in a newer world, never in the survivors' world.
+    log = job.log("w1")
+    assert f"at world version {stale_version}" in log, log
+    assert "joining again as a new member" in log, log
+    w1_versions = [e["v"] for e in job.events("w1") if e["ev"] == "step"]
+    assert small_version not in w1_versions
+    assert min(v for v in w1_versions if v > stale_version) > small_version
+    # It rejoined cleanly: the survivors kept their state (one more sync, for the join, no restore).
+    w0 = job.result("w0")
+    assert w0["restores"] == 1, "only the eviction restored; the rejoin is a clean membership change"
+    assert len([e for e in job.events("w0") if e["ev"] == "sync"]) >= restores_before_cont + 1
+
+
+def test_worker_raising_in_user_code_ends_every_worker_with_its_traceback(server, jobs):
+    job = jobs(server.address, min_np=2, max_np=2, JOB_RAISE_AT="7")
+    workers = ["w0", "w1"]
+    start(job, workers)
+    codes = job.wait(workers, timeout=60)
+    for w in workers:
+        assert codes[w] != 0
+        log = job.log(w)
+        assert "ValueError: deterministic user error at step 7" in log
+        assert log.count("ValueError: deterministic user error") == 1, "raised once: no restart loop"
+    # Nothing was lost on the way: every commit up to the error was consistent.
+    check_no_commit_lost({w: job.events(w) for w in workers})
+
+
+def test_every_worker_killed_then_a_relaunch_resumes_from_the_durable_commit(server, jobs, fault_free_loss,
+                                                                             tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = jobs(server.address, job_id="first", min_np=2, max_np=2, JOB_CHECKPOINT=ckpt, JOB_STEP_SLEEP="0.1")
+    start(first, ["a0", "a1"])
+    first.wait_step(20, ["a0", "a1"])
+    first.kill("a0")
+    first.kill("a1")
+    assert (ckpt / "elastic-commit.pt").exists()
+    durable = max(e["commit"] for e in first.events("a0") if e["ev"] == "commit" and e["commit"] % 2 == 0)
+    again = jobs(server.address, job_id="again", min_np=2, max_np=2, JOB_CHECKPOINT=ckpt)
+    start(again, ["b0", "b1"])
+    results = check_outcome(again, ["b0", "b1"], fault_free_loss=fault_free_loss,
+                            max_repartitions=2 * (EPOCHS + 2))
+    for r in results:
+        # The newest durable commit or the one before it (rank 0 may die writing the newest).
+        assert r["start_commit"] >= durable - 2 and r["start_step"] >= 6, "the relaunch must resume, not start over"
