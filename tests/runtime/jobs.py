@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,10 +31,11 @@ class Job:
         self.env.update({k: str(v) for k, v in env.items()})
         self.procs: Dict[str, subprocess.Popen] = {}
 
-    def start(self, worker_id: str, **env: str) -> subprocess.Popen:
+    def start(self, worker_id: str, *, prefix: Sequence[str] = (), **env: str) -> subprocess.Popen:
+        """Starts a worker; ``prefix`` runs it under another command (e.g. ``ip netns exec NS``)."""
         e = dict(self.env, ELASTIC_WORKER_ID=worker_id, **{k: str(v) for k, v in env.items()})
         log = open(os.path.join(self.out, f"log-{worker_id}.txt"), "wb")
-        self.procs[worker_id] = subprocess.Popen([sys.executable, JOB], env=e, stdout=log, stderr=subprocess.STDOUT,
+        self.procs[worker_id] = subprocess.Popen([*prefix, sys.executable, JOB], env=e, stdout=log, stderr=subprocess.STDOUT,
                                                  cwd=REPO)
         return self.procs[worker_id]
 
