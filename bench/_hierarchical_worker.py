@@ -42,14 +42,20 @@ def main() -> None:
     if pin:
         os.sched_setaffinity(0, {int(c) for c in pin.split(",")})
     host, local = g // 2, g % 2            # global ranks: a0 a1 b0 b1
-    listeners = {k: elastic.Listener(addr, 0) for k in ("flat", "local", "cross")}
+    listeners = {k: elastic.Listener(addr, 0) for k in ("flat", "local", "cross", "native")}
     send({"addrs": {k: l.address for k, l in listeners.items()}})
     peers = recv()["addrs"]                # list indexed by global rank, each {flat, local, cross}
-    cfg = elastic.CommConfig(timeout=120, form_timeout=60)
+    # The composed schedules run on plain rings; "native" is the core's hierarchical allreduce.
+    cfg = elastic.CommConfig(timeout=120, form_timeout=60, algorithm="ring")
     secret = b"hierarchical-bench"
     flat = elastic.Communicator.form(listener=listeners["flat"], job_id="flat", secret=secret, world_version=1,
                                      rank=g, peers=[p["flat"] for p in peers], config=cfg,
                                      hosts=["a", "a", "b", "b"])
+    native = elastic.Communicator.form(listener=listeners["native"], job_id="native", secret=secret,
+                                       world_version=1, rank=g, peers=[p["native"] for p in peers],
+                                       config=elastic.CommConfig(timeout=120, form_timeout=60,
+                                                                 algorithm="hierarchical"),
+                                       hosts=["a", "a", "b", "b"])
     hname = "ab"[host]
     loc = elastic.Communicator.form(listener=listeners["local"], job_id=f"local-{hname}", secret=secret,
                                     world_version=1, rank=local,
@@ -59,7 +65,8 @@ def main() -> None:
                                       world_version=1, rank=host,
                                       peers=[peers[2 * h + local]["cross"] for h in range(2)], config=cfg,
                                       hosts=["a", "b"])
-    send({"links": {"flat": list(flat.link_kinds), "local": list(loc.link_kinds), "cross": list(cross.link_kinds)}})
+    send({"links": {"flat": list(flat.link_kinds), "local": list(loc.link_kinds), "cross": list(cross.link_kinds),
+                    "native": [list(k) for k in native.hierarchical_link_kinds]}})
 
     Sum = elastic.Sum
     while True:
@@ -84,6 +91,8 @@ def main() -> None:
                 marks = []
                 if sched == "flat":
                     flat.allreduce_(buf, Sum)
+                elif sched == "native":
+                    native.allreduce_(buf, Sum)
                 elif sched == "h_rs":
                     # local reduce-scatter, emulated: an allgather in which each rank contributes
                     # the half its peer owns, then this rank adds the peer's copy of its own half
@@ -130,7 +139,7 @@ def main() -> None:
             out[str(nbytes)] = {"times": times, "phases": phases, "ok": ok, "digest": digest,
                                 "ref": hashlib.sha256(ref.tobytes()).hexdigest()[:16]}
         send({"results": out})
-    for c in (cross, loc, flat):
+    for c in (native, cross, loc, flat):
         c.close()
     for l in listeners.values():
         l.close()

@@ -21,6 +21,12 @@ float32, composed in Python from those blocking collectives:
           cross allreduce of the owned half (both in parallel), local in-place allgather.
   h_lead  local allreduce, the leaders (a0, b0) allreduce the whole buffer across, local
           broadcast from the leader.
+  native  the core's own hierarchical allreduce (CommConfig(algorithm="hierarchical"), one
+          communicator whose form() builds the flat, host-local and leaders' rings): the
+          h_lead schedule inside one call, no Python between the phases.
+
+The flat ring is the core's ring (algorithm="ring"). --schedules picks which run (default
+flat h_lead native; "all" for every one).
 
 Each condition (plain veth; then a tbf qdisc of --rate on both veth ends, to emulate a
 network slower than memory) runs every size with the schedules interleaved round by round.
@@ -53,7 +59,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_hierarchical_worker.py")
-SCHEDULES = ("flat", "h_rs", "h_ar", "h_lead")
+ALL_SCHEDULES = ("flat", "h_rs", "h_ar", "h_lead", "native")
+SCHEDULES = ("flat", "h_lead", "native")  # set from --schedules in main()
+COMPOSED = ("h_rs", "h_ar", "h_lead")      # have per-phase marks
 
 
 def parse_size(text: str) -> int:
@@ -124,7 +132,7 @@ def measure(workers, sizes, iters, timeout):
         res = [r[str(nbytes)] for r in per_rank]
         med, bad, ph = {}, [], {}
         for s in SCHEDULES:
-            if s != "flat":
+            if s in COMPOSED:
                 # critical path: phase k ends when its last rank ends it (all ranks share CLOCK_MONOTONIC)
                 per_it = []
                 for i in range(iters):
@@ -158,10 +166,11 @@ def print_rows(cond: str, rows) -> None:
 def print_phases(cond: str, rows) -> None:
     for nbytes, med, _, ph in rows:
         parts = []
-        for s in SCHEDULES[1:]:
+        for s in [s for s in SCHEDULES if s in COMPOSED]:
             p = ph[s]
             parts.append(f"{s} {' + '.join(f'{x * 1e3:.1f}' for x in p)} (max {max(p) * 1e3:.1f})")
-        print(f"#   phases {cond} {human(nbytes)}, ms local|cross|local: " + "; ".join(parts), flush=True)
+        if parts:
+            print(f"#   phases {cond} {human(nbytes)}, ms local|cross|local: " + "; ".join(parts), flush=True)
 
 
 def main(argv=None) -> int:
@@ -171,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=7, help="timed iterations per size and schedule (default 7)")
     ap.add_argument("--rate", default="2gbit",
                     help="tbf rate for the slow-link condition, on both veth ends (default 2gbit); 'none': skip it")
+    ap.add_argument("--schedules", nargs="+", default=["h_lead", "native"],
+                    help=f"which of {' '.join(ALL_SCHEDULES)} to run, or 'all' (default: flat h_lead native)")
     ap.add_argument("--pin", action="store_true",
                     help="pin host a's ranks to CPU 0 and host b's to CPU 1 (hosts stop competing for cores)")
     args = ap.parse_args(argv)
@@ -188,6 +199,11 @@ def main(argv=None) -> int:
         ap.error("--sizes: each size must be a multiple of 8 bytes, at least 16")
     if args.iters < 1:
         ap.error("--iters must be at least 1")
+    global SCHEDULES
+    chosen = ALL_SCHEDULES if args.schedules == ["all"] else tuple(args.schedules)
+    if any(s not in ALL_SCHEDULES for s in chosen):
+        ap.error(f"--schedules: choose from {' '.join(ALL_SCHEDULES)} or 'all'")
+    SCHEDULES = ("flat",) + tuple(s for s in ALL_SCHEDULES[1:] if s in chosen)
     rate = None if args.rate.lower() == "none" else args.rate
     if rate is not None:
         try:
@@ -223,8 +239,10 @@ def main(argv=None) -> int:
             w.send({"addrs": addrs})
         links = [w.recv(90)["links"] for w in workers]
         want_flat = [["shm", "tcp"], ["tcp", "shm"], ["shm", "tcp"], ["tcp", "shm"]]
+        want_native = [[["shm", "shm"], ["tcp", "tcp"]], [["shm", "shm"], []]] * 2
         if [l["flat"] for l in links] != want_flat or any(l["local"] != ["shm", "shm"] or l["cross"] != ["tcp", "tcp"]
-                                                           for l in links):
+                                                           for l in links) or \
+                [l["native"] for l in links] != want_native:
             raise RuntimeError(f"unexpected link kinds: {links}")
 
         print(f"# allreduce float32 Sum, 2 hosts x 2 ranks (netns + veth), {os.cpu_count()} CPUs"
@@ -236,6 +254,8 @@ def main(argv=None) -> int:
               "local ranks in parallel | local allgather")
         print("# h_ar = local allreduce (whole buffer) | cross allreduce of own half, in parallel | local allgather")
         print("# h_lead = local allreduce | leaders' cross allreduce of the whole buffer | local broadcast")
+        print("# native = the core's hierarchical allreduce (algorithm='hierarchical'): h_lead in one native call")
+        print("# flat = the core's ring (algorithm='ring')")
         head = f"{'condition':>12} {'size':>8} | {'flat ms':>8} {'busbw':>6} |"
         for s in SCHEDULES[1:]:
             head += f" {s + ' ms':>8} {'busbw':>6} {'x':>6} |"

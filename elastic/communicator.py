@@ -31,7 +31,16 @@ _MAX_ALLGATHER_NDIM = 12
 
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
-    """Settings of the ring core; the one place they are read from flags or environment."""
+    """Settings of the ring core; the one place they are read from flags or environment.
+
+    ``algorithm`` (env ELASTIC_ALLREDUCE_ALGORITHM) picks the allreduce: "ring" (the flat ring
+    always), "hierarchical" (in a mixed world: host-local ring over shared memory, ring of one
+    leader per host over TCP, host-local broadcast, pipelined by chunks), or "auto" (default:
+    hierarchical where it applies and the buffer is larger than ``hierarchical_bytes``, env
+    ELASTIC_HIERARCHICAL_BYTES, 4 MiB; else the ring). It applies when ``hosts`` name at least
+    two hosts, one of them with two or more ranks, and each host's ranks are contiguous in rank
+    order; elsewhere every allreduce takes the ring. Keep these settings the same on every rank.
+    """
 
     timeout: float = 30.0            # seconds a collective may go without moving a byte (hung peers)
     form_timeout: float = 30.0       # seconds form() waits for both ring neighbours
@@ -41,6 +50,17 @@ class CommConfig:
     # "auto": ring neighbours on the same host (same name in ``hosts``) exchange data through
     # shared memory, the rest over TCP; "tcp": every link over TCP.
     transport: str = "auto"
+    # Allreduce algorithm. "ring": always the flat ring. "hierarchical": in a mixed world
+    # (``hosts`` name >= 2 hosts, one of them with >= 2 ranks, each host's ranks contiguous in
+    # rank order) every allreduce runs (1) a ring allreduce among the ranks of each host (shared
+    # memory), (2) a ring allreduce among one leader per host (TCP), (3) a broadcast from the
+    # leader to its host; elsewhere the flat ring. "auto" (default): hierarchical where it applies
+    # and the buffer is larger than ``hierarchical_bytes``, else the flat ring. The choice depends
+    # only on world shape, size and these settings: set them the same on every rank. Results are
+    # identical on every rank either way (not bit-identical between the two algorithms for
+    # floats: the summation order differs). See native/README.md, "Hierarchical allreduce".
+    algorithm: str = "auto"
+    hierarchical_bytes: int = 4 << 20  # "auto" goes hierarchical above this size (measured, see README)
 
     _ENV = {
         "timeout": "ELASTIC_COLLECTIVE_TIMEOUT",
@@ -49,9 +69,12 @@ class CommConfig:
         "small_bytes": "ELASTIC_SMALL_BYTES",
         "fusion_bytes": "ELASTIC_FUSION_THRESHOLD",
         "transport": "ELASTIC_TRANSPORT",
+        "algorithm": "ELASTIC_ALLREDUCE_ALGORITHM",
+        "hierarchical_bytes": "ELASTIC_HIERARCHICAL_BYTES",
     }
 
     TRANSPORTS = ("auto", "tcp")
+    ALGORITHMS = ("auto", "ring", "hierarchical")
 
     def __post_init__(self):
         for name in ("timeout", "form_timeout"):
@@ -59,17 +82,21 @@ class CommConfig:
                 raise ValueError(f"CommConfig.{name} must be positive, got {getattr(self, name)!r}")
         if self.segment_bytes < 64:
             raise ValueError(f"CommConfig.segment_bytes must be at least 64, got {self.segment_bytes}")
-        for name in ("small_bytes", "fusion_bytes"):
+        for name in ("small_bytes", "fusion_bytes", "hierarchical_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CommConfig.{name} must not be negative, got {getattr(self, name)}")
         if self.transport not in self.TRANSPORTS:
             raise ValueError(f"CommConfig.transport must be one of {', '.join(self.TRANSPORTS)}, "
                              f"got {self.transport!r}")
+        if self.algorithm not in self.ALGORITHMS:
+            raise ValueError(f"CommConfig.algorithm must be one of {', '.join(self.ALGORITHMS)}, "
+                             f"got {self.algorithm!r} (env ELASTIC_ALLREDUCE_ALGORITHM)")
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "CommConfig":
         """Reads ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_FORM_TIMEOUT, ELASTIC_SEGMENT_BYTES,
-        ELASTIC_SMALL_BYTES, ELASTIC_FUSION_THRESHOLD and ELASTIC_TRANSPORT; keyword overrides win."""
+        ELASTIC_SMALL_BYTES, ELASTIC_FUSION_THRESHOLD, ELASTIC_TRANSPORT, ELASTIC_ALLREDUCE_ALGORITHM and
+        ELASTIC_HIERARCHICAL_BYTES; keyword overrides win."""
         env = os.environ if env is None else env
         values: dict = {}
         for field in dataclasses.fields(cls):
@@ -176,7 +203,8 @@ class Communicator:
                 raise ValueError("hosts: host names must not be empty")
         native = _native.Communicator(listener, job_id, secret, world_version, rank, peers,
                                       config.timeout, config.form_timeout, config.segment_bytes,
-                                      config.small_bytes, config.fusion_bytes, host_list, config.transport)
+                                      config.small_bytes, config.fusion_bytes, host_list, config.transport,
+                                      config.algorithm, config.hierarchical_bytes)
         return cls(native, config)
 
     def connect(self) -> "Communicator":
@@ -227,6 +255,22 @@ class Communicator:
     def link_kinds(self) -> tuple:
         """How this rank's links run: (to the next rank, from the previous one), each "tcp" or "shm"."""
         return tuple(self._native.link_kinds)
+
+    @property
+    def hierarchy(self) -> dict:
+        """Where this rank sits for the hierarchical allreduce: ``applies`` (and ``why_not`` when it
+        does not), ``num_hosts``, ``host``, ``local_rank``, ``local_size``, ``leader``, ``leaders``."""
+        return dict(self._native.hierarchy)
+
+    @property
+    def hierarchical_link_kinds(self) -> tuple:
+        """How the hierarchical path's rings run: ((local send, recv), (leaders send, recv)),
+        each pair empty when this rank is in no such ring."""
+        return tuple(tuple(k) for k in self._native.hierarchical_link_kinds)
+
+    def algorithm_for(self, nbytes: int) -> str:
+        """What ``allreduce_`` runs for a buffer of ``nbytes`` bytes: "ring" or "hierarchical"."""
+        return self._native.algorithm_for(int(nbytes))
 
     @property
     def failed(self) -> bool:

@@ -163,11 +163,19 @@ NB_MODULE(_native, m) {
       .def("__init__",
            [](PyComm* self, PyListener* listener, const std::string& job_id, nb::bytes secret, uint64_t world_version,
               int rank, std::vector<std::string> peers, double timeout, double form_timeout, size_t segment_bytes,
-              size_t small_bytes, size_t fusion_bytes, std::vector<std::string> hosts, const std::string& transport) {
+              size_t small_bytes, size_t fusion_bytes, std::vector<std::string> hosts, const std::string& transport,
+              const std::string& algorithm, size_t hierarchical_bytes) {
              CommConfig cfg;
              if (transport == "auto") cfg.transport = CommConfig::Transport::Auto;
              else if (transport == "tcp") cfg.transport = CommConfig::Transport::Tcp;
              else throw nb::value_error(("unknown transport '" + transport + "': expected 'auto' or 'tcp'").c_str());
+             if (algorithm == "auto") cfg.algorithm = CommConfig::Algorithm::Auto;
+             else if (algorithm == "ring") cfg.algorithm = CommConfig::Algorithm::Ring;
+             else if (algorithm == "hierarchical") cfg.algorithm = CommConfig::Algorithm::Hierarchical;
+             else
+               throw nb::value_error(("unknown allreduce algorithm '" + algorithm +
+                                      "': expected 'auto', 'ring' or 'hierarchical'").c_str());
+             cfg.hierarchical_bytes = hierarchical_bytes;
              cfg.timeout_s = timeout;
              cfg.form_timeout_s = form_timeout;
              cfg.segment_bytes = segment_bytes;
@@ -183,7 +191,8 @@ NB_MODULE(_native, m) {
            nb::arg("listener").none(), nb::arg("job_id"), nb::arg("secret"), nb::arg("world_version"), nb::arg("rank"),
            nb::arg("peers"), nb::arg("timeout"), nb::arg("form_timeout"), nb::arg("segment_bytes"),
            nb::arg("small_bytes"), nb::arg("fusion_bytes"), nb::arg("hosts") = std::vector<std::string>{},
-           nb::arg("transport") = "auto")
+           nb::arg("transport") = "auto", nb::arg("algorithm") = "auto",
+           nb::arg("hierarchical_bytes") = CommConfig{}.hierarchical_bytes)
       .def("form",
            [](PyComm& s) {
              auto c = s.c();
@@ -214,6 +223,28 @@ NB_MODULE(_native, m) {
       .def_prop_ro("ops_run", [](PyComm& s) { return s.c()->ops_run(); })
       .def_prop_ro("link_kinds", [](PyComm& s) { return s.c()->link_kinds(); },
                    "How the links run: [to the next rank, from the previous one], each 'tcp' or 'shm'.")
+      .def_prop_ro("hierarchical_link_kinds", [](PyComm& s) { return s.c()->hierarchical_link_kinds(); },
+                   "How the hierarchical path's rings run: [[local send, recv], [leaders send, recv]], "
+                   "each pair empty when this rank is in no such ring.")
+      .def_prop_ro("hierarchy",
+                   [](PyComm& s) {
+                     auto c = s.c();
+                     const Hierarchy& h = c->hierarchy();
+                     nb::dict d;
+                     d["applies"] = h.applies;
+                     d["why_not"] = h.why_not;
+                     if (h.applies) {
+                       d["num_hosts"] = h.num_hosts;
+                       d["host"] = h.host;
+                       d["local_rank"] = h.local_rank;
+                       d["local_size"] = h.local_size;
+                       d["leader"] = h.leader();
+                       d["leaders"] = h.leaders;
+                     }
+                     return d;
+                   })
+      .def("algorithm_for", [](PyComm& s, size_t nbytes) { return std::string(s.c()->algorithm_for(nbytes)); },
+           nb::arg("nbytes"), "What allreduce runs for a buffer of this many bytes: 'ring' or 'hierarchical'.")
       .def_prop_ro("failed",
                    [](PyComm& s) {
                      std::lock_guard<std::mutex> g(s.mu);

@@ -13,9 +13,18 @@ uint16_t get_u16(const uint8_t* p) { return uint16_t(p[0]) << 8 | p[1]; }
 uint32_t get_u32(const uint8_t* p) { return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | p[3]; }
 uint64_t get_u64(const uint8_t* p) { return uint64_t(get_u32(p)) << 32 | get_u32(p + 4); }
 
-constexpr size_t kHelloFixed = 8 + 4 + 4 + 4 + kNonceBytes + 2;
+constexpr size_t kHelloFixed = 8 + 4 + 4 + 4 + 1 + kNonceBytes + 2;
 
 }  // namespace
+
+const char* channel_name(uint32_t channel) {
+  switch (channel) {
+    case kChannelFlat: return "ring";
+    case kChannelLocal: return "host-local ring";
+    case kChannelLeaders: return "leaders' ring";
+  }
+  return "unknown ring";
+}
 
 std::vector<uint8_t> encode_message(MsgType type, Status status, const std::vector<uint8_t>& body) {
   std::vector<uint8_t> b;
@@ -35,6 +44,7 @@ std::vector<uint8_t> encode_hello_body(const Hello& h) {
   put_u32(b, h.from_rank);
   put_u32(b, h.to_rank);
   put_u32(b, h.world_size);
+  b.push_back(h.channel);
   b.insert(b.end(), h.nonce.begin(), h.nonce.end());
   put_u16(b, uint16_t(h.job_id.size()));
   b.insert(b.end(), h.job_id.begin(), h.job_id.end());
@@ -67,8 +77,9 @@ bool decode_hello_body(const uint8_t* p, size_t n, Hello* out, std::string* why)
   out->from_rank = get_u32(p + 8);
   out->to_rank = get_u32(p + 12);
   out->world_size = get_u32(p + 16);
-  std::memcpy(out->nonce.data(), p + 20, kNonceBytes);
-  size_t job_len = get_u16(p + 20 + kNonceBytes);
+  out->channel = p[20];
+  std::memcpy(out->nonce.data(), p + 21, kNonceBytes);
+  size_t job_len = get_u16(p + 21 + kNonceBytes);
   if (job_len > kMaxJobIdBytes || kHelloFixed + job_len != n) { *why = "HELLO has an invalid job id length"; return false; }
   out->job_id.assign(reinterpret_cast<const char*>(p + kHelloFixed), job_len);
   return true;
@@ -95,9 +106,19 @@ Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason) {
     *reason = "connection meant for rank " + std::to_string(h.to_rank) + " reached rank " + std::to_string(e.rank);
     return Verdict::Refuse;
   }
-  if (h.from_rank != e.prev_rank) {
-    *reason = "rank " + std::to_string(h.from_rank) + " is not this worker's ring predecessor (expected rank " +
-              std::to_string(e.prev_rank) + ")";
+  if (h.channel >= kChannels) {
+    *reason = "unknown ring channel " + std::to_string(h.channel);
+    return Verdict::Refuse;
+  }
+  int64_t want = e.prev_rank[h.channel];
+  if (want < 0) {
+    *reason = std::string("this worker forms no ") + channel_name(h.channel) + " at world version " +
+              std::to_string(h.world_version) + " (channel " + std::to_string(h.channel) + ")";
+    return Verdict::Refuse;
+  }
+  if (int64_t(h.from_rank) != want) {
+    *reason = "rank " + std::to_string(h.from_rank) + " is not this worker's " + channel_name(h.channel) +
+              " predecessor (expected rank " + std::to_string(want) + ")";
     return Verdict::Refuse;
   }
   return Verdict::Accept;
@@ -106,7 +127,7 @@ Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason) {
 Digest handshake_mac(const std::string& secret, const char* role, const std::vector<uint8_t>& hello_body,
                      const uint8_t* acceptor_nonce) {
   std::vector<uint8_t> t;
-  const char* label = "elastic-ring handshake v1:";
+  const char* label = "elastic-ring handshake v2:";
   t.insert(t.end(), label, label + std::strlen(label));
   t.insert(t.end(), role, role + std::strlen(role));
   t.push_back(0);

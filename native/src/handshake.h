@@ -9,6 +9,11 @@
 // a peer that holds the secret gets the precise reason (stale version, wrong rank, ...).
 // Every message starts with a 12-byte header: magic "ERNG", protocol version,
 // type, status, body length (big-endian). See native/README.md.
+//
+// Protocol 2 adds a channel to HELLO: one world version forms several rings (the flat
+// ring, and for the hierarchical allreduce a ring of the ranks of one host and a ring of
+// one leader per host), all through the same listener. The channel is inside the MAC,
+// and each channel of a world version has its own expected predecessor and slot.
 #pragma once
 
 #include <array>
@@ -21,11 +26,16 @@
 namespace ering {
 
 constexpr uint32_t kMagic = 0x45524E47;  // "ERNG"
-constexpr uint16_t kProtocolVersion = 1;
+constexpr uint16_t kProtocolVersion = 2;
 constexpr size_t kHeaderBytes = 12;
 constexpr size_t kMaxBodyBytes = 4096;
 constexpr size_t kMaxJobIdBytes = 255;
 constexpr size_t kNonceBytes = 16;
+
+// The rings a communicator may form for one world version; a HELLO names one of them.
+enum Channel : uint8_t { kChannelFlat = 0, kChannelLocal = 1, kChannelLeaders = 2 };
+constexpr size_t kChannels = 3;
+const char* channel_name(uint32_t channel);
 
 // LINK and LINK_ACK follow an accepted handshake on the same connection: how the data of
 // this link travels (TCP frames, or shared memory for a neighbour on the same host).
@@ -44,6 +54,7 @@ struct Hello {
   uint32_t from_rank = 0;
   uint32_t to_rank = 0;
   uint32_t world_size = 0;
+  uint8_t channel = kChannelFlat;
   std::array<uint8_t, kNonceBytes> nonce{};
 };
 
@@ -62,9 +73,11 @@ struct Expectation {
   std::string secret;
   uint64_t world_version = 0;
   uint32_t rank = 0;
-  uint32_t prev_rank = 0;
   uint32_t world_size = 0;
-  bool connected = false;     // the predecessor of this world version is already connected
+  // Per channel: the ring predecessor expected on it, or -1 when this rank forms no such ring.
+  std::array<int64_t, kChannels> prev_rank{{-1, -1, -1}};
+  // Per channel: its predecessor of this world version is already connected.
+  std::array<bool, kChannels> connected{{false, false, false}};
   bool retired = false;       // the communicator of this version is gone: refuse, don't park
 };
 

@@ -10,7 +10,10 @@
 
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <thread>
 
 #include "reduce.h"
 
@@ -186,6 +189,7 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
     for (auto& h : hosts_)
       if (h.empty()) throw CommError(ErrorKind::Invalid, "host names must not be empty");
   }
+  hier_ = plan_hierarchy();
   if (peers_.size() > 1) {
     if (!listener_) throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
     for (auto& p : peers_) {  // reject bad addresses before touching the network
@@ -197,8 +201,70 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
   }
 }
 
+Hierarchy Communicator::plan_hierarchy() const {
+  Hierarchy h;
+  const int n = size();
+  if (cfg_.algorithm == CommConfig::Algorithm::Ring) {
+    h.why_not = "algorithm is 'ring'";
+    return h;
+  }
+  if (hosts_.empty()) {
+    h.why_not = "no host names given";
+    return h;
+  }
+  // Hosts in rank order; a host whose ranks are not contiguous disables the schedule.
+  std::vector<int> first_of_host, size_of_host;
+  std::vector<std::string> names;
+  int max_local = 0;
+  for (int r = 0; r < n; ++r) {
+    if (r == 0 || hosts_[r] != hosts_[r - 1]) {
+      for (auto& nm : names)
+        if (nm == hosts_[r]) {
+          h.why_not = "the ranks of host '" + hosts_[r] + "' are not contiguous in rank order";
+          return h;
+        }
+      names.push_back(hosts_[r]);
+      first_of_host.push_back(r);
+      size_of_host.push_back(0);
+    }
+    if (r == rank_) {
+      h.host = int(names.size()) - 1;
+      h.local_rank = size_of_host.back();
+    }
+    max_local = std::max(max_local, ++size_of_host.back());
+  }
+  h.num_hosts = int(names.size());
+  if (h.num_hosts < 2) {
+    h.why_not = "every rank is on one host";
+    return h;
+  }
+  if (max_local < 2) {
+    h.why_not = "every host has one rank";
+    return h;
+  }
+  h.applies = true;
+  h.local_size = size_of_host[h.host];
+  h.first = first_of_host[h.host];
+  h.leaders = first_of_host;
+  return h;
+}
+
+const char* Communicator::algorithm_for(size_t bytes) const {
+  if (!hier_.applies || size() < 2) return "ring";
+  if (cfg_.algorithm == CommConfig::Algorithm::Hierarchical) return "hierarchical";
+  return bytes > cfg_.hierarchical_bytes ? "hierarchical" : "ring";
+}
+
+void Communicator::shutdown_links_locked() {
+  for (auto* l : {&links_, &local_links_, &leader_links_})
+    if (*l) (*l)->shutdown();
+}
+
 Communicator::~Communicator() {
-  if (links_) links_->shutdown();
+  {
+    std::lock_guard<std::mutex> g(err_mu_);
+    shutdown_links_locked();
+  }
   // Nobody will take a connection for this version any more: refuse late neighbours at once.
   if (listener_ && size() > 1) listener_->retire(world_version_);
 }
@@ -210,10 +276,26 @@ void Communicator::abort(const std::string& reason) {
   }
   failed_.store(true);
   abort_.fire();
-  // Wake both neighbours too: they fail within a round trip instead of at their deadline.
+  // Wake every neighbour too (on every ring): they fail within a round trip instead of at their deadline.
   std::lock_guard<std::mutex> g(err_mu_);
-  if (links_) links_->shutdown();
+  shutdown_links_locked();
 }
+
+namespace {
+
+// One ring being formed: the flat ring, or for the hierarchical allreduce the host-local
+// ring or the leaders' ring. All rings of a world version share the listener and differ
+// by handshake channel.
+struct RingForm {
+  uint8_t channel;
+  LinkContext ctx;
+  LinkSettings send_settings, recv_settings;
+  int next_fd = -1, prev_fd = -1;
+  std::unique_ptr<ShmRing> offered, send_ring, recv_ring;
+  std::unique_ptr<Links>* into;
+};
+
+}  // namespace
 
 void Communicator::form() {
   if (formed_) throw CommError(ErrorKind::Invalid, "communicator is already formed");
@@ -222,66 +304,99 @@ void Communicator::form() {
     formed_ = true;
     return;
   }
-  const int next = (rank_ + 1) % n, prev = (rank_ + n - 1) % n;
+  auto same_host = [&](int other) {
+    return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
+  };
+  std::vector<RingForm> rings;
+  auto add_ring = [&](uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into) {
+    RingForm f;
+    f.channel = channel;
+    f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, peers_[next], peers_[prev]};
+    f.send_settings.want_shm = same_host(next);
+    f.recv_settings.want_shm = same_host(prev);
+    f.into = into;
+    rings.push_back(std::move(f));
+  };
+  add_ring(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n, &links_);
+  if (hier_.applies) {
+    const Hierarchy& h = hier_;
+    if (h.local_size >= 2)
+      add_ring(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
+               h.first + (h.local_rank + h.local_size - 1) % h.local_size, &local_links_);
+    if (h.leader())
+      add_ring(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
+               h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts], &leader_links_);
+  }
   Expectation e;
   e.active = true;
   e.job_id = job_id_;
   e.secret = secret_;
   e.world_version = world_version_;
   e.rank = uint32_t(rank_);
-  e.prev_rank = uint32_t(prev);
   e.world_size = uint32_t(n);
+  for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
   listener_->expect(e);
-  Hello h;
-  h.job_id = job_id_;
-  h.world_version = world_version_;
-  h.from_rank = uint32_t(rank_);
-  h.to_rank = uint32_t(next);
-  h.world_size = uint32_t(n);
-  random_bytes(h.nonce.data(), h.nonce.size());
   auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.form_timeout_s));
-  LinkContext ctx{rank_, n, world_version_, next, prev, peers_[next], peers_[prev]};
-  auto same_host = [&](int other) {
-    return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
-  };
-  LinkSettings send_settings, recv_settings;
-  send_settings.want_shm = same_host(next);
-  recv_settings.want_shm = same_host(prev);
-  int next_fd = -1, prev_fd = -1;
   try {
-    next_fd = connect_ring_peer(peers_[next], h, secret_, deadline, abort_);
-    // LINK goes out before waiting for the predecessor, so no rank waits on a rank that waits on it.
-    auto offered = offer_link(next_fd, send_settings, ctx, deadline, abort_);
-    prev_fd = listener_->take(world_version_, deadline, abort_, rank_, prev);
-    auto recv_ring = accept_link(prev_fd, recv_settings, ctx, deadline, abort_);
-    auto send_ring = finish_link(next_fd, std::move(offered), ctx, deadline, abort_);
-    std::unique_ptr<Links> links;
-    if (send_ring || recv_ring)
-      links = std::make_unique<ShmLinks>(next_fd, prev_fd, std::move(send_ring), std::move(recv_ring), ctx, &abort_,
-                                         cfg_.timeout_s);
-    else
-      links = std::make_unique<TcpLinks>(next_fd, prev_fd, ctx, &abort_, cfg_.timeout_s);
-    std::lock_guard<std::mutex> g(err_mu_);
-    links_ = std::move(links);
+    // Every ring's connection and LINK go out before this rank waits for any predecessor,
+    // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
+    // that waits on it, whatever the rings.
+    for (auto& f : rings) {
+      Hello h;
+      h.job_id = job_id_;
+      h.world_version = world_version_;
+      h.from_rank = uint32_t(rank_);
+      h.to_rank = uint32_t(f.ctx.next_rank);
+      h.world_size = uint32_t(n);
+      h.channel = f.channel;
+      random_bytes(h.nonce.data(), h.nonce.size());
+      f.next_fd = connect_ring_peer(f.ctx.next_address, h, secret_, deadline, abort_);
+      f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, abort_);
+    }
+    for (auto& f : rings) {
+      f.prev_fd = listener_->take(world_version_, deadline, abort_, rank_, f.ctx.prev_rank, f.channel);
+      f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, abort_);
+    }
+    for (auto& f : rings) {
+      f.send_ring = finish_link(f.next_fd, std::move(f.offered), f.ctx, deadline, abort_);
+      std::unique_ptr<Links> links;
+      if (f.send_ring || f.recv_ring)
+        links = std::make_unique<ShmLinks>(f.next_fd, f.prev_fd, std::move(f.send_ring), std::move(f.recv_ring), f.ctx,
+                                           &abort_, cfg_.timeout_s);
+      else
+        links = std::make_unique<TcpLinks>(f.next_fd, f.prev_fd, f.ctx, &abort_, cfg_.timeout_s);
+      f.next_fd = f.prev_fd = -1;  // owned by the links now
+      std::lock_guard<std::mutex> g(err_mu_);
+      *f.into = std::move(links);
+    }
   } catch (CommError& err) {
-    if (!links_) {
-      if (next_fd >= 0) ::close(next_fd);
-      if (prev_fd >= 0) ::close(prev_fd);
+    for (auto& f : rings) {
+      if (f.next_fd >= 0) ::close(f.next_fd);
+      if (f.prev_fd >= 0) ::close(f.prev_fd);
     }
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
+    shutdown_links_locked();  // rings already formed: tell their neighbours at once
     if (!first_error_) first_error_ = std::make_unique<CommError>(err);
     throw;
   }
   formed_ = true;
   std::lock_guard<std::mutex> g(err_mu_);
-  if (abort_.fired()) links_->shutdown();  // abort() raced with the end of form()
+  if (abort_.fired()) shutdown_links_locked();  // abort() raced with the end of form()
 }
 
 std::vector<std::string> Communicator::link_kinds() {
   std::lock_guard<std::mutex> g(err_mu_);
   if (!links_) return {};
   return {links_->send_kind(), links_->recv_kind()};
+}
+
+std::vector<std::vector<std::string>> Communicator::hierarchical_link_kinds() {
+  std::lock_guard<std::mutex> g(err_mu_);
+  std::vector<std::vector<std::string>> out(2);
+  if (local_links_) out[0] = {local_links_->send_kind(), local_links_->recv_kind()};
+  if (leader_links_) out[1] = {leader_links_->send_kind(), leader_links_->recv_kind()};
+  return out;
 }
 
 void Communicator::check_usable(const char* name) {
@@ -321,7 +436,7 @@ void Communicator::guarded(const char* name, F&& body) {
     if (err.kind == ErrorKind::Invalid) throw;
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
-    if (links_) links_->shutdown();
+    shutdown_links_locked();  // every ring: a neighbour blocked in any phase wakes at once
     if (err.kind == ErrorKind::Aborted && !abort_reason_.empty())
       err = CommError(err.kind, std::string(err.what()) + " (" + abort_reason_ + ")", err.op, err.world_version,
                       err.rank, err.peer);
@@ -341,6 +456,19 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) 
     if (count == 0) return;
     uint32_t tag = fnv1a({1, uint64_t(dtype), uint64_t(op), count});
     std::string what = std::string(dtype_name(dtype)) + ", " + std::to_string(count) + " elements, " + op_name(op);
+    if (algorithm_for(bytes)[0] == 'h') {
+      OpInfo info = make_op("allreduce", fnv1a({tag, 5}), what + ", hierarchical");
+      if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
+        // As on the ring: 16-bit sums travel and accumulate as float32, rounded once.
+        std::vector<float> wide(count);
+        widen_to_f32(wide.data(), buf, count, dtype);
+        hierarchical_allreduce(reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, info);
+        narrow_from_f32(buf, wide.data(), count, dtype);
+        return;
+      }
+      hierarchical_allreduce(static_cast<char*>(buf), count, dtype, op, info);
+      return;
+    }
     if (bytes <= cfg_.small_bytes) {
       // Small message: gather every rank's whole buffer (n-1 latency steps instead of
       // 2(n-1)) and reduce locally in rank order, which every rank does identically.
@@ -372,6 +500,171 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) 
     AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
     links_->run(plan, info);
   });
+}
+
+// Leaders-only schedule: (1) ring allreduce among the ranks of each host (shared memory),
+// (2) ring allreduce among one leader per host (TCP), (3) broadcast from the leader along
+// the host's ring. Every phase is a deterministic ring collective, so every leader ends with
+// the same bits and hands exactly those to its host: the same bits on every rank. Average
+// sums throughout and divides once, by the world size, at the leaders before the broadcast.
+//
+// Pipelined by chunks: the buffer is cut into up to kMaxChunks chunks of at least
+// kMinChunkBytes, and on a leader the leaders' phase runs on a helper thread, chunk after
+// chunk, while the calling thread runs the host-local ring: phase 1 of chunk c+1 and
+// phase 3 of chunk c overlap phase 2 of chunk c+1 and c. The host-local ring runs its
+// operations in one fixed order on every rank of the host: 1(0), 1(1), 3(0), 1(2), 3(1), ...,
+// 3(last). Chunking depends only on the size, so it is the same on every rank.
+namespace {
+constexpr size_t kMinChunkBytes = 2 << 20;
+constexpr size_t kMaxChunks = 16;
+}  // namespace
+
+void Communicator::hierarchical_allreduce(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  const Hierarchy& h = hier_;
+  const ReduceOp sum_op = op == ReduceOp::Average ? ReduceOp::Sum : op;
+  const size_t esize = dtype_size(dtype);
+  size_t chunks = std::min(kMaxChunks, std::max<size_t>(1, count * esize / kMinChunkBytes));
+  const size_t chunk_elems = (count + chunks - 1) / chunks;
+  chunks = (count + chunk_elems - 1) / chunk_elems;
+  auto chunk = [&](size_t c) {
+    size_t lo = c * chunk_elems, hi = std::min(count, lo + chunk_elems);
+    return std::make_pair(buf + lo * esize, hi - lo);
+  };
+  auto phase = [&](uint32_t k, size_t c, const char* what) {
+    OpInfo p = info;
+    p.tag = fnv1a({info.tag, k, c});  // a rank in another phase or chunk is a mismatch, not wrong numbers
+    p.describe = info.describe + ", " + what +
+                 (chunks > 1 ? ", chunk " + std::to_string(c + 1) + " of " + std::to_string(chunks) : "");
+    return p;
+  };
+  // While a phase waits on one ring it may also watch another (see WatchFd).
+  struct Watching {
+    Links* links;
+    Watching(Links* l, Links* other) : links(l) { if (other) links->watch(other->connections()); }
+    ~Watching() { links->watch({}); }
+  };
+  auto local_reduce = [&](size_t c, Links* watch) {
+    auto [p, n] = chunk(c);
+    AllreducePlan plan(p, n, dtype, sum_op, h.local_rank, h.local_size, cfg_.segment_bytes, scratch_);
+    Watching w(local_links_.get(), watch);
+    local_links_->run(plan, phase(1, c, "phase 1: host-local allreduce"));
+  };
+  auto leaders = [&](size_t c, std::vector<char>& scratch, Links* watch) {
+    auto [p, n] = chunk(c);
+    AllreducePlan plan(p, n, dtype, sum_op, h.host, h.num_hosts, cfg_.segment_bytes, scratch);
+    Watching w(leader_links_.get(), watch);
+    leader_links_->run(plan, phase(2, c, "phase 2: leaders' allreduce"));
+    if (op == ReduceOp::Average) scale_down(p, n, dtype, size());
+  };
+  auto local_bcast = [&](size_t c) {
+    auto [p, n] = chunk(c);
+    BroadcastPlan plan(p, n * esize, h.local_rank, h.local_size, 0, cfg_.segment_bytes);
+    local_links_->run(plan, phase(3, c, "phase 3: host-local broadcast"));
+  };
+
+  if (!local_links_) {  // a host of one rank: only the leaders' phase
+    for (size_t c = 0; c < chunks; ++c) leaders(c, scratch_, nullptr);
+    return;
+  }
+  if (!h.leader()) {  // the host-local ring's fixed order; the leader's broadcast paces it
+    for (size_t c = 0; c < chunks; ++c) {
+      local_reduce(c, nullptr);
+      if (c > 0) local_bcast(c - 1);
+    }
+    local_bcast(chunks - 1);
+    return;
+  }
+  if (chunks == 1) {  // nothing to overlap: one thread, each phase watching the ring of the next
+    local_reduce(0, leader_links_.get());
+    leaders(0, scratch_, local_links_.get());
+    local_bcast(0);
+    return;
+  }
+  // A leader: phase 2 on a helper thread. Either thread that fails shuts every ring down,
+  // which wakes the other (and every neighbour); the first failure is the one reported.
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t reduced = 0, crossed = 0;  // chunks through phase 1 (this thread), phase 2 (helper)
+  bool stop = false;
+  std::exception_ptr helper_error;
+  std::thread helper([&] {
+    try {
+      for (size_t c = 0; c < chunks; ++c) {
+        {
+          std::unique_lock<std::mutex> lk(mu);
+          cv.wait(lk, [&] { return stop || reduced > c; });
+          if (stop) return;
+        }
+        leaders(c, leader_scratch_, nullptr);
+        std::lock_guard<std::mutex> lk(mu);
+        crossed = c + 1;
+        cv.notify_all();
+      }
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        helper_error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> g(err_mu_);
+        shutdown_links_locked();
+      }
+      cv.notify_all();
+    }
+  });
+  // Waiting for the helper, this thread still looks after the host-local ring: a host mate
+  // that gives up or dies meanwhile fails this rank now, not when the leaders' phase ends.
+  const OpInfo waiting = phase(3, 0, "waiting for the leaders' phase");
+  auto wait_crossed = [&](size_t c) {
+    std::unique_lock<std::mutex> lk(mu);
+    while (crossed <= c && !helper_error) {
+      if (abort_.fired()) break;
+      cv.wait_for(lk, std::chrono::milliseconds(2));
+      if (crossed > c || helper_error) break;
+      lk.unlock();
+      local_links_->check_alive(waiting);
+      lk.lock();
+    }
+    if (helper_error) std::rethrow_exception(helper_error);
+    if (crossed <= c) throw CommError(ErrorKind::Aborted, info.describe + " failed at world version " +
+                                                              std::to_string(world_version_) + " on rank " +
+                                                              std::to_string(rank_) + ": communicator aborted",
+                                      info.name, int64_t(world_version_), rank_, -1);
+  };
+  try {
+    for (size_t c = 0; c < chunks; ++c) {
+      // Watching the leaders' ring here too: while the helper waits for this chunk nobody
+      // else looks at it, and a rank stuck on a live host mate must still hear of a failure.
+      local_reduce(c, leader_links_.get());
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        reduced = c + 1;
+      }
+      cv.notify_all();
+      if (c > 0) {
+        wait_crossed(c - 1);
+        local_bcast(c - 1);
+      }
+    }
+    wait_crossed(chunks - 1);
+    local_bcast(chunks - 1);
+  } catch (...) {
+    std::exception_ptr first;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = true;
+      first = helper_error;  // the helper failed first: its error names the cause
+    }
+    cv.notify_all();
+    {
+      std::lock_guard<std::mutex> g(err_mu_);
+      shutdown_links_locked();  // wakes the helper if it waits in the leaders' ring
+    }
+    helper.join();
+    if (first) std::rethrow_exception(first);
+    throw;
+  }
+  helper.join();
 }
 
 void Communicator::broadcast(void* buf, size_t bytes, int root) {

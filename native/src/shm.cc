@@ -56,6 +56,8 @@ static_assert(sizeof(ShmRing::Chunk) <= kChunkHeaderBytes, "chunk header fits it
 // peer it waits for may need this core.
 constexpr auto kSpin = std::chrono::microseconds(50);
 constexpr uint8_t kDoorbell = 'D';
+// While a run() keeps making progress it still looks at its watched connections this often.
+constexpr auto kWatchEvery = std::chrono::milliseconds(2);
 
 size_t layout_bytes(size_t slots, size_t slot_bytes) { return kControlBytes + slots * (kChunkHeaderBytes + slot_bytes); }
 
@@ -296,6 +298,11 @@ ShmLinks::~ShmLinks() {
   if (prev_fd_ >= 0) ::close(prev_fd_);
 }
 
+std::vector<WatchFd> ShmLinks::connections() const {
+  return {{next_fd_, ctx_.next_rank, rank_name(ctx_.next_rank, ctx_.next_address)},
+          {prev_fd_, ctx_.prev_rank, rank_name(ctx_.prev_rank, ctx_.prev_address)}};
+}
+
 void ShmLinks::shutdown() {
   // The shared memory stays mapped until the destructor: another thread may be in run().
   give_up(poisoned_, next_fd_, prev_fd_);
@@ -324,6 +331,7 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
   const auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
   auto deadline = Clock::now() + timeout;
   auto idle_since = Clock::now();
+  auto watched_at = Clock::now();
   const std::string next_name = rank_name(ctx_.next_rank, ctx_.next_address);
   const std::string prev_name = rank_name(ctx_.prev_rank, ctx_.prev_address);
   auto closed = [&](int fd, int peer, const std::string& name, bool poisoned) {
@@ -469,8 +477,13 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
     bool progress = send_ ? shm_send() : tcp_send();
     if (ri < nrecv) progress |= recv_ ? shm_recv() : tcp_recv();
     if (progress) {
-      deadline = Clock::now() + timeout;
+      auto now = Clock::now();
+      deadline = now + timeout;
       idle_since = Clock::time_point{};
+      if (!watch_.empty() && now - watched_at > kWatchEvery) {
+        watched_at = now;
+        check_watched(watch_, nullptr, ctx_, op);
+      }
       continue;
     }
     if (recv_ && prev_closed && ri < nrecv) closed(prev_fd_, ctx_.prev_rank, prev_name, prev_poisoned);
@@ -490,7 +503,7 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
                  (waiting_send && head_ - load_fenced(send_->control()->tail) < send_->slots());
     if (!ready) {
       bool tcp_can_send = !send_ && can_send();
-      pollfd fds[3];
+      pollfd fds[3 + kMaxWatch];
       fds[0] = {abort_->fd(), POLLIN, 0};
       // shm: doorbells and EOF arrive here; TCP: the next rank never sends, so readable means closed.
       fds[1] = {next_fd_, short(si < nsend ? ((tcp_can_send ? POLLOUT : 0) | POLLIN | POLLRDHUP) : 0), 0};
@@ -502,9 +515,11 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
              "no progress for " + std::to_string(timeout_s_) + " s waiting on " +
                  (waiting_on_prev ? prev_name : next_name) + " (hung, stopped or partitioned?)");
       }
-      int r = poll(fds, 3, ms);
+      size_t nw = add_watched(watch_, fds + 3);
+      int r = poll(fds, nfds_t(3 + nw), ms);
       if (r < 0 && errno != EINTR) fail(ErrorKind::PeerLost, op, -1, std::string("poll failed: ") + std::strerror(errno));
       if (fds[0].revents) fail(ErrorKind::Aborted, op, -1, "communicator aborted");
+      if (r > 0 && nw) check_watched(watch_, fds + 3, ctx_, op);
       const short ended = POLLIN | POLLRDHUP | POLLHUP | POLLERR;
       if (fds[1].revents & ended) {
         if (!send_)  // TCP: the next rank never sends on this connection, so readable means closed

@@ -85,6 +85,8 @@ class ShmLinks : public Links {
   void shutdown() override;
   const char* send_kind() const override { return send_ ? "shm" : "tcp"; }
   const char* recv_kind() const override { return recv_ ? "shm" : "tcp"; }
+  std::vector<WatchFd> connections() const override;
+  const LinkContext& context() const override { return ctx_; }
 
  private:
   [[noreturn]] void fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what);

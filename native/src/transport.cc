@@ -26,6 +26,8 @@ constexpr size_t kMaxRefusalLog = 64;
 // A parked HELLO waits this long for its world version before it is told NOT_READY
 // and has to reconnect; long enough for any rendezvous to settle.
 constexpr double kParkSeconds = 30.0;
+// While a run() keeps making progress it still looks at its watched connections this often.
+constexpr auto kWatchEvery = std::chrono::milliseconds(2);
 
 std::string errno_text(int e) { return std::strerror(e); }
 
@@ -225,7 +227,8 @@ Listener::~Listener() {
   stop_.store(true);
   wake();
   if (thread_.joinable()) thread_.join();
-  if (slot_fd_ >= 0) ::close(slot_fd_);
+  for (int fd : slot_fd_)
+    if (fd >= 0) ::close(fd);
   ::close(listen_fd_);
   ::close(wake_fd_);
   ::close(ready_fd_);
@@ -247,12 +250,18 @@ void Listener::expect(const Expectation& e) {
   {
     std::lock_guard<std::mutex> g(mu_);
     expect_ = e;
-    if (slot_fd_ >= 0 && slot_version_ != e.world_version) {
-      ::close(slot_fd_);
-      slot_fd_ = -1;
-    }
+    close_slots_locked(false, e.world_version);
   }
   wake();
+}
+
+void Listener::close_slots_locked(bool all, uint64_t keep_version) {
+  for (size_t c = 0; c < kChannels; ++c) {
+    if (slot_fd_[c] >= 0 && (all || slot_version_[c] != keep_version)) {
+      ::close(slot_fd_[c]);
+      slot_fd_[c] = -1;
+    }
+  }
 }
 
 void Listener::retire(uint64_t world_version) {
@@ -260,23 +269,21 @@ void Listener::retire(uint64_t world_version) {
     std::lock_guard<std::mutex> g(mu_);
     if (!expect_.active || expect_.world_version != world_version) return;
     expect_.retired = true;
-    if (slot_fd_ >= 0) {
-      ::close(slot_fd_);
-      slot_fd_ = -1;
-    }
+    close_slots_locked(true, 0);
   }
   wake();
 }
 
 int Listener::take(uint64_t world_version, Clock::time_point deadline, const AbortSignal& abort, int rank,
-                   int prev_rank) {
+                   int prev_rank, uint8_t channel) {
+  if (channel >= kChannels) throw CommError(ErrorKind::Invalid, "unknown ring channel " + std::to_string(channel));
   for (;;) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      if (slot_fd_ >= 0 && slot_version_ == world_version) {
-        int fd = slot_fd_;
-        slot_fd_ = -1;
-        expect_.connected = true;
+      if (slot_fd_[channel] >= 0 && slot_version_[channel] == world_version) {
+        int fd = slot_fd_[channel];
+        slot_fd_[channel] = -1;
+        expect_.connected[channel] = true;
         return fd;
       }
     }
@@ -287,7 +294,7 @@ int Listener::take(uint64_t world_version, Clock::time_point deadline, const Abo
     if (ms == 0)
       throw CommError(ErrorKind::Timeout,
                       "form (world version " + std::to_string(world_version) + ", rank " + std::to_string(rank) +
-                          "): ring predecessor rank " + std::to_string(prev_rank) +
+                          "): " + channel_name(channel) + " predecessor rank " + std::to_string(prev_rank) +
                           " did not connect before the deadline",
                       "form", int64_t(world_version), rank, prev_rank);
     pollfd p[2] = {{ready_fd_, POLLIN, 0}, {abort.fd(), POLLIN, 0}};
@@ -364,10 +371,11 @@ void Listener::decide(Pending& p) {
     }
     return;
   }
-  if (v == Verdict::Accept && (slot_fd_ >= 0 || e.connected)) {
+  const uint8_t ch = p.hello.channel;  // judge_hello accepted it: < kChannels
+  if (v == Verdict::Accept && (slot_fd_[ch] >= 0 || e.connected[ch])) {
     v = Verdict::Refuse;
-    reason = "duplicate connection from rank " + std::to_string(p.hello.from_rank) + ": world version " +
-             std::to_string(p.hello.world_version) + " is already connected";
+    reason = "duplicate connection from rank " + std::to_string(p.hello.from_rank) + ": the " + channel_name(ch) +
+             " of world version " + std::to_string(p.hello.world_version) + " is already connected";
   }
   if (v == Verdict::Refuse) {
     g.unlock();
@@ -382,8 +390,8 @@ void Listener::decide(Pending& p) {
     close_pending(p);
     return;
   }
-  slot_fd_ = p.fd;
-  slot_version_ = e.world_version;
+  slot_fd_[ch] = p.fd;
+  slot_version_[ch] = e.world_version;
   p.fd = -1;
   g.unlock();
   uint64_t one = 1;
@@ -574,7 +582,8 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
                          std::to_string(hello.from_rank) + "): " + what,
                      "form", int64_t(hello.world_version), int(hello.from_rank), int(hello.to_rank));
   };
-  std::string peer = "rank " + std::to_string(hello.to_rank) + " at " + address;
+  std::string peer = "rank " + std::to_string(hello.to_rank) + " at " + address +
+                     (hello.channel == kChannelFlat ? "" : std::string(" (") + channel_name(hello.channel) + ")");
   std::vector<uint8_t> hello_body = encode_hello_body(hello);
   std::vector<uint8_t> hello_msg = encode_message(MsgType::Hello, Status::Ok, hello_body);
   int backoff_ms = 2;
@@ -770,6 +779,39 @@ void link_lost(const LinkContext& ctx, const OpInfo& op, bool propagated, int pe
 
 void TcpLinks::shutdown() { give_up(poisoned_, next_fd_, prev_fd_); }
 
+std::vector<WatchFd> TcpLinks::connections() const {
+  return {{next_fd_, ctx_.next_rank, "rank " + std::to_string(ctx_.next_rank) + " (" + ctx_.next_address + ")"},
+          {prev_fd_, ctx_.prev_rank, "rank " + std::to_string(ctx_.prev_rank) + " (" + ctx_.prev_address + ")"}};
+}
+
+void Links::check_alive(const OpInfo& op) { check_watched(connections(), nullptr, context(), op); }
+
+size_t add_watched(const std::vector<WatchFd>& w, pollfd* out) {
+  size_t n = std::min(w.size(), kMaxWatch);
+  for (size_t i = 0; i < n; ++i) out[i] = {w[i].fd, short(POLLRDHUP | POLLPRI), 0};
+  return n;
+}
+
+void check_watched(const std::vector<WatchFd>& w, const pollfd* polled, const LinkContext& ctx, const OpInfo& op) {
+  if (w.empty()) return;
+  pollfd now[kMaxWatch];
+  size_t n = std::min(w.size(), kMaxWatch);
+  if (!polled) {
+    add_watched(w, now);
+    if (poll(now, nfds_t(n), 0) <= 0) return;
+    polled = now;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    short ev = polled[i].revents;
+    if (!ev) continue;
+    if (ev & POLLNVAL) continue;  // not this ring's business (cannot happen while the links live)
+    bool poisoned = (ev & POLLPRI) && take_poison(w[i].fd);
+    if (!poisoned && !(ev & (POLLRDHUP | POLLHUP | POLLERR))) continue;
+    link_lost(ctx, op, poisoned, w[i].peer, w[i].name,
+              "connection to " + w[i].name + " (needed in a later phase) closed (peer exited or failed)");
+  }
+}
+
 void TcpLinks::lost(const OpInfo& op, int fd, int peer, const std::string& name, const std::string& what) {
   link_lost(ctx_, op, take_poison(fd) || (fd == prev_fd_ && prev_poisoned_), peer, name, what);
 }
@@ -788,6 +830,7 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
   if (nrecv) rspan = plan.recv_span(0);
   const auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
   auto deadline = Clock::now() + timeout;
+  auto watched_at = Clock::now();
   const std::string next_name = "rank " + std::to_string(ctx_.next_rank) + " (" + ctx_.next_address + ")";
   const std::string prev_name = "rank " + std::to_string(ctx_.prev_rank) + " (" + ctx_.prev_address + ")";
 
@@ -853,12 +896,17 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
       }
     }
     if (progress) {
-      deadline = Clock::now() + timeout;
+      auto now = Clock::now();
+      deadline = now + timeout;
+      if (!watch_.empty() && now - watched_at > kWatchEvery) {
+        watched_at = now;
+        check_watched(watch_, nullptr, ctx_, op);
+      }
       continue;
     }
     // Nothing moved: sleep in poll() until a socket is ready, abort fires or the deadline passes.
     can_send = si < nsend && (plan.send_after(si) < 0 || size_t(plan.send_after(si)) < ri);
-    pollfd fds[3];
+    pollfd fds[3 + kMaxWatch];
     fds[0] = {abort_->fd(), POLLIN, 0};
     // The next rank never sends on this connection, so readable means it closed.
     fds[1] = {next_fd_, short(si < nsend ? ((can_send ? POLLOUT : 0) | POLLIN | POLLRDHUP | POLLPRI) : 0), 0};
@@ -872,10 +920,12 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
            "no progress for " + std::to_string(timeout_s_) + " s waiting on " +
                (waiting_on_prev ? prev_name : next_name) + " (hung, stopped or partitioned?)");
     }
-    int r = poll(fds, 3, ms);
+    size_t nw = add_watched(watch_, fds + 3);
+    int r = poll(fds, nfds_t(3 + nw), ms);
     if (r < 0 && errno != EINTR)
       fail(ErrorKind::PeerLost, op, -1, std::string("poll failed: ") + errno_text(errno));
     if (fds[0].revents) fail(ErrorKind::Aborted, op, -1, "communicator aborted");
+    if (r > 0 && nw) check_watched(watch_, fds + 3, ctx_, op);
     if ((fds[2].revents & POLLPRI) && take_poison(prev_fd_)) prev_poisoned_ = true;
     if (fds[1].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR | POLLPRI))
       lost(op, next_fd_, ctx_.next_rank, next_name, "connection to " + next_name + " closed (peer exited or failed)");

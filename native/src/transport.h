@@ -6,11 +6,13 @@
 // (shm.h) implements Links too and keeps these TCP connections for liveness.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <poll.h>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -62,8 +64,10 @@ class Listener {
   void expect(const Expectation& e);
   // The communicator of this version is gone: late neighbours are refused, not parked.
   void retire(uint64_t world_version);
-  // Waits for the authenticated connection from the expected predecessor and takes it.
-  int take(uint64_t world_version, Clock::time_point deadline, const AbortSignal& abort, int rank, int prev_rank);
+  // Waits for the authenticated connection from the expected predecessor on `channel`
+  // (which ring of the world version) and takes it.
+  int take(uint64_t world_version, Clock::time_point deadline, const AbortSignal& abort, int rank, int prev_rank,
+           uint8_t channel = kChannelFlat);
 
   std::vector<std::string> refusals();  // recent refusal messages, oldest first
   uint64_t refusal_count() const { return refusal_count_.load(); }
@@ -90,8 +94,10 @@ class Listener {
 
   std::mutex mu_;
   Expectation expect_;        // guarded by mu_
-  int slot_fd_ = -1;          // guarded by mu_: the authenticated predecessor
-  uint64_t slot_version_ = 0; // guarded by mu_
+  // guarded by mu_: per channel, the authenticated predecessor not yet taken, and its version
+  std::array<int, kChannels> slot_fd_{{-1, -1, -1}};
+  std::array<uint64_t, kChannels> slot_version_{{0, 0, 0}};
+  void close_slots_locked(bool all, uint64_t keep_version);
   std::deque<std::string> refusals_;  // guarded by mu_
   std::atomic<uint64_t> refusal_count_{0};
   std::thread thread_;
@@ -186,7 +192,18 @@ struct LinkContext {
   std::string next_address, prev_address;
 };
 
-// The data plane of one communicator.
+// A connection of another ring of the same communicator that a run() must watch while it
+// waits: the hierarchical allreduce runs its phases on different rings, and a rank blocked
+// in one phase must still learn at once that a neighbour it needs in a later phase gave up
+// or died (FIN, RST or the poison byte; data and doorbells on it are left alone).
+struct WatchFd {
+  int fd;
+  int peer;
+  std::string name;
+};
+constexpr size_t kMaxWatch = 2;
+
+// The data plane of one ring.
 class Links {
  public:
   virtual ~Links() = default;
@@ -196,7 +213,23 @@ class Links {
   // How this rank sends to the next rank and receives from the previous one: "tcp" or "shm".
   virtual const char* send_kind() const { return "tcp"; }
   virtual const char* recv_kind() const { return "tcp"; }
+  // This ring's two connections, for another ring's run() to watch.
+  virtual std::vector<WatchFd> connections() const = 0;
+  // What the next run() watches besides its own connections (at most kMaxWatch); cleared by the caller.
+  void watch(std::vector<WatchFd> w) { watch_ = std::move(w); }
+  virtual const LinkContext& context() const = 0;
+  // Outside run(): throws op's CommError if a neighbour on this ring gave up or died.
+  void check_alive(const OpInfo& op);
+
+ protected:
+  std::vector<WatchFd> watch_;
 };
+
+// Fills pollfd entries for the watched connections (FIN/RST and the urgent poison byte only).
+size_t add_watched(const std::vector<WatchFd>& w, pollfd* out);
+// Throws the op's CommError if a watched connection ended or carries the poison byte:
+// `revents` from a poll() over add_watched()'s entries, or null to poll them now without waiting.
+void check_watched(const std::vector<WatchFd>& w, const pollfd* polled, const LinkContext& ctx, const OpInfo& op);
 
 class TcpLinks : public Links {
  public:
@@ -204,6 +237,8 @@ class TcpLinks : public Links {
   ~TcpLinks() override;
   void run(Plan& plan, const OpInfo& op) override;
   void shutdown() override;
+  std::vector<WatchFd> connections() const override;
+  const LinkContext& context() const override { return ctx_; }
 
  private:
   [[noreturn]] void fail(ErrorKind kind, const OpInfo& op, int peer, const std::string& what);

@@ -30,6 +30,17 @@ class WorkerFailed(AssertionError):
 TRANSPORTS = ["tcp", "shm"]
 
 
+def mixed_hosts(*ranks_per_host: int) -> List[str]:
+    """Host names for a mixed world simulated on this machine: ``mixed_hosts(2, 2)`` is
+    host-a, host-a, host-b, host-b. Same-host ring neighbours use shared memory, the others
+    TCP over loopback; each host's ranks are contiguous in rank order, as the runtime makes them."""
+    return [f"host-{chr(ord('a') + h)}" for h, k in enumerate(ranks_per_host) for _ in range(k)]
+
+
+# The hierarchical allreduce on every buffer size wherever it applies (a mixed world).
+HIERARCHICAL = elastic.CommConfig(timeout=60, algorithm="hierarchical")
+
+
 def hosts_for(transport: Union[str, Sequence[str]], n: int) -> Optional[List[str]]:
     if transport == "tcp":
         return None

@@ -138,3 +138,118 @@ def test_hmac_matches_the_standard_library():
     from elastic import _native
     for key, data in [(b"", b""), (b"k", b"data"), (b"x" * 100, b"y" * 1000), (bytes(range(64)), b"abc")]:
         assert _native.hmac_sha256(key, data) == hmac.new(key, data, hashlib.sha256).digest()
+
+
+# ---------------------------------------------------------------- protocol 2: ring channels
+#
+# One listener serves every ring a communicator forms for its world version: the flat ring
+# (channel 0) and, for the hierarchical allreduce, the host-local ring (1) and the leaders'
+# ring (2). The channel is part of the authenticated HELLO; each channel has its own expected
+# predecessor, and the same fencing and refusals hold on every channel.
+
+import hashlib  # noqa: E402
+import hmac  # noqa: E402
+import struct  # noqa: E402
+
+from .harness import mixed_hosts  # noqa: E402
+
+_MAGIC, _HELLO, _ACK, _PROOF, _RESULT = 0x45524E47, 1, 2, 3, 4
+
+
+def _msg(mtype: int, body: bytes, proto: int = 2) -> bytes:
+    return struct.pack(">IHBBI", _MAGIC, proto, mtype, 0, len(body)) + body
+
+
+def _read_msg(sock):
+    def exact(n):
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                return None
+            data += chunk
+        return data
+    hdr = exact(12)
+    if hdr is None:
+        return None
+    magic, proto, mtype, status, length = struct.unpack(">IHBBI", hdr)
+    assert magic == _MAGIC and proto == 2
+    return mtype, status, exact(length)
+
+
+def _raw_handshake(address, *, channel, from_rank, to_rank, size=3, job=JOB, secret=SECRET, version=VERSION):
+    """Speaks protocol 2 by hand; returns ("ok", None) or ("refused", reason)."""
+    host, port = address.rsplit(":", 1)
+    body = struct.pack(">QIIIB", version, from_rank, to_rank, size, channel) + bytes(16) + \
+        struct.pack(">H", len(job)) + job.encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(_msg(_HELLO, body))
+        mtype, status, nonce = _read_msg(s)
+        if status != 0:
+            return "refused", nonce.decode()
+        mac = hmac.new(secret, b"elastic-ring handshake v2:connector\0" + body + nonce, hashlib.sha256).digest()
+        s.sendall(_msg(_PROOF, mac))
+        mtype, status, answer = _read_msg(s)
+        assert mtype == _RESULT
+        return ("ok", None) if status == 0 else ("refused", answer.decode())
+
+
+@pytest.fixture(scope="module")
+def hierarchical_ring():
+    # Hosts a, a, b: rank 0 expects rank 2 on the flat ring, rank 1 on the local ring and rank 2
+    # on the leaders' ring; rank 1 expects rank 0 on the flat and the local ring and no leaders' ring.
+    with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION,
+               transport=mixed_hosts(2, 1), config=elastic.CommConfig(timeout=60, algorithm="hierarchical")) as w:
+        w.wait_formed()
+        addresses = [w.expect(r, "ready")[1] for r in range(3)]
+        yield w, addresses
+        for r in range(3):
+            w.send(r, "stop")
+        for r in range(3):
+            w.expect(r, "round")
+
+
+@pytest.mark.parametrize("target,kwargs,reason", [
+    (1, {"channel": 2, "from_rank": 0, "to_rank": 1}, "forms no leaders' ring"),
+    (0, {"channel": 1, "from_rank": 2, "to_rank": 0}, "not this worker's host-local ring predecessor (expected rank 1)"),
+    (0, {"channel": 2, "from_rank": 2, "to_rank": 0}, "leaders' ring of world version 5 is already connected"),
+    (0, {"channel": 1, "from_rank": 1, "to_rank": 0}, "host-local ring of world version 5 is already connected"),
+    (0, {"channel": 9, "from_rank": 2, "to_rank": 0}, "unknown ring channel 9"),
+    (0, {"channel": 2, "from_rank": 2, "to_rank": 0, "version": VERSION - 1}, "stale world version 4"),
+    (0, {"channel": 1, "from_rank": 1, "to_rank": 0, "size": 4}, "world size mismatch"),
+])
+def test_every_ring_channel_is_fenced_and_refusals_name_it(hierarchical_ring, target, kwargs, reason):
+    w, addresses = hierarchical_ring
+    outcome, text = _raw_handshake(addresses[target], **kwargs)
+    assert outcome == "refused" and reason in text, text
+    _ring_still_works(w)
+
+
+def test_a_channel_handshake_without_the_secret_learns_nothing(hierarchical_ring):
+    w, addresses = hierarchical_ring
+    outcome, text = _raw_handshake(addresses[0], channel=2, from_rank=2, to_rank=0, secret=b"guess")
+    assert outcome == "refused" and "authentication failed" in text and "leaders" not in text
+    _ring_still_works(w)
+
+
+def test_a_protocol_1_hello_is_closed_unanswered_and_logged():
+    listener = elastic.Listener("127.0.0.1", 0)
+    try:
+        host, port = listener.address.rsplit(":", 1)
+        old = struct.pack(">QIII", VERSION, 1, 2, 3) + bytes(16) + struct.pack(">H", len(JOB)) + JOB.encode()
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(_msg(_HELLO, old, proto=1))
+            try:
+                assert s.recv(100) == b""  # closed without an answer
+            except ConnectionResetError:
+                pass
+        deadline = time.monotonic() + 5
+        while not listener.refusals() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any("unsupported ring protocol version 1 (this build speaks 2)" in r for r in listener.refusals())
+    finally:
+        listener.close()
+
+
+def test_the_hierarchical_ring_survives_intruders_with_numpy_bits(hierarchical_ring):
+    _ring_still_works(hierarchical_ring[0])

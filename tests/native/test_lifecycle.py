@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 import elastic
 
-from .harness import TRANSPORTS, World
+from .harness import TRANSPORTS, World, mixed_hosts
 
 CYCLES = 1000
 
@@ -35,7 +36,7 @@ def _reform_cycles(comm):
     comm.close()
     samples = {}
     failures = 0
-    config = elastic.CommConfig(timeout=10, form_timeout=10)
+    config = dataclasses.replace(comm.config, timeout=10, form_timeout=10)
     for cycle in range(CYCLES):
         version = 2 + cycle
         c = elastic.Communicator.form(listener=listener, job_id="test-job", secret=b"test-secret",
@@ -58,9 +59,14 @@ def _reform_cycles(comm):
     return samples, failures
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS + ["hierarchical"])
 def test_a_thousand_form_abort_cycles_leak_nothing(transport):
-    with World(3, _reform_cycles, config=elastic.CommConfig(timeout=10), transport=transport) as w:
+    # "hierarchical": hosts a, a, b with the hierarchical allreduce, so every cycle forms and
+    # tears down three rings (flat, host-local over shared memory, leaders over TCP).
+    config = elastic.CommConfig(timeout=10)
+    if transport == "hierarchical":
+        transport, config = mixed_hosts(2, 1), elastic.CommConfig(timeout=10, algorithm="hierarchical")
+    with World(3, _reform_cycles, config=config, transport=transport) as w:
         results = w.results(timeout=600)
     for rank, (samples, failures) in enumerate(results):
         fds_50, threads_50, rss_50 = samples[49]

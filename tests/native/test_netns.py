@@ -43,7 +43,8 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=10)
 
 
-def test_two_hosts_two_ranks_each_mix_shared_memory_and_tcp(two_hosts):
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
+def test_two_hosts_two_ranks_each_mix_shared_memory_and_tcp(two_hosts, algorithm):
     ns, addr = two_hosts
     # Ring order a0, a1, b0, b1: a0->a1 and b0->b1 stay on their host, a1->b0 and b1->a0 cross.
     places = [(ns[0], addr[0], 29611), (ns[0], addr[0], 29612), (ns[1], addr[1], 29613), (ns[1], addr[1], 29614)]
@@ -51,7 +52,7 @@ def test_two_hosts_two_ranks_each_mix_shared_memory_and_tcp(two_hosts):
     hosts = "host-a,host-a,host-b,host-b"
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen(["ip", "netns", "exec", n, sys.executable, os.path.join(HERE, "netns_worker.py"),
-                               str(r), f"{a}:{p}", peers, hosts], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               str(r), f"{a}:{p}", peers, hosts, algorithm], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=env, text=True)
              for r, (n, a, p) in enumerate(places)]
     results = []
@@ -67,3 +68,11 @@ def test_two_hosts_two_ranks_each_mix_shared_memory_and_tcp(two_hosts):
     assert [r["links"] for r in results] == [["shm", "tcp"], ["tcp", "shm"], ["shm", "tcp"], ["tcp", "shm"]]
     assert all(r["ok"] for r in results), "a rank differs from numpy"
     assert all(r["digests"] == results[0]["digests"] for r in results), "ranks hold different bits"
+    if algorithm == "ring":
+        assert all(r["hierarchical_links"] == [[], []] and r["algorithms"] == ["ring"] for r in results)
+    else:
+        # Host mates over shared memory; the leaders (a0, b0) across the veth over TCP.
+        assert [r["hierarchical_links"] for r in results] == [[["shm", "shm"], ["tcp", "tcp"]], [["shm", "shm"], []],
+                                                              [["shm", "shm"], ["tcp", "tcp"]], [["shm", "shm"], []]]
+        want = ["hierarchical"] if algorithm == "hierarchical" else ["hierarchical", "ring"]  # auto: 12 MB goes hierarchical
+        assert all(r["algorithms"] == want for r in results), [r["algorithms"] for r in results]

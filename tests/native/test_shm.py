@@ -63,11 +63,15 @@ def test_a_mixed_world_gives_numpy_bits_on_every_rank(hosts):
         assert digests == results[0][1], f"rank {rank} holds other bits than rank 0"
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
 @pytest.mark.parametrize("victim", [0, 1])
-def test_sigkill_in_a_mixed_world_fails_every_survivor_within_half_a_second(victim):
-    # Rank 0 sends to its host mate over shared memory; rank 1 sends to the other host over TCP.
+def test_sigkill_in_a_mixed_world_fails_every_survivor_within_half_a_second(victim, algorithm):
+    # Ring: rank 0 sends to its host mate over shared memory; rank 1 sends to the other host
+    # over TCP. Hierarchical: rank 0 is host a's leader (host-local ring and leaders' ring),
+    # rank 1 is not (host-local ring only); killed in whichever phase the loop is in.
     n = len(MIXED)
-    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=30), transport=MIXED) as w:
+    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=30, algorithm=algorithm),
+               transport=MIXED) as w:
         w.wait_formed()
         for r in range(n):
             w.expect(r, "running", timeout=120)
