@@ -78,8 +78,10 @@ class Soak:
         self.live.append(w)
         return w
 
-    def full_world(self) -> bool:
-        return any((self.job.progress(w) or (0, 0, 0))[1] == self.args.workers for w in self.live)
+    def full_world(self, after_version: int = 0) -> bool:
+        """Some worker stepped in a world of the full size newer than `after_version`."""
+        return any(size == self.args.workers and version > after_version
+                   for size, version in ((p[1], p[2]) for p in map(self.job.progress, self.live) if p))
 
     def recovered_at(self, victim: str, t_fault: float, version: int):
         """Time of the first step another worker completed in a world newer than `version`."""
@@ -103,6 +105,8 @@ class Soak:
         name = signal.Signals(sig).name
         t = wait_until(lambda: self.recovered_at(victim, t_fault, version), self.args.recovery_timeout,
                        f"recovery from {name} of {victim}")
+        recovered_version = max(e["v"] for w in self.live if w != victim for e in self.job.events(w)
+                                if e["ev"] == "step")
         self.recoveries[name].append(t - t_fault)
         print(f"fault {n:3d}: {name} {victim:>4} in world {version:3d} -> recovered in {t - t_fault:6.3f} s",
               flush=True)
@@ -112,7 +116,8 @@ class Soak:
             self.spawn()
         else:
             self.job.kill(victim, signal.SIGCONT)  # evicted by now: it must rejoin as a new member
-        wait_until(self.full_world, 60, f"the world to grow back to {self.args.workers}")
+        wait_until(lambda: self.full_world(recovered_version), 60,
+                   f"the world to grow back to {self.args.workers}")
 
     def run(self) -> int:
         for _ in range(self.args.workers):
