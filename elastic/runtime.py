@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Optional
 
-from rendezvous.client import Abort, Ended, Finished, JobSpec, Pending, RendezvousClient, Standby, WorldInfo
+from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousClient, Standby, WorldInfo,
+                               finished_outcome)
 from rendezvous.client import RendezvousError as _ClientError
 
 from . import collectives
@@ -163,6 +164,10 @@ class Runtime:
                                       self._finished.succeeded)
                 if self._ended is not None:
                     reason, self._ended = self._ended, None
+                    outcome = finished_outcome(reason)
+                    if outcome is not None:  # e.g. evicted while stopped, woken after the end
+                        raise JobFinished(f"job {self.config.job_id} finished without worker "
+                                          f"{self.config.worker_id}: {reason}", outcome)
                     log.warning("session of worker %s ended (%s); joining again as a new member",
                                 self.config.worker_id, reason)
                     self._latest = None
@@ -170,6 +175,10 @@ class Runtime:
                     try:
                         self.client.join(committed_step=self.committed_step)
                     except _ClientError as e:
+                        outcome = finished_outcome(str(e))
+                        if outcome is not None:
+                            raise JobFinished(f"job {self.config.job_id} finished without worker "
+                                              f"{self.config.worker_id}: {e}", outcome) from None
                         raise RendezvousError(f"cannot rejoin job {self.config.job_id}: {e}") from None
                     finally:
                         self._cond.acquire()

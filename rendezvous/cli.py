@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="default time a job may stay below min-np before failing "
                         "(default: %(default)s)")
     s.add_argument("--blacklist-after", type=int, default=3, metavar="N",
-                   help="blacklist a host after N failures (default: %(default)s)")
+                   help="blacklist a host after N failures; 0 never does (default: %(default)s)")
     s.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=(10.0, 300.0),
                    metavar=("MIN", "MAX"), help="cooldown doubles from MIN up to MAX seconds "
                                                 "(default: 10 300)")

@@ -35,6 +35,7 @@ import dataclasses
 import logging
 import queue
 import random
+import re
 import threading
 import time
 from typing import Optional, Sequence, Union
@@ -58,6 +59,16 @@ class RendezvousError(RuntimeError):
     def __init__(self, message: str, code: Optional[grpc.StatusCode] = None):
         super().__init__(message)
         self.code = code
+
+
+_FINISHED = re.compile(r"finished \((SUCCEEDED|FAILED)")
+
+
+def finished_outcome(text: str) -> Optional[bool]:
+    """For a refusal or session end because the job is over (the server says "finished
+    (SUCCEEDED: …)" or "finished (FAILED: …)"): whether it succeeded; None for anything else."""
+    m = _FINISHED.search(text)
+    return None if m is None else m.group(1) == "SUCCEEDED"
 
 
 @dataclasses.dataclass(frozen=True)

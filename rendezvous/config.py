@@ -53,6 +53,8 @@ class ServerConfig:
             raise ValueError(f"need 0 <= settle ({self.settle_s}) <= settle max ({self.settle_max_s})")
         if self.leader_ttl_s < 1:
             raise ValueError("leader TTL must be at least 1 s")
+        if self.blacklist_after < 0:
+            raise ValueError(f"--blacklist-after must be 0 (never) or more, got {self.blacklist_after}")
 
     def decision(self) -> DecisionConfig:
         return DecisionConfig(settle_s=self.settle_s, settle_max_s=self.settle_max_s,

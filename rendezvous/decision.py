@@ -418,7 +418,7 @@ def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: l
 def _count_host_failure(state: JobState, host: str, now: float, config: DecisionConfig) -> JobState:
     rec = state.hosts.get(host, HostRecord())
     rec = replace(rec, failures=rec.failures + 1)
-    if rec.failures >= config.blacklist_after:
+    if config.blacklist_after and rec.failures >= config.blacklist_after:  # 0: never
         cooldown = min(config.cooldown_max_s, config.cooldown_min_s * 2 ** rec.blacklistings)
         rec = HostRecord(failures=0, blacklistings=rec.blacklistings + 1,
                          blacklisted_until=now + cooldown)

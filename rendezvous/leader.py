@@ -89,8 +89,9 @@ class Leadership:
 
     async def _keep_alive(self, lease: int) -> None:
         period = self.ttl_s / 3
+        pause = period
         while self._lease == lease:
-            await asyncio.sleep(period)
+            await asyncio.sleep(pause)
             sent = time.monotonic()
             try:
                 # Deadline below ttl/3: a hung call must not delay the next attempt.
@@ -98,7 +99,12 @@ class Leadership:
             except (StoreError, asyncio.TimeoutError) as e:
                 log.warning("leader lease refresh failed: %s", e or "no answer within "
                             f"{period * 0.9:.2f} s")
-                continue  # the watchdog steps down if this goes on
+                # Try again soon: a failed call moves the store to another etcd member (a dead
+                # member fails fast), and waiting a whole period could outlast the step-down
+                # time. The watchdog steps down if this goes on.
+                pause = min(0.05, period)
+                continue
+            pause = period
             if self._lease != lease:
                 return
             if not alive:

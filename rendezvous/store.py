@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -216,14 +217,47 @@ class EtcdStore(Store):
             host, sep, port = ep.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"etcd endpoint {ep!r} is not HOST:PORT")
-            eps.append(etcd3.Endpoint(host, int(port), secure=False))
+            eps.append((host, int(port)))
         self.endpoints = list(endpoints)
-        self._client = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s,
-                                                      failover=len(eps) > 1)
+        # One client per member, failover done here: etcd3's multi-endpoint client shuns a
+        # failed member for 5 minutes and, used from several threads, kept calling dead ones;
+        # with members lost one after another the store went dead long after the cluster healed.
+        # time_retry=0: a member that failed is tried again as soon as its turn comes.
+        self._clients = [etcd3.MultiEndpointEtcd3Client(
+            endpoints=[etcd3.Endpoint(host, port, secure=False, time_retry=0)], timeout=timeout_s)
+            for host, port in eps]
+        self._current = 0
+        self._switch_lock = threading.Lock()
 
-    async def _call(self, what: str, fn, *args, **kwargs):
+    def _move_on(self, i: int) -> None:
+        """Member i failed: the next call goes to the next member (unless another thread moved on)."""
+        with self._switch_lock:
+            if self._current == i:
+                self._current = (i + 1) % len(self._clients)
+
+    async def _call(self, what: str, fn):
+        """Runs `fn(client)` in a worker thread. A member that refuses the connection (the call
+        never reached etcd) is skipped and the call tried on the next, each member once; after
+        a timeout the outcome is unknown, so the error is raised, but the next call goes to
+        the next member."""
+        errors = self._etcd3.exceptions
+
+        def attempt():
+            last = None
+            for _ in self._clients:
+                i = self._current
+                try:
+                    return fn(self._clients[i])
+                except errors.ConnectionFailedError as e:
+                    last = e
+                    self._move_on(i)
+                except errors.ConnectionTimeoutError:
+                    self._move_on(i)
+                    raise
+            raise last
+
         try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await asyncio.to_thread(attempt)
         except StoreError:
             raise
         except Exception as e:  # etcd3 raises its own ConnectionFailedError, grpc errors, …
@@ -234,7 +268,7 @@ class EtcdStore(Store):
         return [self._tx.Value(fence.key) == fence.value] if fence else []
 
     async def get(self, key):
-        value, meta = await self._call(f"get {key}", self._client.get, key)
+        value, meta = await self._call(f"get {key}", lambda c: c.get(key))
         return None if value is None else Versioned(value, meta.mod_revision)
 
     async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
@@ -242,37 +276,37 @@ class EtcdStore(Store):
         if expected_revision is not None:
             compare.append(self._tx.Mod(key) == expected_revision)
         ok, responses = await self._call(
-            f"put {key}", self._client.transaction, compare=compare,
-            success=[self._tx.Put(key, value, lease=lease)], failure=[])
+            f"put {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Put(key, value, lease=lease)],
+                                                  failure=[]))
         if not ok:
             return None
         return responses[0].response_put.header.revision
 
     async def delete(self, key, *, fence=None):
+        compare = self._fence_compare(fence)
         ok, responses = await self._call(
-            f"delete {key}", self._client.transaction, compare=self._fence_compare(fence),
-            success=[self._tx.Delete(key)], failure=[])
+            f"delete {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Delete(key)], failure=[]))
         return bool(ok and responses[0].response_delete_range.deleted)
 
     async def get_prefix(self, prefix):
-        items = await self._call(f"get prefix {prefix}", lambda: list(self._client.get_prefix(prefix)))
+        items = await self._call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)))
         return {meta.key.decode(): Versioned(value, meta.mod_revision) for value, meta in items}
 
     async def grant_lease(self, ttl_s):
-        lease = await self._call(f"grant lease ttl={ttl_s}", self._client.lease, ttl_s)
+        lease = await self._call(f"grant lease ttl={ttl_s}", lambda c: c.lease(ttl_s))
         return lease.id
 
     async def refresh_lease(self, lease_id):
         responses = await self._call(f"refresh lease {lease_id:x}",
-                                     lambda: list(self._client.refresh_lease(lease_id)))
+                                     lambda c: list(c.refresh_lease(lease_id)))
         return bool(responses) and responses[0].TTL > 0
 
     async def revoke_lease(self, lease_id):
-        await self._call(f"revoke lease {lease_id:x}", self._client.revoke_lease, lease_id)
+        await self._call(f"revoke lease {lease_id:x}", lambda c: c.revoke_lease(lease_id))
 
     async def watch(self, key):
         loop = asyncio.get_running_loop()
-        state = {"id": None, "closed": False}
+        state = {"id": None, "closed": False, "client": None}
 
         def callback(response):  # runs on etcd3's watcher thread
             if isinstance(response, Exception):
@@ -287,14 +321,21 @@ class EtcdStore(Store):
             if not state["closed"] and state["id"] is not None:
                 state["closed"] = True
                 try:
-                    self._client.cancel_watch(state["id"])
+                    state["client"].cancel_watch(state["id"])
                 except Exception:  # the watch dies with the connection anyway
                     pass
 
         w = _QueueWatch(on_close)
-        state["id"] = await self._call(f"watch {key}", self._client.add_watch_callback, key,
-                                       callback)
+        def add(client):
+            state["client"] = client  # cancelled on the member that holds it
+            return client.add_watch_callback(key, callback)
+
+        state["id"] = await self._call(f"watch {key}", add)
         return w
 
     async def close(self):
-        await asyncio.to_thread(self._client.close)
+        def close_all():
+            for c in self._clients:
+                c.close()
+
+        await asyncio.to_thread(close_all)

@@ -128,3 +128,15 @@ def test_every_worker_killed_then_a_relaunch_resumes_from_the_durable_commit(ser
     for r in results:
         # The newest durable commit or the one before it (rank 0 may die writing the newest).
         assert r["start_commit"] >= durable - 2 and r["start_step"] >= 6, "the relaunch must resume, not start over"
+
+
+def test_worker_woken_after_the_job_finished_exits_cleanly(server, jobs):
+    job = jobs(server.address, min_np=2, max_np=3)
+    start(job, ["w0", "w1", "w2"])
+    job.wait_step(6, ["w0", "w1", "w2"])
+    job.kill("w2", signal.SIGSTOP)
+    assert job.wait(["w0", "w1"]) == {"w0": 0, "w1": 0}
+    job.kill("w2", signal.SIGCONT)
+    # Evicted while stopped, it finds the job over: nothing to rejoin, nothing failed.
+    assert job.wait(["w2"], timeout=30) == {"w2": 0}, job.log("w2")
+    assert "Traceback" not in job.log("w2")

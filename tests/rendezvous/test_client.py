@@ -9,7 +9,7 @@ import pytest
 
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_world_of
 from rendezvous.cli import main
-from rendezvous.client import JobSpec, RendezvousError
+from rendezvous.client import JobSpec, RendezvousError, finished_outcome
 from rendezvous.etcd_process import free_port
 from rendezvous.store import MemoryStore
 
@@ -181,3 +181,14 @@ def test_internal_errors_are_not_retried_and_leave_still_closes():
         assert c._closed.is_set() and not c._watch_thread.is_alive()
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("text, outcome", [
+    ("FAILED_PRECONDITION: job j finished (SUCCEEDED: worker w0 reported success)", True),
+    ("Join to a:1 for job j worker w: FAILED_PRECONDITION: job j: worker w refused: job j already finished "
+     "(FAILED: worker w1 failed)", False),
+    ("NOT_FOUND: session j/w/2 ended (worker w evicted, left or rejoined): join again", None),
+    ("job j: worker w refused: host h is blacklisted for 7.6 s more after repeated failures", None),
+])
+def test_finished_outcome_reads_the_servers_finished_refusals(text, outcome):
+    assert finished_outcome(text) is outcome

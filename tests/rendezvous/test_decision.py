@@ -269,6 +269,12 @@ def test_server_caused_eviction_does_not_count_against_the_host():
     assert s.hosts.get("h2") is None and s.blacklisted_hosts(2.0) == []
 
 
+def test_blacklist_after_zero_never_blacklists():
+    s = formed([("a", "h1"), ("b", "h1"), ("c", "h2")])
+    s, _ = run(s, [(2.0, Evict("a", "crash")), (3.0, Evict("b", "crash"))], DecisionConfig(blacklist_after=0))
+    assert s.blacklisted_hosts(3.0) == [] and s.hosts["h1"].failures == 2
+
+
 # Blacklisted standbys: rows of (what happens, expected world members / phase).
 def test_blacklisted_standby_does_not_count_toward_min_np():
     cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)

@@ -10,6 +10,7 @@ proves the sample accounting. Knobs (environment):
                  commit JOB_DIE_AT (commit) or at the JOB_DIE_AT-th re-sync (sync)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
+  JOB_STOP_FILE  end at the first epoch boundary after this file appears (all ranks agree)
   JOB_STALL      "WORKER:STEP:SECONDS": that worker stalls once, at that step (a live but slow peer)
 
 Besides its result, each worker appends JSON lines to events-<worker>.jsonl: every step
@@ -40,6 +41,7 @@ DIE_IN = os.environ.get("JOB_DIE_IN", "")
 DIE_AT = int(os.environ.get("JOB_DIE_AT", "-1"))
 RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
+STOP_FILE = os.environ.get("JOB_STOP_FILE") or None
 LR = 0.1  # with momentum 0.5 the job converges (loss ~1e-5) at every world size it runs at
 STALL = os.environ.get("JOB_STALL", "::").split(":")
 stalled = {"done": False}
@@ -171,7 +173,13 @@ def train(state):
                     os.kill(os.getpid(), signal.SIGKILL)
                 commit()
         commit()
+        if STOP_FILE:
+            # Decided collectively, so every rank leaves after the same epoch.
+            stop = torch.tensor([1 if os.path.exists(STOP_FILE) else 0], dtype=torch.int32)
+            if elastic.allreduce(stop, elastic.Max).item():
+                break
     log["final_size"] = elastic.size()
+    log["epochs"] = state.epoch + 1
 
 
 train(state)

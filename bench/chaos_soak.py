@@ -1,0 +1,215 @@
+"""Soak: random SIGKILL/SIGSTOP on a respawning training job; prints recovery times and lost commits.
+
+    python bench/chaos_soak.py --kills 50                 # 4 workers, about 70% SIGKILL, 30% SIGSTOP
+    python bench/chaos_soak.py --kills 10 --workers 3 --stop-share 0.5 --seed 7
+
+It starts a rendezvous server (in-memory store, heartbeat timeout --heartbeat-timeout) and
+the chaos suite's training job (tests/runtime/job.py: a per-sample counter in the model,
+state hashes, JSON event logs) on --workers processes. Then, --kills times: wait a random
+0.5-2.5 s, pick a random worker and SIGKILL it (a new worker is started in its place) or
+SIGSTOP it (it is sent SIGCONT once the others have recovered, and must come back as a new
+member). Each fault is timed from the signal to the first step any other worker completes
+in a newer world. After the last fault the job is told to stop at its next epoch boundary;
+then the same number of epochs runs again without faults, for the loss to compare with.
+
+Printed: faults survived, recovery p50/p95/max per signal, commits lost (a sync at which
+the ranks did not all load the newest commit any of them held), whether the final replicas
+are bit-identical and every sample was counted, and the final loss against the fault-free
+run. Exit status 1 if any of those fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.chaos.checks import lost_commits  # noqa: E402
+from tests.rendezvous.rdzv_helpers import ServerProc  # noqa: E402
+from tests.runtime.jobs import Job  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--kills", type=int, default=50, help="faults to inject (default 50)")
+    p.add_argument("--workers", type=int, default=4, help="workers in the full world (default 4)")
+    p.add_argument("--stop-share", type=float, default=0.3,
+                   help="fraction of faults that are SIGSTOP rather than SIGKILL (default 0.3)")
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                   help="server heartbeat timeout: a stopped worker is evicted after it (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for the fault schedule")
+    p.add_argument("--recovery-timeout", type=float, default=30.0,
+                   help="give up when a fault is not recovered within this many seconds (default 30)")
+    args = p.parse_args(argv)
+    if args.kills < 1 or args.workers < 2 or not 0 <= args.stop_share <= 1:
+        p.error("need --kills >= 1, --workers >= 2 and 0 <= --stop-share <= 1")
+    return args
+
+
+class Soak:
+    def __init__(self, args, out: str):
+        self.args = args
+        self.out = out
+        self.rng = random.Random(args.seed)
+        # Every worker runs on this one host and is killed on purpose: no host blacklisting.
+        self.server = ServerProc(_Path(out), "--insecure", "--heartbeat-timeout", str(args.heartbeat_timeout),
+                                 "--settle", "0.2", "--blacklist-after", "0")
+        self.stop_file = os.path.join(out, "stop")
+        self.job = Job(_Path(out), self.server.address, min_np=1, max_np=args.workers, JOB_EPOCHS=100000,
+                       JOB_STEP_SLEEP=0.02, JOB_STOP_FILE=self.stop_file, ELASTIC_WORLD_TIMEOUT=120)
+        self.live: list[str] = []
+        self.spawned = 0
+        self.recoveries = {"SIGKILL": [], "SIGSTOP": []}
+
+    def spawn(self) -> str:
+        w = f"w{self.spawned}"
+        self.spawned += 1
+        self.job.start(w)
+        self.live.append(w)
+        return w
+
+    def full_world(self, after_version: int = 0) -> bool:
+        """Some worker stepped in a world of the full size newer than `after_version`."""
+        return any(size == self.args.workers and version > after_version
+                   for size, version in ((p[1], p[2]) for p in map(self.job.progress, self.live) if p))
+
+    def recovered_at(self, victim: str, t_fault: float, version: int):
+        """Time of the first step another worker completed in a world newer than `version`."""
+        first = None
+        for w in self.live:
+            if w == victim:
+                continue
+            for e in self.job.events(w):
+                if e["ev"] == "step" and e["t"] > t_fault and e["v"] > version:
+                    first = e["t"] if first is None else min(first, e["t"])
+                    break
+        return first
+
+    def inject(self, n: int) -> None:
+        sig = signal.SIGSTOP if self.rng.random() < self.args.stop_share else signal.SIGKILL
+        victim = self.rng.choice(self.live)
+        # The world at the fault: the newest any worker has stepped in.
+        version = max((e["v"] for w in self.live for e in self.job.events(w) if e["ev"] == "step"), default=0)
+        t_fault = time.time()
+        self.job.kill(victim, sig)
+        name = signal.Signals(sig).name
+        t = wait_until(lambda: self.recovered_at(victim, t_fault, version), self.args.recovery_timeout,
+                       f"recovery from {name} of {victim}")
+        recovered_version = max(e["v"] for w in self.live if w != victim for e in self.job.events(w)
+                                if e["ev"] == "step")
+        self.recoveries[name].append(t - t_fault)
+        print(f"fault {n:3d}: {name} {victim:>4} in world {version:3d} -> recovered in {t - t_fault:6.3f} s",
+              flush=True)
+        if sig == signal.SIGKILL:
+            self.job.procs[victim].wait(10)
+            self.live.remove(victim)
+            self.spawn()
+        else:
+            self.job.kill(victim, signal.SIGCONT)  # evicted by now: it must rejoin as a new member
+        wait_until(lambda: self.full_world(recovered_version), 60,
+                   f"the world to grow back to {self.args.workers}")
+
+    def run(self) -> int:
+        for _ in range(self.args.workers):
+            self.spawn()
+        wait_until(lambda: all(self.job.progress(w) for w in self.live) and self.full_world(), 120,
+                   "the job to start")
+        for n in range(1, self.args.kills + 1):
+            time.sleep(self.rng.uniform(0.5, 2.5))  # the gap between faults is the schedule itself
+            self.inject(n)
+        with open(self.stop_file, "w"):
+            pass
+        codes = self.job.wait(self.live, timeout=120)
+        return self.report(codes)
+
+    def report(self, codes) -> int:
+        results = [self.job.result(w) for w in self.live if codes[w] == 0]
+        events = {w: self.job.events(w) for w in self.job.procs}
+        lost = lost_commits(events)
+        epochs = results[0]["epochs"] if results else 0
+        identical = len({r["hash"] for r in results}) == 1 and len(results) == len(self.live)
+        counted = all(min(r["seen"]) >= r["epochs"] for r in results)
+        ff_loss = fault_free_loss(self.out, self.args.workers, epochs)
+        loss = max(r["loss"] for r in results) if results else float("nan")
+        initial = results[0]["initial_loss"] if results else float("nan")
+        loss_ok = loss <= ff_loss + 1e-3 * initial
+
+        def dist(xs):
+            if not xs:
+                return "-", "-", "-"
+            xs = sorted(xs)
+            p95 = xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+            return f"{statistics.median(xs):.3f}", f"{p95:.3f}", f"{xs[-1]:.3f}"
+
+        survived = sum(len(v) for v in self.recoveries.values())
+        print()
+        print(f"faults survived: {survived}/{self.args.kills}")
+        print("| signal | faults | recovery p50 s | p95 s | max s | target |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for name, target in (("SIGKILL", "p50 <= 1 s"),
+                             ("SIGSTOP", f"<= heartbeat timeout + 1 = {self.args.heartbeat_timeout + 1:g} s")):
+            p50, p95, mx = dist(self.recoveries[name])
+            print(f"| {name} | {len(self.recoveries[name])} | {p50} | {p95} | {mx} | {target} |")
+        print(f"commits lost: {len(lost)}" + "".join(f"\n  {p}" for p in lost))
+        print(f"workers finished: {len(results)}/{len(self.live)} (exit codes {codes}); epochs {epochs}; "
+              f"replicas bit-identical: {identical}; every sample counted: {counted}")
+        print(f"final loss {loss:.3g} vs fault-free {ff_loss:.3g} (initial {initial:.3g}): "
+              f"{'as good' if loss_ok else 'WORSE'}")
+        ok = survived == self.args.kills and not lost and identical and counted and loss_ok
+        return 0 if ok else 1
+
+    def close(self) -> None:
+        self.job.close()
+        self.server.kill()
+
+
+def fault_free_loss(out: str, workers: int, epochs: int) -> float:
+    base = os.path.join(out, "fault-free")
+    os.makedirs(base, exist_ok=True)
+    server = ServerProc(_Path(base), "--insecure")
+    job = Job(_Path(base), server.address, min_np=workers, max_np=workers, JOB_EPOCHS=max(epochs, 1),
+              JOB_STEP_SLEEP=0)
+    try:
+        names = [f"f{i}" for i in range(workers)]
+        for w in names:
+            job.start(w)
+        codes = job.wait(names, timeout=600)
+        if any(codes.values()):
+            raise RuntimeError(f"the fault-free run failed: {codes}")
+        return job.result(names[0])["loss"]
+    finally:
+        job.close()
+        server.kill()
+
+
+class _Path(str):
+    """ServerProc wants a pathlib-like `tmp / name`."""
+
+    def __truediv__(self, name):
+        return os.path.join(self, name)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = tempfile.mkdtemp(prefix="chaos-soak-")
+    print(f"chaos soak: {args.kills} faults on {args.workers} workers (SIGSTOP share {args.stop_share:g}, "
+          f"heartbeat timeout {args.heartbeat_timeout:g} s, seed {args.seed}); logs in {out}", flush=True)
+    soak = Soak(args, out)
+    try:
+        return soak.run()
+    finally:
+        soak.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
