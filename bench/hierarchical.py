@@ -56,27 +56,14 @@ import sys
 import threading
 import time
 
+from allreduce import human, parse_size  # bench/ is this script's directory: shared size helpers
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_hierarchical_worker.py")
 ALL_SCHEDULES = ("flat", "h_rs", "h_ar", "h_lead", "native")
 SCHEDULES = ("flat", "h_lead", "native")  # set from --schedules in main()
 COMPOSED = ("h_rs", "h_ar", "h_lead")      # have per-phase marks
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("IB")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def human(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:g} {unit}"
-    return f"{n} B"
 
 
 def rate_bytes(rate: str) -> float:

@@ -5,17 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.rendezvous.rdzv_helpers import ServerProc
+from tests.runtime.conftest import server  # noqa: F401  (the same in-memory server, heartbeat timeout 2 s)
 from tests.runtime.jobs import Job
 
 # Every scenario waits at most this long for its job; together they stay well inside CI's budget.
 JOB_TIMEOUT_S = 120
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = ServerProc(tmp_path, "--insecure", "--heartbeat-timeout", "2", "--settle", "0.2")
-    yield srv
-    srv.kill()
 
 
 @pytest.fixture
