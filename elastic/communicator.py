@@ -39,7 +39,8 @@ class CommConfig:
     hierarchical where it applies and the buffer is larger than ``hierarchical_bytes``, env
     ELASTIC_HIERARCHICAL_BYTES, 4 MiB; else the ring). It applies when ``hosts`` name at least
     two hosts, one of them with two or more ranks, and each host's ranks are contiguous in rank
-    order; elsewhere every allreduce takes the ring. Keep these settings the same on every rank.
+    order; elsewhere every allreduce takes the ring. Keep these settings the same on every rank
+    (``connect()`` checks, and fails on every rank naming the setting that differs).
     """
 
     timeout: float = 30.0            # seconds a collective may go without moving a byte (hung peers)
@@ -215,10 +216,37 @@ class Communicator:
         """
         try:
             self._native.form()
+            if self.size > 1:
+                self._check_same_settings()
         except BaseException:
             self._native.close()
             raise
         return self
+
+    # Settings every rank must share: with different ones, ranks run different protocols
+    # (small path or ring, flat or hierarchical, other segments or buckets) and wait on each
+    # other until the collective timeout, blaming a live neighbour.
+    _SHARED = ("algorithm", "hierarchical_bytes", "small_bytes", "segment_bytes", "fusion_bytes", "transport")
+
+    def _check_same_settings(self) -> None:
+        """One 48-byte allgather at form: a rank configured differently fails every rank at
+        once with an error naming the setting, instead of a timeout later."""
+        words = ("auto", "ring", "hierarchical", "tcp")  # the string settings, as numbers
+        mine = np.array([v if isinstance(v, int) else words.index(v)
+                         for v in (getattr(self.config, n) for n in self._SHARED)], dtype=np.int64)
+        every = np.empty(len(mine) * self.size, dtype=np.int64)
+        self._native.allgather_(mine, every, [mine.nbytes] * self.size)
+        every = every.reshape(self.size, len(mine))
+        for i, name in enumerate(self._SHARED):
+            column = every[:, i].tolist()
+            if len(set(column)) == 1:
+                continue
+            by_value: dict = {}
+            for r, v in enumerate(column):
+                by_value.setdefault(words[v] if isinstance(getattr(self.config, name), str) else v, []).append(r)
+            said = "; ".join(f"{v} on rank(s) {','.join(map(str, rs))}" for v, rs in by_value.items())
+            raise ValueError(f"ring setting {name} ({CommConfig._ENV[name]}) differs between the ranks of world "
+                             f"version {self.world_version}: {said}; every worker must use the same")
 
     @classmethod
     def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,

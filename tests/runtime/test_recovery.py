@@ -70,3 +70,16 @@ def test_a_live_but_stalled_peer_makes_the_ring_reform_not_wedge(job_factory):
     check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
     assert all(r["final_size"] == 3 for r in results)
     assert any(r["restores"] >= 1 for r in results)
+
+
+def test_workers_with_different_ring_settings_fail_at_once_naming_the_setting(job_factory):
+    job = job_factory(min_np=2, max_np=2)
+    job.start("w0")
+    job.start("w1", ELASTIC_HIERARCHICAL_BYTES=str(8 << 20))
+    codes = job.wait(["w0", "w1"], timeout=60)
+    for w in ("w0", "w1"):
+        assert codes[w] != 0, job.log(w)
+        log = job.log(w)
+        assert ("ring setting hierarchical_bytes (ELASTIC_HIERARCHICAL_BYTES) differs between the ranks of "
+                "world version 1") in log, log
+        assert "4194304 on rank(s)" in log and "8388608 on rank(s)" in log, log
