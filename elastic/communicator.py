@@ -169,6 +169,9 @@ class Communicator:
     def __init__(self, native: Any, config: CommConfig):
         self._native = native
         self.config = config
+        # Who this ring is stays readable after close() (a failed connect() closes it while
+        # the event thread may still compare versions with it).
+        self._rank, self._size, self._world_version = native.rank, native.size, native.world_version
         # Async handles not yet synchronized: the core holds raw pointers into their tensors,
         # so the tensors must live until the work is done even if the caller drops the handle.
         self._inflight: dict = {}
@@ -264,15 +267,15 @@ class Communicator:
     # ------------------------------------------------------------------ identity
     @property
     def rank(self) -> int:
-        return self._native.rank
+        return self._rank
 
     @property
     def size(self) -> int:
-        return self._native.size
+        return self._size
 
     @property
     def world_version(self) -> int:
-        return self._native.world_version
+        return self._world_version
 
     @property
     def ops_run(self) -> int:
@@ -302,7 +305,11 @@ class Communicator:
 
     @property
     def failed(self) -> bool:
-        return self._native.failed
+        """True once an operation failed or the ring was aborted or closed."""
+        try:
+            return self._native.failed
+        except (ValueError, RuntimeError):  # closed
+            return True
 
     # ------------------------------------------------------------------ lifecycle
     def abort(self, reason: str = "") -> None:

@@ -99,7 +99,10 @@ class Runtime:
             ev = self.client.next_event(0.2)
             if ev is not None:
                 with self._cond:
-                    self._apply(ev)
+                    try:
+                        self._apply(ev)
+                    except Exception:  # this thread must outlive any one event, or the worker goes deaf
+                        log.exception("worker %s: error handling rendezvous event %r", self.config.worker_id, ev)
                     self._cond.notify_all()
             # Progress reports let the server make the most advanced worker rank 0 of the next
             # world. Sent from here, at most once a second, so commit() never waits on the network.
