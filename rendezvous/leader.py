@@ -99,10 +99,10 @@ class Leadership:
             except (StoreError, asyncio.TimeoutError) as e:
                 log.warning("leader lease refresh failed: %s", e or "no answer within "
                             f"{period * 0.9:.2f} s")
-                # Try again soon: a failed call moves the store to another etcd member (a dead
-                # member fails fast), and waiting a whole period could outlast the step-down
-                # time. The watchdog steps down if this goes on.
-                pause = min(0.05, period)
+                # A refused call moved the store to another etcd member: try it soon, as waiting
+                # a whole period could outlast the step-down time. After a timeout (a hung call
+                # may still hold a thread) keep the period. The watchdog steps down if this goes on.
+                pause = period if isinstance(e, asyncio.TimeoutError) else min(0.05, period)
                 continue
             pause = period
             if self._lease != lease:

@@ -220,8 +220,8 @@ class EtcdStore(Store):
             eps.append((host, int(port)))
         self.endpoints = list(endpoints)
         # One client per member, failover done here: etcd3's multi-endpoint client shuns a
-        # failed member for 5 minutes and, used from several threads, kept calling dead ones;
-        # with members lost one after another the store went dead long after the cluster healed.
+        # failed member for 5 minutes, so with members lost one after another the store went
+        # dead long after the cluster healed.
         # time_retry=0: a member that failed is tried again as soon as its turn comes.
         self._clients = [etcd3.MultiEndpointEtcd3Client(
             endpoints=[etcd3.Endpoint(host, port, secure=False, time_retry=0)], timeout=timeout_s)
@@ -235,26 +235,26 @@ class EtcdStore(Store):
             if self._current == i:
                 self._current = (i + 1) % len(self._clients)
 
-    async def _call(self, what: str, fn):
-        """Runs `fn(client)` in a worker thread. A member that refuses the connection (the call
-        never reached etcd) is skipped and the call tried on the next, each member once; after
-        a timeout the outcome is unknown, so the error is raised, but the next call goes to
-        the next member."""
+    async def _call(self, what: str, fn, *, retry: bool = True):
+        """Runs `fn(client)` in a worker thread. When a member answers UNAVAILABLE (it is down,
+        or etcd is between leaders) the next call goes to the next member; a read or an
+        idempotent call (`retry`) is also tried again there, each member once. A write is not:
+        UNAVAILABLE does not prove it was not applied, so it raises (StoreError: outcome
+        unknown) for the caller to settle, as after a timeout."""
         errors = self._etcd3.exceptions
 
         def attempt():
-            last = None
-            for _ in self._clients:
+            for tried in range(1, len(self._clients) + 1):
                 i = self._current
                 try:
                     return fn(self._clients[i])
-                except errors.ConnectionFailedError as e:
-                    last = e
+                except errors.ConnectionFailedError:
                     self._move_on(i)
+                    if not retry or tried == len(self._clients):
+                        raise
                 except errors.ConnectionTimeoutError:
                     self._move_on(i)
                     raise
-            raise last
 
         try:
             return await asyncio.to_thread(attempt)
@@ -277,7 +277,7 @@ class EtcdStore(Store):
             compare.append(self._tx.Mod(key) == expected_revision)
         ok, responses = await self._call(
             f"put {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Put(key, value, lease=lease)],
-                                                  failure=[]))
+                                                  failure=[]), retry=False)
         if not ok:
             return None
         return responses[0].response_put.header.revision
@@ -285,7 +285,8 @@ class EtcdStore(Store):
     async def delete(self, key, *, fence=None):
         compare = self._fence_compare(fence)
         ok, responses = await self._call(
-            f"delete {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Delete(key)], failure=[]))
+            f"delete {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Delete(key)], failure=[]),
+            retry=False)
         return bool(ok and responses[0].response_delete_range.deleted)
 
     async def get_prefix(self, prefix):
