@@ -70,6 +70,10 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
                     rt.report_failure(e)
                     min_version = failed_version + 1
                 except HandshakeError as e:
+                    if "forms no" in str(e):
+                        # Same world, other rings: the ring settings differ between workers. No
+                        # later world can fix that, so end here with the reason.
+                        raise
                     # A neighbour is at another world version: ours is stale, take the next one.
                     log.warning("%s", e)
                     state.restore()

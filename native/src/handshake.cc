@@ -112,8 +112,10 @@ Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason) {
   }
   int64_t want = e.prev_rank[h.channel];
   if (want < 0) {
+    // Every rank derives the rings from the same world, so only different settings get here.
     *reason = std::string("this worker forms no ") + channel_name(h.channel) + " at world version " +
-              std::to_string(h.world_version) + " (channel " + std::to_string(h.channel) + ")";
+              std::to_string(h.world_version) + " (channel " + std::to_string(h.channel) +
+              "): is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?";
     return Verdict::Refuse;
   }
   if (int64_t(h.from_rank) != want) {

@@ -83,3 +83,16 @@ def test_workers_with_different_ring_settings_fail_at_once_naming_the_setting(jo
         assert ("ring setting hierarchical_bytes (ELASTIC_HIERARCHICAL_BYTES) differs between the ranks of "
                 "world version 1") in log, log
         assert "4194304 on rank(s)" in log and "8388608 on rank(s)" in log, log
+
+
+def test_an_allreduce_algorithm_differing_in_a_mixed_world_ends_the_job_naming_it(job_factory):
+    # Hosts a, a, b: the others form a host-local and a leaders' ring, w2 (algorithm "ring")
+    # forms neither, so a handshake is refused before the settings check can run.
+    job = job_factory(min_np=3, max_np=3, ELASTIC_ELASTIC_TIMEOUT="5")
+    job.start("w0", ELASTIC_HOST="a")
+    job.start("w1", ELASTIC_HOST="a")
+    job.start("w2", ELASTIC_HOST="b", ELASTIC_ALLREDUCE_ALGORITHM="ring")
+    codes = job.wait(["w0", "w1", "w2"], timeout=60)
+    assert all(c != 0 for c in codes.values()), codes
+    logs = "".join(job.log(w) for w in ("w0", "w1", "w2"))
+    assert "is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?" in logs, logs
