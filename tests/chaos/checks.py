@@ -24,11 +24,14 @@ def check_accounting(results: List[dict], max_repartitions: int) -> None:
 
 
 def lost_commits(events: Dict[str, List[dict]]) -> List[str]:
-    """Every (re)sync at which a commit held by a member of that world was not what everyone loaded.
+    """Every (re)sync at which the ranks did not all load the newest commit a member of that
+    world held.
 
     `events` maps every worker that ever ran (victims included) to its event records. A sync
-    record carries the rank's commit step before the sync and the one it loaded; all ranks of
-    a world must load the same, and it must be the newest any of them held.
+    record carries the commit the rank held before (number and the training step it was taken
+    at) and the one it loaded. All ranks of a world must load the same; when any member held a
+    commit, what they load must be the newest one held, at its step: a rank that restored
+    another state under that commit number (or lost it) shows as a step that does not match.
     """
     syncs = defaultdict(list)
     for worker, evs in events.items():
@@ -37,12 +40,19 @@ def lost_commits(events: Dict[str, List[dict]]) -> List[str]:
                 syncs[e["v"]].append((worker, e))
     problems = []
     for version, recs in sorted(syncs.items()):
-        loaded = {e["commit"] for _, e in recs}
+        loaded = {(e["commit"], e["step"]) for _, e in recs}
         newest = max(e["before"] for _, e in recs)
+        held_at = {e["before_step"] for _, e in recs if e["before"] == newest}
         if len(loaded) != 1:
-            problems.append(f"world {version}: ranks loaded different commits {recs}")
-        elif newest >= 0 and loaded != {newest}:
-            problems.append(f"world {version}: the newest commit held was {newest}, everyone loaded {loaded.pop()}")
+            problems.append(f"world {version}: ranks loaded different commits (number, step) {sorted(loaded)}")
+        elif newest < 0:
+            continue  # nobody held a commit: rank 0's state or the durable one
+        elif len(held_at) != 1:
+            problems.append(f"world {version}: members held commit {newest} at different steps {sorted(held_at)}")
+        elif loaded != {(newest, held_at.pop())}:
+            problems.append(f"world {version}: the newest commit held was {newest} at step "
+                            f"{next(e['before_step'] for _, e in recs if e['before'] == newest)}; "
+                            f"everyone loaded {loaded.pop()}")
     return problems
 
 
@@ -52,14 +62,15 @@ def check_no_commit_lost(events: Dict[str, List[dict]]) -> None:
     assert not problems, "\n".join(problems)
 
 
-def check_loss(results: List[dict], fault_free_loss: float, tolerance: float = 1e-3) -> None:
-    """Training got as far as without faults: the final loss is within `tolerance` of the
-    initial loss above the fault-free run's (the job converges to ~1e-5 at every world size,
-    so a lost or garbled state shows as a loss near the initial one)."""
+def check_loss(results: List[dict], fault_free_loss: float) -> None:
+    """Training got as far as without faults. The job converges at every world size it runs at
+    (to 1e-8..3e-5 in 3 epochs; the fault-free run with 3 workers: about 1e-6), while losing
+    even the first half of training leaves about 4e-3: allow 100x the fault-free loss, plus
+    1e-7 of the initial loss for a fault-free run that reached exactly 0."""
     for r in results:
-        assert r["loss"] <= fault_free_loss + tolerance * r["initial_loss"], (
-            f"{r['worker']}: final loss {r['loss']:.3g} vs fault-free {fault_free_loss:.3g} "
-            f"(initial {r['initial_loss']:.3g})")
+        bound = 100 * fault_free_loss + 1e-7 * r["initial_loss"]
+        assert r["loss"] <= bound, (f"{r['worker']}: final loss {r['loss']:.3g} > {bound:.3g} (fault-free "
+                                    f"{fault_free_loss:.3g}, initial {r['initial_loss']:.3g})")
 
 
 def check_outcome(job, survivors: Iterable[str], *, fault_free_loss: float, max_repartitions: int,

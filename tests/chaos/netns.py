@@ -337,9 +337,11 @@ class NsServer:
         self.port = int(open(self.port_file).read())
         self.address = f"{net.switch_address}:{self.port}"
 
-    def log(self) -> str:
+    def log(self, tail: int = 4000) -> str:
+        """The server's log: its last `tail` characters (0: all of it, for checks on the whole run)."""
         with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-4000:]
+            text = f.read().decode(errors="replace")
+        return text[-tail:] if tail else text
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -126,7 +126,7 @@ def test_cut_host_is_evicted_the_rest_go_on_and_it_rejoins_after_heal(net, rdzv,
     results = check_outcome(job, WORKERS, fault_free_loss=fault_free_loss, max_repartitions=3 * (EPOCHS + 2))
     assert all(r["final_size"] == 4 for r in results)
     # The server evicted it (keepalive failed); once healed it learned that, and joined again.
-    assert "worker w2 on host h1 evicted" in rdzv.log(), rdzv.log()
+    assert "worker w2 on host h1 evicted" in rdzv.log(0), rdzv.log()
     log = job.log(victim)
     assert "session of worker w2 ended (NOT_FOUND" in log and "joining again as a new member" in log, log
     versions = [e["v"] for e in job.events(victim) if e["ev"] == "step"]
@@ -164,4 +164,4 @@ def test_latency_and_loss_on_a_host_link_slow_it_down_without_eviction(net, rdzv
         assert {(e["v"], e["size"]) for e in evs if e["ev"] == "step"} == {(version, 4)}, f"{w}: the world changed"
         assert not [e for e in evs if e["ev"] == "sync"], f"{w}: synced again"
     assert all(r["restores"] == 0 and r["final_size"] == 4 for r in results)
-    assert "evicted" not in rdzv.log() and "abort" not in rdzv.log(), rdzv.log()
+    assert "evicted" not in rdzv.log(0) and "abort" not in rdzv.log(0), rdzv.log()

@@ -17,12 +17,18 @@ def start(job, workers, **env):
         job.start(w, **env)
 
 
-@pytest.mark.parametrize("victim", ["w1", "w0"], ids=["peer", "rank0"])
-def test_sigkill_one_worker(server, jobs, fault_free_loss, victim):
+def rank_of(job, worker) -> int:
+    return [e for e in job.events(worker) if e["ev"] == "step"][-1]["rank"]
+
+
+@pytest.mark.parametrize("rank0", [False, True], ids=["peer", "rank0"])
+def test_sigkill_one_worker(server, jobs, fault_free_loss, rank0):
     job = jobs(server.address, min_np=2, max_np=3)
     workers = ["w0", "w1", "w2"]
     start(job, workers)
     job.wait_step(8, workers)
+    wait_until(lambda: len({(job.progress(w) or (0, 0, 0))[2] for w in workers}) == 1, 10, "one world")
+    victim = next(w for w in workers if (rank_of(job, w) == 0) == rank0)
     job.kill(victim)
     survivors = [w for w in workers if w != victim]
     results = check_outcome(job, survivors, fault_free_loss=fault_free_loss, max_repartitions=2 * (EPOCHS + 2))
@@ -75,11 +81,13 @@ def test_sigstop_fenced_then_sigcont_rejoins_as_a_new_member(server, jobs, fault
                "survivors to step in a world of 2")
     fenced_s = time.monotonic() - stopped_at
     print(f"SIGSTOP -> survivors stepping in a world of 2: {fenced_s:.2f} s")
-    assert fenced_s < 2.0 + 1.5, "fenced out within the heartbeat timeout (plus the re-form)"
+    # Measured 1.3-1.5 s here (the soak: p95 1.5 s); the margin is for a loaded CI machine.
+    assert fenced_s < 2.0 + 3.0, "fenced out within the heartbeat timeout (plus the re-form)"
     stale_version = job.events("w1")[-1]["v"]
     small_version = job.progress("w0")[2]
     job.wait_step(job.progress("w0")[0] + 3, survivors)
-    restores_before_cont = len([e for e in job.events("w0") if e["ev"] == "sync"])
+    syncs_before_cont = len([e for e in job.events("w0") if e["ev"] == "sync"])
+    continued_at = time.time()
     job.kill("w1", signal.SIGCONT)
     results = check_outcome(job, workers, fault_free_loss=fault_free_loss, max_repartitions=3 * (EPOCHS + 2))
     assert all(r["final_size"] == 3 for r in results)
@@ -92,9 +100,35 @@ def test_sigstop_fenced_then_sigcont_rejoins_as_a_new_member(server, jobs, fault
     assert small_version not in w1_versions
     assert min(v for v in w1_versions if v > stale_version) > small_version
     # It rejoined cleanly: the survivors kept their state (one more sync, for the join, no restore).
-    w0 = job.result("w0")
-    assert w0["restores"] == 1, "only the eviction restored; the rejoin is a clean membership change"
-    assert len([e for e in job.events("w0") if e["ev"] == "sync"]) >= restores_before_cont + 1
+    for w in survivors:
+        late = [e for e in job.events(w) if e["ev"] == "restore" and e["t"] > continued_at]
+        assert not late, f"{w} restored after the stopped worker woke: {late}"
+    assert len([e for e in job.events("w0") if e["ev"] == "sync"]) >= syncs_before_cont + 1
+
+
+def process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_worker_hung_while_forming_is_refused_as_stale_then_rejoins(server, jobs, fault_free_loss):
+    # w1 stops itself (SIGSTOP) right before it connects its first ring, so when SIGCONT wakes
+    # it, it knocks on its neighbour with world version 1 while the others are long in world 2.
+    job = jobs(server.address, min_np=2, max_np=3, JOB_STEP_SLEEP="0.1")
+    workers = ["w0", "w1", "w2"]
+    start(job, ["w0", "w2"])
+    job.start("w1", JOB_STOP_BEFORE_FORM=1)
+    wait_until(lambda: process_state(job.procs["w1"].pid) == "T", 60, "w1 to stop before forming")
+    survivors = ["w0", "w2"]
+    wait_until(lambda: all((job.progress(w) or (0, 0, 0))[1] == 2 for w in survivors), 15,
+               "the others to step in a world of 2")
+    job.wait_step(job.progress("w0")[0] + 3, survivors)
+    job.kill("w1", signal.SIGCONT)
+    results = check_outcome(job, workers, fault_free_loss=fault_free_loss, max_repartitions=3 * (EPOCHS + 2))
+    assert all(r["final_size"] == 3 for r in results)
+    log = job.log("w1")
+    assert "stale world version 1: this worker is at world version" in log, log
+    assert "joining again as a new member" in log, log
 
 
 def test_worker_raising_in_user_code_ends_every_worker_with_its_traceback(server, jobs):

@@ -7,10 +7,12 @@ proves the sample accounting. Knobs (environment):
   JOB_EPOCHS     epochs (default 3); JOB_SAMPLES dataset size (default 240); JOB_BATCH (8)
   JOB_STEP_SLEEP seconds per step, to leave time for faults (default 0.02)
   JOB_DIE_IN     "commit" or "sync": SIGKILL this very process inside that call, at
-                 commit JOB_DIE_AT (commit) or at the JOB_DIE_AT-th re-sync (sync)
+                 its own JOB_DIE_AT-th commit (commit) or JOB_DIE_AT-th re-sync (sync)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
   JOB_STOP_FILE  end at the first epoch boundary after this file appears (all ranks agree)
+  JOB_STOP_BEFORE_FORM  SIGSTOP this process right before it connects its N-th ring (a worker
+                 hung while forming; SIGCONT resumes it there, with the world it had then)
   JOB_STALL      "WORKER:STEP:SECONDS": that worker stalls once, at that step (a live but slow peer)
 
 Besides its result, each worker appends JSON lines to events-<worker>.jsonl: every step
@@ -42,6 +44,7 @@ DIE_AT = int(os.environ.get("JOB_DIE_AT", "-1"))
 RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
 STOP_FILE = os.environ.get("JOB_STOP_FILE") or None
+STOP_BEFORE_FORM = int(os.environ.get("JOB_STOP_BEFORE_FORM", "0"))
 LR = 0.1  # with momentum 0.5 the job converges (loss ~1e-5) at every world size it runs at
 STALL = os.environ.get("JOB_STALL", "::").split(":")
 stalled = {"done": False}
@@ -94,6 +97,7 @@ _restore = state.restore
 def counting_restore():
     log["restores"] += 1
     _restore()
+    event("restore", commit=state.commit_step, step=state.step)
 
 
 state.restore = counting_restore
@@ -113,15 +117,35 @@ def sync_maybe_dying():
 
 state.sync = sync_maybe_dying
 
+if STOP_BEFORE_FORM:
+    _connect = elastic.communicator.Communicator.connect
+    connects = {"n": 0}
+
+    def connect_maybe_stopping(self):
+        connects["n"] += 1
+        if connects["n"] == STOP_BEFORE_FORM:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return _connect(self)
+
+    elastic.communicator.Communicator.connect = connect_maybe_stopping
+
+
 def event(kind, **fields):
     with open(os.path.join(OUT, f"events-{WORKER}.jsonl"), "a") as f:
         f.write(json.dumps({"ev": kind, "t": time.time(), **fields}) + "\n")
 
 
+# The commit this rank holds and the training step it was taken at: a restore or a sync that
+# loads another state under the same commit number shows as a step that does not match.
+held = {"commit": -1, "step": 0}
+
+
 def logged_sync():
-    before = state.commit_step
+    before = dict(held)
     sync_maybe_dying()
-    event("sync", before=before, commit=state.commit_step, v=elastic.world_version(), size=elastic.size())
+    held.update(commit=state.commit_step, step=state.step)
+    event("sync", before=before["commit"], before_step=before["step"], commit=state.commit_step, step=state.step,
+          v=elastic.world_version(), size=elastic.size())
 
 
 state.sync = logged_sync
@@ -134,14 +158,24 @@ def progress(text):
     os.replace(tmp, os.path.join(OUT, f"progress-{WORKER}.txt"))
 
 
+commits = {"n": 0}
+
+
 def commit():
+    commits["n"] += 1
+    if DIE_IN == "commit" and commits["n"] == DIE_AT:
+        state.save()  # the commit's copy is taken; the process dies before it completes
+        os.kill(os.getpid(), signal.SIGKILL)
+    before = state.commit_step
     try:
         state.commit()
-        event("commit", commit=state.commit_step, v=elastic.world_version())
     except elastic.MembershipChanged:
-        event("commit", commit=state.commit_step, v=elastic.world_version())
         log["commits_at_change"].append(state.commit_step)
         raise
+    finally:
+        if state.commit_step != before:  # the copy was taken, even if the membership check then failed
+            held.update(commit=state.commit_step, step=state.step)
+            event("commit", commit=state.commit_step, step=state.step, v=elastic.world_version())
 
 
 @elastic.run(checkpoint_dir=CHECKPOINT, checkpoint_every=2)
@@ -165,12 +199,9 @@ def train(state):
             sampler.record_batch(state.batch, len(x))
             state.step += 1
             progress(f"{state.step} {elastic.size()} {elastic.world_version()}")
-            event("step", step=state.step, v=elastic.world_version(), size=elastic.size())
+            event("step", step=state.step, v=elastic.world_version(), size=elastic.size(), rank=elastic.rank())
             time.sleep(STEP_SLEEP)
             if state.batch % 3 == 0:
-                if DIE_IN == "commit" and state.commit_step + 1 == DIE_AT:
-                    state.save()  # the commit's copy is taken; the process dies before it completes
-                    os.kill(os.getpid(), signal.SIGKILL)
                 commit()
         commit()
         if STOP_FILE:
