@@ -37,8 +37,12 @@ _serve_then_allreduce.wants_conn = True
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def live_ring(request):
     # Over shared memory too: a refused stranger never reaches the link set-up.
-    with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION,
-               transport=request.param) as w:
+    yield from _serving_world(transport=request.param)
+
+
+def _serving_world(**world_kw):
+    """Three ranks that serve handshake probes while they keep allreducing; yields (world, addresses)."""
+    with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION, **world_kw) as w:
         w.wait_formed()
         addresses = [w.expect(r, "ready")[1] for r in range(3)]
         yield w, addresses
@@ -198,15 +202,8 @@ def _raw_handshake(address, *, channel, from_rank, to_rank, size=3, job=JOB, sec
 def hierarchical_ring():
     # Hosts a, a, b: rank 0 expects rank 2 on the flat ring, rank 1 on the local ring and rank 2
     # on the leaders' ring; rank 1 expects rank 0 on the flat and the local ring and no leaders' ring.
-    with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION,
-               transport=mixed_hosts(2, 1), config=elastic.CommConfig(timeout=60, algorithm="hierarchical")) as w:
-        w.wait_formed()
-        addresses = [w.expect(r, "ready")[1] for r in range(3)]
-        yield w, addresses
-        for r in range(3):
-            w.send(r, "stop")
-        for r in range(3):
-            w.expect(r, "round")
+    yield from _serving_world(transport=mixed_hosts(2, 1),
+                              config=elastic.CommConfig(timeout=60, algorithm="hierarchical"))
 
 
 @pytest.mark.parametrize("target,kwargs,reason", [
