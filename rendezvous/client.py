@@ -357,8 +357,11 @@ class RendezvousClient:
     def report_success(self) -> None:
         """This worker finished: the job completes for everyone."""
         # Retried after an unknown outcome, FAILED_PRECONDITION means the job already finished.
+        # Retried as long as a reconnect: lost to a leader change, the success would turn into
+        # a job failure once the workers are gone.
         self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid()),
-                   3 * self.rpc_timeout_s, done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
+                   max(3 * self.rpc_timeout_s, self.reconnect_timeout_s),
+                   done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
 
     def leave(self) -> None:
         """Leave cleanly (the others see a membership change, not a failure) and stop watching."""

@@ -142,6 +142,15 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             await self.leadership.resign()
             self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
             return
+        if not self.leadership.valid():
+            # The lease lapsed while the jobs loaded (etcd stalled meanwhile): the watchdog's
+            # loss went unheard, since this replica was not serving yet. Start over, or it
+            # would serve nothing, forever, believing it leads.
+            log.warning("replica %s: leadership lapsed while loading jobs; campaigning again",
+                        self.config.replica_id)
+            self.leadership.drop()
+            self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
+            return
         window = self.reattach_window_s()
         grace = time.time() + window
         self.jobs = {}

@@ -1,6 +1,7 @@
 """The gRPC service on loopback, against MemoryStore and a real etcd: membership behaviours end to end."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 
@@ -503,3 +504,37 @@ def test_store_error_while_creating_a_job_is_unavailable(serve):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot create" in e.value.details()
     finally:
         store.put = real_put
+
+
+def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again():
+    """etcd stalls right after the campaign: the lease lapses while the jobs load. The replica
+    must notice and lead again once etcd answers, not believe it leads and serve nothing."""
+    from rdzv_helpers import ServerThread, server_config
+    from rendezvous.store import MemoryStore, StoreError
+
+    class StallAfterCampaign(MemoryStore):
+        loads = 0
+        stalled = False
+
+        async def get_prefix(self, prefix):
+            StallAfterCampaign.loads += 1
+            if StallAfterCampaign.loads == 1:  # the first load: refreshes fail until it returns
+                StallAfterCampaign.stalled = True
+                await asyncio.sleep(1.5)        # longer than the step-down time (0.6 x TTL 1 s)
+                StallAfterCampaign.stalled = False
+            return await super().get_prefix(prefix)
+
+        async def refresh_lease(self, lease_id):
+            if StallAfterCampaign.stalled:
+                raise StoreError("etcd stalled (test)")
+            return await super().refresh_lease(lease_id)
+
+    s = ServerThread(server_config(leader_ttl_s=1), StallAfterCampaign)  # waits until it leads
+    try:
+        assert StallAfterCampaign.loads >= 2, "the replica must have loaded the jobs again"
+        assert s.service.is_leader
+        c = make_client([s.address], "w0", job_id=unique("job"))
+        c.join(timeout_s=10)  # served
+        c.close()
+    finally:
+        s.stop()
