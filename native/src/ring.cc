@@ -614,8 +614,8 @@ void Communicator::hierarchical_allreduce(char* buf, size_t count, DType dtype, 
   });
   // Waiting for the helper, this thread still looks after the host-local ring: a host mate
   // that gives up or dies meanwhile fails this rank now, not when the leaders' phase ends.
-  const OpInfo waiting = phase(3, 0, "waiting for the leaders' phase");
   auto wait_crossed = [&](size_t c) {
+    const OpInfo waiting = phase(3, c, "waiting for the leaders' phase");
     std::unique_lock<std::mutex> lk(mu);
     while (crossed <= c && !helper_error) {
       if (abort_.fired()) break;

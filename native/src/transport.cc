@@ -808,7 +808,8 @@ void check_watched(const std::vector<WatchFd>& w, const pollfd* polled, const Li
     bool poisoned = (ev & POLLPRI) && take_poison(w[i].fd);
     if (!poisoned && !(ev & (POLLRDHUP | POLLHUP | POLLERR))) continue;
     link_lost(ctx, op, poisoned, w[i].peer, w[i].name,
-              "connection to " + w[i].name + " (needed in a later phase) closed (peer exited or failed)");
+              "connection to " + w[i].name + " (watched while this rank waits on another ring) closed "
+                  "(peer exited or failed)");
   }
 }
 
