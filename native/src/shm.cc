@@ -398,15 +398,7 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
 
   auto tcp_send = [&]() -> bool {
     if (!can_send()) return false;
-    iovec iov[2];
-    int n = 0;
-    if (soff < sizeof(shdr)) iov[n++] = {reinterpret_cast<char*>(&shdr) + soff, sizeof(shdr) - soff};
-    size_t pdone = soff > sizeof(shdr) ? soff - sizeof(shdr) : 0;
-    if (sspan.bytes > pdone) iov[n++] = {sspan.ptr + pdone, sspan.bytes - pdone};
-    msghdr mh{};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = n;
-    ssize_t w = ::sendmsg(next_fd_, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t w = send_frame_part(next_fd_, shdr, sspan, soff);
     if (w > 0) {
       soff += size_t(w);
       if (soff == sizeof(shdr) + sspan.bytes) {
@@ -423,20 +415,7 @@ void ShmLinks::run(Plan& plan, const OpInfo& op) {
 
   auto tcp_recv = [&]() -> bool {
     if (ri >= nrecv) return false;
-    iovec iov[2];
-    int n = 0;
-    if (roff < sizeof(rhdr)) iov[n++] = {reinterpret_cast<char*>(&rhdr) + roff, sizeof(rhdr) - roff};
-    size_t pdone = roff > sizeof(rhdr) ? roff - sizeof(rhdr) : 0;
-    if (rspan.bytes > pdone) iov[n++] = {rspan.ptr + pdone, rspan.bytes - pdone};
-    msghdr mh{};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = n;
-    size_t want = 0;
-    for (int k = 0; k < n; ++k) want += iov[k].iov_len;
-    ssize_t r = ::recvmsg(prev_fd_, &mh, MSG_DONTWAIT);
-    // Linux stops a read at the urgent mark and drops the urgent byte on the next read
-    // past it: take the poison byte now if that is where this read stopped.
-    if (r > 0 && size_t(r) < want && take_poison_at_mark(prev_fd_)) prev_poisoned = true;
+    ssize_t r = recv_frame_part(prev_fd_, rhdr, rspan, roff, &prev_poisoned);
     if (r == 0) closed(prev_fd_, ctx_.prev_rank, prev_name, prev_poisoned);
     if (r < 0) {
       if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)

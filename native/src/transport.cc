@@ -698,6 +698,38 @@ namespace {
 
 }  // namespace
 
+namespace {
+// The unsent (or unreceived) rest of a frame: the header's remainder, then the payload's.
+int frame_rest(FrameHeader& hdr, Span payload, size_t done, iovec iov[2]) {
+  int n = 0;
+  if (done < sizeof(hdr)) iov[n++] = {reinterpret_cast<char*>(&hdr) + done, sizeof(hdr) - done};
+  size_t pdone = done > sizeof(hdr) ? done - sizeof(hdr) : 0;
+  if (payload.bytes > pdone) iov[n++] = {payload.ptr + pdone, payload.bytes - pdone};
+  return n;
+}
+}  // namespace
+
+ssize_t send_frame_part(int fd, const FrameHeader& hdr, Span payload, size_t done) {
+  FrameHeader h = hdr;  // sendmsg only reads it
+  iovec iov[2];
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = frame_rest(h, payload, done, iov);
+  return ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+ssize_t recv_frame_part(int fd, FrameHeader& hdr, Span payload, size_t done, bool* poisoned) {
+  iovec iov[2];
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = frame_rest(hdr, payload, done, iov);
+  size_t want = 0;
+  for (size_t k = 0; k < mh.msg_iovlen; ++k) want += iov[k].iov_len;
+  ssize_t r = ::recvmsg(fd, &mh, MSG_DONTWAIT);
+  if (r > 0 && size_t(r) < want && take_poison_at_mark(fd)) *poisoned = true;
+  return r;
+}
+
 std::string frame_mismatch(const FrameHeader& h, const OpInfo& op, size_t index, size_t bytes,
                            const std::string& sender) {
   if (h.seq != op.seq || h.tag != op.tag)
@@ -840,15 +872,7 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
     bool progress = false;
     bool can_send = si < nsend && (plan.send_after(si) < 0 || size_t(plan.send_after(si)) < ri);
     if (can_send) {
-      iovec iov[2];
-      int n = 0;
-      if (soff < sizeof(shdr)) iov[n++] = {reinterpret_cast<char*>(&shdr) + soff, sizeof(shdr) - soff};
-      size_t pdone = soff > sizeof(shdr) ? soff - sizeof(shdr) : 0;
-      if (sspan.bytes > pdone) iov[n++] = {sspan.ptr + pdone, sspan.bytes - pdone};
-      msghdr mh{};
-      mh.msg_iov = iov;
-      mh.msg_iovlen = n;
-      ssize_t w = ::sendmsg(next_fd_, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      ssize_t w = send_frame_part(next_fd_, shdr, sspan, soff);
       if (w > 0) {
         soff += size_t(w);
         progress = true;
@@ -862,20 +886,7 @@ void TcpLinks::run(Plan& plan, const OpInfo& op) {
       }
     }
     if (ri < nrecv) {
-      iovec iov[2];
-      int n = 0;
-      if (roff < sizeof(rhdr)) iov[n++] = {reinterpret_cast<char*>(&rhdr) + roff, sizeof(rhdr) - roff};
-      size_t pdone = roff > sizeof(rhdr) ? roff - sizeof(rhdr) : 0;
-      if (rspan.bytes > pdone) iov[n++] = {rspan.ptr + pdone, rspan.bytes - pdone};
-      msghdr mh{};
-      mh.msg_iov = iov;
-      mh.msg_iovlen = n;
-      size_t want = 0;
-      for (int k = 0; k < n; ++k) want += iov[k].iov_len;
-      ssize_t r = ::recvmsg(prev_fd_, &mh, MSG_DONTWAIT);
-      // Linux stops a read at the urgent mark and drops the urgent byte on the next read
-      // past it: take the poison byte now if that is where this read stopped.
-      if (r > 0 && size_t(r) < want && take_poison_at_mark(prev_fd_)) prev_poisoned_ = true;
+      ssize_t r = recv_frame_part(prev_fd_, rhdr, rspan, roff, &prev_poisoned_);
       if (r == 0) {
         lost(op, prev_fd_, ctx_.prev_rank, prev_name, "connection to " + prev_name + " closed (peer exited or failed)");
       } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {

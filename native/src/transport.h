@@ -13,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <poll.h>
+#include <sys/types.h>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -171,6 +172,15 @@ struct FrameHeader {
   uint64_t bytes;
 };
 static_assert(sizeof(FrameHeader) == 24, "frame header is 24 bytes on the wire");
+
+// One non-blocking sendmsg of what is left of a frame (`hdr`, then `payload`), `done` bytes of
+// which are out already: what sendmsg returned (errno set when negative).
+ssize_t send_frame_part(int fd, const FrameHeader& hdr, Span payload, size_t done);
+// One non-blocking recvmsg into the rest of a frame, `done` bytes of which arrived: what
+// recvmsg returned. Linux stops a read at the urgent mark and drops the urgent byte on the
+// next read past it, so when this read stopped there the poison byte is taken now and
+// *poisoned set.
+ssize_t recv_frame_part(int fd, FrameHeader& hdr, Span payload, size_t done, bool* poisoned);
 
 struct OpInfo;
 // Empty when `h` is the header of receive `index` (`bytes` long) of `op`; else why not.
