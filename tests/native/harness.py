@@ -16,7 +16,9 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import numpy as np
 
 import elastic
 
@@ -168,3 +170,44 @@ class World:
 def run_world(n: int, fn: Callable, timeout: float = 120, **kw) -> List[Any]:
     with World(n, fn, **kw) as w:
         return w.results(timeout)
+
+
+def allreduce_forever(elements: int) -> Callable:
+    """A worker body: one allreduce of `elements` float32, then "running", then the same
+    allreduce forever, so every later moment is inside a collective."""
+    def body(comm, conn):
+        buf = np.ones(elements, dtype=np.float32)
+        comm.allreduce_(buf, elastic.Sum)
+        conn.send(("running", time.monotonic()))
+        while True:
+            comm.allreduce_(buf, elastic.Sum)
+
+    body.wants_conn = True
+    return body
+
+
+def kill_mid_allreduce(n: int, victim: int, *, elements: int = 64 << 20, budget_s: float = 0.5,
+                       **world_kw) -> Dict[int, tuple]:
+    """SIGKILLs rank `victim` while every rank is inside an allreduce (256 MiB by default) and
+    checks that every survivor raised WorkerLostError (peer_lost or propagated) within
+    `budget_s` of the kill; returns the survivors' error messages by rank."""
+    errors = {}
+    with World(n, allreduce_forever(elements), **world_kw) as w:
+        w.wait_formed()
+        for r in range(n):
+            w.expect(r, "running", timeout=120)
+        killed_at = w.kill(victim, signal.SIGKILL)
+        for r in range(n):
+            if r == victim:
+                continue
+            msg = w.expect(r, "error", timeout=10)
+            assert msg[1] == "WorkerLostError", msg[2]
+            assert msg[5] - killed_at < budget_s, f"rank {r} took {msg[5] - killed_at:.3f} s"
+            assert msg[4]["reason"] in ("peer_lost", "propagated"), msg[4]
+            errors[r] = msg
+    return errors
+
+
+def blamed(errors: Dict[int, tuple]) -> List[int]:
+    """The ranks the survivors named as lost (a "propagated" failure names nobody)."""
+    return [msg[4]["peer"] for msg in errors.values() if msg[4]["reason"] == "peer_lost"]

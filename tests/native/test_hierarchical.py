@@ -12,7 +12,7 @@ import pytest
 
 import elastic
 
-from .harness import HIERARCHICAL, World, mixed_hosts, run_world
+from .harness import HIERARCHICAL, World, allreduce_forever, kill_mid_allreduce, mixed_hosts, run_world
 from .test_collectives import _matrix, _random_floats
 
 # ranks per host, in rank order
@@ -166,41 +166,20 @@ def test_abort_in_any_phase_fails_the_allreduce_within_50ms_and_wakes_the_others
         assert results[r][0] in ("aborted", "propagated", "peer_lost"), results
 
 
-def _allreduce_forever(comm, conn):
-    buf = np.ones(16 << 20, dtype=np.float32)
-    comm.allreduce_(buf, elastic.Sum)
-    conn.send(("running", time.monotonic()))
-    while True:
-        comm.allreduce_(buf, elastic.Sum)
-
-
-_allreduce_forever.wants_conn = True
-
-
 @pytest.mark.parametrize("victim", [3, 2])
 def test_sigkill_with_uneven_hosts_fails_every_survivor_within_half_a_second(victim):
     # Hosts a, a, a, b: rank 3 is a host of its own (a leader with no local ring), rank 2 the
     # end of host a's local ring.
-    n = 4
-    with World(n, _allreduce_forever, config=HIERARCHICAL, transport=mixed_hosts(3, 1)) as w:
-        w.wait_formed()
-        for r in range(n):
-            w.expect(r, "running", timeout=120)
-        killed_at = w.kill(victim, signal.SIGKILL)
-        for r in range(n):
-            if r == victim:
-                continue
-            msg = w.expect(r, "error", timeout=10)
-            assert msg[1] == "WorkerLostError", msg[2]
-            assert msg[5] - killed_at < 0.5, f"rank {r} took {msg[5] - killed_at:.3f} s"
-            assert msg[4]["reason"] in ("peer_lost", "propagated") and msg[4]["op"] == "allreduce", msg[4]
-            assert "hierarchical" in msg[2], msg[2]
+    errors = kill_mid_allreduce(4, victim, elements=16 << 20, config=HIERARCHICAL, transport=mixed_hosts(3, 1))
+    for msg in errors.values():
+        assert msg[4]["op"] == "allreduce", msg[4]
+        assert "hierarchical" in msg[2], msg[2]
 
 
 def test_sigstop_in_a_hierarchical_allreduce_fires_the_deadline():
     n, timeout = 4, 1.0
     config = elastic.CommConfig(timeout=timeout, algorithm="hierarchical")
-    with World(n, _allreduce_forever, config=config, transport=mixed_hosts(2, 2)) as w:
+    with World(n, allreduce_forever(16 << 20), config=config, transport=mixed_hosts(2, 2)) as w:
         w.wait_formed()
         for r in range(n):
             w.expect(r, "running", timeout=120)

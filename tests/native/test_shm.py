@@ -13,9 +13,8 @@ import pytest
 
 import elastic
 
-from .harness import World, run_world
+from .harness import blamed, kill_mid_allreduce, run_world
 from .test_collectives import _matrix
-from .test_failures import _allreduce_forever
 
 _CTX = mp.get_context("fork")
 MIXED = ["host-a", "host-a", "host-b", "host-b"]  # two "hosts", two ranks each
@@ -69,26 +68,11 @@ def test_sigkill_in_a_mixed_world_fails_every_survivor_within_half_a_second(vict
     # Ring: rank 0 sends to its host mate over shared memory; rank 1 sends to the other host
     # over TCP. Hierarchical: rank 0 is host a's leader (host-local ring and leaders' ring),
     # rank 1 is not (host-local ring only); killed in whichever phase the loop is in.
-    n = len(MIXED)
-    with World(n, _allreduce_forever, config=elastic.CommConfig(timeout=30, algorithm=algorithm),
-               transport=MIXED) as w:
-        w.wait_formed()
-        for r in range(n):
-            w.expect(r, "running", timeout=120)
-        killed_at = w.kill(victim, signal.SIGKILL)
-        blamed = []
-        for r in range(n):
-            if r == victim:
-                continue
-            msg = w.expect(r, "error", timeout=10)
-            assert msg[1] == "WorkerLostError", msg[2]
-            assert msg[5] - killed_at < 0.5, f"rank {r} took {msg[5] - killed_at:.3f} s"
-            assert msg[4]["reason"] in ("peer_lost", "propagated"), msg[4]
-            if msg[4]["reason"] == "peer_lost":
-                blamed.append(msg[4]["peer"])
-        # The killed rank is blamed. Over a TCP link whose send buffer is full a live rank's
-        # poison byte cannot be queued, so its successor may blame it too (native/README.md).
-        assert victim in blamed, blamed
+    errors = kill_mid_allreduce(len(MIXED), victim, config=elastic.CommConfig(timeout=30, algorithm=algorithm),
+                                transport=MIXED)
+    # The killed rank is blamed. Over a TCP link whose send buffer is full a live rank's
+    # poison byte cannot be queued, so its successor may blame it too (native/README.md).
+    assert victim in blamed(errors), blamed(errors)
 
 
 def _memfd_state():
