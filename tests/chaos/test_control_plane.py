@@ -68,6 +68,15 @@ def steps_between(job, t0: float, t1: float) -> int:
     return sum(1 for w in WORKERS for e in job.events(w) if e["ev"] == "step" and t0 <= e["t"] <= t1)
 
 
+def training(jobs, address: str, step: int):
+    """The job on WORKERS (a world of exactly three) against `address`, once all reached `step`."""
+    job = jobs(address, min_np=3, max_np=3, JOB_STEP_SLEEP=STEP_SLEEP)
+    for w in WORKERS:
+        job.start(w)
+    job.wait_step(step, WORKERS)
+    return job
+
+
 def check_one_world(job, results) -> None:
     """Nothing changed the world: every step of every worker ran in the first world, never restored."""
     versions = {e["v"] for w in WORKERS for e in job.events(w) if e["ev"] == "step"}
@@ -77,10 +86,7 @@ def check_one_world(job, results) -> None:
 
 def test_server_killed_and_restarted_changes_no_world_and_stops_no_step(servers, jobs, fault_free_loss):
     first = servers()
-    job = jobs(first.address, min_np=3, max_np=3, JOB_STEP_SLEEP=STEP_SLEEP)
-    for w in WORKERS:
-        job.start(w)
-    job.wait_step(6, WORKERS)
+    job = training(jobs, first.address, 6)
     killed_at = time.time()
     first.signal(signal.SIGKILL)
     first.kill()
@@ -99,10 +105,7 @@ def test_leading_replica_killed_the_other_takes_over_without_changing_the_world(
     a = servers()
     wait_until(lambda: leader_id(a.address), 15, "replica A to lead")
     b = servers()
-    job = jobs(f"{a.address},{b.address}", min_np=3, max_np=3, JOB_STEP_SLEEP=STEP_SLEEP)
-    for w in WORKERS:
-        job.start(w)
-    job.wait_step(6, WORKERS)
+    job = training(jobs, f"{a.address},{b.address}", 6)
     old_leader = leader_id(b.address)
     killed_at = time.time()
     a.signal(signal.SIGKILL)
@@ -118,10 +121,7 @@ def test_leading_replica_killed_the_other_takes_over_without_changing_the_world(
 
 def test_etcd_losing_a_member_then_its_leader_changes_no_world(cluster, servers, jobs, fault_free_loss):
     srv = servers()
-    job = jobs(srv.address, min_np=3, max_np=3, JOB_STEP_SLEEP=STEP_SLEEP)
-    for w in WORKERS:
-        job.start(w)
-    job.wait_step(5, WORKERS)
+    job = training(jobs, srv.address, 5)
     leader = cluster.leader()
     assert leader is not None
     # The server talks to the first endpoint (member 0) until it fails: lose that one first
