@@ -4,25 +4,7 @@ Faults (killed, stopped, failing workers; lost servers and links) are in tests/c
 
 from __future__ import annotations
 
-
-
-from .jobs import wait_until
-
-EPOCHS, SAMPLES = 3, 240
-
-
-def check_accounting(results, max_repartitions):
-    """Every sample of every epoch was trained on; repeats only from padding."""
-    for r in results:
-        seen = r["seen"]
-        assert min(seen) >= EPOCHS, f"{r['worker']}: a sample was skipped ({min(seen)} < {EPOCHS})"
-        extra = sum(seen) - EPOCHS * SAMPLES
-        assert 0 <= extra <= max_repartitions, f"{r['worker']}: {extra} repeats > padding bound {max_repartitions}"
-
-
-def check_identical(results):
-    hashes = {r["worker"]: r["hash"] for r in results}
-    assert len(set(hashes.values())) == 1, f"replicas differ: {hashes}"
+from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 
 
 def test_fault_free_job_completes_identically(job_factory):
