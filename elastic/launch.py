@@ -348,7 +348,7 @@ class Launcher:
         if hosts != self._last_hosts:
             others = {h: s for h, s in hosts.items() if h not in self._names()}
             self.out.note(f"discovery: {slots} slot(s) on this host ({self.cfg.host})"
-                          + (f"; other hosts, not started by this launcher (run elastic-run --rendezvous there): "
+                          + ("; other hosts, not started by this launcher (run elastic-run --rendezvous there): "
                              + ", ".join(f"{h}:{s}" for h, s in sorted(others.items())) if others else ""))
             self._last_hosts = hosts
         if slots != self.target:

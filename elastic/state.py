@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable
 
 import numpy as np
 

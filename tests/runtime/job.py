@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import signal
-import sys
 import time
 
 import torch
