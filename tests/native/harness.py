@@ -155,12 +155,13 @@ class World:
         self.wait_formed(timeout)
         out = []
         deadline = time.monotonic() + timeout
-        for r in range(self.n):
-            msg = self._recv(r, max(1.0, deadline - time.monotonic()))
-            if msg[0] != "ok":
-                raise WorkerFailed(f"rank {r} raised {msg[1]}: {msg[2]}\n{msg[3]}")
-            out.append(msg[1])
-        return out
+        msgs = [self._recv(r, max(1.0, deadline - time.monotonic())) for r in range(self.n)]
+        failed = [(r, m) for r, m in enumerate(msgs) if m[0] != "ok"]
+        if failed:
+            # Every failing rank, not only the first: the rank that failed first is often not rank 0.
+            raise WorkerFailed("\n".join(f"rank {r} raised {m[1]}: {m[2]}" for r, m in failed)
+                               + f"\n{failed[0][1][3]}")
+        return [m[1] for m in msgs]
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> float:
         os.kill(self.procs[rank].pid, sig)
