@@ -8,6 +8,8 @@
 | ``ELASTIC_HOST`` | host name; ranks of one host are contiguous | ``socket.gethostname()`` |
 | ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address |
 | ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
+| ``ELASTIC_TLS_CA`` | connect to the rendezvous with TLS, trusting this CA (PEM) | plaintext |
+| ``ELASTIC_TLS_CERT`` / ``ELASTIC_TLS_KEY`` | client certificate and key (servers with ``--tls-client-ca``) | none |
 | ``ELASTIC_JOB_SECRET`` | secret proving ring membership | derived from token and job id |
 | ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits (first worker's win) | 1 / 1024 |
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
@@ -22,31 +24,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import os
 import socket
 from typing import Mapping, Optional, Tuple
 
+from rendezvous.client import channel_credentials, is_loopback, parse_addresses, read_token_file
+
 from .communicator import CommConfig
 
-
-def _split_addresses(text: str) -> Tuple[str, ...]:
-    out = tuple(a.strip() for a in text.split(",") if a.strip())
-    for a in out:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"ELASTIC_RENDEZVOUS: {a!r} is not HOST:PORT")
-    return out
-
-
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+TLS_VARIABLES = ("ELASTIC_TLS_CA", "ELASTIC_TLS_CERT", "ELASTIC_TLS_KEY")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +43,9 @@ class WorkerConfig:
     host: str = ""
     ring_host: str = "127.0.0.1"
     token: Optional[str] = None
+    tls_ca: Optional[str] = None            # PEM paths; no CA: plaintext to the rendezvous
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
     job_secret: bytes = b""
     min_np: int = 1
     max_np: int = 1024
@@ -72,24 +61,22 @@ class WorkerConfig:
         if not addresses:
             raise ValueError("ELASTIC_RENDEZVOUS is not set: start workers with elastic-run, or set it to the "
                              "rendezvous server's HOST:PORT")
-        rendezvous = _split_addresses(addresses)
+        rendezvous = parse_addresses(addresses, "ELASTIC_RENDEZVOUS")
         host = env.get("ELASTIC_HOST") or socket.gethostname()
         job_id = env.get("ELASTIC_JOB_ID", "default")
         token = env.get("ELASTIC_TOKEN") or None
         token_file = env.get("ELASTIC_TOKEN_FILE")
         if token is None and token_file:
-            try:
-                with open(token_file) as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise ValueError(f"ELASTIC_TOKEN_FILE={token_file!r}: {e.strerror}") from None
+            token = read_token_file(token_file, "ELASTIC_TOKEN_FILE")
+        tls_ca, tls_cert, tls_key = (env.get(name) or None for name in TLS_VARIABLES)
+        channel_credentials(tls_ca, tls_cert, tls_key, names=TLS_VARIABLES)  # unreadable: fail now
         secret = env.get("ELASTIC_JOB_SECRET", "").encode()
         if not secret:
             # Every worker of the job derives the same secret without another variable to pass.
             secret = hmac.new((token or "").encode(), f"elastic-ring ring secret:{job_id}".encode(),
                               hashlib.sha256).hexdigest().encode()
         ring_host = env.get("ELASTIC_RING_HOST") or ("127.0.0.1" if all(
-            _is_loopback(a.rpartition(":")[0]) for a in rendezvous) else _host_address())
+            is_loopback(a.rpartition(":")[0]) for a in rendezvous) else _host_address())
 
         def number(name: str, kind, default):
             raw = env.get(name, "")
@@ -110,6 +97,9 @@ class WorkerConfig:
             host=host,
             ring_host=ring_host,
             token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
             job_secret=secret,
             min_np=number("ELASTIC_MIN_NP", int, 1),
             max_np=number("ELASTIC_MAX_NP", int, 1024),
@@ -126,6 +116,10 @@ class WorkerConfig:
         if cfg.min_np < 1 or cfg.max_np < cfg.min_np:
             raise ValueError(f"need 1 <= ELASTIC_MIN_NP <= ELASTIC_MAX_NP, got {cfg.min_np} and {cfg.max_np}")
         return cfg
+
+    def channel_credentials(self):
+        """TLS credentials for the rendezvous channel (None: plaintext)."""
+        return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, names=TLS_VARIABLES)
 
 
 def _host_address() -> str:

@@ -17,6 +17,9 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from rendezvous.client import channel_credentials, is_loopback, read_token_file
+
+from .config import TLS_VARIABLES
 from .launch_config import LaunchConfig, UsageError, parse
 from .launch_discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
 from .launch_procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
@@ -111,7 +114,18 @@ class Launcher:
                 raise LaunchFailed(str(e)) from None
             self._check_signal()
             self.out.note(f"rendezvous server for job {cfg.job_id} on {self._addresses[0]} (embedded)")
-        self.status = StatusClient(self._addresses, _read_token(cfg.token_file))
+            # A path, not the token: the file is this user's alone (another launcher of the same
+            # user may join with --rendezvous ADDRESS --token-file PATH).
+            self.out.note(f"its token is in {self.server.token_file} (readable by this user only)")
+        token = self.server.token if self.server is not None else _launcher_token(cfg.token_file)
+        try:
+            credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+        except ValueError as e:   # checked at parse time; a file may have gone since
+            raise LaunchFailed(str(e)) from None
+        if token and credentials is None and not all(is_loopback(a.rpartition(":")[0]) for a in self._addresses):
+            self.out.note(f"warning: the rendezvous token goes to {','.join(self._addresses)} in clear text; "
+                          "give --tls-ca (servers started with --tls-cert)")
+        self.status = StatusClient(self._addresses, token, credentials)
         self._check_job()
         if cfg.host_discovery_script:
             try:
@@ -182,9 +196,8 @@ class Launcher:
             "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
             "ELASTIC_MIN_NP": str(self.min_np), "ELASTIC_MAX_NP": str(self.max_np),
             "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}",
-            "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n),
-            **({"ELASTIC_TOKEN_FILE": os.path.abspath(cfg.token_file)} if cfg.token_file else {}),
-        })
+            "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n), **self._credential_env(),
+        }, drop=_CREDENTIAL_VARIABLES)
         try:
             w = Worker(slot, n, worker_id, cfg.command, env, self.out)
         except OSError as e:
@@ -193,6 +206,21 @@ class Launcher:
         self.all_workers.append(w)
         self.reporter.note_start(worker_id, time.monotonic())
         return w
+
+    def _credential_env(self) -> Dict[str, str]:
+        """How workers authenticate, in place of those variables in the launcher's environment:
+        the embedded server's token file, else --token-file, else the inherited ELASTIC_TOKEN /
+        ELASTIC_TOKEN_FILE; the TLS files this launcher uses itself (none for the embedded server)."""
+        cfg = self.cfg
+        token_file = self.server.token_file if self.server is not None else cfg.token_file
+        if token_file:
+            env = {"ELASTIC_TOKEN_FILE": os.path.abspath(token_file)}
+        else:
+            env = {k: os.environ[k] for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE") if os.environ.get(k)}
+        for name, path in zip(TLS_VARIABLES, (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)):
+            if path:
+                env[name] = path
+        return env
 
     def _scale(self) -> None:
         """Runs slots 0..target-1 (those not finished or waiting to respawn); stops the others."""
@@ -365,14 +393,23 @@ def _strip_job(reason: str, job_id: str) -> str:
     return reason[len(prefix):] if reason.startswith(prefix) else reason
 
 
-def _read_token(path: Optional[str]) -> Optional[str]:
-    if not path:
-        return os.environ.get("ELASTIC_TOKEN") or None
+# Replaced in every worker's environment by what _credential_env gives (if anything).
+_CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
+
+
+def _launcher_token(path: Optional[str]) -> Optional[str]:
+    """The token for --rendezvous servers: --token-file, else what the workers will read
+    (ELASTIC_TOKEN, then ELASTIC_TOKEN_FILE, as elastic.config does)."""
     try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError as e:
-        raise LaunchFailed(f"cannot read --token-file {path}: {e.strerror}") from None
+        if path:
+            return read_token_file(path, "--token-file")
+        if os.environ.get("ELASTIC_TOKEN"):
+            return os.environ["ELASTIC_TOKEN"]
+        if os.environ.get("ELASTIC_TOKEN_FILE"):
+            return read_token_file(os.environ["ELASTIC_TOKEN_FILE"], "ELASTIC_TOKEN_FILE")
+    except ValueError as e:
+        raise LaunchFailed(str(e)) from None
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

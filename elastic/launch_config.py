@@ -12,7 +12,11 @@ import os
 import re
 import shutil
 import socket
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+from rendezvous.client import channel_credentials, parse_addresses, read_token_file
+
+from .config import TLS_VARIABLES
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -23,8 +27,9 @@ Start the workers of an elastic-ring training job on this host and keep them goi
   elastic-run --np 4 --min-np 2 --max-restarts 3 -- python train.py --lr 0.1
   elastic-run --np 8 --rendezvous 10.0.0.1:29400,10.0.0.2:29400 --job-id exp7 -- python train.py
 
-Without --rendezvous, an embedded rendezvous server (in-memory store, no token, bound to
-127.0.0.1) runs as a child of this launcher and stops with it. With --rendezvous, the workers
+Without --rendezvous, an embedded rendezvous server (in-memory store, bound to 127.0.0.1, with a
+random token that only this launcher's workers get, in a file only this user can read) runs as a
+child of this launcher and stops with it. With --rendezvous, the workers
 join job --job-id on those servers: run one elastic-run per host (torchrun style) to span
 hosts, or to add a host to a running job. Dead workers (killed by a signal) are respawned with
 backoff, at most --max-restarts times per slot; a worker that exits with an error ends the job.
@@ -41,12 +46,16 @@ environment given to every worker (on top of this launcher's own, which is inher
   ELASTIC_MIN_NP           --min-np (the first worker of a job fixes it)
   ELASTIC_MAX_NP           --max-np (the first worker of a job fixes it)
   ELASTIC_ELASTIC_TIMEOUT  --elastic-timeout: seconds the job may stay below min-np
-  ELASTIC_TOKEN_FILE       --token-file, when given
+  ELASTIC_TOKEN_FILE       --token-file, or the embedded server's random token (a 0600 file)
+  ELASTIC_TLS_CA           --tls-ca, when given (also ELASTIC_TLS_CERT, ELASTIC_TLS_KEY)
   ELASTIC_LOCAL_SLOT       this worker's slot on this host (0..np-1); stable across respawns
   ELASTIC_RESTART_COUNT    how many times this slot was started before (0 the first time)
   PYTHONUNBUFFERED=1       so output reaches the launcher line by line
 Variables already set pass through, e.g. ELASTIC_RING_HOST (the address the ring listens on),
-ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_WORLD_TIMEOUT, ELASTIC_RESET_LIMIT, ELASTIC_TOKEN.
+ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_WORLD_TIMEOUT, ELASTIC_RESET_LIMIT; ELASTIC_TOKEN and
+ELASTIC_TOKEN_FILE too, unless --token-file or the embedded server gives the token. With
+--rendezvous, ELASTIC_TLS_CA/CERT/KEY already set stand for absent --tls-* flags; for the
+embedded server they are dropped.
 
 output: every worker line is prefixed with the worker's rank, "[3] ...", updated when the
 world changes ("[HOST-SLOT] ..." while a worker has no rank: joining or on standby). Launcher
@@ -75,6 +84,9 @@ class LaunchConfig:
     host_discovery_script: Optional[str]
     discovery_interval: float
     token_file: Optional[str]
+    tls_ca: Optional[str]             # absolute PEM paths, for the launcher and its workers
+    tls_cert: Optional[str]
+    tls_key: Optional[str]
     stop_timeout: float
     connect_timeout: float
 
@@ -127,7 +139,15 @@ def parser() -> argparse.ArgumentParser:
                    help="give up when no --rendezvous server answers within S seconds at start "
                         "(default: %(default)g)")
     p.add_argument("--token-file", metavar="F",
-                   help="rendezvous token file, passed to workers as ELASTIC_TOKEN_FILE")
+                   help="token file of the --rendezvous servers, passed to workers as ELASTIC_TOKEN_FILE")
+    p.add_argument("--tls-ca", metavar="PEM",
+                   help="connect to the --rendezvous servers with TLS, trusting this CA; passed to "
+                        "workers as ELASTIC_TLS_CA (default: $ELASTIC_TLS_CA)")
+    p.add_argument("--tls-cert", metavar="PEM",
+                   help="client certificate, for servers started with --tls-client-ca; passed to "
+                        "workers as ELASTIC_TLS_CERT (default: $ELASTIC_TLS_CERT)")
+    p.add_argument("--tls-key", metavar="PEM",
+                   help="private key for --tls-cert; passed as ELASTIC_TLS_KEY (default: $ELASTIC_TLS_KEY)")
     p.add_argument("--stop-timeout", type=float, default=10.0, metavar="S",
                    help="on Ctrl-C/SIGTERM or job end, SIGKILL workers still running S seconds after "
                         "SIGTERM (default: %(default)g)")
@@ -135,18 +155,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _addresses(text: str) -> Tuple[str, ...]:
-    out = tuple(a.strip() for a in text.split(",") if a.strip())
-    if not out:
-        raise UsageError("--rendezvous needs HOST:PORT[,HOST:PORT...]")
-    for a in out:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UsageError(f"--rendezvous: {a!r} is not HOST:PORT")
-    return out
+TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
 
 
-def parse(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
+def _tls(a: argparse.Namespace, embedded: bool, env: Mapping[str, str]) -> Tuple[Optional[str], ...]:
+    """The TLS files (absolute paths, checked readable): from the flags, else from the variables
+    the workers would read anyway; none for the embedded server (plaintext on 127.0.0.1)."""
+    flags = (a.tls_ca, a.tls_cert, a.tls_key)
+    if embedded:
+        given = [f for f, v in zip(TLS_FLAGS, flags) if v]
+        if given:
+            raise UsageError(f"{given[0]} needs --rendezvous: the embedded server listens on "
+                             "127.0.0.1 without TLS")
+        return (None, None, None)
+    if not any(flags):
+        flags = tuple(env.get(name) or None for name in TLS_VARIABLES)
+        names: Sequence[str] = TLS_VARIABLES
+    else:
+        names = TLS_FLAGS
+    try:
+        channel_credentials(*flags, names=names)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return tuple(os.path.abspath(f) if f else None for f in flags)
+
+
+def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> LaunchConfig:
+    env = os.environ if env is None else env
     a = parser().parse_args(argv)
     command: List[str] = list(a.command)
     if command and command[0] == "--":
@@ -170,7 +205,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
         raise UsageError(f"--port {a.port} is outside 0..65535")
     if a.stop_timeout < 0 or a.discovery_interval <= 0 or a.connect_timeout <= 0:
         raise UsageError("--stop-timeout must be >= 0, --discovery-interval and --connect-timeout > 0")
-    rendezvous = _addresses(a.rendezvous) if a.rendezvous is not None else ()
+    try:
+        rendezvous = parse_addresses(a.rendezvous, "--rendezvous") if a.rendezvous is not None else ()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if rendezvous and not a.job_id:
         raise UsageError("--rendezvous needs --job-id: the job these workers join")
     job_id = a.job_id or "default"
@@ -182,11 +220,18 @@ def parse(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     script = a.host_discovery_script
     if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
         raise UsageError(f"--host-discovery-script {script!r} is not an executable file")
-    if a.token_file is not None and not os.path.isfile(a.token_file):
-        raise UsageError(f"--token-file {a.token_file!r} does not exist")
+    if a.token_file is not None and not rendezvous:
+        raise UsageError("--token-file needs --rendezvous: the embedded server makes its own random token")
+    if a.token_file is not None:
+        try:
+            read_token_file(a.token_file, "--token-file")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    tls_ca, tls_cert, tls_key = _tls(a, not rendezvous, env)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
                         min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
                         max_restarts=a.max_restarts, elastic_timeout=a.elastic_timeout, port=a.port,
                         rendezvous=rendezvous, job_id=job_id, host=host, host_discovery_script=script,
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
+                        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                         stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout)

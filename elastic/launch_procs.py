@@ -179,8 +179,9 @@ def stop_all(workers: Sequence[Worker], timeout_s: float, hurry: Callable[[], bo
         w.join_output(2.0)
 
 
-def worker_env(base: Mapping[str, str], extra: Mapping[str, str]) -> Dict[str, str]:
-    env = dict(base)
+def worker_env(base: Mapping[str, str], extra: Mapping[str, str], drop: Sequence[str] = ()) -> Dict[str, str]:
+    """``base`` without the variables in ``drop``, with ``extra`` on top."""
+    env = {k: v for k, v in base.items() if k not in drop}
     env.update(extra)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

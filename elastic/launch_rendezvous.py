@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import grpc
 
 from rendezvous._proto import rendezvous_pb2 as pb
 from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.client import open_channel
 
 from .launch_procs import with_parent_death_signal
 
@@ -62,10 +65,11 @@ class JobView:
 class StatusClient:
     """Status RPCs against the configured servers, trying each in turn (any replica answers)."""
 
-    def __init__(self, addresses: Sequence[str], token: Optional[str] = None):
+    def __init__(self, addresses: Sequence[str], token: Optional[str] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None):
         self.addresses = list(addresses)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channels = {a: grpc.insecure_channel(a) for a in self.addresses}
+        self._channels = {a: open_channel(a, credentials) for a in self.addresses}
         self._stubs = {a: pb_grpc.RendezvousStub(ch) for a, ch in self._channels.items()}
 
     def job(self, job_id: str, timeout_s: float = 2.0) -> Optional[JobView]:
@@ -113,17 +117,32 @@ def _view(j) -> JobView:
 
 
 class EmbeddedServer:
-    """`python -m rendezvous serve --insecure` on 127.0.0.1 as a child process of the launcher."""
+    """`python -m rendezvous serve --token-file F` on 127.0.0.1 as a child process of the launcher.
+
+    Other users of this machine reach 127.0.0.1 too: the server wants a random token (256 bits),
+    written to `token_file`, mode 0600 in a private (0700) directory that `stop()` removes; only
+    this launcher and the workers it points there (ELASTIC_TOKEN_FILE) can read it.
+    """
 
     def __init__(self, port: int, elastic_timeout: float, log_line: Callable[[str], None]):
-        self._dir = tempfile.mkdtemp(prefix="elastic-run-")
+        self._dir = tempfile.mkdtemp(prefix="elastic-run-")   # 0700: only this user gets in
         self._port_file = os.path.join(self._dir, "port")
-        # No blacklisting: on one machine the only host would be refused after three respawns.
-        self.proc = subprocess.Popen(
-            with_parent_death_signal([sys.executable, "-m", "rendezvous", "serve", "--insecure", "--host", "127.0.0.1",
-             "--port", str(port), "--port-file", self._port_file, "--elastic-timeout", f"{elastic_timeout:g}",
-             "--blacklist-after", "1000000000", "--log-level", "WARNING"]),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.token_file = os.path.join(self._dir, "token")
+        self.token = secrets.token_urlsafe(32)
+        try:
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.token + "\n")
+            # No blacklisting: on one machine the only host would be refused after three respawns.
+            self.proc = subprocess.Popen(
+                with_parent_death_signal([sys.executable, "-m", "rendezvous", "serve", "--token-file",
+                 self.token_file, "--host", "127.0.0.1", "--port", str(port), "--port-file", self._port_file,
+                 "--elastic-timeout", f"{elastic_timeout:g}", "--blacklist-after", "1000000000",
+                 "--log-level", "WARNING"]),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._last = ""
         self._reader = threading.Thread(target=self._read, args=(log_line,), daemon=True)
         self._reader.start()
@@ -165,9 +184,7 @@ class EmbeddedServer:
                 _killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._reader.join(2)
-        for name in os.listdir(self._dir):
-            os.unlink(os.path.join(self._dir, name))
-        os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _killpg(pgid: int, sig: int) -> None:

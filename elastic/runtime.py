@@ -43,6 +43,7 @@ class Runtime:
         self.client = RendezvousClient(
             list(config.rendezvous), job_id=config.job_id, worker_id=config.worker_id, host=config.host,
             ring_address=self.listener.address, token=config.token,
+            credentials=config.channel_credentials(),
             spec=JobSpec(min_np=config.min_np, max_np=config.max_np, elastic_timeout_s=config.elastic_timeout))
         self._cond = threading.Condition()
         self.comm: Optional[Communicator] = None   # the ring of `self.world`, formed or forming

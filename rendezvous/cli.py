@@ -9,7 +9,9 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from .client import channel_credentials, open_channel, parse_addresses, read_token_file
 from .config import ServerConfig
+from .store import EtcdAccessError, EtcdStore, StoreError
 
 DESCRIPTION = """\
 The elastic-ring rendezvous service: decides which workers are in a training job (world versions,
@@ -17,6 +19,9 @@ ranks, evictions) and keeps all state in etcd so a restart or failover changes n
 
   elastic-rendezvous serve --port 29400 --etcd 10.0.0.9:2379 --token-file /etc/elastic/token
   elastic-rendezvous serve --insecure                     # in-memory store, no auth (one machine)
+  elastic-rendezvous serve --token-file /etc/elastic/token --tls-cert srv.pem --tls-key srv.key \\
+      --tls-client-ca ca.pem --etcd 10.0.0.9:2379 --etcd-ca etcd-ca.pem --etcd-user rdzv \\
+      --etcd-password-file /etc/elastic/etcd-password    # TLS and auth end to end
   elastic-rendezvous status --server 10.0.0.1:29400 --token-file /etc/elastic/token
 """
 
@@ -25,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-rendezvous", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{serve,status}")
-    s = sub.add_parser("serve", help="run the rendezvous daemon",
+    # No abbreviated flags: `--etcd-password X` must not pass for `--etcd-password-file X`.
+    s = sub.add_parser("serve", help="run the rendezvous daemon", allow_abbrev=False,
                        description="Run the rendezvous daemon. SIGTERM/SIGINT stop it gracefully "
                                    "(streams end without evicting anyone; leadership is handed over).")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
@@ -41,6 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     auth.add_argument("--insecure", action="store_true", help="accept requests without a token")
     s.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     s.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+    s.add_argument("--tls-client-ca", metavar="PEM",
+                   help="require client certificates signed by this CA (workers, launchers and "
+                        "status then need --tls-cert/--tls-key or ELASTIC_TLS_CERT/ELASTIC_TLS_KEY)")
+    s.add_argument("--etcd-ca", metavar="PEM", help="connect to etcd with TLS, trusting this CA")
+    s.add_argument("--etcd-cert", metavar="PEM",
+                   help="client certificate for etcd (started with --client-cert-auth)")
+    s.add_argument("--etcd-key", metavar="PEM", help="private key for --etcd-cert")
+    s.add_argument("--etcd-user", metavar="USER",
+                   help="authenticate to etcd as USER (needs --etcd-ca); the password comes from "
+                        "--etcd-password-file or ELASTIC_ETCD_PASSWORD, never the command line")
+    s.add_argument("--etcd-password-file", metavar="F", help="file holding --etcd-user's password")
     s.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
                    help="evict a worker that stops answering keepalive pings within S seconds "
                         "(default: %(default)s)")
@@ -69,32 +86,41 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--job", default="", help="only this job")
     t.add_argument("--token-file", metavar="F", help="file holding the token, if the server wants one")
     t.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
+    t.add_argument("--tls-cert", metavar="PEM",
+                   help="client certificate, for a server started with --tls-client-ca")
+    t.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
     t.add_argument("--timeout", type=float, default=5.0, metavar="S")
     return p
 
 
-def _read_token(path: str) -> str:
+def _read_secret(path: str, what: str) -> str:
     try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise SystemExit(f"elastic-rendezvous: cannot read token file {path}: {e.strerror}")
-    if not token:
-        raise SystemExit(f"elastic-rendezvous: token file {path} is empty")
-    return token
+        return read_token_file(path, what)
+    except ValueError as e:
+        raise SystemExit(f"elastic-rendezvous: {e}")
+
+
+def _etcd_password(a: argparse.Namespace) -> Optional[str]:
+    """--etcd-password-file, else ELASTIC_ETCD_PASSWORD (read only for --etcd-user: the variable
+    may be set for other tools)."""
+    if a.etcd_password_file:
+        return _read_secret(a.etcd_password_file, "--etcd-password-file")
+    return (os.environ.get("ELASTIC_ETCD_PASSWORD") or None) if a.etcd_user else None
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
-    endpoints = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
-    for ep in endpoints:
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise SystemExit(f"elastic-rendezvous: --etcd endpoint {ep!r} is not HOST:PORT")
+    try:
+        endpoints = parse_addresses(a.etcd, "--etcd") if a.etcd.strip() else ()
+    except ValueError as e:
+        raise SystemExit(f"elastic-rendezvous: {e}")
     if not 0 <= a.port < 65536:
         raise SystemExit(f"elastic-rendezvous: --port {a.port} is outside 0..65535")
     cfg = ServerConfig(host=a.host, port=a.port, etcd_endpoints=endpoints, etcd_prefix=a.etcd_prefix,
-                       token=_read_token(a.token_file) if a.token_file else None,
+                       token=_read_secret(a.token_file, "token file") if a.token_file else None,
                        insecure=a.insecure, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                       tls_client_ca=a.tls_client_ca, etcd_ca=a.etcd_ca, etcd_cert=a.etcd_cert,
+                       etcd_key=a.etcd_key, etcd_user=a.etcd_user,
+                       etcd_password=_etcd_password(a),
                        heartbeat_timeout_s=a.heartbeat_timeout, settle_s=a.settle,
                        leader_ttl_s=a.leader_ttl,
                        settle_max_s=max(2.0, a.settle * 10), default_elastic_timeout_s=a.elastic_timeout,
@@ -103,6 +129,10 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                        cooldown_max_s=a.blacklist_cooldown_range[1], advertise_address=a.advertise)
     try:
         cfg.validate()
+        # Read the PEM files now: a bad one is a usage error, not a failure after start.
+        cfg.server_credentials()
+        channel_credentials(cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key,
+                            names=("--etcd-ca", "--etcd-cert", "--etcd-key"))
     except ValueError as e:
         raise SystemExit(f"elastic-rendezvous: {e}")
     return cfg
@@ -111,22 +141,35 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
 async def _serve(cfg: ServerConfig, port_file: Optional[str]) -> None:
     from .server import RendezvousServer
 
+    log = logging.getLogger("rendezvous")
+    warning = cfg.exposure_warning()
+    if warning:
+        log.warning("%s", warning)
     server = RendezvousServer(cfg)
+    if isinstance(server.store, EtcdStore):
+        try:
+            await server.store.verify(f"{cfg.etcd_prefix}/leader")
+        except EtcdAccessError:
+            await server.store.close()
+            raise
+        except StoreError as e:   # etcd may come up later: the server waits for it
+            log.warning("etcd not reachable yet (will keep trying): %s", e)
     port = await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logging.getLogger("rendezvous").info(
-        "serving on %s:%d (%s store, %s)", cfg.host, port,
-        "etcd " + ",".join(cfg.etcd_endpoints) if cfg.etcd_endpoints else "in-memory",
-        "token auth" if cfg.token else "insecure")
+    log.info("serving on %s:%d (%s store, %s, %s)", cfg.host, port,
+             "etcd " + ",".join(cfg.etcd_endpoints) if cfg.etcd_endpoints else "in-memory",
+             "token auth" if cfg.token else "insecure",
+             ("TLS, client certificates required" if cfg.tls_client_ca else "TLS")
+             if cfg.tls_cert else "plaintext")
     if port_file:  # written atomically: whoever polls for it never reads half a number
         with open(port_file + ".tmp", "w") as f:
             f.write(str(port))
         os.replace(port_file + ".tmp", port_file)
     await stop.wait()
-    logging.getLogger("rendezvous").info("stopping (signal)")
+    log.info("stopping (signal)")
     await server.stop()
 
 
@@ -136,17 +179,15 @@ def _status(a: argparse.Namespace) -> int:
     from ._proto import rendezvous_pb2 as pb
     from ._proto import rendezvous_pb2_grpc as pb_grpc
 
-    md = (("authorization", f"Bearer {_read_token(a.token_file)}"),) if a.token_file else ()
-    if a.tls_ca:
-        try:
-            with open(a.tls_ca, "rb") as f:
-                creds = grpc.ssl_channel_credentials(f.read())
-        except OSError as e:
-            raise SystemExit(f"elastic-rendezvous: cannot read --tls-ca {a.tls_ca}: {e.strerror}")
-        channel = grpc.secure_channel(a.server, creds)
-    else:
-        channel = grpc.insecure_channel(a.server)
-    with channel as ch:
+    md = ((("authorization", f"Bearer {_read_secret(a.token_file, 'token file')}"),)
+          if a.token_file else ())
+    try:
+        if len(parse_addresses(a.server, "--server")) != 1:
+            raise ValueError(f"--server takes one HOST:PORT, got {a.server!r}")
+        creds = channel_credentials(a.tls_ca, a.tls_cert, a.tls_key)
+    except ValueError as e:
+        raise SystemExit(f"elastic-rendezvous: {e}")
+    with open_channel(a.server, creds) as ch:
         try:
             resp = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=a.job), timeout=a.timeout,
                                                      metadata=md)
@@ -191,7 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(cfg, a.port_file))
-    except OSError as e:
+    except (OSError, EtcdAccessError) as e:
         print(f"elastic-rendezvous: {e}", file=sys.stderr)
         return 1
     return 0

@@ -22,6 +22,12 @@ training in V and move to the next `WorldInfo` at a commit boundary every member
 `Standby` worker waits for a world that includes it. `Ended` means the server no longer knows this
 session (it was evicted, e.g. after being stopped longer than the heartbeat timeout): join again.
 
+TLS: `channel_credentials(ca, cert, key)` reads the PEM files once (a clear ValueError naming the
+flag or variable if one is unreadable) and is what every client of the service uses: workers, the
+launcher's Status polls, `elastic-rendezvous status`, and the rendezvous server's etcd connection.
+With a CA the channel is TLS and never falls back to plaintext, so a token sent on it only crosses
+TLS; a certificate and key are presented to servers that require client certificates.
+
 Liveness needs nothing from the caller: the open Watch stream plus gRPC keepalive (answered by gRPC's
 C core, without the GIL) tell the server this process is alive.
 
@@ -32,6 +38,7 @@ that pushes them. A World with the same version as the last one but different me
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import queue
 import random
@@ -157,6 +164,96 @@ def channel_options(keepalive_s: float = 1.0) -> list[tuple[str, int]]:
     ]
 
 
+# What a PEM file may hold at most: a long chain is a few tens of KiB; more is not a PEM file.
+_PEM_MAX_BYTES = 1 << 20
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """The PEM file at `path`; ValueError naming `what` (its flag or variable) if it is unreadable,
+    too large or holds no PEM block (gRPC would only fail later, at connect, without naming it)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_PEM_MAX_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
+    if len(data) > _PEM_MAX_BYTES:
+        raise ValueError(f"{what} {path} is larger than {_PEM_MAX_BYTES} bytes: not a PEM file")
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what} {path} is not a PEM file (no '-----BEGIN' line)")
+    return data
+
+
+def channel_credentials(ca: Optional[str], cert: Optional[str] = None, key: Optional[str] = None,
+                        *, names: Sequence[str] = ("--tls-ca", "--tls-cert", "--tls-key")
+                        ) -> Optional[grpc.ChannelCredentials]:
+    """TLS credentials of a client: trust the CA certificate(s) in `ca`, and present the client
+    certificate `cert` with its private key `key` when given (servers started with a client CA
+    require one). None without `ca`: a plaintext channel. `names` are how the caller calls the three
+    files (flags or variables), for the errors: unreadable files, a cert without its key, a client
+    certificate without a CA (it would never be sent)."""
+    ca_name, cert_name, key_name = names
+    if not ca:
+        if cert or key:
+            raise ValueError(f"{cert_name if cert else key_name} needs {ca_name}: a client "
+                             "certificate is only presented over TLS")
+        return None
+    if bool(cert) != bool(key):
+        raise ValueError(f"{cert_name} and {key_name} must be given together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_pem(ca, ca_name),
+        private_key=read_pem(key, key_name) if key else None,
+        certificate_chain=read_pem(cert, cert_name) if cert else None)
+
+
+def open_channel(address: str, credentials: Optional[grpc.ChannelCredentials] = None,
+                 options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
+    """A channel to `address`: TLS with `credentials` (from `channel_credentials`), else plaintext."""
+    if credentials is not None:
+        return grpc.secure_channel(address, credentials, options=list(options))
+    return grpc.insecure_channel(address, options=list(options))
+
+
+def parse_addresses(text: str, what: str) -> tuple[str, ...]:
+    """A comma-separated `HOST:PORT[,HOST:PORT...]` list (blanks ignored); ValueError naming `what`
+    for an entry that is not HOST:PORT with a port in 1..65535, or for an empty list."""
+    out = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not out:
+        raise ValueError(f"{what} needs HOST:PORT[,HOST:PORT...]")
+    for a in out:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{what}: {a!r} is not HOST:PORT")
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine only;
+    wildcards (0.0.0.0, ::, empty) and other names are not."""
+    host = host.strip().strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token_file(path: str, what: str) -> str:
+    """The token in the file at `path` (surrounding whitespace dropped); ValueError naming `what`
+    when it is unreadable, empty, or holds what an HTTP/2 header cannot carry."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4097)
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
+    token = raw.strip()
+    if not token:
+        raise ValueError(f"{what} {path} is empty")
+    if len(raw) > 4096 or any(b < 0x20 or b > 0x7e for b in token):
+        raise ValueError(f"{what} {path} must hold up to 4096 printable ASCII characters")
+    return token.decode("ascii")
+
+
 def _world(w: pb.World) -> WorldInfo:
     members = tuple(MemberInfo(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank,
                                m.local_size, m.cross_rank, m.cross_size, m.committed_step)
@@ -168,7 +265,8 @@ def _world(w: pb.World) -> WorldInfo:
 class RendezvousClient:
     def __init__(self, addresses: Sequence[str], *, job_id: str, worker_id: str, host: str,
                  ring_address: str, token: Optional[str] = None, spec: JobSpec = JobSpec(),
-                 tls_root_cert: Optional[bytes] = None, rpc_timeout_s: float = 5.0,
+                 tls_root_cert: Optional[bytes] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None, rpc_timeout_s: float = 5.0,
                  reconnect_timeout_s: float = 30.0, backoff_max_s: float = 1.0,
                  keepalive_s: float = 1.0):
         if not addresses:
@@ -181,7 +279,9 @@ class RendezvousClient:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.backoff_max_s = backoff_max_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._creds = grpc.ssl_channel_credentials(tls_root_cert) if tls_root_cert else None
+        # `credentials` (channel_credentials(ca, cert, key)) or, shorter, just a CA certificate.
+        self._creds = credentials or (grpc.ssl_channel_credentials(tls_root_cert) if tls_root_cert
+                                      else None)
         self._options = channel_options(keepalive_s)
         self._channels: dict[str, grpc.Channel] = {}
         self._current = 0
@@ -206,8 +306,7 @@ class RendezvousClient:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = (grpc.secure_channel(address, self._creds, options=self._options) if self._creds
-                      else grpc.insecure_channel(address, options=self._options))
+                ch = open_channel(address, self._creds, self._options)
                 self._channels[address] = ch
             return pb_grpc.RendezvousStub(ch)
 

@@ -5,9 +5,15 @@ import dataclasses
 import os
 import socket
 import uuid
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+import grpc
+
+from .client import is_loopback, read_pem
 from .decision import DecisionConfig
+
+if TYPE_CHECKING:
+    from .store import EtcdAccess
 
 
 @dataclasses.dataclass
@@ -18,8 +24,15 @@ class ServerConfig:
     etcd_prefix: str = "/elastic-ring"
     token: Optional[str] = None             # required in `authorization: Bearer <token>` metadata
     insecure: bool = False                  # accept requests without a token
-    tls_cert: Optional[str] = None
+    tls_cert: Optional[str] = None          # PEM chain served to clients; with tls_key: TLS only
     tls_key: Optional[str] = None
+    tls_client_ca: Optional[str] = None     # require client certificates signed by this CA
+    # etcd over TLS (a CA alone, or with a client certificate) and etcd's user/password auth.
+    etcd_ca: Optional[str] = None
+    etcd_cert: Optional[str] = None
+    etcd_key: Optional[str] = None
+    etcd_user: Optional[str] = None
+    etcd_password: Optional[str] = dataclasses.field(default=None, repr=False)
     # Liveness: a client that stops answering HTTP/2 keepalive pings is cut off after at most
     # heartbeat_timeout_s (ping every third, wait a third for the ack); a broken stream evicts at once.
     heartbeat_timeout_s: float = 3.0
@@ -47,6 +60,31 @@ class ServerConfig:
             raise ValueError("the token is empty")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert/--tls-key: client certificates are "
+                             "only checked over TLS")
+        etcd_flags = [flag for flag, value in (("--etcd-ca", self.etcd_ca),
+                                               ("--etcd-cert", self.etcd_cert),
+                                               ("--etcd-key", self.etcd_key),
+                                               ("--etcd-user", self.etcd_user)) if value]
+        if etcd_flags and not self.etcd_endpoints:
+            raise ValueError(f"{etcd_flags[0]} needs --etcd HOST:PORT")
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ValueError("--etcd-cert and --etcd-key must be given together")
+        if self.etcd_cert and not self.etcd_ca:
+            raise ValueError("--etcd-cert needs --etcd-ca: a client certificate is only presented "
+                             "over TLS")
+        if self.etcd_user is not None and not self.etcd_user.strip():
+            raise ValueError("--etcd-user is empty")
+        if self.etcd_user and not self.etcd_password:
+            raise ValueError("--etcd-user needs a password: --etcd-password-file F or "
+                             "ELASTIC_ETCD_PASSWORD")
+        if self.etcd_password and not self.etcd_user:
+            raise ValueError("an etcd password needs --etcd-user")
+        if self.etcd_user and not self.etcd_ca:
+            # etcd's Authenticate would carry the password in clear text, and the etcd3 client
+            # sends the token it gets only over TLS (every call after it would be refused).
+            raise ValueError("--etcd-user needs --etcd-ca: the etcd password is only sent over TLS")
         if not 0.5 <= self.heartbeat_timeout_s <= 600:
             raise ValueError(f"heartbeat timeout {self.heartbeat_timeout_s} s is outside 0.5..600 s")
         if not 0 <= self.settle_s <= self.settle_max_s:
@@ -55,6 +93,36 @@ class ServerConfig:
             raise ValueError("leader TTL must be at least 1 s")
         if self.blacklist_after < 0:
             raise ValueError(f"--blacklist-after must be 0 (never) or more, got {self.blacklist_after}")
+
+    def server_credentials(self) -> Optional[grpc.ServerCredentials]:
+        """TLS credentials to serve with (None: plaintext); with a client CA, clients must present
+        a certificate it signed. Reads the files: ValueError naming the flag if one is unreadable."""
+        if not self.tls_cert:
+            return None
+        pair = (read_pem(self.tls_key, "--tls-key"), read_pem(self.tls_cert, "--tls-cert"))
+        if not self.tls_client_ca:
+            return grpc.ssl_server_credentials([pair])
+        return grpc.ssl_server_credentials([pair], root_certificates=read_pem(
+            self.tls_client_ca, "--tls-client-ca"), require_client_auth=True)
+
+    def etcd_access(self) -> "EtcdAccess":
+        from .store import EtcdAccess
+
+        return EtcdAccess(ca=self.etcd_ca, cert=self.etcd_cert, key=self.etcd_key,
+                          user=self.etcd_user, password=self.etcd_password)
+
+    def exposure_warning(self) -> Optional[str]:
+        """One line for an operator when this server is reachable beyond this machine without
+        protection: no token (anyone can join), or a token without TLS (it crosses in clear)."""
+        if is_loopback(self.host):
+            return None
+        if self.insecure and self.token is None:
+            return (f"--insecure on {self.host}: anyone who can reach this address can join jobs "
+                    "and act as their workers; use --token-file F (and --tls-cert/--tls-key)")
+        if self.token is not None and not self.tls_cert:
+            return (f"token auth without TLS on {self.host}: the token crosses the network in "
+                    "clear text; add --tls-cert/--tls-key")
+        return None
 
     def decision(self) -> DecisionConfig:
         return DecisionConfig(settle_s=self.settle_s, settle_max_s=self.settle_max_s,

@@ -876,7 +876,7 @@ class RendezvousServer:
         if store is None:
             if config.etcd_endpoints:
                 from .store import EtcdStore
-                store = EtcdStore(config.etcd_endpoints)
+                store = EtcdStore(config.etcd_endpoints, access=config.etcd_access())
             else:
                 store = MemoryStore()
         self.store = store
@@ -889,12 +889,9 @@ class RendezvousServer:
                                  options=server_options(self.config))
         pb_grpc.add_RendezvousServicer_to_server(self.service, self.server)
         addr = f"{self.config.host}:{self.config.port}"
-        if self.config.tls_cert:
-            with open(self.config.tls_cert, "rb") as f:
-                cert = f.read()
-            with open(self.config.tls_key, "rb") as f:
-                key = f.read()
-            self.port = self.server.add_secure_port(addr, grpc.ssl_server_credentials([(key, cert)]))
+        credentials = self.config.server_credentials()
+        if credentials is not None:
+            self.port = self.server.add_secure_port(addr, credentials)
         else:
             self.port = self.server.add_insecure_port(addr)
         if not self.port:

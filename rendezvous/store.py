@@ -17,9 +17,28 @@ import threading
 import time
 from typing import Optional, Sequence
 
+import grpc
+
 
 class StoreError(RuntimeError):
     """The store could not be reached or answered with an error; the message names the operation."""
+
+
+class EtcdAccessError(StoreError):
+    """etcd refused this server's credentials (wrong user or password, no permission on the key
+    prefix, auth not enabled there): trying again does not help, the configuration must change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdAccess:
+    """How the server reaches etcd: over TLS when `ca` is given (trusting it; presenting `cert`
+    and `key` to an etcd started with --client-cert-auth), as etcd user `user` when given."""
+
+    ca: Optional[str] = None
+    cert: Optional[str] = None
+    key: Optional[str] = None
+    user: Optional[str] = None
+    password: Optional[str] = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +221,20 @@ class MemoryStore(Store):
 
 # -------------------------------------------------------------------------------------------- etcd
 class EtcdStore(Store):
-    """etcd v3 through the `etcd3` module (blocking gRPC calls, run in worker threads)."""
+    """etcd v3 through the `etcd3` module (blocking gRPC calls, run in worker threads).
 
-    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 5.0):
+    With `access.user`, each member's client authenticates (a round trip) when it is first used,
+    so a member that is down at start costs nothing until its turn; etcd's token expires after
+    its --auth-token-ttl unused, and dies with a restarted member, so a call refused with
+    UNAUTHENTICATED authenticates again once and is repeated (etcd refused it before applying it,
+    so a write is safe to repeat too)."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 5.0,
+                 access: EtcdAccess = EtcdAccess()):
         import etcd3  # imported here so the in-memory default does not need it
         import etcd3.transactions
+
+        from .client import channel_credentials
 
         self._etcd3 = etcd3
         self._tx = etcd3.transactions
@@ -219,15 +247,56 @@ class EtcdStore(Store):
                 raise ValueError(f"etcd endpoint {ep!r} is not HOST:PORT")
             eps.append((host, int(port)))
         self.endpoints = list(endpoints)
+        self._creds = channel_credentials(access.ca, access.cert, access.key,
+                                          names=("--etcd-ca", "--etcd-cert", "--etcd-key"))
+        if access.user and self._creds is None:
+            raise ValueError("etcd user/password auth needs TLS (--etcd-ca): the etcd3 client "
+                             "sends its token only over TLS")
+        self._user, self._password = access.user, access.password
+        self._timeout_s = timeout_s
+        self._members = eps
         # One client per member, failover done here: etcd3's multi-endpoint client shuns a
         # failed member for 5 minutes, so with members lost one after another the store went
-        # dead long after the cluster healed.
-        # time_retry=0: a member that failed is tried again as soon as its turn comes.
-        self._clients = [etcd3.MultiEndpointEtcd3Client(
-            endpoints=[etcd3.Endpoint(host, port, secure=False, time_retry=0)], timeout=timeout_s)
-            for host, port in eps]
+        # dead long after the cluster healed. Made on first use (see _client).
+        self._clients: list = [None] * len(eps)
+        self._member_locks = [threading.Lock() for _ in eps]
         self._current = 0
         self._switch_lock = threading.Lock()
+
+    def _client(self, i: int):
+        """Member i's client, made (and with a user, authenticated) on first use. Raises
+        _NotReached when the member cannot be reached, EtcdAccessError when it refuses us."""
+        with self._member_locks[i]:
+            client = self._clients[i]
+            if client is not None:
+                return client
+            host, port = self._members[i]
+            # time_retry=0: a member that failed is tried again as soon as its turn comes.
+            endpoint = self._etcd3.Endpoint(host, port, secure=self._creds is not None,
+                                            creds=self._creds, time_retry=0)
+            try:
+                client = self._etcd3.MultiEndpointEtcd3Client(
+                    endpoints=[endpoint], timeout=self._timeout_s, user=self._user,
+                    password=self._password)
+            except grpc.RpcError as e:   # only the Authenticate call makes a round trip
+                endpoint.close()
+                where = f"etcd member {host}:{port}"
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _NotReached(f"{where}: {e.code().name}: {e.details()}") from None
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise EtcdAccessError(f"{where} has authentication disabled ({e.details()}): "
+                                          "enable it there or drop --etcd-user") from None
+                raise EtcdAccessError(f"{where} refused etcd user {self._user!r}: "
+                                      f"{e.code().name}: {e.details()}") from None
+            self._clients[i] = client
+            return client
+
+    def _drop(self, i: int, client) -> None:
+        """Forget member i's client (its auth token is no good); the next call makes a new one."""
+        with self._member_locks[i]:
+            if self._clients[i] is client:
+                self._clients[i] = None
+        client.close()
 
     def _move_on(self, i: int) -> None:
         """Member i failed: the next call goes to the next member (unless another thread moved on)."""
@@ -240,14 +309,28 @@ class EtcdStore(Store):
         or etcd is between leaders) the next call goes to the next member; a read or an
         idempotent call (`retry`) is also tried again there, each member once. A write is not:
         UNAVAILABLE does not prove it was not applied, so it raises (StoreError: outcome
-        unknown) for the caller to settle, as after a timeout."""
+        unknown) for the caller to settle, as after a timeout. A member that could not even be
+        reached to authenticate was sent nothing: the next one is tried for writes too."""
         errors = self._etcd3.exceptions
 
         def attempt():
             for tried in range(1, len(self._clients) + 1):
                 i = self._current
                 try:
-                    return fn(self._clients[i])
+                    client = self._client(i)
+                except _NotReached:
+                    self._move_on(i)
+                    if tried == len(self._clients):
+                        raise
+                    continue
+                try:
+                    try:
+                        return fn(client)
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.UNAUTHENTICATED or self._user is None:
+                            raise
+                        self._drop(i, client)   # token expired or unknown: authenticate again
+                        return fn(self._client(i))
                 except errors.ConnectionFailedError:
                     self._move_on(i)
                     if not retry or tried == len(self._clients):
@@ -255,14 +338,31 @@ class EtcdStore(Store):
                 except errors.ConnectionTimeoutError:
                     self._move_on(i)
                     raise
+                except grpc.RpcError as e:
+                    if e.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                                    grpc.StatusCode.UNAUTHENTICATED):
+                        who = f"etcd user {self._user!r}" if self._user else "this client"
+                        raise EtcdAccessError(
+                            f"etcd {what}: {who} is refused by {self.endpoints[i]} "
+                            f"({e.code().name}: {e.details()}); it needs readwrite on the key "
+                            "prefix") from None
+                    raise
 
         try:
             return await asyncio.to_thread(attempt)
+        except _NotReached as e:
+            raise StoreError(f"etcd {what} failed: no member of {','.join(self.endpoints)} "
+                             f"reached; last: {e}") from e
         except StoreError:
             raise
         except Exception as e:  # etcd3 raises its own ConnectionFailedError, grpc errors, …
             raise StoreError(f"etcd {what} failed against {','.join(self.endpoints)}: "
-                             f"{type(e).__name__}: {e}") from e
+                             f"{_describe(e)}") from e
+
+    async def verify(self, key: str) -> None:
+        """Read `key` with this store's credentials, for a clear error at start: EtcdAccessError
+        if etcd refuses them, StoreError if no member answers (TLS failures name their cause)."""
+        await self.get(key)
 
     def _fence_compare(self, fence: Optional[Fence]):
         return [self._tx.Value(fence.key) == fence.value] if fence else []
@@ -337,6 +437,21 @@ class EtcdStore(Store):
     async def close(self):
         def close_all():
             for c in self._clients:
-                c.close()
+                if c is not None:
+                    c.close()
 
         await asyncio.to_thread(close_all)
+
+
+class _NotReached(StoreError):
+    """An etcd member could not be reached to authenticate (nothing was sent to it)."""
+
+
+def _describe(e: BaseException) -> str:
+    """An etcd3 error with the gRPC detail it hides ("etcd connection failed" says nothing of a TLS
+    handshake that failed on an unknown CA, say)."""
+    text = f"{type(e).__name__}: {e}"
+    cause = e.__context__
+    if isinstance(cause, grpc.RpcError) and not isinstance(e, grpc.RpcError):
+        text += f" ({cause.code().name}: {cause.details()})"
+    return text

@@ -92,8 +92,10 @@ def test_worker_error_ends_the_job_with_a_one_line_reason_and_no_respawn(launch)
 def test_second_launcher_joins_the_running_job_and_the_world_grows_at_a_commit(launch):
     a = launch("--np", "2", "--host", "hA", LW_STEPS="200")
     address = a.wait_for(r"rendezvous server for job default on (127\.0\.0\.1:\d+) \(embedded\)", 30).group(1)
+    token_file = a.wait_for(r"its token is in (\S+) \(readable by this user only\)", 5).group(1)
     a.wait_training(2)
-    b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default", LW_STEPS="200")
+    b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default",
+               "--token-file", token_file, LW_STEPS="200")
     b.wait_for(r"joining job default at world \d+ \(2 worker\(s\), phase RUNNING\)", 30)
     a.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0$", 30)
     b.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0 \([0-9.]+ s after start\)", 30)
@@ -195,9 +197,12 @@ def test_discovery_script_sets_the_slots_of_this_host(launch, tmp_path):
 def test_a_joining_launcher_refuses_a_host_already_in_the_job_and_a_different_spec(launch):
     a = launch("--np", "2", "--host", "hA", LW_STEPS="100000")
     address = a.wait_for(r"rendezvous server for job default on (127\.0\.0\.1:\d+) \(embedded\)", 30).group(1)
+    token_file = a.wait_for(r"its token is in (\S+) \(readable by this user only\)", 5).group(1)
     a.wait_for(r"world \d+: 2 worker\(s\)", 30)
-    same_host = launch("--np", "1", "--host", "hA", "--rendezvous", address, "--job-id", "default")
-    other_spec = launch("--np", "1", "--host", "hB", "--min-np", "3", "--rendezvous", address, "--job-id", "default")
+    same_host = launch("--np", "1", "--host", "hA", "--rendezvous", address, "--job-id", "default",
+                       "--token-file", token_file)
+    other_spec = launch("--np", "1", "--host", "hB", "--min-np", "3", "--rendezvous", address, "--job-id", "default",
+                        "--token-file", token_file)
     assert same_host.wait(30) == 1 and other_spec.wait(30) == 1
     assert same_host.stderr == ["elastic-run: error: job default already has workers from host hA: give this "
                                 "launcher another --host"], same_host.text()

@@ -18,6 +18,36 @@ def etcd(tmp_path_factory):
     proc.stop()
 
 
+@pytest.fixture(scope="session")
+def secure_etcd(tmp_path_factory):
+    """One etcd member that serves TLS, requires client certificates, and has auth enabled: a root
+    user and user `rdzv` (password `rdzv_password`, in `rdzv_password_file`) that may read and
+    write keys under /t/ only. `pki` is the test CA; its client certificate (CN elastic-client,
+    not an etcd user) opens the connection but grants nothing without a password."""
+    import secrets
+
+    from rendezvous.etcd_process import EtcdTls
+    from tests.certs import make_pki
+
+    pki = make_pki(str(tmp_path_factory.mktemp("etcd-pki")))
+    proc = EtcdProcess(str(tmp_path_factory.mktemp("etcd-secure")),
+                       tls=EtcdTls(ca=pki.ca, server_cert=pki.server_cert, server_key=pki.server_key,
+                                   client_cert=pki.client_cert, client_key=pki.client_key))
+    proc.pki = pki
+    proc.rdzv_password = secrets.token_urlsafe(16)
+    proc.rdzv_password_file = str(tmp_path_factory.mktemp("etcd-secrets") / "rdzv-password")
+    with open(proc.rdzv_password_file, "w") as f:
+        f.write(proc.rdzv_password + "\n")
+    try:
+        proc.add_user("rdzv", proc.rdzv_password, "/t/")
+        proc.enable_auth(secrets.token_urlsafe(16))
+    except BaseException:
+        proc.stop()
+        raise
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture(params=["memory", "etcd"])
 def store_kind(request):
     return request.param

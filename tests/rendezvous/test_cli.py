@@ -28,7 +28,7 @@ def test_serve_requires_a_token_or_insecure(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--insecure", "--etcd", "nohost"], "--etcd endpoint 'nohost' is not HOST:PORT"),
+    (["--insecure", "--etcd", "nohost"], "--etcd: 'nohost' is not HOST:PORT"),
     (["--insecure", "--port", "70000"], "--port 70000 is outside"),
     (["--insecure", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
     (["--insecure", "--heartbeat-timeout", "0.1"], "heartbeat timeout"),
