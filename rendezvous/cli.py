@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from .config import ServerConfig
+from .config import ServerConfig, read_token_file
 
 DESCRIPTION = """\
 The elastic-ring rendezvous service: decides which workers are in a training job (world versions,
@@ -36,9 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--etcd-prefix", default="/elastic-ring", help="key prefix in etcd "
                                                                   "(default: %(default)s)")
     auth = s.add_mutually_exclusive_group(required=True)
-    auth.add_argument("--token-file", metavar="F", help="file holding the job token; every RPC must "
-                                                        "send 'authorization: Bearer <token>'")
-    auth.add_argument("--insecure", action="store_true", help="accept requests without a token")
+    auth.add_argument("--token-file", metavar="F", help="file of accepted tokens, one a line; every "
+                                                        "RPC must send 'authorization: Bearer <token>'"
+                                                        " and a job belongs to the token that "
+                                                        "created it")
+    auth.add_argument("--insecure", action="store_true", help="accept requests without a token: anyone "
+                                                              "who can reach the server can join")
     s.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     s.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
     s.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
@@ -84,6 +87,13 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _read_tokens(path: str) -> tuple[str, ...]:
+    try:
+        return read_token_file(path)
+    except ValueError as e:
+        raise SystemExit(f"elastic-rendezvous: {e}")
+
+
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
     endpoints = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
     for ep in endpoints:
@@ -93,7 +103,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     if not 0 <= a.port < 65536:
         raise SystemExit(f"elastic-rendezvous: --port {a.port} is outside 0..65535")
     cfg = ServerConfig(host=a.host, port=a.port, etcd_endpoints=endpoints, etcd_prefix=a.etcd_prefix,
-                       token=_read_token(a.token_file) if a.token_file else None,
+                       tokens=_read_tokens(a.token_file) if a.token_file else (),
                        insecure=a.insecure, tls_cert=a.tls_cert, tls_key=a.tls_key,
                        heartbeat_timeout_s=a.heartbeat_timeout, settle_s=a.settle,
                        leader_ttl_s=a.leader_ttl,
@@ -120,7 +130,7 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str]) -> None:
     logging.getLogger("rendezvous").info(
         "serving on %s:%d (%s store, %s)", cfg.host, port,
         "etcd " + ",".join(cfg.etcd_endpoints) if cfg.etcd_endpoints else "in-memory",
-        "token auth" if cfg.token else "insecure")
+        "token auth" if cfg.accepted_tokens() else "insecure")
     if port_file:  # written atomically: whoever polls for it never reads half a number
         with open(port_file + ".tmp", "w") as f:
             f.write(str(port))
