@@ -8,20 +8,20 @@
 | ``ELASTIC_HOST`` | host name; ranks of one host are contiguous | ``socket.gethostname()`` |
 | ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address |
 | ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
-| ``ELASTIC_JOB_SECRET`` | secret proving ring membership | derived from token and job id |
 | ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits (first worker's win) | 1 / 1024 |
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
+
+The ring secret is not configured: the rendezvous server makes a random one per job and hands it
+to each worker it admits (``RendezvousClient.ring_secret``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import ipaddress
 import os
 import socket
@@ -57,7 +57,6 @@ class WorkerConfig:
     host: str = ""
     ring_host: str = "127.0.0.1"
     token: Optional[str] = None
-    job_secret: bytes = b""
     min_np: int = 1
     max_np: int = 1024
     elastic_timeout: float = 0.0
@@ -83,11 +82,6 @@ class WorkerConfig:
                     token = f.read().strip()
             except OSError as e:
                 raise ValueError(f"ELASTIC_TOKEN_FILE={token_file!r}: {e.strerror}") from None
-        secret = env.get("ELASTIC_JOB_SECRET", "").encode()
-        if not secret:
-            # Every worker of the job derives the same secret without another variable to pass.
-            secret = hmac.new((token or "").encode(), f"elastic-ring ring secret:{job_id}".encode(),
-                              hashlib.sha256).hexdigest().encode()
         ring_host = env.get("ELASTIC_RING_HOST") or ("127.0.0.1" if all(
             _is_loopback(a.rpartition(":")[0]) for a in rendezvous) else _host_address())
 
@@ -110,7 +104,6 @@ class WorkerConfig:
             host=host,
             ring_host=ring_host,
             token=token,
-            job_secret=secret,
             min_np=number("ELASTIC_MIN_NP", int, 1),
             max_np=number("ELASTIC_MAX_NP", int, 1024),
             elastic_timeout=number("ELASTIC_ELASTIC_TIMEOUT", float, 0.0),
