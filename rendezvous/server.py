@@ -590,6 +590,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 raise _Abort(grpc.StatusCode.PERMISSION_DENIED, f"job {request.job_id} belongs to "
                                                                 f"another token: this one cannot join it")
         elif job.state.phase not in d.TERMINAL:
+            if not job.state.ring_secret or not job.state.run:
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"job {request.job_id} was created by an older server, without a ring "
+                             f"secret: no worker can join it; launch it under another id")
             have = job.state.spec
             if (spec.min_np and spec.min_np != have.min_np) or (spec.max_np and spec.max_np != have.max_np):
                 raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,

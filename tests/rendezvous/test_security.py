@@ -461,3 +461,24 @@ def test_a_token_file_holds_one_token_a_line_and_a_one_token_file_still_works(tm
         read_token_file(str(empty))
     with pytest.raises(ValueError, match="token 2 has characters"):
         ServerConfig(tokens=("ok", "has space")).validate()
+
+
+def test_a_running_job_stored_by_an_older_server_is_refused_not_joined_without_a_secret():
+    import asyncio
+    import json
+    import time
+
+    from rendezvous import decision as d
+    state = json.loads(d.to_json(d.new_job("legacy", d.JobSpec(1, 4, 60.0), time.time())))
+    for field in ("credential", "ring_secret", "run"):   # what an older server wrote
+        del state[field]
+    store = MemoryStore()
+    config = server_config()
+    asyncio.run(store.put(f"{config.etcd_prefix}/jobs/legacy", json.dumps(state).encode()))
+    s = ServerThread(config, lambda: store)
+    try:
+        with grpc.insecure_channel(s.address) as ch:
+            code, details = code_of(pb_grpc.RendezvousStub(ch).Join, good_join("legacy", "w"), timeout=5)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "older server" in details
+    finally:
+        s.stop()
