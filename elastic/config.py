@@ -10,20 +10,20 @@
 | ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
 | ``ELASTIC_TLS_CA`` | connect to the rendezvous with TLS, trusting this CA (PEM) | plaintext |
 | ``ELASTIC_TLS_CERT`` / ``ELASTIC_TLS_KEY`` | client certificate and key (servers with ``--tls-client-ca``) | none |
-| ``ELASTIC_JOB_SECRET`` | secret proving ring membership | derived from token and job id |
 | ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits (first worker's win) | 1 / 1024 |
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
+
+The ring secret is not configured: the rendezvous server makes a random one per job and hands it
+to each worker it admits (``RendezvousClient.ring_secret``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import os
 import socket
 from typing import Mapping, Optional, Tuple
@@ -46,7 +46,6 @@ class WorkerConfig:
     tls_ca: Optional[str] = None            # PEM paths; no CA: plaintext to the rendezvous
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
-    job_secret: bytes = b""
     min_np: int = 1
     max_np: int = 1024
     elastic_timeout: float = 0.0
@@ -70,11 +69,6 @@ class WorkerConfig:
             token = read_token_file(token_file, "ELASTIC_TOKEN_FILE")
         tls_ca, tls_cert, tls_key = (env.get(name) or None for name in TLS_VARIABLES)
         channel_credentials(tls_ca, tls_cert, tls_key, names=TLS_VARIABLES)  # unreadable: fail now
-        secret = env.get("ELASTIC_JOB_SECRET", "").encode()
-        if not secret:
-            # Every worker of the job derives the same secret without another variable to pass.
-            secret = hmac.new((token or "").encode(), f"elastic-ring ring secret:{job_id}".encode(),
-                              hashlib.sha256).hexdigest().encode()
         ring_host = env.get("ELASTIC_RING_HOST") or ("127.0.0.1" if all(
             is_loopback(a.rpartition(":")[0]) for a in rendezvous) else _host_address())
 
@@ -100,7 +94,6 @@ class WorkerConfig:
             tls_ca=tls_ca,
             tls_cert=tls_cert,
             tls_key=tls_key,
-            job_secret=secret,
             min_np=number("ELASTIC_MIN_NP", int, 1),
             max_np=number("ELASTIC_MAX_NP", int, 1024),
             elastic_timeout=number("ELASTIC_ELASTIC_TIMEOUT", float, 0.0),

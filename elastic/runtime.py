@@ -201,8 +201,9 @@ class Runtime:
 
     def form(self, world: WorldInfo) -> Communicator:
         """Forms the ring of ``world``; raises WorkerLostError if it is aborted or superseded meanwhile."""
+        # The job's random secret, from the server's answer to this worker's Join.
         comm = Communicator.create(listener=self.listener, job_id=self.config.job_id,
-                                   secret=self.config.job_secret, world_version=world.version, rank=world.rank,
+                                   secret=self.client.ring_secret, world_version=world.version, rank=world.rank,
                                    peers=[m.ring_address for m in world.members],
                                    hosts=[m.host for m in world.members],  # same host: shared memory
                                    config=self.config.comm)

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from .client import channel_credentials, open_channel, parse_addresses, read_token_file
+from .client import channel_credentials, open_channel, parse_addresses, read_token_file, read_token_list
 from .config import ServerConfig
 from .store import EtcdAccessError, EtcdStore, StoreError
 
@@ -42,9 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--etcd-prefix", default="/elastic-ring", help="key prefix in etcd "
                                                                   "(default: %(default)s)")
     auth = s.add_mutually_exclusive_group(required=True)
-    auth.add_argument("--token-file", metavar="F", help="file holding the job token; every RPC must "
-                                                        "send 'authorization: Bearer <token>'")
-    auth.add_argument("--insecure", action="store_true", help="accept requests without a token")
+    auth.add_argument("--token-file", metavar="F", help="file of accepted tokens, one a line; every "
+                                                        "RPC must send 'authorization: Bearer <token>'"
+                                                        " and a job belongs to the token that "
+                                                        "created it")
+    auth.add_argument("--insecure", action="store_true", help="accept requests without a token: anyone "
+                                                              "who can reach the server can join")
     s.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     s.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
     s.add_argument("--tls-client-ca", metavar="PEM",
@@ -108,6 +111,13 @@ def _etcd_password(a: argparse.Namespace) -> Optional[str]:
     return (os.environ.get("ELASTIC_ETCD_PASSWORD") or None) if a.etcd_user else None
 
 
+def _read_tokens(path: str) -> tuple[str, ...]:
+    try:
+        return read_token_list(path, "token file")
+    except ValueError as e:
+        raise SystemExit(f"elastic-rendezvous: {e}")
+
+
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
     try:
         endpoints = parse_addresses(a.etcd, "--etcd") if a.etcd.strip() else ()
@@ -116,7 +126,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     if not 0 <= a.port < 65536:
         raise SystemExit(f"elastic-rendezvous: --port {a.port} is outside 0..65535")
     cfg = ServerConfig(host=a.host, port=a.port, etcd_endpoints=endpoints, etcd_prefix=a.etcd_prefix,
-                       token=_read_secret(a.token_file, "token file") if a.token_file else None,
+                       tokens=_read_tokens(a.token_file) if a.token_file else (),
                        insecure=a.insecure, tls_cert=a.tls_cert, tls_key=a.tls_key,
                        tls_client_ca=a.tls_client_ca, etcd_ca=a.etcd_ca, etcd_cert=a.etcd_cert,
                        etcd_key=a.etcd_key, etcd_user=a.etcd_user,
@@ -161,7 +171,7 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str]) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("serving on %s:%d (%s store, %s, %s)", cfg.host, port,
              "etcd " + ",".join(cfg.etcd_endpoints) if cfg.etcd_endpoints else "in-memory",
-             "token auth" if cfg.token else "insecure",
+             "token auth" if cfg.accepted_tokens() else "insecure",
              ("TLS, client certificates required" if cfg.tls_client_ca else "TLS")
              if cfg.tls_cert else "plaintext")
     if port_file:  # written atomically: whoever polls for it never reads half a number

@@ -8,7 +8,7 @@ that is tried next), costs one backoff step, never an error, until the call's de
     client = RendezvousClient(["10.0.0.1:29400", "10.0.0.2:29400"], job_id="job", worker_id="w0",
                               host="node1", ring_address="10.0.0.5:41000", token=token,
                               spec=JobSpec(min_np=2, max_np=8))
-    client.join(committed_step=-1)
+    client.join(committed_step=-1)                   # client.ring_secret: the job's ring secret
     world = client.wait_world(timeout_s=60)          # WorldInfo: version, rank, size, members, …
     ev = client.next_event(timeout_s=0.0)            # World / Pending / Abort / Standby / Finished / Ended
     client.heartbeat(committed_step=120)             # optional: progress picks rank 0 of the next world
@@ -34,6 +34,11 @@ C core, without the GIL) tell the server this process is alive.
 Sessions are numbered: `join()` starts a new one, empties the event queue, and events still arriving
 from the replaced session (its stream being closed, a stale `Ended`) are dropped, under the same lock
 that pushes them. A World with the same version as the last one but different members counts as new.
+
+A session id is a capability (the server refuses made-up ones), so it stays inside this object; a
+join() after the first sends the previous one as proof that this is the worker of that id. The
+ring secret from the Join answer is what the ring handshake authenticates with: hand it only to
+the Communicator.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ log = logging.getLogger("rendezvous.client")
 # are server bugs, and repeating the request would repeat them.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED)
+_MIN_RING_SECRET = 16   # bytes; a server that sends less is not one this client can trust
 
 
 class RendezvousError(RuntimeError):
@@ -238,20 +244,41 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _read_bounded(path: str, what: str, limit: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
+    if len(raw) > limit:
+        raise ValueError(f"{what} {path} is larger than {limit} bytes: a token is up to 4096 "
+                         "printable ASCII characters")
+    return raw
+
+
+def _check_token(token: bytes, what: str, path: str) -> str:
+    if len(token) > 4096 or any(b < 0x20 or b > 0x7e for b in token):
+        raise ValueError(f"{what} {path} must hold tokens of up to 4096 printable ASCII characters")
+    return token.decode("ascii")
+
+
 def read_token_file(path: str, what: str) -> str:
     """The token in the file at `path` (surrounding whitespace dropped); ValueError naming `what`
     when it is unreadable, empty, or holds what an HTTP/2 header cannot carry."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(4097)
-    except OSError as e:
-        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
-    token = raw.strip()
+    token = _read_bounded(path, what, 4096).strip()
     if not token:
         raise ValueError(f"{what} {path} is empty")
-    if len(raw) > 4096 or any(b < 0x20 or b > 0x7e for b in token):
-        raise ValueError(f"{what} {path} must hold up to 4096 printable ASCII characters")
-    return token.decode("ascii")
+    return _check_token(token, what, path)
+
+
+def read_token_list(path: str, what: str) -> tuple[str, ...]:
+    """The tokens a server accepts: one a line, blank lines ignored, so a one-token file works
+    as is. ValueError naming `what` when the file is unreadable, holds none, or a bad one."""
+    lines = (line.strip() for line in _read_bounded(path, what, 1 << 20).splitlines())
+    tokens = tuple(dict.fromkeys(_check_token(t, what, path) for t in lines if t))
+    if not tokens:
+        raise ValueError(f"{what} {path} is empty")
+    return tokens
 
 
 def _world(w: pb.World) -> WorldInfo:
@@ -288,6 +315,7 @@ class RendezvousClient:
         self._lock = threading.Lock()
         self._events: "queue.Queue[Event]" = queue.Queue()
         self.session_id: Optional[str] = None
+        self.ring_secret: Optional[bytes] = None      # the job's ring secret, from the Join answer
         self.world: Optional[WorldInfo] = None        # the latest world received
         self._closed = threading.Event()
         self._watch_thread: Optional[threading.Thread] = None
@@ -318,11 +346,13 @@ class RendezvousClient:
                 self._current = (self._current + 1) % len(self.addresses)
 
     def _call(self, method: str, request, timeout_s: Optional[float] = None, *,
-              attempt_s: Optional[float] = None, done_if_retried=()):
+              attempt_s: Optional[float] = None, done_if_retried=(), again_if_retried=()):
         """Unary call with failover across addresses and backoff, until `timeout_s` runs out.
 
         `done_if_retried`: status codes that, on a retry after an attempt whose outcome is unknown
         (DEADLINE_EXCEEDED, CANCELLED), mean the first attempt took effect (returns None then).
+        `again_if_retried`: codes that, after such an attempt, are retried with backoff (the first
+        attempt's effect clears by itself).
         """
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.rpc_timeout_s)
         attempt_s = attempt_s or self.rpc_timeout_s
@@ -339,7 +369,7 @@ class RendezvousClient:
                     return None
                 if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                     unsure = True
-                if e.code() not in _RETRYABLE:
+                if e.code() not in _RETRYABLE and not (unsure and e.code() in again_if_retried):
                     raise RendezvousError(f"{method} to {address} for job {self.job_id} worker "
                                           f"{self.worker_id}: {e.code().name}: {e.details()}",
                                           e.code()) from None
@@ -361,19 +391,28 @@ class RendezvousClient:
         """Join the job (creating it with `spec` if new) and start following it; returns the session.
 
         Joining again (e.g. after an `Ended` event) replaces the previous session: the event queue is
-        emptied and nothing from the old session is delivered any more.
+        emptied and nothing from the old session is delivered any more. The previous session id is
+        sent along: the server lets a worker id that is still registered join again only with it.
         """
         with self._session:
             self._gen += 1
             old_sid, self.session_id = self.session_id, None   # the watch thread pauses meanwhile
             self._committed_step = max(self._committed_step, committed_step)
         try:
-            # A retried Join (first attempt timed out) simply replaces the session it may have made.
+            # A Join whose first attempt timed out may have registered a session we never learnt:
+            # the retry is then refused ALREADY_EXISTS until that session, never watched, is
+            # evicted (the server's heartbeat timeout), so keep retrying within the deadline.
             resp = self._call("Join", pb.JoinRequest(
                 job_id=self.job_id, worker_id=self.worker_id, host=self.host,
                 ring_address=self.ring_address, committed_step=committed_step,
                 spec=pb.JobSpec(min_np=self.spec.min_np, max_np=self.spec.max_np,
-                                elastic_timeout_s=self.spec.elastic_timeout_s)), timeout_s)
+                                elastic_timeout_s=self.spec.elastic_timeout_s),
+                session_id=old_sid or ""), timeout_s,
+                again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,))
+            if len(resp.ring_secret) < _MIN_RING_SECRET:
+                raise RendezvousError(f"Join for job {self.job_id} worker {self.worker_id}: the "
+                                      f"server sent no ring secret ({len(resp.ring_secret)} bytes); "
+                                      f"it is too old for this client")
         except BaseException:
             with self._session:
                 if self.session_id is None:
@@ -382,6 +421,7 @@ class RendezvousClient:
             raise
         with self._session:
             self.session_id = resp.session_id
+            self.ring_secret = resp.ring_secret
             self._drain_queue()
             self._last_world_key = self._last_abort = self._last = None
             self.world = None
@@ -453,12 +493,18 @@ class RendezvousClient:
             # The server may wait up to its heartbeat timeout for the suspect's stream to break.
             timeout_s=max(30.0, self.rpc_timeout_s), attempt_s=max(15.0, self.rpc_timeout_s)).evicted
 
-    def report_success(self) -> None:
-        """This worker finished: the job completes for everyone."""
+    def report_success(self, world_version: Optional[int] = None) -> None:
+        """This worker finished: the job completes for everyone.
+
+        The server takes it only from a member of `world_version` (default: the latest world this
+        client received); a worker that never was in a world cannot end the job."""
+        if world_version is None:
+            world_version = self.world.version if self.world is not None else 0
         # Retried after an unknown outcome, FAILED_PRECONDITION means the job already finished.
         # Retried as long as a reconnect: lost to a leader change, the success would turn into
         # a job failure once the workers are gone.
-        self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid()),
+        self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid(),
+                                                            world_version=world_version),
                    max(3 * self.rpc_timeout_s, self.reconnect_timeout_s),
                    done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
 

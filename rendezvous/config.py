@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import socket
 import uuid
@@ -22,8 +23,12 @@ class ServerConfig:
     port: int = 29400                       # 0: pick a free port (tests)
     etcd_endpoints: tuple[str, ...] = ()    # empty: in-memory store (single server, embedded default)
     etcd_prefix: str = "/elastic-ring"
-    token: Optional[str] = None             # required in `authorization: Bearer <token>` metadata
-    insecure: bool = False                  # accept requests without a token
+    # Accepted in `authorization: Bearer <token>` metadata. Each job belongs to the token that
+    # created it; callers with another accepted token get nothing of it. `token` is shorthand for
+    # one more entry of `tokens` (tests, embedded use).
+    tokens: tuple[str, ...] = ()
+    token: Optional[str] = None
+    insecure: bool = False                  # no tokens: anyone who can reach the server can join
     tls_cert: Optional[str] = None          # PEM chain served to clients; with tls_key: TLS only
     tls_key: Optional[str] = None
     tls_client_ca: Optional[str] = None     # require client certificates signed by this CA
@@ -43,8 +48,9 @@ class ServerConfig:
     cooldown_max_s: float = 300.0
     default_elastic_timeout_s: float = 600.0
     leader_ttl_s: int = 2                   # etcd lease of the leader key: failover takes about this long
-    # The whole job state is one etcd value: ~350 B per worker (0.35 MiB at 1,024, 1.4 MiB at 4,096,
-    # measured). etcd refuses requests over 1.5 MiB by default (--max-request-bytes), so cap at half.
+    # The whole job state is one etcd value: ~430 B per worker with its session hash (0.43 MiB at
+    # 1,024, 1.7 MiB at 4,096, measured). etcd refuses requests over 1.5 MiB by default
+    # (--max-request-bytes), so cap at 2,048 (0.9 MiB).
     max_workers_per_job: int = 2048
     max_jobs: int = 1024                    # running jobs; finished ones do not count
     finished_job_retention_s: float = 3600.0  # then a finished job is forgotten (its id reusable)
@@ -52,12 +58,20 @@ class ServerConfig:
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     advertise_address: str = ""             # HOST:PORT clients should use to reach this replica
 
+    def accepted_tokens(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.tokens + ((self.token,) if self.token is not None else ())))
+
     def validate(self) -> None:
-        if self.token is None and not self.insecure:
+        tokens = self.accepted_tokens()
+        if not tokens and not self.insecure:
             raise ValueError("a token is required (--token-file F), or pass --insecure to accept "
                              "unauthenticated requests")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("the token is empty")
+        for i, token in enumerate(tokens, 1):
+            if not token.strip():
+                raise ValueError("the token is empty" if len(tokens) == 1 else f"token {i} is empty")
+            if not all(0x21 <= ord(c) <= 0x7E for c in token):
+                # gRPC metadata carries printable ASCII only; a space would split "Bearer <token>".
+                raise ValueError(f"token {i} has characters other than printable ASCII without spaces")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.tls_client_ca and not self.tls_cert:
@@ -116,10 +130,10 @@ class ServerConfig:
         protection: no token (anyone can join), or a token without TLS (it crosses in clear)."""
         if is_loopback(self.host):
             return None
-        if self.insecure and self.token is None:
+        if self.insecure and not self.accepted_tokens():
             return (f"--insecure on {self.host}: anyone who can reach this address can join jobs "
                     "and act as their workers; use --token-file F (and --tls-cert/--tls-key)")
-        if self.token is not None and not self.tls_cert:
+        if self.accepted_tokens() and not self.tls_cert:
             return (f"token auth without TLS on {self.host}: the token crosses the network in "
                     "clear text; add --tls-cert/--tls-key")
         return None
@@ -128,3 +142,8 @@ class ServerConfig:
         return DecisionConfig(settle_s=self.settle_s, settle_max_s=self.settle_max_s,
                               blacklist_after=self.blacklist_after,
                               cooldown_min_s=self.cooldown_min_s, cooldown_max_s=self.cooldown_max_s)
+
+
+def credential_of(token: Optional[str]) -> str:
+    """What a job stores of the token that created it (SHA-256, hex); "" for no token (--insecure)."""
+    return hashlib.sha256(token.encode()).hexdigest() if token else ""

@@ -23,11 +23,19 @@ Rules (issue 3):
 * Below `min_np` the job waits up to its elastic timeout, then fails with a reason.
 * Evictions the server caused itself (a worker that did not reattach after a leader change) are not
   counted against the host: they say more about the control plane than about the host.
-* One worker's success completes the job for everyone.
+* A worker id belongs to its session: a join naming a registered worker must prove it is that
+  worker (the hash of its current session matches); otherwise it is refused and the worker stays.
+* One member's success completes the job for everyone; only a worker that is in the current world
+  and was a member of the world its report names can end the job.
+
+The job's credential (a hash of the token that created it), its ring secret and each worker's
+session hash ride along in the state, so every replica and every restart sees the same ones; the
+decision only compares them, it never makes them (no randomness in here).
 """
 from __future__ import annotations
 
 import enum
+import hmac
 import json
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
@@ -75,6 +83,8 @@ class Worker:
     join_seq: int
     joined_at: float
     attached: bool = True      # opened its Watch stream at least once (only then can it enter a world)
+    session_hash: str = ""     # SHA-256 (hex) of its session secret; "" matches no session
+    member_since: int = 0      # the first world version it was a member of (0: none yet)
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,10 @@ class JobState:
     next_seq: int = 0
     reason: str = ""
     finished_at: Optional[float] = None      # when the job reached SUCCEEDED/FAILED
+    credential: str = ""                     # SHA-256 (hex) of the creating token; "": none (--insecure)
+    ring_secret: str = ""                    # hex; handed to accepted joiners, never derived
+    run: str = ""                            # random tag of this run of the job id (in session ids):
+                                             # a session of an earlier run does not carry over
 
     def in_world(self, worker_id: str) -> bool:
         return any(m.worker_id == worker_id for m in self.world)
@@ -136,11 +150,13 @@ class JobState:
         return sorted(h for h, r in self.hosts.items() if r.blacklisted_until > now)
 
 
-def new_job(job_id: str, spec: JobSpec, now: float) -> JobState:
+def new_job(job_id: str, spec: JobSpec, now: float, *, credential: str = "",
+            ring_secret: str = "", run: str = "") -> JobState:
     if spec.min_np < 1 or spec.max_np < spec.min_np:
         raise ValueError(f"job {job_id}: need 1 <= min_np <= max_np, got min_np={spec.min_np} "
                          f"max_np={spec.max_np}")
-    return JobState(job_id=job_id, spec=spec, created_at=now, below_min_since=now)
+    return JobState(job_id=job_id, spec=spec, created_at=now, below_min_since=now,
+                    credential=credential, ring_secret=ring_secret, run=run)
 
 
 # ----------------------------------------------------------------------------------------------- events
@@ -151,6 +167,8 @@ class Join:
     ring_address: str
     committed_step: int = -1
     attached: bool = True      # the server joins workers unattached and sends Attach on their Watch
+    session_hash: str = ""     # hash of the session the server issues for this join
+    proof: str = ""            # hash of the previous session the joiner presented ("" none)
 
 
 @dataclass(frozen=True)
@@ -194,6 +212,7 @@ class Progress:
 @dataclass(frozen=True)
 class Success:
     worker_id: str
+    world_version: int         # the world the reporter says it is a member of
 
 
 @dataclass(frozen=True)
@@ -230,12 +249,22 @@ class Abort:
     reason: str
 
 
+class Refusal(str, enum.Enum):
+    """Why an event was refused: the server picks the status code from this, never from text."""
+
+    FINISHED = "FINISHED"            # the job is over
+    BLACKLISTED = "BLACKLISTED"      # the joiner's host is cooling down after repeated failures
+    WORKER_EXISTS = "WORKER_EXISTS"  # the worker id is registered and the join did not prove it is it
+    NOT_MEMBER = "NOT_MEMBER"        # a success report from outside the world it names
+
+
 @dataclass(frozen=True)
 class Rejected:
-    """A join was refused (blacklisted host, finished job); the RPC fails with `reason`."""
+    """A join or a success report was refused; nothing changed and the RPC fails with `reason`."""
 
     worker_id: str
     reason: str
+    kind: Refusal
 
 
 @dataclass(frozen=True)
@@ -263,7 +292,8 @@ def decide(state: JobState, event: Event, now: float,
     if state.phase in TERMINAL:
         if isinstance(event, Join):
             actions.append(Rejected(event.worker_id, f"job {state.job_id} already finished "
-                                                     f"({state.phase.value}: {state.reason})"))
+                                                     f"({state.phase.value}: {state.reason})",
+                                    Refusal.FINISHED))
         return state, actions
 
     if isinstance(event, Join):
@@ -292,12 +322,21 @@ def decide(state: JobState, event: Event, now: float,
             state = replace(state, workers={**state.workers, w.worker_id:
                                             replace(w, committed_step=event.committed_step)})
     elif isinstance(event, Success):
-        if event.worker_id in state.workers:
-            reason = f"worker {event.worker_id} reported success"
-            state = replace(state, phase=Phase.SUCCEEDED, reason=reason, change_first=None,
-                            change_last=None, finished_at=now)
-            actions.append(Finished(True, reason))
+        w = state.workers.get(event.worker_id)
+        # Members stay in every world from their first one until they are removed, so "in the
+        # current world, and a member since the version named" means a member of that world.
+        if (w is None or not state.in_world(w.worker_id)
+                or not 0 < w.member_since <= event.world_version <= state.version):
+            actions.append(Rejected(event.worker_id, f"job {state.job_id}: worker {event.worker_id} "
+                                                     f"is not a member of world {event.world_version} "
+                                                     f"(current world {state.version}); only a member "
+                                                     f"can end the job", Refusal.NOT_MEMBER))
             return state, actions
+        reason = f"worker {event.worker_id} reported success"
+        state = replace(state, phase=Phase.SUCCEEDED, reason=reason, change_first=None,
+                        change_last=None, finished_at=now)
+        actions.append(Finished(True, reason))
+        return state, actions
     elif not isinstance(event, Tick):
         raise TypeError(f"unknown event {event!r}")
     return _evaluate(state, now, config, actions)
@@ -356,16 +395,26 @@ def _on_join(state: JobState, ev: Join, now: float, config: DecisionConfig,
     if rec is not None and rec.blacklisted_until > now:
         actions.append(Rejected(ev.worker_id, f"host {ev.host} is blacklisted for "
                                               f"{rec.blacklisted_until - now:.1f} s more after "
-                                              f"repeated failures"))
+                                              f"repeated failures", Refusal.BLACKLISTED))
         return state
-    if ev.worker_id in state.workers:
-        # The same worker id joining again means its previous process is gone (e.g. restarted by the
-        # launcher): end the old membership as a failure, since it vanished without leaving.
+    existing = state.workers.get(ev.worker_id)
+    if existing is not None:
+        # Only the worker itself may replace its session: anyone else naming its id would end a
+        # live member's session (and take its place in the ring).
+        if not (ev.proof and existing.session_hash
+                and hmac.compare_digest(ev.proof, existing.session_hash)):
+            actions.append(Rejected(ev.worker_id, f"worker id {ev.worker_id} is taken in job "
+                                                  f"{state.job_id}: joining again needs that worker's "
+                                                  f"current session_id (or use another worker id)",
+                                    Refusal.WORKER_EXISTS))
+            return state
+        # The worker joining again means its previous session is over (e.g. it saw its stream end):
+        # end the old membership as a failure, since it vanished without leaving.
         state = _remove(state, ev.worker_id, f"worker {ev.worker_id} rejoined (previous session "
                                              f"replaced)", now, actions, failure=True,
                         config=config, count_failure=False)
     worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.committed_step, state.next_seq, now,
-                    attached=ev.attached)
+                    attached=ev.attached, session_hash=ev.session_hash)
     state = replace(state, workers={**state.workers, ev.worker_id: worker},
                     next_seq=state.next_seq + 1)
     if state.world and len(state.world) < state.spec.max_np:
@@ -457,7 +506,10 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
             and state.pending_version != state.version):
         return state, actions  # e.g. a standby joined a full world: nothing to re-form
     version = state.version + 1
-    state = replace(state, version=version, world=members, phase=Phase.RUNNING, reason="")
+    newcomers = {m.worker_id: replace(state.workers[m.worker_id], member_since=version)
+                 for m in members if not state.workers[m.worker_id].member_since}
+    state = replace(state, version=version, world=members, phase=Phase.RUNNING, reason="",
+                    workers={**state.workers, **newcomers} if newcomers else state.workers)
     actions.append(Announce(version, members, tuple(state.standby())))
     return state, actions
 
@@ -518,4 +570,5 @@ def from_json(data: bytes) -> JobState:
         hosts={k: HostRecord(**v) for k, v in d["hosts"].items()},
         change_first=d["change_first"], change_last=d["change_last"],
         below_min_since=d["below_min_since"], next_seq=d["next_seq"], reason=d["reason"],
-        finished_at=d.get("finished_at"))
+        finished_at=d.get("finished_at"), credential=d.get("credential", ""),
+        ring_secret=d.get("ring_secret", ""), run=d.get("run", ""))

@@ -18,10 +18,14 @@ Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
   heartbeat_timeout/3 late (so a stopped worker is cut within 2/3 of the timeout), which cancels the
   stream and evicts the worker. So the open stream plus keepalive is the liveness signal; the Heartbeat
   RPC only carries progress (committed step) and probe answers.
-* A peer's ReportFailure evicts at once only a suspect without a stream. A suspect with a stream is
-  probed; if its (Python) client does not answer, e.g. because training code holds the GIL, we trust
-  keepalive: the report waits up to the heartbeat timeout for the stream to break, and evicts nobody
-  while the connection stays alive.
+* A peer's ReportFailure is evidence, not a verdict. It evicts at once only a suspect without a
+  stream that had one under this leader. Right after a leader change or restart nobody has a stream
+  yet, so a suspect that has not reattached gets until the heartbeat timeout since leadership began
+  to do so. A suspect with a stream is probed; if its (Python) client does not answer, e.g. because
+  training code holds the GIL, we trust keepalive: the report waits up to the heartbeat timeout for
+  the stream to break, and evicts nobody while the connection stays alive. Only a report that does
+  evict counts against the suspect's host, and not when the suspect never reattached after a leader
+  change (the server's doing as much as the host's).
 * A worker must open its Watch within heartbeat_timeout of joining; until it has, it is not put into a
   world (it could not learn about it).
 * After a leader change or restart nobody has a stream yet: each registered worker gets the reattach
@@ -29,16 +33,40 @@ Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
   such evictions are not counted against its host.
 * Committed steps (Heartbeat, Watch) are soft state: they update the in-memory job state and ride along
   with the next real change that is written; a client resends its step when it reattaches.
+* A job that has no world yet and no open Watch for the heartbeat timeout is dropped: joins that never
+  watch cannot hold places under the job cap.
+
+Who may do what (issue 11):
+* A job belongs to the token that created it (the state keeps its SHA-256): a caller with another
+  accepted token is refused at Join (PERMISSION_DENIED), sees nothing of it in Status, and its
+  session ids name an unknown job. With --insecure there is no token, so nobody is told apart:
+  anyone who can reach the server can join any job.
+* Each job's ring secret is 32 random bytes made when the job (each run of its id) is created,
+  stored with it and given only to accepted joiners.
+* A session id is a capability: JOB/RUN/WORKER/SECRET with 192 random bits; the state keeps the
+  secret's SHA-256, compared in constant time. A Join naming a registered worker must present its
+  current session, or is refused (ALREADY_EXISTS) and the worker keeps it. ReportSuccess and
+  ReportFailure count only from members of the world they name.
+* A finished job refuses joins (FAILED_PRECONDITION, with its outcome) for the reattach window, so
+  every member learns how it ended; after that a Join without a previous session, by the same
+  token, starts a new run under the id (new secret, new sessions).
+* Text a peer chose (a failure reason) is escaped and shortened before it is logged or sent on.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
+import hashlib
 import hmac
+import ipaddress
 import logging
 import re
+import secrets
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import grpc
 from grpc import aio
@@ -46,7 +74,7 @@ from grpc import aio
 from . import decision as d
 from ._proto import rendezvous_pb2 as pb
 from ._proto import rendezvous_pb2_grpc as pb_grpc
-from .config import ServerConfig
+from .config import ServerConfig, credential_of
 from .leader import Leadership
 from .store import MemoryStore, Store, StoreError
 
@@ -56,10 +84,17 @@ log = logging.getLogger("rendezvous.server")
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 HOST_RE = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")
 ADDR_RE = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,255}:[0-9]{1,5}")
-SEQ_RE = re.compile(r"[0-9]{1,18}")
+# JOB/RUN/WORKER/SECRET: the job and worker route the lookup; the secret decides.
+SESSION_RE = re.compile(r"([A-Za-z0-9._-]{1,128})/([0-9a-f]{8})/([A-Za-z0-9._-]{1,128})/([0-9a-f]{48})")
+SESSION_SECRET_BYTES = 24     # 192 random bits
+RING_SECRET_BYTES = 32
 RECONNECT_ALLOWANCE_S = 2.0   # client backoff tops out at 1 s (x1.5 jitter) plus one connect
+RESOLVE_TIMEOUT_S = 1.0       # a ring address's name must resolve within this (Join waits for it)
 MAX_REASON = 1024
+SHOWN_CHARS = 200             # peer-supplied text is cut to this in logs and events
 _END = object()
+# The credential (SHA-256 of the token) of the RPC being served; set by _Guard. "" without tokens.
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("rendezvous_caller", default="")
 
 
 class _Abort(Exception):
@@ -95,12 +130,29 @@ class _Job:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     flushing: bool = False
     timer: Optional[asyncio.Task] = None
+    # Wall time at which the job is dropped if it still has no world and no open stream.
+    idle_deadline: Optional[float] = None
+    # Set (and replaced) whenever a stream attaches: what a report waiting for a suspect waits on.
+    attached: asyncio.Event = field(default_factory=asyncio.Event)
+    closing: bool = False                  # being removed from the store or replaced: RPCs retry
 
 
-def session_id(job_id: str, worker_id: str, seq: int) -> str:
-    # Derived from the durable state (job, worker, join sequence), so sessions survive a restart
-    # without storing anything extra.
-    return f"{job_id}/{worker_id}/{seq}"
+def new_session(job: d.JobState, worker_id: str) -> tuple[str, str]:
+    """A fresh session id for `worker_id` and the hash the state keeps of it."""
+    secret = secrets.token_hex(SESSION_SECRET_BYTES)
+    return f"{job.job_id}/{job.run}/{worker_id}/{secret}", _session_hash(secret)
+
+
+def _session_hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """Text a peer chose, as it may appear in a log line or an event: characters that are not
+    printable (newlines, terminal escapes, bidi overrides) written as escapes, at most `limit`
+    characters, so it can neither forge log lines nor drive a terminal."""
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 class RendezvousService(pb_grpc.RendezvousServicer):
@@ -113,11 +165,16 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                      f"{config.replica_id}|{config.advertise_address}",
                                      config.leader_ttl_s, self._lost_leadership)
         self._leading = False
+        self._leading_since = 0.0              # monotonic: when this replica last became leader
         self.leadership_losses = 0
         self.stopping = False
         self._campaign: Optional[asyncio.Task] = None
         self._creating: dict[str, asyncio.Task] = {}
         self._nonce = int(time.time() * 1000) << 16
+        # Name lookups of ring addresses get threads of their own: a slow resolver must not hold
+        # the default executor, where the store's calls (and the leader's lease refresh) run.
+        self._resolver = concurrent.futures.ThreadPoolExecutor(max_workers=4,
+                                                               thread_name_prefix="rdzv-resolve")
 
     # ----------------------------------------------------------------------------- leadership
     @property
@@ -160,9 +217,11 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if state.phase not in d.TERMINAL:
                 what = f"did not reattach within {window:g} s of a leader change"
                 job.attach_deadline = {w: (grace, what) for w in state.workers}
+                job.idle_deadline = grace
             self.jobs[state.job_id] = job
             self._start_timer(job)
         self._leading = True
+        self._leading_since = time.monotonic()
         log.info("replica %s is the leader (%d job(s) loaded; workers have %.1f s to reattach)",
                  self.config.replica_id, len(self.jobs), window)
 
@@ -206,6 +265,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                     pass
         self._leading = False
         await self.leadership.resign()
+        self._resolver.shutdown(wait=False)
 
     async def _leader_hint(self) -> str:
         try:
@@ -360,6 +420,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 stream.closed_by_server = True
                 stream.queue.put_nowait(_Abort(grpc.StatusCode.NOT_FOUND,
                                                f"session ended: {action.reason}"))
+                self._stream_gone(job)
         elif isinstance(action, d.Finished):
             event = pb.WatchEvent(finished=pb.JobFinished(succeeded=action.succeeded,
                                                           reason=action.reason))
@@ -372,10 +433,18 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     def _start_timer(self, job: _Job) -> None:
         job.timer = asyncio.get_running_loop().create_task(self._timer(job))
 
+    def _stream_gone(self, job: _Job) -> None:
+        """A stream left `job.streams`: the last one going starts the idle clock of a job that has
+        no world yet."""
+        if not job.streams and job.idle_deadline is None:
+            job.idle_deadline = time.time() + self.config.heartbeat_timeout_s
+            job.wake.set()
+
     async def _timer(self, job: _Job) -> None:
-        """Fires settle windows, elastic timeouts, reattach deadlines and probe deadlines."""
+        """Fires settle windows, elastic timeouts, reattach deadlines, probe deadlines, and drops a
+        job nobody watches before it has a world."""
         while job.state.phase not in d.TERMINAL:
-            deadlines = [t for t in [d.next_deadline(job.state, self.dcfg),
+            deadlines = [t for t in [d.next_deadline(job.state, self.dcfg), job.idle_deadline,
                                      *(t for t, _ in job.attach_deadline.values())] if t is not None]
             timeout = max(0.0, min(deadlines) - time.time()) if deadlines else None
             try:
@@ -391,6 +460,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                         # The server's own doing (failover, restart) as much as the worker's:
                         # not counted against the host.
                         self._evict(job, w, what, count_failure=False)
+            if job.idle_deadline is not None and job.idle_deadline <= now:
+                if job.streams or job.state.phase is not d.Phase.FORMING:
+                    job.idle_deadline = None
+                elif self.is_leader:
+                    if await self._retire(job, f"dropped: no world and no worker watching it for "
+                                               f"{self.config.heartbeat_timeout_s:g} s"):
+                        return
+                    job.idle_deadline = time.time() + self.config.heartbeat_timeout_s  # retry
             due = d.next_deadline(job.state, self.dcfg)
             if due is not None and due <= now:
                 self._apply(job, d.Tick())
@@ -398,21 +475,41 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def _forget_when_expired(self, job: _Job) -> None:
         """Keep a finished job (for status, and to refuse late joiners) for a while, then drop it."""
-        job_id = job.state.job_id
         finished_at = job.state.finished_at if job.state.finished_at is not None else time.time()
         await asyncio.sleep(max(0.0, finished_at + self.config.finished_job_retention_s - time.time()))
-        if job.seq > job.durable_seq:
-            await self._wait_durable(job, job.seq)
+        await self._retire(job, f"finished {self.config.finished_job_retention_s:.0f} s ago, forgotten")
+
+    async def _retire(self, job: _Job, why: str) -> bool:
+        """Remove the job from the store and from memory; False if the store failed (try later).
+
+        RPCs that find the job meanwhile are answered UNAVAILABLE (they retry, and then find no
+        job), and the delete is conditional on the revision last written, so no change can slip
+        in between that write and the delete."""
+        job_id = job.state.job_id
+        key = f"{self.config.etcd_prefix}/jobs/{job_id}"
+        if self.jobs.get(job_id) is not job:
+            return True
+        job.closing = True
         try:
-            await self.store.delete(f"{self.config.etcd_prefix}/jobs/{job_id}",
-                                    fence=self.leadership.fence)
-        except StoreError as e:  # the next leader retries when it loads the job
-            log.warning("job %s: forgetting the finished job failed: %s", job_id, e)
-            return
+            if job.seq > job.durable_seq:
+                await self._wait_durable(job, job.seq)
+            ok = await self.store.delete(key, expected_revision=job.revision,
+                                         fence=self.leadership.fence)
+            # Refused: unless an earlier attempt (its answer lost) deleted it, someone else wrote.
+            gone = ok or await self.store.get(key) is None
+        except (StoreError, _Abort) as e:  # the next leader retries when it loads the job
+            job.closing = False
+            log.warning("job %s: removing it failed: %s", job_id, getattr(e, "message", e))
+            return False
+        if not gone:
+            job.closing = False
+            self._lost_leadership(f"fenced delete of job {job_id} refused: another replica leads "
+                                  f"or wrote it")
+            return True
         if self.jobs.get(job_id) is job:
             del self.jobs[job_id]
-            log.info("job %s: finished %.0f s ago, forgotten", job_id,
-                     self.config.finished_job_retention_s)
+        log.info("job %s: %s", job_id, why)
+        return True
 
     def _evict(self, job: _Job, worker_id: str, reason: str, count_failure: bool = True) -> None:
         w = job.state.workers.get(worker_id)
@@ -422,22 +519,36 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                  count_failure))
 
     # ------------------------------------------------------------------------------- lookups
-    def _session(self, sid: str) -> tuple[_Job, d.Worker]:
-        parts = sid.split("/")
-        if len(sid) > 400 or len(parts) != 3 or not SEQ_RE.fullmatch(parts[2]):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed session_id {sid[:80]!r}")
-        job_id, worker_id, seq = parts[0], parts[1], int(parts[2])
+    def _job(self, job_id: str) -> Optional[_Job]:
+        """The caller's job of that id; None when there is none or it belongs to another token."""
         job = self.jobs.get(job_id)
+        if job is None or not hmac.compare_digest(job.state.credential, _CALLER.get()):
+            return None
+        if job.closing:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"job {job_id} is being removed or "
+                                                      f"replaced; retry")
+        return job
+
+    def _session(self, sid: str) -> tuple[_Job, d.Worker]:
+        m = SESSION_RE.fullmatch(sid) if len(sid) <= 400 else None
+        if m is None:
+            # Not echoed: it may be a real session id, mangled.
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         "malformed session_id: expected the session_id a Join returned")
+        job_id, run, worker_id, secret = m.groups()
+        job = self._job(job_id)
         if job is None:
             raise _Abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id!r}: join again")
         w = job.state.workers.get(worker_id)
-        if w is None or w.join_seq != seq:
+        # Compared in constant time, and the same answer whether the worker id exists or not.
+        matches = hmac.compare_digest(_session_hash(secret), w.session_hash if w else "0" * 64)
+        if w is None or run != job.state.run or not matches:
             if job.state.phase in d.TERMINAL:
                 raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                              f"job {job_id} finished ({job.state.phase.value}: {job.state.reason})")
             raise _Abort(grpc.StatusCode.NOT_FOUND,
-                         f"session {sid} ended (worker {worker_id} evicted, left or rejoined): "
-                         f"join again")
+                         f"job {job_id}: not a current session of worker {worker_id} (evicted, "
+                         f"left, rejoined, or never issued): join again")
         return job, w
 
     # ---------------------------------------------------------------------------------- RPCs
@@ -447,45 +558,66 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         _check_id("worker_id", request.worker_id)
         if not HOST_RE.fullmatch(request.host):
             raise _bad("host", request.host, "1..255 chars of [A-Za-z0-9._:[]-]")
-        if not ADDR_RE.fullmatch(request.ring_address) or not 0 < int(
-                request.ring_address.rsplit(":", 1)[1]) < 65536:
-            raise _bad("ring_address", request.ring_address, "HOST:PORT with port 1..65535")
         if request.committed_step < -1:
             raise _bad("committed_step", request.committed_step, ">= -1")
         spec = request.spec
         timeout = spec.elastic_timeout_s
         if timeout != timeout or timeout < 0 or timeout > 7 * 86400:  # NaN or out of range
             raise _bad("spec.elastic_timeout_s", timeout, "0..604800 (0: server default)")
-        job = self.jobs.get(request.job_id)
-        if job is None:
-            if spec.min_np < 1 or spec.max_np < spec.min_np or spec.max_np > self.config.max_workers_per_job:
+        previous = None   # (run, secret) of the session this worker says it had
+        if request.session_id:
+            m = SESSION_RE.fullmatch(request.session_id) if len(request.session_id) <= 400 else None
+            if m is None or m.group(1) != request.job_id or m.group(3) != request.worker_id:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"job {request.job_id}: spec needs 1 <= min_np <= max_np <= "
-                             f"{self.config.max_workers_per_job}, got min_np={spec.min_np} "
-                             f"max_np={spec.max_np}")
-            running = sum(1 for j in self.jobs.values() if j.state.phase not in d.TERMINAL)
-            if running >= self.config.max_jobs:
-                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"server runs {running} jobs, the limit")
-            job_spec = d.JobSpec(spec.min_np, spec.max_np,
-                                 timeout or self.config.default_elastic_timeout_s)
-            job = await self._create_job(request.job_id, job_spec)
-        else:
+                             f"invalid session_id: expected a session of worker {request.worker_id}"
+                             f" in job {request.job_id} as a Join returned it, or none")
+            previous = m.group(2), m.group(4)
+        await self._check_ring_address(request.ring_address)
+        caller = _CALLER.get()
+        job = self.jobs.get(request.job_id)
+        if job is not None and not hmac.compare_digest(job.state.credential, caller):
+            raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
+                         f"job {request.job_id} belongs to another token: this one cannot join it")
+        if job is not None and job.closing:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"job {request.job_id} is being removed or "
+                                                      f"replaced; retry")
+        relaunch = (job is not None and job.state.phase in d.TERMINAL and previous is None
+                    and time.time() >= (job.state.finished_at or 0.0) + self.reattach_window_s())
+        if job is None or relaunch:
+            job = await self._create_job(request.job_id, self._new_spec(request.job_id, spec), caller,
+                                         replacing=job)
+            if not hmac.compare_digest(job.state.credential, caller):  # a concurrent creation won
+                raise _Abort(grpc.StatusCode.PERMISSION_DENIED, f"job {request.job_id} belongs to "
+                                                                f"another token: this one cannot join it")
+        elif job.state.phase not in d.TERMINAL:
+            if not job.state.ring_secret or not job.state.run:
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"job {request.job_id} was created by an older server, without a ring "
+                             f"secret: no worker can join it; launch it under another id")
             have = job.state.spec
             if (spec.min_np and spec.min_np != have.min_np) or (spec.max_np and spec.max_np != have.max_np):
                 raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                              f"job {request.job_id} has min_np={have.min_np} max_np={have.max_np}; "
                              f"this join asks for min_np={spec.min_np} max_np={spec.max_np}")
+            if previous is not None and previous[0] != job.state.run:
+                # Its run ended and the id was launched again: state it kept from the old run must
+                # not become this run's (it could hold the highest step and be synced to all).
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"job {request.job_id}: the run that worker {request.worker_id}'s "
+                             f"session belonged to is over and a new run started; it cannot rejoin")
             if (request.worker_id not in job.state.workers
                     and len(job.state.workers) >= self.config.max_workers_per_job):
                 raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"job {request.job_id} already has {len(job.state.workers)} workers")
+        sid, session_hash = new_session(job.state, request.worker_id)
+        proof = _session_hash(previous[1]) if previous is not None else ""
         seq, actions = self._apply(job, d.Join(request.worker_id, request.host,
                                                 request.ring_address, request.committed_step,
-                                                attached=False))
+                                                attached=False, session_hash=session_hash,
+                                                proof=proof))
         for a in actions:
             if isinstance(a, d.Rejected):
-                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                raise _Abort(_REFUSAL_CODES[a.kind],
                              f"job {request.job_id}: worker {request.worker_id} refused: {a.reason}")
         # It must open its Watch within the heartbeat timeout; until then it is kept out of worlds.
         job.attach_deadline[request.worker_id] = (
@@ -493,46 +625,124 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             f"did not open its watch stream within {self.config.heartbeat_timeout_s:g} s of joining")
         job.wake.set()
         await self._wait_durable(job, seq)
-        w = job.state.workers[request.worker_id]
         s = job.state.spec
-        return pb.JoinResponse(session_id=session_id(request.job_id, w.worker_id, w.join_seq),
-                               world_version=job.state.version,
+        return pb.JoinResponse(session_id=sid, world_version=job.state.version,
                                spec=pb.JobSpec(min_np=s.min_np, max_np=s.max_np,
-                                               elastic_timeout_s=s.elastic_timeout_s))
+                                               elastic_timeout_s=s.elastic_timeout_s),
+                               ring_secret=bytes.fromhex(job.state.ring_secret))
 
-    async def _create_job(self, job_id: str, spec: d.JobSpec) -> _Job:
+    def _new_spec(self, job_id: str, spec) -> d.JobSpec:
+        """The spec of a job this Join creates; refuses bad limits and a full server."""
+        if spec.min_np < 1 or spec.max_np < spec.min_np or spec.max_np > self.config.max_workers_per_job:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"job {job_id}: spec needs 1 <= min_np <= max_np <= "
+                         f"{self.config.max_workers_per_job}, got min_np={spec.min_np} "
+                         f"max_np={spec.max_np}")
+        running = sum(1 for j in self.jobs.values() if j.state.phase not in d.TERMINAL)
+        if running >= self.config.max_jobs:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"server runs {running} jobs, the limit")
+        return d.JobSpec(spec.min_np, spec.max_np,
+                         spec.elastic_timeout_s or self.config.default_elastic_timeout_s)
+
+    async def _check_ring_address(self, address: str) -> None:
+        """INVALID_ARGUMENT unless every member could connect to `address`: HOST:PORT, port
+        1..65535, not a wildcard, an IP literal or a name that resolves (within a second). Checked
+        here, once, because a bad address in a world would make every member's ring fail."""
+        rule = "HOST:PORT with port 1..65535"
+        if not ADDR_RE.fullmatch(address):
+            raise _bad("ring_address", address, rule)
+        host, _, port_text = address.rpartition(":")
+        port = int(port_text)
+        if not 0 < port < 65536:
+            raise _bad("ring_address", address, rule)
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        elif "[" in host or "]" in host:
+            raise _bad("ring_address", address, "HOST:PORT or [IPv6]:PORT")
+        not_wildcard = ("an address other hosts can connect to, not a wildcard (set "
+                        "ELASTIC_RING_HOST to an address of this host)")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if ip is not None:
+            if ip.is_unspecified or ip.is_multicast:
+                raise _bad("ring_address", address, not_wildcard)
+            return
+        if not host:
+            raise _bad("ring_address", address, not_wildcard)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(loop.run_in_executor(
+                self._resolver, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM),
+                RESOLVE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise _bad("ring_address", address, f"a host name that resolves; {host} did not "
+                                                f"within {RESOLVE_TIMEOUT_S:g} s") from None
+        except (OSError, UnicodeError) as e:
+            raise _bad("ring_address", address, f"a host name that resolves; {host} does not "
+                                                f"({getattr(e, 'strerror', None) or e})") from None
+        addresses = {info[4][0].split("%", 1)[0] for info in infos}
+        if not addresses or all(ipaddress.ip_address(a).is_unspecified for a in addresses):
+            raise _bad("ring_address", address, not_wildcard)
+
+    async def _create_job(self, job_id: str, spec: d.JobSpec, credential: str,
+                          replacing: Optional[_Job] = None) -> _Job:
         # Concurrent first joins of one job share a single creation.
         creating = self._creating.get(job_id)
         if creating is None:
-            creating = asyncio.get_running_loop().create_task(self._create_job_once(job_id, spec))
+            creating = asyncio.get_running_loop().create_task(
+                self._create_job_once(job_id, spec, credential, replacing))
             self._creating[job_id] = creating
             creating.add_done_callback(lambda _: self._creating.pop(job_id, None))
         return await asyncio.shield(creating)
 
-    async def _create_job_once(self, job_id: str, spec: d.JobSpec) -> _Job:
-        state = d.new_job(job_id, spec, time.time())
+    async def _create_job_once(self, job_id: str, spec: d.JobSpec, credential: str,
+                               replacing: Optional[_Job]) -> _Job:
+        """Create the job, or a new run of a finished one (`replacing`), with a fresh ring secret."""
+        if replacing is not None:
+            await self._wait_durable(replacing, replacing.seq)   # finished: nothing changes after
+            replacing.closing = True
+            if replacing.timer:
+                replacing.timer.cancel()
+        state = d.new_job(job_id, spec, time.time(), credential=credential,
+                          ring_secret=secrets.token_bytes(RING_SECRET_BYTES).hex(),
+                          run=secrets.token_hex(4))
         key = f"{self.config.etcd_prefix}/jobs/{job_id}"
         data = d.to_json(state)
+        expected = replacing.revision if replacing is not None else 0
         try:
-            rev = await self.store.put(key, data, expected_revision=0, fence=self.leadership.fence)
-        except StoreError as e:
-            # Ambiguous: it may have landed. Re-read once; otherwise the client retries the Join.
             try:
-                cur = await self.store.get(key)
-            except StoreError:
-                cur = None
-            if cur is None or cur.value != data:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"job {job_id}: cannot create it in the "
-                                                          f"store ({e}); retry") from None
-            rev = cur.revision
+                rev = await self.store.put(key, data, expected_revision=expected,
+                                           fence=self.leadership.fence)
+            except StoreError as e:
+                # Ambiguous: it may have landed. Re-read once; otherwise the client retries the Join.
+                try:
+                    cur = await self.store.get(key)
+                except StoreError:
+                    cur = None
+                if cur is None or cur.value != data:
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE, f"job {job_id}: cannot create it in "
+                                                              f"the store ({e}); retry") from None
+                rev = cur.revision
+        except _Abort:
+            if replacing is not None and self.jobs.get(job_id) is replacing:
+                replacing.closing = False
+                self._start_timer(replacing)   # it is still the job: it must still be forgotten
+            raise
         if rev is None:  # only the leader creates jobs: someone else leads, or wrote it
             self._lost_leadership(f"fenced create of job {job_id} refused")
             await self._require_leader()
         if not self.is_leader:
             await self._require_leader()
-        job = _Job(state=state, revision=rev, durable_state=state)
+        job = _Job(state=state, revision=rev, durable_state=state,
+                   idle_deadline=time.time() + self.config.heartbeat_timeout_s)
         self.jobs[job_id] = job
         self._start_timer(job)
+        if replacing is not None:
+            log.info("job %s: launched again (the previous run %s)", job_id,
+                     replacing.state.phase.value)
         return job
 
     async def Watch(self, request, context):
@@ -551,6 +761,9 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     async def _watch(self, job: _Job, w: d.Worker, request, context, stream: _Stream) -> None:
         job.streams[w.worker_id] = stream
         job.attach_deadline.pop(w.worker_id, None)
+        job.idle_deadline = None
+        job.attached.set()               # wakes reports waiting for this worker to reattach
+        job.attached = asyncio.Event()
         if not w.attached:
             self._apply(job, d.Attach(w.worker_id))
         if request.committed_step > w.committed_step:   # resent on reattach: progress is soft state
@@ -591,6 +804,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if not stream.closed_by_server and not self.stopping and self.is_leader:
                 if job.streams.get(w.worker_id) is stream:
                     del job.streams[w.worker_id]
+                    self._stream_gone(job)
                     cur = job.state.workers.get(w.worker_id)
                     if cur is not None and cur.join_seq == w.join_seq:
                         self._evict(job, w.worker_id, "watch stream broken")
@@ -626,13 +840,38 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             return pb.ReportFailureResponse(
                 evicted=False, detail=f"stale report: world {request.world_version} is not the "
                                       f"current world {state.version}")
+        if not state.in_world(reporter.worker_id):
+            raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
+                         f"job {state.job_id}: worker {reporter.worker_id} is not a member of world "
+                         f"{state.version}; only its members report its failures")
         suspect = request.suspect_worker_id
-        if suspect not in state.workers:
-            return pb.ReportFailureResponse(evicted=False, detail=f"{suspect} is not registered "
-                                                                  f"(already evicted or left)")
-        why = f"reported by {reporter.worker_id}: {request.reason or 'unreachable'}"
+        if suspect not in state.workers or not state.in_world(suspect):
+            return pb.ReportFailureResponse(evicted=False, detail=f"{suspect} is not a member of "
+                                                                  f"world {state.version} (already "
+                                                                  f"evicted or left)")
+        target = state.workers[suspect]
+        why = f"reported by {reporter.worker_id}: {shown(request.reason) or 'unreachable'}"
+
+        def same_suspect() -> bool:
+            cur = job.state.workers.get(suspect)
+            return cur is not None and cur.join_seq == target.join_seq
+
+        if suspect not in job.streams and suspect in job.attach_deadline:
+            # It has not reattached since this replica began leading (a failover or restart: no
+            # worker has its stream back yet). Its silence says nothing yet: give it the heartbeat
+            # timeout since leadership began.
+            until = self._leading_since + self.config.heartbeat_timeout_s
+            log.info("job %s: %s reported by %s has not reattached since this replica began leading;"
+                     " waiting up to %.1f s for it", state.job_id, suspect, reporter.worker_id,
+                     max(0.0, until - time.monotonic()))
+            await self._await_stream(job, suspect, until)
+            if not same_suspect():
+                await self._wait_durable(job, job.seq)
+                return pb.ReportFailureResponse(evicted=True, detail="suspect gone meanwhile")
         if suspect not in job.streams:
-            seq, _ = self._apply_evict(job, suspect, f"no watch stream; {why}")
+            # Never reattached under this leader: the server's doing as much as the host's.
+            seq, _ = self._apply_evict(job, suspect, f"no watch stream; {why}",
+                                       count_failure=suspect not in job.attach_deadline)
             await self._wait_durable(job, seq)
             return pb.ReportFailureResponse(evicted=True, detail="suspect had no watch stream")
         # The suspect has a stream, so keepalive vouches for it (answered by gRPC's C core, even while
@@ -647,8 +886,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         try:
             while True:
                 await self._require_leader()   # stepping down ends every stream: answer UNAVAILABLE
-                cur = job.state.workers.get(suspect)
-                if cur is None or cur.join_seq != state.workers[suspect].join_seq:
+                if not same_suspect():
                     await self._wait_durable(job, job.seq)
                     return pb.ReportFailureResponse(evicted=True, detail="suspect's stream broke")
                 stream = job.streams.get(suspect)
@@ -681,6 +919,18 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         finally:
             job.probes.pop(nonce, None)
 
+    async def _await_stream(self, job: _Job, worker_id: str, until: float) -> None:
+        """Wait until `worker_id` has a stream, is gone, or the monotonic time `until` passes."""
+        while worker_id not in job.streams and worker_id in job.state.workers:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(job.attached.wait(), left)
+            except asyncio.TimeoutError:
+                return
+            await self._require_leader()
+
     async def _ring_broken(self, job: _Job, reporter_id: str, version: int, why: str) -> None:
         # Nobody is evicted, but the reporter's ring is broken: without a new version every
         # member would wait for a world that never comes.
@@ -688,14 +938,17 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                                                       f"every member alive ({why})"))
         await self._wait_durable(job, seq)
 
-    def _apply_evict(self, job: _Job, worker_id: str, reason: str):
-        self._evict(job, worker_id, reason)
+    def _apply_evict(self, job: _Job, worker_id: str, reason: str, count_failure: bool = True):
+        self._evict(job, worker_id, reason, count_failure)
         return job.seq, []
 
     async def ReportSuccess(self, request, context):
         await self._require_leader()
         job, w = self._session(request.session_id)
-        seq, _ = self._apply(job, d.Success(w.worker_id))
+        seq, actions = self._apply(job, d.Success(w.worker_id, request.world_version))
+        for a in actions:
+            if isinstance(a, d.Rejected):
+                raise _Abort(_REFUSAL_CODES[a.kind], a.reason)
         await self._wait_durable(job, seq)
         return pb.ReportSuccessResponse()
 
@@ -703,6 +956,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if request.job_id:
             _check_id("job_id", request.job_id)
         now = time.time()
+        caller = _CALLER.get()
         if self.is_leader:
             jobs = {j: (job.state, set(job.streams)) for j, job in self.jobs.items()}
         else:  # all state is in the store: a follower can answer too (nobody is attached to it)
@@ -714,6 +968,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             for v in items.values():
                 state = d.from_json(v.value)
                 jobs[state.job_id] = (state, set())
+        # Only the caller's own jobs: another token's jobs are not even named.
+        jobs = {j: v for j, v in jobs.items() if hmac.compare_digest(v[0].credential, caller)}
         out = pb.StatusResponse(leader_id=self.config.replica_id if self.is_leader else "")
         for job_id in sorted(jobs):
             if request.job_id and job_id != request.job_id:
@@ -739,6 +995,13 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             raise _Abort(grpc.StatusCode.NOT_FOUND, f"unknown job {request.job_id!r}")
         return out
 
+
+_REFUSAL_CODES = {
+    d.Refusal.FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
+    d.Refusal.BLACKLISTED: grpc.StatusCode.FAILED_PRECONDITION,
+    d.Refusal.WORKER_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    d.Refusal.NOT_MEMBER: grpc.StatusCode.PERMISSION_DENIED,
+}
 
 _WORLD_FIELD = bytes([(pb.WatchEvent.WORLD_FIELD_NUMBER << 3) | 2])  # tag: field 1, length-delimited
 
@@ -774,20 +1037,32 @@ def _bad(name: str, value, rule: str) -> _Abort:
 
 # ------------------------------------------------------------------------- wiring and auth
 class _Guard(grpc.aio.ServerInterceptor):
-    """Checks the token and turns _Abort/unexpected errors into statuses, so no RPC crashes the server."""
+    """Checks the token and turns _Abort/unexpected errors into statuses, so no RPC crashes the server.
 
-    def __init__(self, token: Optional[str]):
-        self._expected = f"Bearer {token}".encode() if token else None
+    The credential of the token presented (its SHA-256) is what the handlers see in _CALLER: a job
+    belongs to the credential that created it. Without tokens (--insecure) it is "" for everyone."""
+
+    def __init__(self, tokens: Sequence[str]):
+        self._expected = [(f"Bearer {t}".encode(), credential_of(t)) for t in tokens]
+
+    def _credential(self, metadata) -> Optional[str]:
+        """The caller's credential, or None if it presented no accepted token."""
+        if not self._expected:
+            return ""
+        got = dict(metadata or ()).get("authorization", "")
+        got = got.encode() if isinstance(got, str) else got
+        found = None
+        for expected, credential in self._expected:   # every entry, constant time each
+            if hmac.compare_digest(got, expected) and found is None:
+                found = credential
+        return found
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        authorized = True
-        if self._expected is not None:
-            got = dict(details.invocation_metadata or ()).get("authorization", "")
-            got = got.encode() if isinstance(got, str) else got
-            authorized = hmac.compare_digest(got, self._expected)
+        credential = self._credential(details.invocation_metadata)
+        authorized = credential is not None
         parse = handler.request_deserializer
         # Requests arrive as bytes and are parsed here, so a corrupt message is answered with
         # INVALID_ARGUMENT naming the method instead of grpc's generic UNKNOWN.
@@ -805,6 +1080,7 @@ class _Guard(grpc.aio.ServerInterceptor):
 
             async def unary(raw, context):
                 request = await decode(raw, context)
+                _CALLER.set(credential)
                 try:
                     return await inner(request, context)
                 except _Abort as e:
@@ -824,6 +1100,7 @@ class _Guard(grpc.aio.ServerInterceptor):
 
         async def stream(raw, context):
             request = await decode(raw, context)
+            _CALLER.set(credential)
             try:
                 await inner_stream(request, context)
             except _Abort as e:
@@ -885,7 +1162,7 @@ class RendezvousServer:
         self.port = 0
 
     async def start(self) -> int:
-        self.server = aio.server(interceptors=[_Guard(self.config.token)],
+        self.server = aio.server(interceptors=[_Guard(self.config.accepted_tokens())],
                                  options=server_options(self.config))
         pb_grpc.add_RendezvousServicer_to_server(self.service, self.server)
         addr = f"{self.config.host}:{self.config.port}"

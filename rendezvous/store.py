@@ -65,7 +65,9 @@ class Store(abc.ABC):
         """Write; return the new revision, or None if `expected_revision`/`fence` did not hold."""
 
     @abc.abstractmethod
-    async def delete(self, key: str, *, fence: Optional[Fence] = None) -> bool: ...
+    async def delete(self, key: str, *, expected_revision: Optional[int] = None,
+                     fence: Optional[Fence] = None) -> bool:
+        """Delete; False if the key was absent or `expected_revision`/`fence` did not hold."""
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: str) -> dict[str, Versioned]: ...
@@ -174,9 +176,11 @@ class MemoryStore(Store):
         self._notify(key, bytes(value))
         return self._rev
 
-    async def delete(self, key, *, fence=None):
+    async def delete(self, key, *, expected_revision=None, fence=None):
         self._expire()
         if self._fenced_out(fence) or key not in self._data:
+            return False
+        if expected_revision is not None and self._data[key].revision != expected_revision:
             return False
         self._delete_now(key)
         return True
@@ -382,8 +386,10 @@ class EtcdStore(Store):
             return None
         return responses[0].response_put.header.revision
 
-    async def delete(self, key, *, fence=None):
+    async def delete(self, key, *, expected_revision=None, fence=None):
         compare = self._fence_compare(fence)
+        if expected_revision is not None:
+            compare.append(self._tx.Mod(key) == expected_revision)
         ok, responses = await self._call(
             f"delete {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Delete(key)], failure=[]),
             retry=False)

@@ -17,30 +17,34 @@ class JobSpec(_message.Message):
     def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., elastic_timeout_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "worker_id", "host", "ring_address", "committed_step", "spec")
+    __slots__ = ("job_id", "worker_id", "host", "ring_address", "committed_step", "spec", "session_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     RING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     worker_id: str
     host: str
     ring_address: str
     committed_step: int
     spec: JobSpec
-    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., committed_step: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., committed_step: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "world_version", "spec")
+    __slots__ = ("session_id", "world_version", "spec", "ring_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    RING_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     world_version: int
     spec: JobSpec
-    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    ring_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., ring_secret: _Optional[bytes] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("session_id", "committed_step")
@@ -193,10 +197,12 @@ class ReportFailureResponse(_message.Message):
     def __init__(self, evicted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ReportSuccessRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "world_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    world_version: int
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ...) -> None: ...
 
 class ReportSuccessResponse(_message.Message):
     __slots__ = ()

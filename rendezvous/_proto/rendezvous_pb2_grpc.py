@@ -75,8 +75,9 @@ class RendezvousServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """Register a worker in a job (creating the job on first join). Returns at once; the world it ends
-        up in arrives on the Watch stream. Joining again with the same worker_id replaces the old session.
+        """Register a worker in a job (creating the job on first join, or launching a finished job of the
+        same token again). Returns at once; the world it ends up in arrives on the Watch stream. Joining
+        again with the same worker_id and the old session_id replaces the old session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,23 +108,25 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportFailure(self, request, context):
-        """A survivor could not reach `suspect` in world `world_version`. The server checks the suspect at
-        once: no stream → evict now; else probe it and wait up to the heartbeat timeout for the probe
-        answer (not evicted) or the stream to break (evicted); a stream that stays alive is trusted.
+        """A member of world `world_version` could not reach `suspect`, another member. The report is
+        evidence, not a verdict: no stream → evict (right after a leader change, only once the suspect
+        had the heartbeat timeout to reattach); else probe it and wait up to the heartbeat timeout for
+        the probe answer (not evicted) or the stream to break (evicted); a stream that stays alive is
+        trusted. Only an eviction counts against the suspect's host.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReportSuccess(self, request, context):
-        """One worker finished training: the job is complete for everyone.
+        """A member of world `world_version` finished training: the job is complete for everyone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Jobs, world versions, members. For tools and tests.
+        """Jobs, world versions, members: only the jobs of the caller's token. For tools and tests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

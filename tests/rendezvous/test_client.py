@@ -192,3 +192,48 @@ def test_internal_errors_are_not_retried_and_leave_still_closes():
 ])
 def test_finished_outcome_reads_the_servers_finished_refusals(text, outcome):
     assert finished_outcome(text) is outcome
+
+
+def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_is_evicted():
+    """The first attempt registered a session this client never learnt; the worker id is taken
+    without proof (ALREADY_EXISTS) until that session, never watched, is evicted."""
+    import asyncio
+
+    s = ServerThread(server_config(heartbeat_timeout_s=1.0), MemoryStore)
+    try:
+        job = unique("job")
+        a = make_client(s.address, "a", job_id=job)
+        a.join()
+        wait_world_of([a], 1)
+        store = s.server.store
+        real_put = store.put
+        armed = [True]
+
+        async def slow_once(key, value, **kw):   # b's first Join lands, its answer comes too late
+            if armed[0] and "/jobs/" in key:
+                armed[0] = False
+                await asyncio.sleep(0.8)
+            return await real_put(key, value, **kw)
+        store.put = slow_once
+        b = make_client(s.address, "b", job_id=job, rpc_timeout_s=0.5)
+        try:
+            b.join(timeout_s=15)
+        finally:
+            store.put = real_put
+        assert not armed[0] and len(b.ring_secret) == 32
+        worlds = wait_world_of([a, b], 2, min_version=2)
+        assert sorted(m.worker_id for m in worlds[0].members) == ["a", "b"]
+        a.close()
+        b.close()
+    finally:
+        s.stop()
+
+
+def test_rejoin_sends_the_previous_session_and_keeps_the_ring_secret(server):
+    job = unique("job")
+    c = make_client(server.address, "a", job_id=job)
+    first = c.join()
+    secret = c.ring_secret
+    second = c.join()
+    assert second != first and c.ring_secret == secret
+    c.close()

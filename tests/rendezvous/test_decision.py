@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from rendezvous.decision import (Abort, Announce, Attach, DecisionConfig, Evict, Finished, Join, JobSpec,
-                                 Leave, Pending, Phase, Progress, Rejected, Success, Tick, decide,
-                                 from_json, new_job, next_deadline, to_json)
+from rendezvous.decision import (Abort, Announce, Attach, DecisionConfig, Dropped, Evict, Finished, Join,
+                                 JobSpec, Leave, Pending, Phase, Progress, Refusal, Rejected, Success, Tick,
+                                 decide, from_json, new_job, next_deadline, to_json)
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
                      cooldown_max_s=35.0)
@@ -35,7 +35,8 @@ def job(min_np=2, max_np=4, timeout=30.0):
 def formed(workers, min_np=2, max_np=4, steps=None):
     """A job whose first world holds `workers` = [(id, host)] in order."""
     steps = steps or {}
-    evs = [(0.0, Join(w, h, f"{h}:{9000 + i}", steps.get(w, -1))) for i, (w, h) in enumerate(workers)]
+    evs = [(0.0, Join(w, h, f"{h}:{9000 + i}", steps.get(w, -1), session_hash=f"hash-{w}"))
+           for i, (w, h) in enumerate(workers)]
     state, actions = run(job(min_np, max_np), evs + [(1.0, Tick())])
     assert len(announces(actions)) == 1
     return state
@@ -195,17 +196,70 @@ def test_initial_formation_also_bounded_by_elastic_timeout():
 
 def test_success_of_one_worker_completes_job_and_refuses_joins():
     s = formed([("a", "h"), ("b", "h")])
-    s, acts = run(s, [(2.0, Success("b"))])
+    s, acts = run(s, [(2.0, Success("b", 1))])
     assert [a for _, a in acts] == [Finished(True, "worker b reported success")]
     s, acts = run(s, [(3.0, Join("c", "h", "h:3"))])
-    assert isinstance(acts[0][1], Rejected) and s.phase is Phase.SUCCEEDED
+    assert acts[0][1].kind is Refusal.FINISHED and s.phase is Phase.SUCCEEDED
 
 
-def test_rejoin_with_same_worker_id_replaces_old_membership():
+def test_rejoin_with_its_current_session_replaces_old_membership():
     s = formed([("a", "h"), ("b", "h")])
-    s, acts = run(s, [(2.0, Join("b", "h", "h:99")), (3.0, Tick())])
+    s, acts = run(s, [(2.0, Join("b", "h", "h:99", proof="hash-b", session_hash="hash-b2")),
+                      (3.0, Tick())])
     assert any(isinstance(a, Abort) for _, a in acts)
     assert [m.ring_address for m in announces(acts)[0].members] == ["h:9000", "h:99"]
+    assert s.workers["b"].session_hash == "hash-b2"
+
+
+@pytest.mark.parametrize("proof", ["", "hash-a", "hash-b-guessed"],
+                         ids=["no session", "another worker's", "made up"])
+def test_join_naming_a_registered_worker_without_its_session_is_refused_and_it_stays(proof):
+    s = formed([("a", "h"), ("b", "h")])
+    after, acts = run(s, [(2.0, Join("b", "evil", "evil:1", proof=proof, session_hash="mine")),
+                          (3.0, Tick())])
+    assert [(a.kind, a.worker_id) for _, a in acts] == [(Refusal.WORKER_EXISTS, "b")]
+    assert "session_id" in acts[0][1].reason
+    assert after.workers == s.workers and after.world == s.world and after.version == s.version
+
+
+def test_members_record_the_first_world_they_were_in():
+    s = formed([("a", "h"), ("b", "h")])
+    s, _ = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick())])
+    assert s.version == 2
+    assert {w: s.workers[w].member_since for w in "abc"} == {"a": 1, "b": 1, "c": 2}
+
+
+# Success reports: (reporter, world it names, accepted). The job's current world is 2 (a, b since
+# 1; c since 2), d is a standby beyond max_np.
+@pytest.mark.parametrize("reporter,version,accepted", [
+    ("a", 2, True),     # a member of the current world
+    ("a", 1, True),     # a member naming an earlier world it was in (it had not seen world 2)
+    ("c", 2, True),
+    ("c", 1, False),    # c was not in world 1
+    ("d", 2, False),    # a standby is in no world
+    ("a", 3, False),    # no such world yet
+    ("a", 0, False),    # "no world"
+    ("zz", 2, False),   # not registered at all
+])
+def test_success_counts_only_from_a_member_of_the_world_it_names(reporter, version, accepted):
+    s = formed([("a", "h"), ("b", "h")], max_np=3)
+    s, _ = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick()), (3.5, Join("d", "h", "h:4")),
+                   (4.0, Tick())])
+    assert s.version == 2 and s.standby() == ["d"]
+    after, acts = run(s, [(5.0, Success(reporter, version))])
+    if accepted:
+        assert after.phase is Phase.SUCCEEDED
+        assert [a for _, a in acts] == [Finished(True, f"worker {reporter} reported success")]
+    else:
+        assert after == s
+        assert [(type(a), a.kind) for _, a in acts] == [(Rejected, Refusal.NOT_MEMBER)]
+        assert f"not a member of world {version}" in acts[0][1].reason
+
+
+def test_a_refused_rejoin_drops_nobody():
+    s = formed([("a", "h"), ("b", "h")])
+    _, acts = run(s, [(2.0, Join("a", "h", "h:9", proof=""))])
+    assert not [a for _, a in acts if isinstance(a, (Dropped, Abort, Pending))]
 
 
 def test_invalid_spec_is_refused():
@@ -217,8 +271,17 @@ def test_state_round_trips_through_json():
     s = formed([("a", "h1"), ("b", "h2")])
     s, _ = run(s, [(2.0, Evict("a", "x")), (2.0, Join("c", "h1", "h1:5"))])
     assert from_json(to_json(s)) == s
-    s, _ = run(s, [(3.0, Success("c"))])
+    s, _ = run(s, [(3.0, Success("b", 1))])
     assert s.finished_at == 3.0 and from_json(to_json(s)) == s
+
+
+def test_job_credential_secret_run_and_sessions_round_trip_through_json():
+    s = new_job("j", JobSpec(1, 2, 5.0), 0.0, credential="c" * 64, ring_secret="ab" * 32, run="0a1b2c3d")
+    s, _ = run(s, [(0.0, Join("a", "h", "h:1", session_hash="5" * 64)), (1.0, Tick())])
+    back = from_json(to_json(s))
+    assert back == s
+    assert (back.credential, back.ring_secret, back.run) == ("c" * 64, "ab" * 32, "0a1b2c3d")
+    assert back.workers["a"].session_hash == "5" * 64 and back.workers["a"].member_since == 1
 
 
 def test_burst_of_joins_into_running_world_sends_one_pending_notice():

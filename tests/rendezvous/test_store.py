@@ -101,3 +101,18 @@ def test_revoked_lease_deletes_keys_and_watch_sees_puts_and_delete(make_store, p
         watch.close()
         await store.close()
     run_async(body())
+
+
+def test_delete_applies_only_at_expected_revision(make_store, prefix):
+    async def body():
+        store = make_store()
+        k = prefix + "cad"
+        r1 = await store.put(k, b"a")
+        r2 = await store.put(k, b"b")
+        assert await store.delete(k, expected_revision=r1) is False   # stale: someone wrote since
+        assert (await store.get(k)).value == b"b"
+        assert await store.delete(k, expected_revision=r2) is True
+        assert await store.get(k) is None
+        assert await store.delete(k, expected_revision=r2) is False   # already gone
+        await store.close()
+    run_async(body())
