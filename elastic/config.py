@@ -29,6 +29,7 @@ import socket
 from typing import Mapping, Optional, Tuple
 
 from rendezvous.client import channel_credentials, is_loopback, parse_addresses, read_token_file
+from rendezvous.client import DEFAULT_MAX_NP
 
 from .communicator import CommConfig
 
@@ -48,7 +49,7 @@ class WorkerConfig:
     tls_key: Optional[str] = None
     job_secret: bytes = b""
     min_np: int = 1
-    max_np: int = 1024
+    max_np: int = DEFAULT_MAX_NP
     elastic_timeout: float = 0.0
     world_timeout: float = 600.0
     reset_limit: int = 0
@@ -102,7 +103,7 @@ class WorkerConfig:
             tls_key=tls_key,
             job_secret=secret,
             min_np=number("ELASTIC_MIN_NP", int, 1),
-            max_np=number("ELASTIC_MAX_NP", int, 1024),
+            max_np=number("ELASTIC_MAX_NP", int, DEFAULT_MAX_NP),
             elastic_timeout=number("ELASTIC_ELASTIC_TIMEOUT", float, 0.0),
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),

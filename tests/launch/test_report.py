@@ -2,16 +2,16 @@
 
 import pytest
 
-from elastic.launch_discovery import DiscoveryError, local_slots, parse_hosts
-from elastic.launch_procs import describe_exit, exception_line, signal_of
-from elastic.launch_rendezvous import JobView, Member
-from elastic.launch_report import Reporter
+from elastic.launch.discovery import DiscoveryError, local_slots, parse_hosts
+from elastic.launch.procs import describe_exit, exception_line, signal_of
+from elastic.launch.report import Reporter
+from rendezvous.client import JobStatusInfo, MemberStatusInfo
 
 
 def view(version, ranked, standby=(), phase="RUNNING", min_np=1):
-    members = tuple(Member(w, "h", r, True, 0) for r, w in enumerate(ranked))
-    members += tuple(Member(w, "h", None, True, -1) for w in standby)
-    return JobView("job", phase, "", version, min_np, 8, 600.0, members)
+    members = tuple(MemberStatusInfo(w, "h", r, True, 0) for r, w in enumerate(ranked))
+    members += tuple(MemberStatusInfo(w, "h", None, True, -1) for w in standby)
+    return JobStatusInfo("job", phase, "", version, min_np, 8, 600.0, members)
 
 
 def test_first_world_is_reported_with_the_time_since_launch():
@@ -53,6 +53,17 @@ def test_waiting_below_min_np_and_coming_back_are_reported():
     assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == [
         "below min-np=2: 1 worker(s) left; the job fails if it stays below for 600 s"]
     assert r.update(view(2, ["a", "b2"], min_np=2), 3.0)[-1] == "back at 2 worker(s), at least min-np=2"
+
+
+def test_ranks_come_from_status_and_outlive_the_worker_s_place_in_it():
+    r = Reporter(now=0.0)
+    assert r.rank_of("b") is None
+    r.update(view(1, ["a", "b"], standby=["c"]), 1.0)
+    assert (r.rank_of("a"), r.rank_of("b"), r.rank_of("c")) == (0, 1, None)
+    r.update(view(1, ["a"], standby=["c"]), 2.0)         # b gone: its failure still names rank 1
+    assert r.rank_of("b") == 1
+    r.update(view(2, ["c", "a"]), 3.0)
+    assert (r.rank_of("a"), r.rank_of("c")) == (1, 0)
 
 
 @pytest.mark.parametrize("text, hosts", [

@@ -1,7 +1,10 @@
 """`elastic-run` flags: the argument parser, its help text, and the one dataclass they fill.
 
-Everything the launcher decides from the command line lives in ``LaunchConfig``; bad input
+Everything the launcher decides from the command line and its environment (the token and TLS
+files it falls back to) is read once, here, into ``LaunchConfig``, and passed down; bad input
 raises ``UsageError`` with a one-line message (printed without a traceback by ``elastic.launch``).
+HOST:PORT lists and token files are read by the same functions every client of the service uses
+(rendezvous.client).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import shutil
 import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from rendezvous.client import channel_credentials, parse_addresses, read_token_file
+from rendezvous.client import DEFAULT_MAX_NP, channel_credentials, parse_addresses, read_token_file
 
-from .config import TLS_VARIABLES
+from ..config import TLS_VARIABLES
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -89,6 +92,12 @@ class LaunchConfig:
     tls_key: Optional[str]
     stop_timeout: float
     connect_timeout: float
+    # The token this launcher sends to --rendezvous servers (--token-file, else ELASTIC_TOKEN, else
+    # ELASTIC_TOKEN_FILE, as the workers read them); None with the embedded server, which makes its own.
+    token: Optional[str] = dataclasses.field(default=None, repr=False)
+    # ELASTIC_TOKEN / ELASTIC_TOKEN_FILE as this launcher found them: what its workers inherit
+    # when neither --token-file nor the embedded server gives them one.
+    inherited_token_env: Tuple[Tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def embedded(self) -> bool:
@@ -112,8 +121,8 @@ def parser() -> argparse.ArgumentParser:
                         "--elastic-timeout (default: --np, as horovodrun, so the first world has them all; "
                         "with --rendezvous, the running job's)")
     p.add_argument("--max-np", type=int, metavar="N",
-                   help="workers beyond N wait on standby (default: 1024; with --rendezvous, the "
-                        "running job's)")
+                   help=f"workers beyond N wait on standby (default: {DEFAULT_MAX_NP}; with --rendezvous, "
+                        "the running job's)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="respawn a worker killed by a signal at most N times per slot, with backoff "
                         "(0: never; default: %(default)s)")
@@ -194,7 +203,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError(f"--np must be at least 1, got {a.np}")
     np_ = a.np if a.np is not None else (0 if a.host_discovery_script else 1)
     min_np = max(1, np_) if a.min_np is None else a.min_np
-    max_np = 1024 if a.max_np is None else a.max_np
+    max_np = DEFAULT_MAX_NP if a.max_np is None else a.max_np
     if min_np < 1 or max_np < min_np or max_np > 2048:
         raise UsageError(f"need 1 <= --min-np <= --max-np <= 2048, got {min_np} and {max_np}")
     if a.max_restarts < 0:
@@ -222,11 +231,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError(f"--host-discovery-script {script!r} is not an executable file")
     if a.token_file is not None and not rendezvous:
         raise UsageError("--token-file needs --rendezvous: the embedded server makes its own random token")
-    if a.token_file is not None:
-        try:
-            read_token_file(a.token_file, "--token-file")
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    token = _token(a.token_file, env) if rendezvous else None
     tls_ca, tls_cert, tls_key = _tls(a, not rendezvous, env)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
                         min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
@@ -234,4 +239,21 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         rendezvous=rendezvous, job_id=job_id, host=host, host_discovery_script=script,
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout)
+                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout, token=token,
+                        inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
+                                                  if env.get(k)))
+
+
+def _token(token_file: Optional[str], env: Mapping[str, str]) -> Optional[str]:
+    """The token for --rendezvous servers: --token-file, else what the workers will read
+    (ELASTIC_TOKEN, then ELASTIC_TOKEN_FILE, as elastic.config does)."""
+    try:
+        if token_file:
+            return read_token_file(token_file, "--token-file")
+        if env.get("ELASTIC_TOKEN"):
+            return env["ELASTIC_TOKEN"]
+        if env.get("ELASTIC_TOKEN_FILE"):
+            return read_token_file(env["ELASTIC_TOKEN_FILE"], "ELASTIC_TOKEN_FILE")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return None

@@ -1,5 +1,9 @@
 """Local worker processes: spawn each in its own process group, prefix its output with its rank,
 describe how it ended, and stop it (SIGTERM to the group, SIGKILL after a deadline).
+
+Nothing here reads a worker's output to decide anything: ranks come from the rendezvous's Status
+answers (the launcher passes them to ``Output.set_rank``), how a worker ended from its exit status.
+Its last stderr lines are kept only to quote its error in the launcher's one-line reason.
 """
 
 from __future__ import annotations
@@ -14,9 +18,8 @@ import threading
 import time
 from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-# The runtime's line after every re-form (elastic/run.py); lets the prefix follow a rank change at once.
-_RANK_LINE = re.compile(rb"elastic: worker (\S+) is rank (\d+) of \d+ in world version (\d+)")
 # The last line of a Python traceback: "ValueError: ...", "elastic.errors.WorkerLostError: ...".
+# Display text only (quoted in the launcher's reason for a failed job), never a decision.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Finished|Timeout)\b(:|$)")
 
 
@@ -38,7 +41,8 @@ def with_parent_death_signal(command: Sequence[str]) -> List[str]:
 
 
 class Output:
-    """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's current rank."""
+    """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's current rank
+    (as the latest Status answer gives it)."""
 
     def __init__(self, out: IO[bytes], err: IO[bytes]):
         self._streams = {"out": out, "err": err}
@@ -126,9 +130,6 @@ class Worker:
 
     def _pump(self, pipe: IO[bytes], stream: str) -> None:
         for raw in pipe:
-            m = _RANK_LINE.search(raw)
-            if m and m.group(1).decode(errors="replace") == self.worker_id:
-                self.output.set_rank(self.worker_id, int(m.group(3)), int(m.group(2)))
             if stream == "err" and raw.strip():
                 self.tail.append(raw.decode(errors="replace").strip())
             self.output.line(stream, self.worker_id, raw)
