@@ -119,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-np", type=int, metavar="N",
                    help="the job waits while it has fewer than N workers, and fails after "
                         "--elastic-timeout (default: --np, as horovodrun, so the first world has them all; "
-                        "with --rendezvous, the running job's)")
+                        "at most --np without --rendezvous; with --rendezvous, the running job's)")
     p.add_argument("--max-np", type=int, metavar="N",
                    help=f"workers beyond N wait on standby (default: {DEFAULT_MAX_NP}; with --rendezvous, "
                         "the running job's)")
@@ -206,6 +206,14 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
     max_np = DEFAULT_MAX_NP if a.max_np is None else a.max_np
     if min_np < 1 or max_np < min_np or max_np > 2048:
         raise UsageError(f"need 1 <= --min-np <= --max-np <= 2048, got {min_np} and {max_np}")
+    if min_np > np_ and not a.rendezvous and not a.host_discovery_script:
+        # Without --rendezvous the job is this launcher's: at most --np workers at a time (a
+        # respawn takes its slot's place), so a first world of --min-np could never form. With
+        # --host-discovery-script the slots, up to --max-np, come later: --min-np <= --max-np is the
+        # most that can be checked.
+        raise UsageError(f"--min-np {min_np} is more than --np {np_}, the workers this launcher runs: the "
+                         "job could never start (lower --min-np, raise --np, or join a job of several "
+                         "launchers with --rendezvous)")
     if a.max_restarts < 0:
         raise UsageError(f"--max-restarts must not be negative, got {a.max_restarts}")
     if not 0 < a.elastic_timeout <= 7 * 86400:

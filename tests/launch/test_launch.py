@@ -133,6 +133,8 @@ def test_a_killed_launcher_takes_its_workers_and_server_with_it(launch):
     (["--np", "two"], r"argument --np: invalid int value: 'two'"),
     (["--np", "2", "--min-np", "0"], r"need 1 <= --min-np <= --max-np <= 2048, got 0 and 1024"),
     (["--np", "2", "--min-np", "3", "--max-np", "2"], r"need 1 <= --min-np <= --max-np <= 2048, got 3 and 2"),
+    # Without --rendezvous this launcher's workers are the whole job: it could never start.
+    (["--np", "2", "--min-np", "3"], r"--min-np 3 is more than --np 2, the workers this launcher runs"),
     (["--np", "2", "--rendezvous", "nohost"], r"--rendezvous: 'nohost' is not HOST:PORT"),
     (["--np", "2", "--rendezvous", "127.0.0.1:5"], r"--rendezvous needs --job-id"),
     (["--np", "2", "--port", "5", "--rendezvous", "127.0.0.1:5"], r"not allowed with argument"),
