@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 from .client import (StatusClient, StatusError, StatusInfo, channel_credentials, parse_addresses,
                      read_token_file)
 from .config import ServerConfig
+from .ports import check_can_listen
 from .store import EtcdAccessError, EtcdStore, StoreError
 
 DESCRIPTION = """\
@@ -222,6 +223,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.command == "status":
         return _status(a)
     cfg = config_from_args(a)
+    try:
+        check_can_listen(cfg.host, cfg.port, "--port")
+    except ValueError as e:   # a flag error: exit 2, as argparse's, and no traceback from gRPC
+        print(f"elastic-rendezvous: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=a.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -19,7 +19,10 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 from rendezvous.client import DEFAULT_MAX_NP, channel_credentials, parse_addresses, read_token_file
 
+from rendezvous.ports import check_can_listen
+
 from ..config import TLS_VARIABLES
+from .embedded import EMBEDDED_HOST
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -241,6 +244,11 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError("--token-file needs --rendezvous: the embedded server makes its own random token")
     token = _token(a.token_file, env) if rendezvous else None
     tls_ca, tls_cert, tls_key = _tls(a, not rendezvous, env)
+    if not rendezvous:
+        try:   # where the embedded server will listen (its own check would name it less well)
+            check_can_listen(EMBEDDED_HOST, a.port, "--port")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
                         min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
                         max_restarts=a.max_restarts, elastic_timeout=a.elastic_timeout, port=a.port,

@@ -20,6 +20,9 @@ from typing import Callable
 from .procs import with_parent_death_signal
 
 
+EMBEDDED_HOST = "127.0.0.1"   # where it listens: only this machine reaches it
+
+
 class EmbeddedServerFailed(RuntimeError):
     """The embedded server did not come up; the message is one line."""
 
@@ -44,7 +47,7 @@ class EmbeddedServer:
             # No blacklisting: on one machine the only host would be refused after three respawns.
             self.proc = subprocess.Popen(
                 with_parent_death_signal([sys.executable, "-m", "rendezvous", "serve", "--token-file",
-                 self.token_file, "--host", "127.0.0.1", "--port", str(port), "--port-file", self._port_file,
+                 self.token_file, "--host", EMBEDDED_HOST, "--port", str(port), "--port-file", self._port_file,
                  "--elastic-timeout", f"{elastic_timeout:g}", "--blacklist-after", "1000000000",
                  "--log-level", "WARNING"]),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -76,7 +79,7 @@ class EmbeddedServer:
         if cancelled():
             return ""
         with open(self._port_file) as f:
-            self.address = f"127.0.0.1:{int(f.read())}"
+            self.address = f"{EMBEDDED_HOST}:{int(f.read())}"
         return self.address
 
     def alive(self) -> bool:

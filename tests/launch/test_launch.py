@@ -213,3 +213,18 @@ def test_a_joining_launcher_refuses_a_host_already_in_the_job_and_a_different_sp
     a.proc.send_signal(signal.SIGTERM)
     assert a.wait(20) == 128 + signal.SIGTERM
     a.wait_no_leftovers()
+
+
+def test_a_port_in_use_is_a_one_line_flag_error(launch):
+    # The port is held by another launcher's embedded server.
+    a = launch("--np", "1", "--host", "hA", LW_STEPS="100000")
+    port = a.wait_for(r"rendezvous server for job default on 127\.0\.0\.1:(\d+) \(embedded\)", 30).group(1)
+    b = launch("--np", "1", "--host", "hB", "--port", port)
+    assert b.wait(30) == 2, b.text()
+    assert b.stderr == [f"elastic-run: error: --port {port}: 127.0.0.1:{port} is already in use "
+                        "(see elastic-run --help)"], b.text()
+    assert b.stdout == []
+    assert a.proc.poll() is None
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.wait(20) == 128 + signal.SIGTERM
+    b.wait_no_leftovers()
