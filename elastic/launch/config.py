@@ -63,8 +63,9 @@ ELASTIC_TOKEN_FILE too, unless --token-file or the embedded server gives the tok
 --rendezvous, ELASTIC_TLS_CA/CERT/KEY already set stand for absent --tls-* flags; for the
 embedded server they are dropped.
 
-output: every worker line is prefixed with the worker's rank, "[3] ...", updated when the
-world changes ("[HOST-SLOT] ..." while a worker has no rank: joining or on standby). Launcher
+output: every worker line is prefixed with the worker's id, "[HOST-SLOT] ..." ("[HOST-SLOT-rN]"
+after a respawn), for the worker's whole life: unlike its rank, the id does not change with the
+world, and lines printed before the first world or after the job ended carry it too. Launcher
 lines start with "elastic-run:" and report worlds, failures and recoveries with durations.
 """
 

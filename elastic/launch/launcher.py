@@ -2,7 +2,7 @@
 
 One launcher per host. It starts the embedded rendezvous server unless given --rendezvous,
 spawns the local workers (each in its own process group), prefixes their output with their
-rank, respawns the ones killed by a signal (with backoff, --max-restarts per slot), and
+worker id, respawns the ones killed by a signal (with backoff, --max-restarts per slot), and
 follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
 (exit 0 when it completed, 1 with a one-line reason when it failed), and on Ctrl-C/SIGTERM
 stops every worker before it exits. Flags: elastic/launch/config.py.
@@ -145,9 +145,10 @@ class Launcher:
             now = time.monotonic()
             self._reap(now)
             if now >= next_status:
-                # Faster while a local worker has no rank yet: its first lines should carry one.
-                unranked = any(w.alive and self.out.rank(w.worker_id) is None and now - w.started_at < 60
-                               for w in self.workers.values())
+                # Faster while a local worker has no rank yet: the launcher's lines about it
+                # (a failure, a recovery) should name its rank, and only Status gives it.
+                unranked = any(w.alive and self.reporter.rank_of(w.worker_id) is None
+                               and now - w.started_at < 60 for w in self.workers.values())
                 next_status = now + (POLL_S if unranked else STATUS_EVERY_S)
                 code = self._follow_job(now)
                 if code is not None:
@@ -315,8 +316,6 @@ class Launcher:
             return None  # workers ride through a server restart on their own; so does the launcher
         if view is None:
             return None
-        for m in view.members:
-            self.out.set_rank(m.worker_id, view.world_version, m.rank)
         for msg in self.reporter.update(view, now):
             self.out.note(msg)
         self.view = view

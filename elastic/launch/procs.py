@@ -1,9 +1,13 @@
-"""Local worker processes: spawn each in its own process group, prefix its output with its rank,
-describe how it ended, and stop it (SIGTERM to the group, SIGKILL after a deadline).
+"""Local worker processes: spawn each in its own process group, prefix its output with its worker
+id, describe how it ended, and stop it (SIGTERM to the group, SIGKILL after a deadline).
 
-Nothing here reads a worker's output to decide anything: ranks come from the rendezvous's Status
-answers (the launcher passes them to ``Output.set_rank``), how a worker ended from its exit status.
-Its last stderr lines are kept only to quote its error in the launcher's one-line reason.
+The prefix is the worker id (``[HOST-SLOT]``, ``[HOST-SLOT-rN]`` after the N-th respawn) for the
+process's whole life: a rank changes with every world and a line printed before the first world,
+on standby or after the job ended has none, while the id is fixed, unique across hosts, and the
+one the launcher's own lines, ELASTIC_WORKER_ID and `elastic-rendezvous status` use.
+
+Nothing here reads a worker's output to decide anything: how a worker ended comes from its exit
+status; its last stderr lines are kept only to quote its error in the launcher's one-line reason.
 """
 
 from __future__ import annotations
@@ -41,32 +45,17 @@ def with_parent_death_signal(command: Sequence[str]) -> List[str]:
 
 
 class Output:
-    """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's current rank
-    (as the latest Status answer gives it)."""
+    """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's id."""
 
     def __init__(self, out: IO[bytes], err: IO[bytes]):
         self._streams = {"out": out, "err": err}
         self._lock = threading.Lock()
-        self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}   # worker id -> (world version, rank)
-
-    def set_rank(self, worker_id: str, version: int, rank: Optional[int]) -> None:
-        with self._lock:
-            if version >= self._ranks.get(worker_id, (-1, None))[0]:
-                self._ranks[worker_id] = (version, rank)
-
-    def rank(self, worker_id: str) -> Optional[int]:
-        with self._lock:
-            return self._ranks.get(worker_id, (0, None))[1]
-
-    def prefix(self, worker_id: str) -> bytes:
-        r = self.rank(worker_id)
-        return f"[{r}] ".encode() if r is not None else f"[{worker_id}] ".encode()
 
     def line(self, stream: str, worker_id: Optional[str], data: bytes) -> None:
         if not data.endswith(b"\n"):
             data += b"\n"
         if worker_id is not None:
-            data = self.prefix(worker_id) + data
+            data = f"[{worker_id}] ".encode() + data
         with self._lock:
             s = self._streams[stream]
             try:

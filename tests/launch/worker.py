@@ -2,7 +2,7 @@
 
 Knobs (environment): LW_OUT directory for pid-<worker>.txt; LW_STEPS steps (default 40);
 LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank.
-Prints "step S size N" after every step and "done" at the end.
+Prints "start" first (before any world), "step S size N" after every step and "done" at the end.
 """
 
 import logging
@@ -22,6 +22,7 @@ RAISE_AT = int(os.environ.get("LW_RAISE_AT", "-1"))
 
 with open(os.path.join(OUT, f"pid-{WORKER}.txt"), "w") as f:
     f.write(str(os.getpid()))
+print("start", flush=True)
 
 state = elastic.ObjectState(step=0, total=0.0)
 
