@@ -8,6 +8,7 @@ One concept a module:
 * ``embedded``  the embedded rendezvous server (without --rendezvous)
 * ``discovery`` --host-discovery-script: run it, parse its ``host[:slots]`` lines
 * ``report``    what the launcher says as the job runs: a pure function of Status answers
+* ``outcome``   its exit status after the job completed: a pure function of how its workers ended
 
 The job's state comes from the public Status client (``rendezvous.client.StatusClient``).
 """

@@ -39,8 +39,10 @@ child of this launcher and stops with it. With --rendezvous, the workers
 join job --job-id on those servers: run one elastic-run per host (torchrun style) to span
 hosts, or to add a host to a running job. Dead workers (killed by a signal) are respawned with
 backoff, at most --max-restarts times per slot; a worker that exits with an error ends the job.
-Exit status: 0 when the job completed; 1 with a one-line reason when it failed; 2 for bad
-flags; 128+N when stopped by signal N (every worker is stopped first).
+Exit status: 0 when the job completed and every worker this launcher started exited 0 (a worker
+killed by a signal while the job ran counts as a recovered failure); 1 with a one-line reason
+when the job failed or a worker failed after it completed (the first such worker is named);
+2 for bad flags; 128+N when stopped by signal N (every worker is stopped first).
 """
 
 EPILOG = """\

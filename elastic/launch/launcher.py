@@ -4,8 +4,9 @@ One launcher per host. It starts the embedded rendezvous server unless given --r
 spawns the local workers (each in its own process group), prefixes their output with their
 worker id, respawns the ones killed by a signal (with backoff, --max-restarts per slot), and
 follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
-(exit 0 when it completed, 1 with a one-line reason when it failed), and on Ctrl-C/SIGTERM
-stops every worker before it exits. Flags: elastic/launch/config.py.
+(exit 0 when it completed and every local worker ended well, see elastic/launch/outcome.py; 1
+with a one-line reason otherwise), and on Ctrl-C/SIGTERM stops every worker before it exits.
+Flags: elastic/launch/config.py.
 
 Everything it learns about the job (worlds, ranks, the end) comes from Status answers, through the
 same public client `elastic-rendezvous status` uses (rendezvous.client.StatusClient); nothing a
@@ -27,6 +28,7 @@ from ..config import TLS_VARIABLES
 from .config import LaunchConfig, UsageError, parse
 from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
 from .embedded import EmbeddedServer, EmbeddedServerFailed
+from .outcome import WorkerEnd, completion_failure
 from .procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
 from .report import Reporter
 
@@ -54,7 +56,8 @@ class Launcher:
         self.spawns: Dict[int, int] = {}            # slot -> incarnations started
         self.failures: Dict[int, int] = {}          # slot -> respawns used
         self.respawn_at: Dict[int, float] = {}      # slot -> when to start it again
-        self.succeeded: set = set()                 # slots whose worker exited 0
+        self.succeeded: set = set()                 # slots whose worker exited 0 (or left)
+        self.ends: List[WorkerEnd] = []             # how each incarnation ended, in that order
         self.target = cfg.np                        # local workers wanted
         self.server: Optional[EmbeddedServer] = None
         self.status: Optional[StatusClient] = None
@@ -263,14 +266,20 @@ class Launcher:
     def _on_exit(self, slot: int, w: Worker, code: int, now: float) -> None:
         cfg = self.cfg
         what = describe_exit(code)
-        if w.stopping:
-            return
-        if code == 0:
-            self.succeeded.add(slot)
+        rank = self.reporter.rank_of(w.worker_id)
+        if w.stopping or w.left or code == 0:
+            self.ends.append(WorkerEnd(w.worker_id, rank, code, stopped=w.stopping, left=w.left))
+            if not w.stopping:
+                self.succeeded.add(slot)
             return
         view = self._status_now()
         if view is not None and view.terminal:
-            return  # its exit follows from the job's end; _follow_job reports that
+            # After the job's end: _follow_job decides (a failure after success fails the launcher).
+            # Only a traceback's line: after training, its last log line says nothing about this.
+            error = "" if signal_of(code) is not None else w.last_error_line(fallback=False)
+            self.ends.append(WorkerEnd(w.worker_id, rank, code, error=error))
+            return
+        self.ends.append(WorkerEnd(w.worker_id, rank, code, during_job=True))
         label = self._label(w)
         if signal_of(code) is not None:
             self.last_failure = f"{label} {what}"
@@ -326,8 +335,14 @@ class Launcher:
         if view.phase == "SUCCEEDED":
             self._wait_local_exit(SUCCESS_GRACE_S)
             self._check_signal()
+            self._reap(time.monotonic())
+            running = [WorkerEnd(w.worker_id, self.reporter.rank_of(w.worker_id), None)
+                       for w in self.workers.values() if not w.handled]
             if self.server is not None:
                 self._wait_remote_detach(10.0)
+            failure = completion_failure(self.ends + running, cfg.job_id, SUCCESS_GRACE_S)
+            if failure is not None:
+                raise LaunchFailed(failure)
             self.out.note(f"job {cfg.job_id} completed" + self._recovery_summary())
             return 0
         return None

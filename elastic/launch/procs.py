@@ -69,12 +69,13 @@ class Output:
         self.line("err", None, f"elastic-run: {text}".encode())
 
 
-def exception_line(lines: Sequence[str]) -> str:
-    """The last exception line of a traceback among ``lines`` (noise may follow it), else the last line."""
+def exception_line(lines: Sequence[str], fallback: bool = True) -> str:
+    """The last exception line of a traceback among ``lines`` (noise may follow it), else the last
+    line (or nothing, without ``fallback``)."""
     for line in reversed(lines):
         if _EXCEPTION_LINE.match(line):
             return line
-    return lines[-1] if lines else ""
+    return lines[-1] if lines and fallback else ""
 
 
 def describe_exit(code: int) -> str:
@@ -107,6 +108,9 @@ class Worker:
         self.started_at = time.monotonic()
         self.ended_at: Optional[float] = None
         self.stopping = False            # the launcher is stopping it: its end is no failure
+        # It left the job gracefully (preempted, told to go): its end counts as a success and its
+        # slot is not respawned. Nothing sets it yet; graceful leave will.
+        self.left = False
         self.handled = False             # the launcher has acted on its exit
         self.proc = subprocess.Popen(with_parent_death_signal(command), env=dict(env), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -134,10 +138,11 @@ class Worker:
     def alive(self) -> bool:
         return self.poll() is None
 
-    def last_error_line(self) -> str:
-        """The exception line that ended its traceback ('ValueError: ...'), else its last stderr line."""
+    def last_error_line(self, fallback: bool = True) -> str:
+        """The exception line that ended its traceback ('ValueError: ...'), else its last stderr
+        line (or nothing, without ``fallback``)."""
         self.join_output(1.0)
-        return exception_line(list(self.tail))
+        return exception_line(list(self.tail), fallback)
 
     def join_output(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

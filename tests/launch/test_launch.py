@@ -241,3 +241,16 @@ def test_every_line_of_a_worker_carries_its_worker_id_for_its_whole_life(launch)
     worker_err = [line for line in p.stderr if not line.startswith(("elastic-run: ", "[rendezvous] "))]
     assert worker_err and all(re.match(r"\[hA-[01]\] ", line) for line in worker_err), p.text()
     assert any(re.match(r"\[hA-0\] .*worker hA-0 is rank \d", line) for line in worker_err), p.text()
+
+
+@pytest.mark.parametrize("env, how", [
+    ({"LW_EXIT_AFTER_RUN": "hA-1:3"}, "exited with status 3 after job default completed"),
+    ({"LW_RAISE_AFTER_RUN": "hA-1"},
+     "exited with status 1 after job default completed: RuntimeError: failed after training"),
+])
+def test_a_worker_failing_after_the_job_completed_fails_the_launcher_naming_it(launch, env, how):
+    p = launch("--np", "2", "--host", "hA", LW_STEPS="6", **env)
+    assert p.wait(60) == 1, p.text()
+    assert re.fullmatch(r"elastic-run: error: worker hA-1 \(rank [01]\) " + re.escape(how), last_line(p)), p.text()
+    assert "[hA-0] done" in p.stdout and "[hA-1] done" in p.stdout
+    p.wait_no_leftovers()

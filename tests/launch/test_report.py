@@ -3,6 +3,7 @@
 import pytest
 
 from elastic.launch.discovery import DiscoveryError, local_slots, parse_hosts
+from elastic.launch.outcome import WorkerEnd, completion_failure
 from elastic.launch.procs import describe_exit, exception_line, signal_of
 from elastic.launch.report import Reporter
 from rendezvous.client import JobStatusInfo, MemberStatusInfo
@@ -103,3 +104,38 @@ def test_the_reason_of_a_failed_worker_is_its_exception_line_even_with_noise_aft
     assert exception_line(["ValueError: bad input"]) == "ValueError: bad input"
     assert exception_line(["something went wrong", "exiting"]) == "exiting"
     assert exception_line([]) == ""
+    assert exception_line(["INFO elastic: worker w is rank 1", "exiting"], fallback=False) == ""
+
+
+def ended(*ends):
+    return completion_failure(ends, "job", 30.0)
+
+
+def test_the_launcher_succeeds_when_every_worker_exited_0():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, 0)) is None
+
+
+def test_a_worker_killed_while_the_job_ran_is_a_recovered_failure_not_the_launcher_s():
+    assert ended(WorkerEnd("b", 1, -9, during_job=True), WorkerEnd("a", 0, 0), WorkerEnd("b-r1", 1, 0)) is None
+
+
+def test_a_worker_that_left_gracefully_or_was_stopped_by_the_launcher_counts_as_success():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, -15, left=True), WorkerEnd("c", None, -15, stopped=True)) is None
+
+
+def test_a_worker_exiting_non_zero_after_the_job_completed_fails_the_launcher_naming_it():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, 3)) == "worker b (rank 1) exited with status 3 after job job completed"
+
+
+def test_the_first_worker_that_failed_is_named_with_its_error_line():
+    assert ended(WorkerEnd("a", None, 1, error="RuntimeError: boom"), WorkerEnd("b", 1, 3)) == (
+        "worker a exited with status 1 after job job completed: RuntimeError: boom")
+
+
+def test_a_signal_after_the_job_completed_is_a_failure_too():
+    assert ended(WorkerEnd("a", 0, -9)) == "worker a (rank 0) killed by SIGKILL after job job completed"
+
+
+def test_a_worker_still_running_when_the_launcher_stops_waiting_is_a_failure():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, None)) == (
+        "worker b (rank 1) was still running 30 s after job job completed (stopped)")
