@@ -29,6 +29,7 @@ import socket
 from typing import Mapping, Optional, Tuple
 
 from rendezvous.client import channel_credentials, is_loopback, parse_addresses, read_token_file
+from rendezvous.client import DEFAULT_MAX_NP
 
 from .communicator import CommConfig
 
@@ -47,7 +48,7 @@ class WorkerConfig:
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
     min_np: int = 1
-    max_np: int = 1024
+    max_np: int = DEFAULT_MAX_NP
     elastic_timeout: float = 0.0
     world_timeout: float = 600.0
     reset_limit: int = 0
@@ -95,7 +96,7 @@ class WorkerConfig:
             tls_cert=tls_cert,
             tls_key=tls_key,
             min_np=number("ELASTIC_MIN_NP", int, 1),
-            max_np=number("ELASTIC_MAX_NP", int, 1024),
+            max_np=number("ELASTIC_MAX_NP", int, DEFAULT_MAX_NP),
             elastic_timeout=number("ELASTIC_ELASTIC_TIMEOUT", float, 0.0),
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),

@@ -9,8 +9,10 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from .client import channel_credentials, open_channel, parse_addresses, read_token_file, read_token_list
+from .client import (StatusClient, StatusError, StatusInfo, channel_credentials, parse_addresses,
+                     read_token_file, read_token_list)
 from .config import ServerConfig
+from .ports import check_can_listen
 from .store import EtcdAccessError, EtcdStore, StoreError
 
 DESCRIPTION = """\
@@ -184,49 +186,42 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str]) -> None:
 
 
 def _status(a: argparse.Namespace) -> int:
-    import grpc
-
-    from ._proto import rendezvous_pb2 as pb
-    from ._proto import rendezvous_pb2_grpc as pb_grpc
-
-    md = ((("authorization", f"Bearer {_read_secret(a.token_file, 'token file')}"),)
-          if a.token_file else ())
+    token = _read_secret(a.token_file, 'token file') if a.token_file else None
     try:
         if len(parse_addresses(a.server, "--server")) != 1:
             raise ValueError(f"--server takes one HOST:PORT, got {a.server!r}")
         creds = channel_credentials(a.tls_ca, a.tls_cert, a.tls_key)
     except ValueError as e:
         raise SystemExit(f"elastic-rendezvous: {e}")
-    with open_channel(a.server, creds) as ch:
+    with StatusClient([a.server], token, creds) as client:
         try:
-            resp = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=a.job), timeout=a.timeout,
-                                                     metadata=md)
-        except grpc.RpcError as e:
-            print(f"elastic-rendezvous status: {a.server}: {e.code().name}: {e.details()}",
-                  file=sys.stderr)
+            status = client.status(a.job, timeout_s=a.timeout)
+        except StatusError as e:
+            for f in e.failures:
+                print(f"elastic-rendezvous status: {f.address}: {f.code.name}: {f.details}",
+                      file=sys.stderr)
             return 1
-    print(format_status(resp))
+    print(format_status(status))
     return 0
 
 
-def format_status(resp) -> str:
-    lines = [f"leader: {resp.leader_id or '(answered by a follower, from the store)'}"]
-    if not resp.jobs:
+def format_status(status: StatusInfo) -> str:
+    lines = [f"leader: {status.leader_id or '(answered by a follower, from the store)'}"]
+    if not status.jobs:
         lines.append("no jobs")
-    for j in resp.jobs:
+    for j in status.jobs:
         lines.append("")
         lines.append(f"job {j.job_id}  phase {j.phase}  world {j.world_version}  "
-                     f"np {j.spec.min_np}..{j.spec.max_np}" + (f"  ({j.reason})" if j.reason else "")
+                     f"np {j.min_np}..{j.max_np}" + (f"  ({j.reason})" if j.reason else "")
                      + (f"  blacklisted: {','.join(j.blacklisted_hosts)}" if j.blacklisted_hosts
                         else ""))
         rows = [("RANK", "WORKER", "HOST", "LOCAL", "CROSS", "RING ADDRESS", "STEP", "ATTACHED",
                  "AGE")]
         for m in j.members:
-            mm = m.member
-            rows.append((str(mm.rank) if m.in_world else "standby", mm.worker_id, mm.host,
-                         f"{mm.local_rank}/{mm.local_size}" if m.in_world else "-",
-                         f"{mm.cross_rank}/{mm.cross_size}" if m.in_world else "-",
-                         mm.ring_address, str(mm.committed_step), "yes" if m.attached else "no",
+            rows.append((str(m.rank) if m.in_world else "standby", m.worker_id, m.host,
+                         f"{m.local_rank}/{m.local_size}" if m.in_world else "-",
+                         f"{m.cross_rank}/{m.cross_size}" if m.in_world else "-",
+                         m.ring_address, str(m.committed_step), "yes" if m.attached else "no",
                          f"{m.age_s:.0f}s"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -238,6 +233,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.command == "status":
         return _status(a)
     cfg = config_from_args(a)
+    try:
+        check_can_listen(cfg.host, cfg.port, "--port")
+    except ValueError as e:   # a flag error: exit 2, as argparse's, and no traceback from gRPC
+        print(f"elastic-rendezvous: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=a.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

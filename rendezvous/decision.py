@@ -41,12 +41,18 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
 
 
+# The one default of a job's max_np, wherever a job is described without one: the server's spec,
+# the worker's client and ELASTIC_MAX_NP (elastic/config.py), elastic-run --max-np. Workers beyond
+# it are hot spares; a server refuses more than its max_workers_per_job (2048) anyway.
+DEFAULT_MAX_NP = 1024
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """Job-wide limits, fixed by the first worker that joins."""
 
     min_np: int = 1
-    max_np: int = 1
+    max_np: int = DEFAULT_MAX_NP
     elastic_timeout_s: float = 600.0
 
 

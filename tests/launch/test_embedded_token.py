@@ -13,9 +13,8 @@ import sys
 import grpc
 import pytest
 
-from rendezvous._proto import rendezvous_pb2 as pb
-from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.client import JobSpec, RendezvousClient, RendezvousError
+from rendezvous.client import JobSpec, RendezvousClient, RendezvousError, StatusClient, StatusError
+
 
 def worker_environ(pid: int) -> dict:
     with open(f"/proc/{pid}/environ", "rb") as f:
@@ -24,12 +23,11 @@ def worker_environ(pid: int) -> dict:
 
 
 def status_code(address: str, token=None):
-    md = (("authorization", f"Bearer {token}"),) if token else ()
-    with grpc.insecure_channel(address) as ch:
+    with StatusClient([address], token) as status:
         try:
-            pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id="default"), timeout=5, metadata=md)
-        except grpc.RpcError as e:
-            return e.code()
+            status.job("default", timeout_s=5)
+        except StatusError as e:
+            return e.code
     return grpc.StatusCode.OK
 
 

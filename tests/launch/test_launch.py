@@ -23,8 +23,7 @@ def last_line(p) -> str:
 def test_happy_path_trains_the_linear_example_to_the_known_weights(launch):
     p = launch("--np", "2", "--host", "hA", command=[sys.executable, LINEAR, "--epochs", "4"])
     assert p.wait(120) == 0, p.text()
-    # Rank 0 prints the loss (its first lines may carry its worker id: ranks come from Status polls).
-    p.wait_for(r"^\[(0|hA-[01])\] epoch 3: loss [0-9.]+ on 2 worker", 1)
+    p.wait_for(r"^\[hA-[01]\] epoch 3: loss [0-9.]+ on 2 worker", 1)   # rank 0 prints the loss
     errors = [float(m) for m in re.findall(r"max \|w - w_true\| = ([0-9.]+)", p.text())]
     assert len(errors) == 2 and max(errors) < 0.01, p.text()
     assert last_line(p) == "elastic-run: job default completed"
@@ -49,7 +48,7 @@ def test_worker_killed_by_a_signal_is_respawned_and_the_world_regrows(launch):
     assert p.wait(60) == 0, p.text()
     assert re.match(r"elastic-run: job default completed \(1 recovery\(ies\), [0-9.]+-[0-9.]+ s each\)",
                     last_line(p)), p.text()
-    assert len(p.wait_for(r"^\[\d\] done", 1) and [l for l in p.stdout if l.endswith("] done")]) == 3
+    assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[hA-0] done", "[hA-1-r1] done", "[hA-2] done"]
     p.wait_no_leftovers()
 
 
@@ -60,7 +59,7 @@ def test_worker_killed_without_respawn_leaves_a_smaller_world_that_finishes(laun
     p.wait_for(r"worker hA-2 \(rank \d\) killed by SIGKILL; not respawned \(--max-restarts 0\)", 10)
     p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2; recovered", 15)
     assert p.wait(60) == 0, p.text()
-    assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[0] done", "[1] done"]
+    assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[hA-0] done", "[hA-1] done"]
     assert not os.path.exists(os.path.join(p.out_dir, "pid-hA-2-r1.txt"))
 
 
@@ -99,8 +98,8 @@ def test_second_launcher_joins_the_running_job_and_the_world_grows_at_a_commit(l
     b.wait_for(r"joining job default at world \d+ \(2 worker\(s\), phase RUNNING\)", 30)
     a.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0$", 30)
     b.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0 \([0-9.]+ s after start\)", 30)
-    # The newcomer trains in the grown world, under its rank.
-    b.wait_for(r"^\[2\] step \d+ size 3$", 30, stream="out")
+    # The newcomer trains in the grown world.
+    b.wait_for(r"^\[hB-0\] step \d+ size 3$", 30, stream="out")
     assert b.wait(60) == 0, b.text()
     assert a.wait(60) == 0, a.text()
     assert not any("restoring commit" in l for l in a.stderr), "a clean join must not look like a failure"
@@ -133,6 +132,8 @@ def test_a_killed_launcher_takes_its_workers_and_server_with_it(launch):
     (["--np", "two"], r"argument --np: invalid int value: 'two'"),
     (["--np", "2", "--min-np", "0"], r"need 1 <= --min-np <= --max-np <= 2048, got 0 and 1024"),
     (["--np", "2", "--min-np", "3", "--max-np", "2"], r"need 1 <= --min-np <= --max-np <= 2048, got 3 and 2"),
+    # Without --rendezvous this launcher's workers are the whole job: it could never start.
+    (["--np", "2", "--min-np", "3"], r"--min-np 3 is more than --np 2, the workers this launcher runs"),
     (["--np", "2", "--rendezvous", "nohost"], r"--rendezvous: 'nohost' is not HOST:PORT"),
     (["--np", "2", "--rendezvous", "127.0.0.1:5"], r"--rendezvous needs --job-id"),
     (["--np", "2", "--port", "5", "--rendezvous", "127.0.0.1:5"], r"not allowed with argument"),
@@ -211,3 +212,45 @@ def test_a_joining_launcher_refuses_a_host_already_in_the_job_and_a_different_sp
     a.proc.send_signal(signal.SIGTERM)
     assert a.wait(20) == 128 + signal.SIGTERM
     a.wait_no_leftovers()
+
+
+def test_a_port_in_use_is_a_one_line_flag_error(launch):
+    # The port is held by another launcher's embedded server.
+    a = launch("--np", "1", "--host", "hA", LW_STEPS="100000")
+    port = a.wait_for(r"rendezvous server for job default on 127\.0\.0\.1:(\d+) \(embedded\)", 30).group(1)
+    b = launch("--np", "1", "--host", "hB", "--port", port)
+    assert b.wait(30) == 2, b.text()
+    assert b.stderr == [f"elastic-run: error: --port {port}: 127.0.0.1:{port} is already in use "
+                        "(see elastic-run --help)"], b.text()
+    assert b.stdout == []
+    assert a.proc.poll() is None
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.wait(20) == 128 + signal.SIGTERM
+    b.wait_no_leftovers()
+
+
+def test_every_line_of_a_worker_carries_its_worker_id_for_its_whole_life(launch):
+    # Before the world forms, in it, and after the job ended: one prefix, whatever the rank.
+    p = launch("--np", "2", "--host", "hA", LW_STEPS="6")
+    assert p.wait(60) == 0, p.text()
+    for w in ("hA-0", "hA-1"):
+        words = [line.split()[1] for line in p.stdout if line.startswith(f"[{w}] ")]
+        assert words == ["start"] + ["step"] * 6 + ["done"], p.text()
+    assert len(p.stdout) == 2 * 8, p.text()
+    # The runtime's log lines too (stderr), rank announcements included.
+    worker_err = [line for line in p.stderr if not line.startswith(("elastic-run: ", "[rendezvous] "))]
+    assert worker_err and all(re.match(r"\[hA-[01]\] ", line) for line in worker_err), p.text()
+    assert any(re.match(r"\[hA-0\] .*worker hA-0 is rank \d", line) for line in worker_err), p.text()
+
+
+@pytest.mark.parametrize("env, how", [
+    ({"LW_EXIT_AFTER_RUN": "hA-1:3"}, "exited with status 3 after job default completed"),
+    ({"LW_RAISE_AFTER_RUN": "hA-1"},
+     "exited with status 1 after job default completed: RuntimeError: failed after training"),
+])
+def test_a_worker_failing_after_the_job_completed_fails_the_launcher_naming_it(launch, env, how):
+    p = launch("--np", "2", "--host", "hA", LW_STEPS="6", **env)
+    assert p.wait(60) == 1, p.text()
+    assert re.fullmatch(r"elastic-run: error: worker hA-1 \(rank [01]\) " + re.escape(how), last_line(p)), p.text()
+    assert "[hA-0] done" in p.stdout and "[hA-1] done" in p.stdout
+    p.wait_no_leftovers()

@@ -2,16 +2,17 @@
 
 import pytest
 
-from elastic.launch_discovery import DiscoveryError, local_slots, parse_hosts
-from elastic.launch_procs import describe_exit, exception_line, signal_of
-from elastic.launch_rendezvous import JobView, Member
-from elastic.launch_report import Reporter
+from elastic.launch.discovery import DiscoveryError, local_slots, parse_hosts
+from elastic.launch.outcome import WorkerEnd, completion_failure
+from elastic.launch.procs import describe_exit, exception_line, signal_of
+from elastic.launch.report import Reporter
+from rendezvous.client import JobStatusInfo, MemberStatusInfo
 
 
 def view(version, ranked, standby=(), phase="RUNNING", min_np=1):
-    members = tuple(Member(w, "h", r, True, 0) for r, w in enumerate(ranked))
-    members += tuple(Member(w, "h", None, True, -1) for w in standby)
-    return JobView("job", phase, "", version, min_np, 8, 600.0, members)
+    members = tuple(MemberStatusInfo(w, "h", r, True, 0) for r, w in enumerate(ranked))
+    members += tuple(MemberStatusInfo(w, "h", None, True, -1) for w in standby)
+    return JobStatusInfo("job", phase, "", version, min_np, 8, 600.0, members)
 
 
 def test_first_world_is_reported_with_the_time_since_launch():
@@ -55,6 +56,17 @@ def test_waiting_below_min_np_and_coming_back_are_reported():
     assert r.update(view(2, ["a", "b2"], min_np=2), 3.0)[-1] == "back at 2 worker(s), at least min-np=2"
 
 
+def test_ranks_come_from_status_and_outlive_the_worker_s_place_in_it():
+    r = Reporter(now=0.0)
+    assert r.rank_of("b") is None
+    r.update(view(1, ["a", "b"], standby=["c"]), 1.0)
+    assert (r.rank_of("a"), r.rank_of("b"), r.rank_of("c")) == (0, 1, None)
+    r.update(view(1, ["a"], standby=["c"]), 2.0)         # b gone: its failure still names rank 1
+    assert r.rank_of("b") == 1
+    r.update(view(2, ["c", "a"]), 3.0)
+    assert (r.rank_of("a"), r.rank_of("c")) == (1, 0)
+
+
 @pytest.mark.parametrize("text, hosts", [
     ("a:2\nb\n", {"a": 2, "b": 1}),
     ("  a:2  \n\n# comment\nb:4 # trailing\n", {"a": 2, "b": 4}),
@@ -92,3 +104,38 @@ def test_the_reason_of_a_failed_worker_is_its_exception_line_even_with_noise_aft
     assert exception_line(["ValueError: bad input"]) == "ValueError: bad input"
     assert exception_line(["something went wrong", "exiting"]) == "exiting"
     assert exception_line([]) == ""
+    assert exception_line(["INFO elastic: worker w is rank 1", "exiting"], fallback=False) == ""
+
+
+def ended(*ends):
+    return completion_failure(ends, "job", 30.0)
+
+
+def test_the_launcher_succeeds_when_every_worker_exited_0():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, 0)) is None
+
+
+def test_a_worker_killed_while_the_job_ran_is_a_recovered_failure_not_the_launcher_s():
+    assert ended(WorkerEnd("b", 1, -9, during_job=True), WorkerEnd("a", 0, 0), WorkerEnd("b-r1", 1, 0)) is None
+
+
+def test_a_worker_that_left_gracefully_or_was_stopped_by_the_launcher_counts_as_success():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, -15, left=True), WorkerEnd("c", None, -15, stopped=True)) is None
+
+
+def test_a_worker_exiting_non_zero_after_the_job_completed_fails_the_launcher_naming_it():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, 3)) == "worker b (rank 1) exited with status 3 after job job completed"
+
+
+def test_the_first_worker_that_failed_is_named_with_its_error_line():
+    assert ended(WorkerEnd("a", None, 1, error="RuntimeError: boom"), WorkerEnd("b", 1, 3)) == (
+        "worker a exited with status 1 after job job completed: RuntimeError: boom")
+
+
+def test_a_signal_after_the_job_completed_is_a_failure_too():
+    assert ended(WorkerEnd("a", 0, -9)) == "worker a (rank 0) killed by SIGKILL after job job completed"
+
+
+def test_a_worker_still_running_when_the_launcher_stops_waiting_is_a_failure():
+    assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, None)) == (
+        "worker b (rank 1) was still running 30 s after job job completed (stopped)")

@@ -1,12 +1,15 @@
 """A small numpy-only training job for the launcher tests (starts fast: no torch import).
 
 Knobs (environment): LW_OUT directory for pid-<worker>.txt; LW_STEPS steps (default 40);
-LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank.
-Prints "step S size N" after every step and "done" at the end.
+LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank;
+LW_RAISE_AFTER_RUN=WORKER that worker raises RuntimeError after the job completed;
+LW_EXIT_AFTER_RUN=WORKER:CODE that worker exits with CODE after the job completed.
+Prints "start" first (before any world), "step S size N" after every step and "done" at the end.
 """
 
 import logging
 import os
+import sys
 import time
 
 import numpy as np
@@ -22,6 +25,7 @@ RAISE_AT = int(os.environ.get("LW_RAISE_AT", "-1"))
 
 with open(os.path.join(OUT, f"pid-{WORKER}.txt"), "w") as f:
     f.write(str(os.getpid()))
+print("start", flush=True)
 
 state = elastic.ObjectState(step=0, total=0.0)
 
@@ -42,3 +46,8 @@ def train(state):
 
 train(state)
 print("done", flush=True)
+if os.environ.get("LW_RAISE_AFTER_RUN") == WORKER:
+    raise RuntimeError("failed after training")
+after, _, code = os.environ.get("LW_EXIT_AFTER_RUN", "").partition(":")
+if after == WORKER:
+    sys.exit(int(code))

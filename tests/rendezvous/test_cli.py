@@ -77,3 +77,19 @@ def test_status_prints_a_table_of_the_job(tmp_path):
         assert server.wait(10) == 0
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path, host):
+    # The port is held by another rendezvous server, as when one is already running there.
+    first = ServerProc(tmp_path, "--insecure")
+    try:
+        done = subprocess.run([sys.executable, "-m", "rendezvous", "serve", "--insecure", "--host", host,
+                               "--port", str(first.port)], cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines() == [
+            f"elastic-rendezvous: --port {first.port}: {host}:{first.port} is already in use"], done.stderr
+        assert first.proc.poll() is None
+    finally:
+        first.kill()

@@ -248,6 +248,7 @@ async def _evict(s, job, worker):
 
 def test_status_lists_jobs_members_and_ranks(serve):
     from rendezvous.cli import format_status
+    from rendezvous.client import StatusClient
 
     s = serve()
     job = unique("job")
@@ -260,7 +261,11 @@ def test_status_lists_jobs_members_and_ranks(serve):
     assert j.phase == "RUNNING" and j.world_version == 1
     assert [(m.member.worker_id, m.member.rank, m.attached) for m in j.members] == [
         ("w0", 0, True), ("w1", 1, True)]
-    table = format_status(resp)
+    with StatusClient([s.address]) as status:
+        answer = status.status(job)
+    assert [(m.worker_id, m.rank, m.attached) for m in answer.jobs[0].members] == [
+        ("w0", 0, True), ("w1", 1, True)]
+    table = format_status(answer)
     assert f"job {job}  phase RUNNING  world 1" in table and "w1" in table
     for c in cs:
         c.close()

@@ -1,5 +1,13 @@
-"""Local worker processes: spawn each in its own process group, prefix its output with its rank,
-describe how it ended, and stop it (SIGTERM to the group, SIGKILL after a deadline).
+"""Local worker processes: spawn each in its own process group, prefix its output with its worker
+id, describe how it ended, and stop it (SIGTERM to the group, SIGKILL after a deadline).
+
+The prefix is the worker id (``[HOST-SLOT]``, ``[HOST-SLOT-rN]`` after the N-th respawn) for the
+process's whole life: a rank changes with every world and a line printed before the first world,
+on standby or after the job ended has none, while the id is fixed, unique across hosts, and the
+one the launcher's own lines, ELASTIC_WORKER_ID and `elastic-rendezvous status` use.
+
+Nothing here reads a worker's output to decide anything: how a worker ended comes from its exit
+status; its last stderr lines are kept only to quote its error in the launcher's one-line reason.
 """
 
 from __future__ import annotations
@@ -14,9 +22,8 @@ import threading
 import time
 from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-# The runtime's line after every re-form (elastic/run.py); lets the prefix follow a rank change at once.
-_RANK_LINE = re.compile(rb"elastic: worker (\S+) is rank (\d+) of \d+ in world version (\d+)")
 # The last line of a Python traceback: "ValueError: ...", "elastic.errors.WorkerLostError: ...".
+# Display text only (quoted in the launcher's reason for a failed job), never a decision.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Finished|Timeout)\b(:|$)")
 
 
@@ -38,31 +45,17 @@ def with_parent_death_signal(command: Sequence[str]) -> List[str]:
 
 
 class Output:
-    """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's current rank."""
+    """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's id."""
 
     def __init__(self, out: IO[bytes], err: IO[bytes]):
         self._streams = {"out": out, "err": err}
         self._lock = threading.Lock()
-        self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}   # worker id -> (world version, rank)
-
-    def set_rank(self, worker_id: str, version: int, rank: Optional[int]) -> None:
-        with self._lock:
-            if version >= self._ranks.get(worker_id, (-1, None))[0]:
-                self._ranks[worker_id] = (version, rank)
-
-    def rank(self, worker_id: str) -> Optional[int]:
-        with self._lock:
-            return self._ranks.get(worker_id, (0, None))[1]
-
-    def prefix(self, worker_id: str) -> bytes:
-        r = self.rank(worker_id)
-        return f"[{r}] ".encode() if r is not None else f"[{worker_id}] ".encode()
 
     def line(self, stream: str, worker_id: Optional[str], data: bytes) -> None:
         if not data.endswith(b"\n"):
             data += b"\n"
         if worker_id is not None:
-            data = self.prefix(worker_id) + data
+            data = f"[{worker_id}] ".encode() + data
         with self._lock:
             s = self._streams[stream]
             try:
@@ -76,12 +69,13 @@ class Output:
         self.line("err", None, f"elastic-run: {text}".encode())
 
 
-def exception_line(lines: Sequence[str]) -> str:
-    """The last exception line of a traceback among ``lines`` (noise may follow it), else the last line."""
+def exception_line(lines: Sequence[str], fallback: bool = True) -> str:
+    """The last exception line of a traceback among ``lines`` (noise may follow it), else the last
+    line (or nothing, without ``fallback``)."""
     for line in reversed(lines):
         if _EXCEPTION_LINE.match(line):
             return line
-    return lines[-1] if lines else ""
+    return lines[-1] if lines and fallback else ""
 
 
 def describe_exit(code: int) -> str:
@@ -114,6 +108,9 @@ class Worker:
         self.started_at = time.monotonic()
         self.ended_at: Optional[float] = None
         self.stopping = False            # the launcher is stopping it: its end is no failure
+        # It left the job gracefully (preempted, told to go): its end counts as a success and its
+        # slot is not respawned. Nothing sets it yet; graceful leave will.
+        self.left = False
         self.handled = False             # the launcher has acted on its exit
         self.proc = subprocess.Popen(with_parent_death_signal(command), env=dict(env), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -126,9 +123,6 @@ class Worker:
 
     def _pump(self, pipe: IO[bytes], stream: str) -> None:
         for raw in pipe:
-            m = _RANK_LINE.search(raw)
-            if m and m.group(1).decode(errors="replace") == self.worker_id:
-                self.output.set_rank(self.worker_id, int(m.group(3)), int(m.group(2)))
             if stream == "err" and raw.strip():
                 self.tail.append(raw.decode(errors="replace").strip())
             self.output.line(stream, self.worker_id, raw)
@@ -144,10 +138,11 @@ class Worker:
     def alive(self) -> bool:
         return self.poll() is None
 
-    def last_error_line(self) -> str:
-        """The exception line that ended its traceback ('ValueError: ...'), else its last stderr line."""
+    def last_error_line(self, fallback: bool = True) -> str:
+        """The exception line that ended its traceback ('ValueError: ...'), else its last stderr
+        line (or nothing, without ``fallback``)."""
         self.join_output(1.0)
-        return exception_line(list(self.tail))
+        return exception_line(list(self.tail), fallback)
 
     def join_output(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

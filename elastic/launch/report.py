@@ -1,6 +1,7 @@
 """What the launcher says about the job as it runs: new worlds (who joined, who left), recoveries
-with their durations, and phase changes. A pure function of successive Status answers and the
-local events the launcher notes, so it is tested without processes.
+with their durations, phase changes, and which rank each worker holds. A pure function of
+successive Status answers and the local events the launcher notes, so it is tested without
+processes.
 
 Durations are measured here, at the launcher: from the moment it saw a failure (a local worker
 reaped, or a world member gone from Status) or a worker start, to the first Status answer that
@@ -9,9 +10,9 @@ shows the new world. Status is polled every 0.2 s, so they are accurate to about
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from .launch_rendezvous import JobView
+from rendezvous.client import JobStatusInfo
 
 
 def _ids(workers) -> str:
@@ -22,12 +23,19 @@ def _ids(workers) -> str:
 class Reporter:
     def __init__(self, now: float):
         self.started = now
-        self.last: Optional[JobView] = None
+        self.last: Optional[JobStatusInfo] = None
         self.failure_since: Optional[float] = None
         self.failure_what = ""
         self.starts: Dict[str, float] = {}
         self.recoveries: List[float] = []      # seconds from a failure to the next world, as reported
         self.world: set = set()                # members of the last world reported
+        # worker id -> (world version, rank or None on standby), as the latest answer naming it
+        # said; kept after it is gone from Status, so its failure is still reported with its rank.
+        self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}
+
+    def rank_of(self, worker_id: str) -> Optional[int]:
+        """The worker's rank in the latest world Status showed it in (None: never, or on standby)."""
+        return self._ranks.get(worker_id, (0, None))[1]
 
     def note_start(self, worker_id: str, now: float) -> None:
         self.starts[worker_id] = now
@@ -36,8 +44,11 @@ class Reporter:
         if self.failure_since is None:
             self.failure_since, self.failure_what = now, what
 
-    def update(self, view: JobView, now: float) -> List[str]:
+    def update(self, view: JobStatusInfo, now: float) -> List[str]:
         msgs: List[str] = []
+        for m in view.members:
+            if view.world_version >= self._ranks.get(m.worker_id, (-1, None))[0]:
+                self._ranks[m.worker_id] = (view.world_version, m.rank)
         prev = self.last
         old = self.world
         if prev is not None and view.world_version == prev.world_version:
@@ -75,7 +86,7 @@ class Reporter:
             if view.phase == "WAITING":
                 alive = sum(1 for m in view.members)
                 msgs.append(f"below min-np={view.min_np}: {alive} worker(s) left; the job fails if it stays "
-                            f"below for {view.elastic_timeout:g} s")
+                            f"below for {view.elastic_timeout_s:g} s")
             elif view.phase == "RUNNING" and prev is not None and prev.phase == "WAITING":
                 msgs.append(f"back at {len(view.ranks())} worker(s), at least min-np={view.min_np}")
         self.last = view

@@ -1,11 +1,16 @@
-"""`elastic-run` (also `python -m elastic.launch`): start and keep this host's workers of a job.
+"""The launcher: start and keep this host's workers of a job (`elastic-run`, elastic/launch/).
 
 One launcher per host. It starts the embedded rendezvous server unless given --rendezvous,
 spawns the local workers (each in its own process group), prefixes their output with their
-rank, respawns the ones killed by a signal (with backoff, --max-restarts per slot), and
+worker id, respawns the ones killed by a signal (with backoff, --max-restarts per slot), and
 follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
-(exit 0 when it completed, 1 with a one-line reason when it failed), and on Ctrl-C/SIGTERM
-stops every worker before it exits. Flags: elastic/launch_config.py.
+(exit 0 when it completed and every local worker ended well, see elastic/launch/outcome.py; 1
+with a one-line reason otherwise), and on Ctrl-C/SIGTERM stops every worker before it exits.
+Flags: elastic/launch/config.py.
+
+Everything it learns about the job (worlds, ranks, the end) comes from Status answers, through the
+same public client `elastic-rendezvous status` uses (rendezvous.client.StatusClient); nothing a
+worker prints decides anything.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from rendezvous.client import channel_credentials, is_loopback, read_token_file
+from rendezvous.client import JobStatusInfo, StatusClient, StatusError, channel_credentials, is_loopback
 
-from .config import TLS_VARIABLES
-from .launch_config import LaunchConfig, UsageError, parse
-from .launch_discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
-from .launch_procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
-from .launch_rendezvous import EmbeddedServer, JobView, RendezvousUnreachable, StatusClient
-from .launch_report import Reporter
+from ..config import TLS_VARIABLES
+from .config import LaunchConfig, UsageError, parse
+from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
+from .embedded import EmbeddedServer, EmbeddedServerFailed
+from .outcome import WorkerEnd, completion_failure
+from .procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
+from .report import Reporter
 
 POLL_S = 0.05            # reap workers / check signals
 STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
@@ -50,11 +56,12 @@ class Launcher:
         self.spawns: Dict[int, int] = {}            # slot -> incarnations started
         self.failures: Dict[int, int] = {}          # slot -> respawns used
         self.respawn_at: Dict[int, float] = {}      # slot -> when to start it again
-        self.succeeded: set = set()                 # slots whose worker exited 0
+        self.succeeded: set = set()                 # slots whose worker exited 0 (or left)
+        self.ends: List[WorkerEnd] = []             # how each incarnation ended, in that order
         self.target = cfg.np                        # local workers wanted
         self.server: Optional[EmbeddedServer] = None
         self.status: Optional[StatusClient] = None
-        self.view: Optional[JobView] = None
+        self.view: Optional[JobStatusInfo] = None
         self.reporter = Reporter(time.monotonic())
         self.last_failure = ""
         self.signum: Optional[int] = None
@@ -110,14 +117,14 @@ class Launcher:
                                          lambda line: self.out.line("err", None, line.encode()))
             try:
                 self._addresses = (self.server.wait_ready(cancelled=lambda: self.signum is not None),)
-            except RendezvousUnreachable as e:
+            except EmbeddedServerFailed as e:
                 raise LaunchFailed(str(e)) from None
             self._check_signal()
             self.out.note(f"rendezvous server for job {cfg.job_id} on {self._addresses[0]} (embedded)")
             # A path, not the token: the file is this user's alone (another launcher of the same
             # user may join with --rendezvous ADDRESS --token-file PATH).
             self.out.note(f"its token is in {self.server.token_file} (readable by this user only)")
-        token = self.server.token if self.server is not None else _launcher_token(cfg.token_file)
+        token = self.server.token if self.server is not None else cfg.token
         try:
             credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
         except ValueError as e:   # checked at parse time; a file may have gone since
@@ -141,9 +148,10 @@ class Launcher:
             now = time.monotonic()
             self._reap(now)
             if now >= next_status:
-                # Faster while a local worker has no rank yet: its first lines should carry one.
-                unranked = any(w.alive and self.out.rank(w.worker_id) is None and now - w.started_at < 60
-                               for w in self.workers.values())
+                # Faster while a local worker has no rank yet: the launcher's lines about it
+                # (a failure, a recovery) should name its rank, and only Status gives it.
+                unranked = any(w.alive and self.reporter.rank_of(w.worker_id) is None
+                               and now - w.started_at < 60 for w in self.workers.values())
                 next_status = now + (POLL_S if unranked else STATUS_EVERY_S)
                 code = self._follow_job(now)
                 if code is not None:
@@ -165,7 +173,7 @@ class Launcher:
         try:
             view = self.status.wait_reachable(cfg.job_id, timeout_s=cfg.connect_timeout,
                                               cancelled=lambda: self.signum is not None)
-        except RendezvousUnreachable as e:
+        except StatusError as e:
             self._check_signal()
             raise LaunchFailed(f"cannot reach the rendezvous server at {where}: {e}") from None
         if view is None:
@@ -216,7 +224,7 @@ class Launcher:
         if token_file:
             env = {"ELASTIC_TOKEN_FILE": os.path.abspath(token_file)}
         else:
-            env = {k: os.environ[k] for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE") if os.environ.get(k)}
+            env = dict(cfg.inherited_token_env)
         for name, path in zip(TLS_VARIABLES, (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)):
             if path:
                 env[name] = path
@@ -242,7 +250,7 @@ class Launcher:
             del self.respawn_at[slot]
 
     def _label(self, w: Worker) -> str:
-        rank = self.out.rank(w.worker_id)
+        rank = self.reporter.rank_of(w.worker_id)
         return f"worker {w.worker_id}" + (f" (rank {rank})" if rank is not None else "")
 
     def _reap(self, now: float) -> None:
@@ -258,14 +266,20 @@ class Launcher:
     def _on_exit(self, slot: int, w: Worker, code: int, now: float) -> None:
         cfg = self.cfg
         what = describe_exit(code)
-        if w.stopping:
-            return
-        if code == 0:
-            self.succeeded.add(slot)
+        rank = self.reporter.rank_of(w.worker_id)
+        if w.stopping or w.left or code == 0:
+            self.ends.append(WorkerEnd(w.worker_id, rank, code, stopped=w.stopping, left=w.left))
+            if not w.stopping:
+                self.succeeded.add(slot)
             return
         view = self._status_now()
         if view is not None and view.terminal:
-            return  # its exit follows from the job's end; _follow_job reports that
+            # After the job's end: _follow_job decides (a failure after success fails the launcher).
+            # Only a traceback's line: after training, its last log line says nothing about this.
+            error = "" if signal_of(code) is not None else w.last_error_line(fallback=False)
+            self.ends.append(WorkerEnd(w.worker_id, rank, code, error=error))
+            return
+        self.ends.append(WorkerEnd(w.worker_id, rank, code, during_job=True))
         label = self._label(w)
         if signal_of(code) is not None:
             self.last_failure = f"{label} {what}"
@@ -294,10 +308,10 @@ class Launcher:
                 self.out.note(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
 
     # ------------------------------------------------------------------ the job
-    def _status_now(self) -> Optional[JobView]:
+    def _status_now(self) -> Optional[JobStatusInfo]:
         try:
             view = self.status.job(self.cfg.job_id, timeout_s=2.0)
-        except RendezvousUnreachable:
+        except StatusError:
             return self.view
         return view if view is not None else self.view
 
@@ -307,12 +321,10 @@ class Launcher:
             raise LaunchFailed(f"the embedded rendezvous server exited with status {self.server.proc.returncode}")
         try:
             view = self.status.job(cfg.job_id, timeout_s=1.0)
-        except RendezvousUnreachable:
+        except StatusError:
             return None  # workers ride through a server restart on their own; so does the launcher
         if view is None:
             return None
-        for m in view.members:
-            self.out.set_rank(m.worker_id, view.world_version, m.rank)
         for msg in self.reporter.update(view, now):
             self.out.note(msg)
         self.view = view
@@ -323,8 +335,14 @@ class Launcher:
         if view.phase == "SUCCEEDED":
             self._wait_local_exit(SUCCESS_GRACE_S)
             self._check_signal()
+            self._reap(time.monotonic())
+            running = [WorkerEnd(w.worker_id, self.reporter.rank_of(w.worker_id), None)
+                       for w in self.workers.values() if not w.handled]
             if self.server is not None:
                 self._wait_remote_detach(10.0)
+            failure = completion_failure(self.ends + running, cfg.job_id, SUCCESS_GRACE_S)
+            if failure is not None:
+                raise LaunchFailed(failure)
             self.out.note(f"job {cfg.job_id} completed" + self._recovery_summary())
             return 0
         return None
@@ -397,21 +415,6 @@ def _strip_job(reason: str, job_id: str) -> str:
 _CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
 
 
-def _launcher_token(path: Optional[str]) -> Optional[str]:
-    """The token for --rendezvous servers: --token-file, else what the workers will read
-    (ELASTIC_TOKEN, then ELASTIC_TOKEN_FILE, as elastic.config does)."""
-    try:
-        if path:
-            return read_token_file(path, "--token-file")
-        if os.environ.get("ELASTIC_TOKEN"):
-            return os.environ["ELASTIC_TOKEN"]
-        if os.environ.get("ELASTIC_TOKEN_FILE"):
-            return read_token_file(os.environ["ELASTIC_TOKEN_FILE"], "ELASTIC_TOKEN_FILE")
-    except ValueError as e:
-        raise LaunchFailed(str(e)) from None
-    return None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = parse(argv)
@@ -421,6 +424,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out, err = stdout_streams()
     return Launcher(cfg, Output(out, err)).run()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

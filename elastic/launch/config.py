@@ -1,7 +1,10 @@
 """`elastic-run` flags: the argument parser, its help text, and the one dataclass they fill.
 
-Everything the launcher decides from the command line lives in ``LaunchConfig``; bad input
+Everything the launcher decides from the command line and its environment (the token and TLS
+files it falls back to) is read once, here, into ``LaunchConfig``, and passed down; bad input
 raises ``UsageError`` with a one-line message (printed without a traceback by ``elastic.launch``).
+HOST:PORT lists and token files are read by the same functions every client of the service uses
+(rendezvous.client).
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import shutil
 import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from rendezvous.client import channel_credentials, parse_addresses, read_token_file
+from rendezvous.client import DEFAULT_MAX_NP, channel_credentials, parse_addresses, read_token_file
 
-from .config import TLS_VARIABLES
+from rendezvous.ports import check_can_listen
+
+from ..config import TLS_VARIABLES
+from .embedded import EMBEDDED_HOST
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -33,8 +39,10 @@ child of this launcher and stops with it. With --rendezvous, the workers
 join job --job-id on those servers: run one elastic-run per host (torchrun style) to span
 hosts, or to add a host to a running job. Dead workers (killed by a signal) are respawned with
 backoff, at most --max-restarts times per slot; a worker that exits with an error ends the job.
-Exit status: 0 when the job completed; 1 with a one-line reason when it failed; 2 for bad
-flags; 128+N when stopped by signal N (every worker is stopped first).
+Exit status: 0 when the job completed and every worker this launcher started exited 0 (a worker
+killed by a signal while the job ran counts as a recovered failure); 1 with a one-line reason
+when the job failed or a worker failed after it completed (the first such worker is named);
+2 for bad flags; 128+N when stopped by signal N (every worker is stopped first).
 """
 
 EPILOG = """\
@@ -57,8 +65,9 @@ ELASTIC_TOKEN_FILE too, unless --token-file or the embedded server gives the tok
 --rendezvous, ELASTIC_TLS_CA/CERT/KEY already set stand for absent --tls-* flags; for the
 embedded server they are dropped.
 
-output: every worker line is prefixed with the worker's rank, "[3] ...", updated when the
-world changes ("[HOST-SLOT] ..." while a worker has no rank: joining or on standby). Launcher
+output: every worker line is prefixed with the worker's id, "[HOST-SLOT] ..." ("[HOST-SLOT-rN]"
+after a respawn), for the worker's whole life: unlike its rank, the id does not change with the
+world, and lines printed before the first world or after the job ended carry it too. Launcher
 lines start with "elastic-run:" and report worlds, failures and recoveries with durations.
 """
 
@@ -89,6 +98,12 @@ class LaunchConfig:
     tls_key: Optional[str]
     stop_timeout: float
     connect_timeout: float
+    # The token this launcher sends to --rendezvous servers (--token-file, else ELASTIC_TOKEN, else
+    # ELASTIC_TOKEN_FILE, as the workers read them); None with the embedded server, which makes its own.
+    token: Optional[str] = dataclasses.field(default=None, repr=False)
+    # ELASTIC_TOKEN / ELASTIC_TOKEN_FILE as this launcher found them: what its workers inherit
+    # when neither --token-file nor the embedded server gives them one.
+    inherited_token_env: Tuple[Tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def embedded(self) -> bool:
@@ -110,10 +125,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-np", type=int, metavar="N",
                    help="the job waits while it has fewer than N workers, and fails after "
                         "--elastic-timeout (default: --np, as horovodrun, so the first world has them all; "
-                        "with --rendezvous, the running job's)")
+                        "at most --np without --rendezvous; with --rendezvous, the running job's)")
     p.add_argument("--max-np", type=int, metavar="N",
-                   help="workers beyond N wait on standby (default: 1024; with --rendezvous, the "
-                        "running job's)")
+                   help=f"workers beyond N wait on standby (default: {DEFAULT_MAX_NP}; with --rendezvous, "
+                        "the running job's)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="respawn a worker killed by a signal at most N times per slot, with backoff "
                         "(0: never; default: %(default)s)")
@@ -194,9 +209,17 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError(f"--np must be at least 1, got {a.np}")
     np_ = a.np if a.np is not None else (0 if a.host_discovery_script else 1)
     min_np = max(1, np_) if a.min_np is None else a.min_np
-    max_np = 1024 if a.max_np is None else a.max_np
+    max_np = DEFAULT_MAX_NP if a.max_np is None else a.max_np
     if min_np < 1 or max_np < min_np or max_np > 2048:
         raise UsageError(f"need 1 <= --min-np <= --max-np <= 2048, got {min_np} and {max_np}")
+    if min_np > np_ and not a.rendezvous and not a.host_discovery_script:
+        # Without --rendezvous the job is this launcher's: at most --np workers at a time (a
+        # respawn takes its slot's place), so a first world of --min-np could never form. With
+        # --host-discovery-script the slots, up to --max-np, come later: --min-np <= --max-np is the
+        # most that can be checked.
+        raise UsageError(f"--min-np {min_np} is more than --np {np_}, the workers this launcher runs: the "
+                         "job could never start (lower --min-np, raise --np, or join a job of several "
+                         "launchers with --rendezvous)")
     if a.max_restarts < 0:
         raise UsageError(f"--max-restarts must not be negative, got {a.max_restarts}")
     if not 0 < a.elastic_timeout <= 7 * 86400:
@@ -222,16 +245,34 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError(f"--host-discovery-script {script!r} is not an executable file")
     if a.token_file is not None and not rendezvous:
         raise UsageError("--token-file needs --rendezvous: the embedded server makes its own random token")
-    if a.token_file is not None:
-        try:
-            read_token_file(a.token_file, "--token-file")
+    token = _token(a.token_file, env) if rendezvous else None
+    tls_ca, tls_cert, tls_key = _tls(a, not rendezvous, env)
+    if not rendezvous:
+        try:   # where the embedded server will listen (its own check would name it less well)
+            check_can_listen(EMBEDDED_HOST, a.port, "--port")
         except ValueError as e:
             raise UsageError(str(e)) from None
-    tls_ca, tls_cert, tls_key = _tls(a, not rendezvous, env)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
                         min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
                         max_restarts=a.max_restarts, elastic_timeout=a.elastic_timeout, port=a.port,
                         rendezvous=rendezvous, job_id=job_id, host=host, host_discovery_script=script,
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout)
+                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout, token=token,
+                        inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
+                                                  if env.get(k)))
+
+
+def _token(token_file: Optional[str], env: Mapping[str, str]) -> Optional[str]:
+    """The token for --rendezvous servers: --token-file, else what the workers will read
+    (ELASTIC_TOKEN, then ELASTIC_TOKEN_FILE, as elastic.config does)."""
+    try:
+        if token_file:
+            return read_token_file(token_file, "--token-file")
+        if env.get("ELASTIC_TOKEN"):
+            return env["ELASTIC_TOKEN"]
+        if env.get("ELASTIC_TOKEN_FILE"):
+            return read_token_file(env["ELASTIC_TOKEN_FILE"], "ELASTIC_TOKEN_FILE")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return None
