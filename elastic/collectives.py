@@ -64,5 +64,5 @@ def barrier() -> None:
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0) -> Any:
-    """Returns ``root_rank``'s (picklable) object on every rank."""
+    """Returns ``root_rank``'s object on every rank (what it may hold: ``Communicator.broadcast_object``)."""
     return current_communicator().broadcast_object(obj, root_rank)

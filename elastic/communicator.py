@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -398,14 +397,45 @@ class Communicator:
         return out
 
     def broadcast_object(self, obj: Any = None, root_rank: int = 0) -> Any:
-        """Pickles ``obj`` on ``root_rank`` and returns the same object on every rank."""
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root_rank else b""
-        length = np.array([len(payload)], dtype=np.int64)
+        """Returns ``root_rank``'s ``obj`` on every rank (the root gets ``obj`` itself).
+
+        ``obj`` travels in ``elastic.serialization``'s format, never pickle, so receiving it runs
+        no code. It may be built from None, bool, int, float, complex, str, bytes, list, tuple,
+        dict and OrderedDict (keys None, bool, int, float, complex, str or bytes), torch.Tensor,
+        numpy.ndarray (bool/int/uint/float/complex dtypes), numpy scalars, torch.Size and
+        torch.dtype, nested at most ``serialization.MAX_DEPTH`` deep; tensors arrive as CPU
+        tensors that own their memory, with ``requires_grad`` False. Anything else (a class
+        instance, a function, a set) raises ``TypeError`` naming its type and where it is, on
+        the root and, without it, on every other rank; bytes that do not decode raise
+        ``ValueError``.
+        """
+        from . import serialization
+
+        if self.rank == root_rank:
+            try:
+                encoded = serialization.encode(obj)
+            except TypeError:
+                # Told before failing, no rank waits for an object that is not coming.
+                self.broadcast_(np.array([-1], dtype=np.int64), root_rank)
+                raise
+            length = np.array([encoded.nbytes], dtype=np.int64)
+        else:
+            length = np.zeros(1, dtype=np.int64)
         self.broadcast_(length, root_rank)
-        buf = np.frombuffer(payload, dtype=np.uint8).copy() if self.rank == root_rank else \
-            np.empty(int(length[0]), dtype=np.uint8)
+        if length[0] < 0:
+            raise TypeError(f"broadcast_object in world version {self.world_version}: root rank {root_rank}'s "
+                            "object cannot be carried (its own TypeError names the type)")
+        buf = np.empty(int(length[0]), dtype=np.uint8)
+        if self.rank == root_rank:
+            encoded.copy_into(buf)
         self.broadcast_(buf, root_rank)
-        return obj if self.rank == root_rank else pickle.loads(buf.tobytes())
+        if self.rank == root_rank:
+            return obj
+        try:
+            return serialization.loads(buf)
+        except ValueError as e:
+            raise ValueError(f"broadcast_object in world version {self.world_version}: the object root rank "
+                             f"{root_rank} sent is malformed: {e}") from None
 
 
 _DTYPE_IDS = {name: i for i, name in enumerate(

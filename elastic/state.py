@@ -11,27 +11,30 @@ The protocol, as ``elastic.run`` drives it:
   state: after a failure that is its restored commit, after a clean change it is where every
   rank stopped (nothing is rolled back), and either way it includes what the reset callbacks
   changed (a learning rate rescaled by ``size()``, say).
+
+What is sent and stored is in ``elastic.serialization``'s format, never pickle: reading a
+peer's sync payload or a checkpoint file builds tensors, arrays and plain values and runs no
+code. So the state may hold only what that format carries (tensors, numpy arrays and scalars,
+None/bool/int/float/complex/str/bytes, lists, tuples, dicts); ``commit()`` refuses anything
+else, naming the attribute, and the previous commit stays. Durable commits are files of
+``elastic.checkpoint``: checksummed, the newest two kept, a corrupt newest one skipped.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
-import io
 import logging
-import os
 import sys
-import tempfile
-from typing import Any, Callable, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from . import collectives, runtime
+from . import checkpoint, collectives, runtime, serialization
 from .errors import MembershipChanged
 from .ops import Max
 
 log = logging.getLogger("elastic")
-
-_CHECKPOINT_NAME = "elastic-commit.pt"
 
 
 class State:
@@ -50,21 +53,21 @@ class State:
         """The live state as a structure of dicts, lists, tensors and values (references)."""
         raise NotImplementedError
 
-    def save(self) -> Any:
-        """A deep copy of the live state, reusing the spare commit's tensors where they fit."""
-        return _copy_into(self._spare, self.live())
+    def save(self, view: Any = None) -> Any:
+        """A deep copy of the live state (or of ``view``, a ``live()`` just taken), reusing the
+        spare commit's tensors where they fit."""
+        return _copy_into(self._spare, self.live() if view is None else view)
 
     def load(self, snapshot: Any) -> None:
         """Makes the live state equal to ``snapshot`` (which it must not keep references into)."""
         raise NotImplementedError
 
-    def serialize(self, snapshot: Any) -> bytes:
-        import pickle
-        return pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def deserialize(self, data: bytes) -> Any:
-        import pickle
-        return pickle.loads(data)
+    def _check_committable(self, view: Any) -> None:
+        """Raises ``TypeError`` when ``view`` (a ``live()``) holds what the sync format cannot carry."""
+        try:
+            serialization.check((0, view))  # as sync() sends it: (commit step, state)
+        except TypeError as e:
+            raise TypeError(f"{type(self).__name__} state cannot be committed: {e}") from None
 
     # -- the protocol
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
@@ -80,20 +83,27 @@ class State:
         every worker, a relaunch resumes from it."""
         if every < 1:
             raise ValueError(f"durable commits: every must be >= 1, got {every}")
-        os.makedirs(directory, exist_ok=True)
+        # Created 0700; refused (PermissionError) when another user could write it.
+        checkpoint.prepare_directory(directory)
         object.__setattr__(self, "_checkpoint_dir", directory)
         object.__setattr__(self, "_checkpoint_every", every)
 
-    def _take_snapshot(self) -> None:
+    def _take_snapshot(self, view: Any = None) -> None:
         # Double-buffered: the new copy goes into the commit before last, and only a complete
         # copy replaces the last commit, so a commit that fails half-way loses nothing.
-        new = self.save()
+        new = self.save(view)
         object.__setattr__(self, "_spare", self._snapshot)
         object.__setattr__(self, "_snapshot", new)
 
     def commit(self) -> None:
-        """Copies the state in memory, then checks for a pending membership change."""
-        self._take_snapshot()
+        """Copies the state in memory, then checks for a pending membership change.
+
+        An attribute the sync format cannot carry (a function, a class instance, a set …)
+        raises ``TypeError`` naming it, before anything is copied: the last commit stays.
+        """
+        view = self.live()
+        self._check_committable(view)
+        self._take_snapshot(view)
         object.__setattr__(self, "commit_step", self.commit_step + 1)
         rt = runtime._runtime
         if rt is not None:
@@ -127,21 +137,25 @@ class State:
         root = int(np.argmax(steps))  # the lowest rank among those with the highest step
         step = int(steps[root])
         if comm.rank == root:
-            durable = self._read_checkpoint() if step < 0 and root == 0 else None
-            if durable is not None:
-                step, snapshot = durable
-            else:
-                snapshot = self.live()  # serialized right away: a view is enough
-            payload = np.frombuffer(self.serialize((step, snapshot)), dtype=np.uint8).copy()
-            size = np.array([payload.size], dtype=np.int64)
+            try:
+                encoded = self._encode_for_sync(step, root)
+            except Exception:
+                # Told before failing, no rank waits for a state that is not coming.
+                comm.broadcast_(np.array([-1], dtype=np.int64), root_rank=root)
+                raise
+            size = np.array([encoded.nbytes], dtype=np.int64)
         else:
             size = np.zeros(1, dtype=np.int64)
         comm.broadcast_(size, root_rank=root)
-        if comm.rank != root:
-            payload = np.empty(int(size[0]), dtype=np.uint8)
+        if size[0] < 0:
+            raise ValueError(f"sync in world version {comm.world_version}: rank {root}, which holds the most "
+                             f"advanced commit ({step}), could not send its state; its own error says why")
+        payload = np.empty(int(size[0]), dtype=np.uint8)
+        if comm.rank == root:
+            encoded.copy_into(payload)
         comm.broadcast_(payload, root_rank=root)
         # Every rank, the root too, loads the same bytes: identical state by construction.
-        step, snapshot = self.deserialize(payload.tobytes())
+        step, snapshot = _decode_sync(payload, root, comm.world_version)
         self.load(snapshot)
         self._take_snapshot()
         object.__setattr__(self, "commit_step", step)
@@ -149,36 +163,42 @@ class State:
         if rt is not None:
             rt.record_commit(step)
 
+    def _encode_for_sync(self, step: int, root: int) -> serialization.Encoded:
+        """The root's (step, state) to broadcast: a durable commit at the job's first sync, else
+        its live state (encoded as views, copied into the payload right away)."""
+        durable = self._read_checkpoint() if step < 0 and root == 0 else None
+        if durable is not None:
+            step, snapshot = durable
+        else:
+            snapshot = self.live()
+            self._check_committable(snapshot)  # names an attribute set since the last commit
+        return serialization.encode((step, snapshot))
+
     # -- durable commits
     def _write_checkpoint(self) -> None:
-        data = self.serialize((self.commit_step, self._snapshot))
-        fd, tmp = tempfile.mkstemp(dir=self._checkpoint_dir, prefix=".commit-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self._checkpoint_dir, _CHECKPOINT_NAME))  # atomic
-            dir_fd = os.open(self._checkpoint_dir, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)  # the rename itself survives a crash of the machine
-            finally:
-                os.close(dir_fd)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        checkpoint.write(self._checkpoint_dir, self.commit_step, self._snapshot)
 
-    def _read_checkpoint(self):
+    def _read_checkpoint(self) -> Optional[Tuple[int, Any]]:
+        """The newest usable durable commit (a corrupt newest one is logged and skipped)."""
         if not self._checkpoint_dir:
             return None
-        path = os.path.join(self._checkpoint_dir, _CHECKPOINT_NAME)
-        if not os.path.exists(path):
+        found = checkpoint.read_latest(self._checkpoint_dir)
+        if found is None:
             return None
-        with open(path, "rb") as f:
-            step, snapshot = self.deserialize(f.read())
+        step, snapshot, path = found
         log.info("resuming from durable commit %d in %s", step, path)
         return step, snapshot
+
+
+def _decode_sync(payload: np.ndarray, root: int, world_version: int) -> Tuple[int, Any]:
+    try:
+        value = serialization.loads(payload)
+    except ValueError as e:
+        raise ValueError(f"sync in world version {world_version}: the state rank {root} sent is malformed: "
+                         f"{e}") from None
+    if type(value) is not tuple or len(value) != 2 or type(value[0]) is not int or value[0] < -1:
+        raise ValueError(f"sync in world version {world_version}: rank {root} sent no (commit step, state) pair")
+    return value
 
 
 def _rank_or_zero() -> int:
@@ -187,30 +207,86 @@ def _rank_or_zero() -> int:
 
 
 class ObjectState(State):
-    """Committed plain attributes: ``state = ObjectState(epoch=0, batch=0)``; ``state.epoch += 1``."""
+    """Committed plain attributes: ``state = ObjectState(epoch=0, batch=0)``; ``state.epoch += 1``.
+
+    Every attribute set on it is committed, except names starting with ``_`` and names of the
+    class's own methods (``state.sync = wrapper`` replaces a method, it is not state).
+    """
+
+    _NOT_ATTRIBUTES = ("commit_step",)
 
     def __init__(self, **attrs: Any) -> None:
         super().__init__()
+        bad = [k for k in attrs if not self._is_attribute(k)]
+        if bad:
+            raise ValueError(f"{type(self).__name__}({bad[0]}=...): that name is not a committed attribute (names "
+                             "starting with '_' and method names are not); choose another")
         object.__setattr__(self, "_names", list(attrs))
         for k, v in attrs.items():
             object.__setattr__(self, k, v)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if not name.startswith("_") and name not in self._names and name != "commit_step":
+        if name not in self._names and self._is_attribute(name):
             self._names.append(name)
         object.__setattr__(self, name, value)
 
     def _plain(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self._names}
 
+    def _check_committable(self, view: Any) -> None:
+        """Raises ``TypeError`` naming the attribute (or the model/optimizer) that the sync format
+        cannot carry; checks the whole view first, so a committable state is walked once."""
+        try:
+            serialization.check((0, view))
+            return
+        except TypeError as whole:
+            error = whole
+        cls = type(self).__name__
+        for name, value in view.get("attrs", {}).items():
+            try:
+                serialization.check(value)
+            except TypeError as e:
+                raise TypeError(f"{cls} attribute {name!r} of type {type(value).__name__} cannot be committed: "
+                                f"{e}") from None
+        for name, sd in view.get("handlers", {}).items():
+            try:
+                serialization.check(sd)
+            except TypeError as e:
+                raise TypeError(f"{cls} attribute {name!r} of type {type(getattr(self, name)).__name__} cannot be "
+                                f"committed: its state_dict() holds {e}") from None
+        for part in ("model", "optimizer"):
+            if part in view:
+                try:
+                    serialization.check(view[part])
+                except TypeError as e:
+                    raise TypeError(f"{cls} {part} cannot be committed: its state_dict() holds {e}") from None
+        raise TypeError(f"{cls} state cannot be committed: {error}")
+
     def live(self) -> Any:
         return {"attrs": self._plain()}
 
-    def load(self, snapshot: Any) -> None:
-        for k, v in copy.deepcopy(snapshot["attrs"]).items():
+    def _is_attribute(self, name: Any) -> bool:
+        """Whether ``name`` may be a committed attribute: what ``__setattr__`` records."""
+        return (type(name) is str and not name.startswith("_") and name not in self._NOT_ATTRIBUTES
+                and not hasattr(type(self), name))
+
+    def _check_attribute_names(self, snapshot: Any) -> None:
+        # A snapshot that arrived from a peer or a file names the attributes it sets: none of
+        # them may be this object's own machinery (a method, the checkpoint directory, …).
+        bad = [k for k in snapshot["attrs"] if not self._is_attribute(k)]
+        if bad:
+            raise ValueError(f"{type(self).__name__}: the state to load sets {bad[0]!r}, which is not a committed "
+                             "attribute (names starting with '_' and method names are not)")
+
+    def _load_attributes(self, attrs: Dict[str, Any]) -> None:
+        for k, v in copy.deepcopy(attrs).items():
             object.__setattr__(self, k, v)
             if k not in self._names:
                 self._names.append(k)
+
+    def load(self, snapshot: Any) -> None:
+        self._check_attribute_names(snapshot)
+        self._load_attributes(snapshot["attrs"])
 
 
 def _copy_into(old: Any, new: Any) -> Any:
@@ -222,6 +298,11 @@ def _copy_into(old: Any, new: Any) -> Any:
         return new.detach().clone()
     if isinstance(new, dict):
         old = old if isinstance(old, dict) else {}
+        if type(new) is collections.OrderedDict:  # a state_dict(): keep its type and _metadata
+            out = collections.OrderedDict((k, _copy_into(old.get(k), v)) for k, v in new.items())
+            if getattr(new, "_metadata", None) is not None:
+                out._metadata = copy.deepcopy(new._metadata)
+            return out
         return {k: _copy_into(old.get(k), v) for k, v in new.items()}
     if isinstance(new, (list, tuple)):
         old = old if isinstance(old, type(new)) and len(old) == len(new) else [None] * len(new)
@@ -232,6 +313,8 @@ def _copy_into(old: Any, new: Any) -> Any:
 class TorchState(ObjectState):
     """Committed model, optimizer and attributes. Attributes with ``state_dict``/``load_state_dict``
     (an ``ElasticSampler``, an lr scheduler) are committed through those; others are deep-copied."""
+
+    _NOT_ATTRIBUTES = ("commit_step", "model", "optimizer")  # committed through their state_dict()
 
     def __init__(self, model: Any = None, optimizer: Any = None, **attrs: Any) -> None:
         object.__setattr__(self, "model", model)
@@ -254,6 +337,7 @@ class TorchState(ObjectState):
         return view
 
     def load(self, snapshot: Any) -> None:
+        self._check_attribute_names(snapshot)
         if self.model is not None and "model" in snapshot:
             self.model.load_state_dict(snapshot["model"])
         if self.optimizer is not None:
@@ -266,15 +350,4 @@ class TorchState(ObjectState):
         for k, sd in snapshot.get("handlers", {}).items():
             if k in handlers:
                 handlers[k].load_state_dict(copy.deepcopy(sd))
-        for k, v in copy.deepcopy(snapshot["attrs"]).items():
-            object.__setattr__(self, k, v)
-
-    def serialize(self, snapshot: Any) -> bytes:
-        import torch
-        buf = io.BytesIO()
-        torch.save(snapshot, buf)
-        return buf.getvalue()
-
-    def deserialize(self, data: bytes) -> Any:
-        import torch
-        return torch.load(io.BytesIO(data), weights_only=False)
+        self._load_attributes(snapshot["attrs"])

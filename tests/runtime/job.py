@@ -10,6 +10,9 @@ proves the sample accounting. Knobs (environment):
                  its own JOB_DIE_AT-th commit (commit) or JOB_DIE_AT-th re-sync (sync)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
+  JOB_OPTIMIZER  "sgd" (default: SGD with momentum) or "adamw"
+  JOB_EVIL_SYNC  this worker is a hostile sync root: at its first sync it claims the highest
+                 commit step and broadcasts the bytes of this file instead of its state
   JOB_STOP_FILE  end at the first epoch boundary after this file appears (all ranks agree)
   JOB_STOP_BEFORE_FORM  SIGSTOP this process right before it connects its N-th ring (a worker
                  hung while forming; SIGCONT resumes it there, with the world it had then)
@@ -17,7 +20,9 @@ proves the sample accounting. Knobs (environment):
 
 Besides its result, each worker appends JSON lines to events-<worker>.jsonl: every step
 (time, step, world version, size), every commit, and every sync (its commit step before and
-after), so a test can check that no committed step was lost and time each recovery.
+after, and a digest of its whole state, model, optimizer, sampler and attributes, before and
+after), so a test can check that no committed step was lost, that every rank of a world
+holds the same bits, and time each recovery.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import hashlib
 import json
 import os
 import signal
+import struct
 import time
 
+import numpy as np
 import torch
 
 import elastic
@@ -44,6 +51,8 @@ RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
 STOP_FILE = os.environ.get("JOB_STOP_FILE") or None
 STOP_BEFORE_FORM = int(os.environ.get("JOB_STOP_BEFORE_FORM", "0"))
+OPTIMIZER = os.environ.get("JOB_OPTIMIZER", "sgd")
+EVIL_SYNC = os.environ.get("JOB_EVIL_SYNC") or None
 LR = 0.1  # with momentum 0.5 the job converges (loss ~1e-5) at every world size it runs at
 STALL = os.environ.get("JOB_STALL", "::").split(":")
 stalled = {"done": False}
@@ -69,8 +78,12 @@ class Model(torch.nn.Module):
 model = Model()
 with torch.no_grad():
     initial_loss = torch.nn.functional.mse_loss(model(X), Y).item()
-opt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5),
-                                   named_parameters=model.named_parameters())
+if OPTIMIZER == "adamw":
+    # A tensor lr and per-parameter step tensors: optimizer state that is more than floats.
+    base_opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(LR / 10), weight_decay=0.01)
+else:
+    base_opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+opt = elastic.DistributedOptimizer(base_opt, named_parameters=model.named_parameters())
 sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=0)
 loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 state = elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0, step=0)
@@ -85,7 +98,11 @@ def rescale_lr():
     # The usual reset callback: the learning rate follows the world size. Its effect must
     # survive the sync that follows it.
     for group in opt.param_groups:
-        group["lr"] = LR * elastic.size() / 3
+        lr = LR * elastic.size() / 3
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr / 10)
+        else:
+            group["lr"] = lr
 
 
 state.register_reset_callbacks([record_reset, rescale_lr])
@@ -104,8 +121,24 @@ _sync = state.sync
 syncs = {"n": 0}
 
 
+def evil_sync():
+    # Claims the most advanced commit, so it is the root, and sends a planted pickle as its state.
+    comm = elastic.collectives.current_communicator()
+    comm.allgather(torch.tensor([10 ** 9]))
+    with open(EVIL_SYNC, "rb") as f:
+        payload = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+    comm.broadcast_(torch.tensor([payload.numel()]), root_rank=comm.rank)
+    comm.broadcast_(payload, root_rank=comm.rank)
+    try:
+        comm.barrier()  # stays in the world until the others have read it (and failed)
+    finally:
+        os._exit(3)
+
+
 def sync_maybe_dying():
     syncs["n"] += 1
+    if EVIL_SYNC:
+        evil_sync()
     if DIE_IN == "sync" and syncs["n"] - 1 == DIE_AT:
         # Die between the allgather of commit steps and the broadcast of the state.
         comm = elastic.collectives.current_communicator()
@@ -139,12 +172,42 @@ def event(kind, **fields):
 held = {"commit": -1, "step": 0}
 
 
+def state_digest():
+    """SHA-256 of everything the state holds, bit for bit (dtypes, shapes, bytes, key order)."""
+    h = hashlib.sha256()
+
+    def walk(v):
+        h.update(type(v).__name__.encode())
+        if isinstance(v, torch.Tensor):
+            h.update(f"{v.dtype}{tuple(v.shape)}".encode())
+            h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+        elif isinstance(v, np.ndarray):
+            h.update(f"{v.dtype}{v.shape}".encode() + v.tobytes())
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(k)
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            h.update(str(len(v)).encode())
+            for x in v:
+                walk(x)
+        elif isinstance(v, float):
+            h.update(struct.pack("<d", v))
+        else:
+            h.update(repr(v).encode())
+
+    walk([model.state_dict(), opt.state_dict(), sampler.state_dict(), state.epoch, state.batch, state.step,
+          state.commit_step])
+    return h.hexdigest()
+
+
 def logged_sync():
     before = dict(held)
+    before_digest = state_digest()
     sync_maybe_dying()
     held.update(commit=state.commit_step, step=state.step)
     event("sync", before=before["commit"], before_step=before["step"], commit=state.commit_step, step=state.step,
-          v=elastic.world_version(), size=elastic.size())
+          v=elastic.world_version(), size=elastic.size(), before_digest=before_digest, digest=state_digest())
 
 
 state.sync = logged_sync
@@ -218,12 +281,13 @@ digest = hashlib.sha256()
 for k, v in sorted(model.state_dict().items()):
     digest.update(k.encode()); digest.update(v.numpy().tobytes())
 for k, v in sorted(opt.state_dict()["state"].items()):
-    digest.update(v["momentum_buffer"].numpy().tobytes())
+    for name, t in sorted(v.items()):
+        digest.update(name.encode()); digest.update(t.numpy().tobytes())
 with torch.no_grad():
     final_loss = torch.nn.functional.mse_loss(model(X), Y).item()
 result = {"worker": WORKER, "loss": final_loss, "initial_loss": initial_loss, "hash": digest.hexdigest(), "seen": model.seen.tolist(), "step": state.step,
           "commit_step": state.commit_step, "weight": model.linear.weight.detach().view(-1).tolist(),
-          "lr": opt.param_groups[0]["lr"], **log}
+          "lr": float(opt.param_groups[0]["lr"]), **log}
 with open(os.path.join(OUT, f"result-{WORKER}.json"), "w") as f:
     json.dump(result, f)
 print(f"worker {WORKER} done at step {state.step}", flush=True)
