@@ -631,6 +631,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             return pb.ReportFailureResponse(evicted=False, detail=f"{suspect} is not registered "
                                                                   f"(already evicted or left)")
         why = f"reported by {reporter.worker_id}: {request.reason or 'unreachable'}"
+        if request.unusable_address and state.in_world(reporter.worker_id) and state.in_world(suspect):
+            # A probe answer would prove only that the suspect lives, not that its ring
+            # address leads anywhere: alive or not, no ring of this job can include it.
+            seq, _ = self._apply_evict(job, suspect, f"unusable ring address; {why}")
+            await self._wait_durable(job, seq)
+            return pb.ReportFailureResponse(evicted=True, detail="suspect's ring address is unusable")
         if suspect not in job.streams:
             seq, _ = self._apply_evict(job, suspect, f"no watch stream; {why}")
             await self._wait_durable(job, seq)
