@@ -6,7 +6,7 @@
 | ``ELASTIC_JOB_ID`` | job id (``[A-Za-z0-9._-]``, 1-128 chars) | ``default`` |
 | ``ELASTIC_WORKER_ID`` | unique worker id within the job | ``HOST-PID`` |
 | ``ELASTIC_HOST`` | host name; ranks of one host are contiguous | ``socket.gethostname()`` |
-| ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address |
+| ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address (which must then not be loopback) |
 | ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
 | ``ELASTIC_JOB_SECRET`` | secret proving ring membership | derived from token and job id |
 | ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits (first worker's win) | 1 / 1024 |
@@ -25,7 +25,7 @@ import hmac
 import ipaddress
 import os
 import socket
-from typing import Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from .communicator import CommConfig
 
@@ -88,8 +88,7 @@ class WorkerConfig:
             # Every worker of the job derives the same secret without another variable to pass.
             secret = hmac.new((token or "").encode(), f"elastic-ring ring secret:{job_id}".encode(),
                               hashlib.sha256).hexdigest().encode()
-        ring_host = env.get("ELASTIC_RING_HOST") or ("127.0.0.1" if all(
-            _is_loopback(a.rpartition(":")[0]) for a in rendezvous) else _host_address())
+        ring_host = ring_host_for(env.get("ELASTIC_RING_HOST", ""), rendezvous, _host_address)
 
         def number(name: str, kind, default):
             raw = env.get(name, "")
@@ -128,9 +127,35 @@ class WorkerConfig:
         return cfg
 
 
-def _host_address() -> str:
-    """This host's address as its name resolves; set ELASTIC_RING_HOST where that is not routable."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
+def ring_host_for(explicit: str, rendezvous: Sequence[str], resolve: Callable[[], Tuple[str, str]]) -> str:
+    """The address this worker's ring listener binds and announces (a pure decision).
+
+    ``explicit`` is ELASTIC_RING_HOST (always wins, even a loopback one: the operator said so);
+    ``rendezvous`` the server addresses; ``resolve()`` gives (host name, address it resolves
+    to, "" if it does not). With every rendezvous address on loopback the job is on this host:
+    127.0.0.1. Otherwise the job may span hosts, and the host's own address is announced;
+    a loopback one (Debian's /etc/hosts maps the host name to 127.0.1.1) would leave the
+    other hosts' workers connecting to themselves until the form timeout, so that stops
+    the worker at start, naming ELASTIC_RING_HOST.
+    """
+    if explicit:
+        return explicit
+    if all(_is_loopback(a.rpartition(":")[0]) for a in rendezvous):
         return "127.0.0.1"
+    name, address = resolve()
+    if address and not _is_loopback(address):
+        return address
+    found = f"resolves to {address}, a loopback address" if address else "does not resolve"
+    raise ValueError(f"ELASTIC_RING_HOST is not set and this host's name {name!r} {found}, which workers on other "
+                     f"hosts cannot reach; the rendezvous ({','.join(rendezvous)}) is not on loopback, so the job "
+                     "may span hosts: set ELASTIC_RING_HOST to this host's address on the network the workers "
+                     "share (or to 127.0.0.1 if every worker runs on this host)")
+
+
+def _host_address() -> Tuple[str, str]:
+    """This host's name and the address it resolves to ("" if it does not)."""
+    name = socket.gethostname()
+    try:
+        return name, socket.gethostbyname(name)
+    except OSError:
+        return name, ""
