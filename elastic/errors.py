@@ -8,6 +8,7 @@ its text: messages may quote what a peer sent, and a peer must not steer a worke
 from __future__ import annotations
 
 import re
+
 from ._native import ErrorKind
 
 # Kinds where the peer named in the error is to blame: the runtime reports it to the

@@ -144,7 +144,7 @@ def test_a_ring_forms_and_steps_under_a_flood_of_junk_connections_with_bounded_s
         assert formed_in < 20, formed_in
         assert refused > RATE, refused  # the flood reached every listener
         assert all("\x1b" not in line and "\n" not in line for line in refusals)
-    assert flood.opened > RATE * RANKS * (FLOOD_S - 1), flood.opened
+    assert flood.opened > 2 * RATE * RANKS, flood.opened  # at least two seconds of it
     assert any("claiming job '\\x1b[2J\\x1b[31mpwned\\x07\\x0aelastic-ring: forged line'" in line
                for *_, refusals in results for line in refusals)
     assert "\x1b" not in err and "\x07" not in err, "a peer's escape codes reached stderr"
