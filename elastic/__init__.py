@@ -15,14 +15,16 @@ from .collectives import (
     broadcast_object,
     synchronize,
 )
-from .communicator import CommConfig, Communicator, Handle, Listener
+from .communicator import CommConfig, Communicator, ErrorKind, Handle, Listener
 from .errors import (
+    BadPeerError,
     CollectiveMismatchError,
     ElasticError,
     ElasticTimeout,
     HandshakeError,
     MembershipChanged,
     RendezvousError,
+    SettingsMismatchError,
     WorkerLostError,
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
@@ -44,8 +46,9 @@ def __getattr__(name):
 
 __all__ = [
     "allgather", "allreduce", "allreduce_", "allreduce_async_", "barrier", "broadcast_", "broadcast_object",
-    "synchronize", "CommConfig", "Communicator", "Handle", "Listener", "CollectiveMismatchError", "ElasticError",
-    "ElasticTimeout", "HandshakeError", "MembershipChanged", "RendezvousError", "WorkerLostError", "Average", "Max",
+    "synchronize", "CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "BadPeerError",
+    "CollectiveMismatchError", "ElasticError", "ElasticTimeout", "HandshakeError", "MembershipChanged",
+    "RendezvousError", "SettingsMismatchError", "WorkerLostError", "Average", "Max",
     "Min", "ReduceOp", "Sum", "run", "init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "world_version", "ElasticSampler", "State", "ObjectState", "TorchState", "DistributedOptimizer",
     "broadcast_parameters", "broadcast_optimizer_state",

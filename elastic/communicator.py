@@ -20,10 +20,11 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from . import _native
-from .errors import ElasticError
+from .errors import ElasticError, SettingsMismatchError
 from .ops import ReduceOp
 
 Listener = _native.Listener
+ErrorKind = _native.ErrorKind
 
 _MAX_ALLGATHER_NDIM = 12
 
@@ -213,8 +214,12 @@ class Communicator:
     def connect(self) -> "Communicator":
         """Connects to the next rank and accepts the previous one (blocking, GIL released).
 
-        On failure the communicator is closed and the error raised: ``HandshakeError`` when
-        a neighbour refuses, ``WorkerLostError`` on timeout or abort.
+        On failure the communicator is closed and the error raised: ``BadPeerError`` (a
+        ``WorkerLostError``) when a neighbour's announced address is unusable or what answers
+        there does not prove the job's secret, naming it in ``peer_rank``; ``HandshakeError``
+        when a neighbour that proved the secret refuses (another world version);
+        ``SettingsMismatchError`` when the ranks' ring settings differ; ``WorkerLostError`` on
+        a lost neighbour, timeout or abort.
         """
         try:
             self._native.form()
@@ -247,8 +252,10 @@ class Communicator:
             for r, v in enumerate(column):
                 by_value.setdefault(words[v] if isinstance(getattr(self.config, name), str) else v, []).append(r)
             said = "; ".join(f"{v} on rank(s) {','.join(map(str, rs))}" for v, rs in by_value.items())
-            raise ValueError(f"ring setting {name} ({CommConfig._ENV[name]}) differs between the ranks of world "
-                             f"version {self.world_version}: {said}; every worker must use the same")
+            raise SettingsMismatchError(
+                f"ring setting {name} ({CommConfig._ENV[name]}) differs between the ranks of world version "
+                f"{self.world_version}: {said}; every worker must use the same",
+                world_version=self.world_version, rank=self.rank, setting=name)
 
     @classmethod
     def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
@@ -453,4 +460,4 @@ def _dtype_id(name: str) -> int:
     return _DTYPE_IDS[bare]
 
 
-__all__ = ["CommConfig", "Communicator", "Handle", "Listener", "ElasticError"]
+__all__ = ["CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "ElasticError"]

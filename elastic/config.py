@@ -6,7 +6,7 @@
 | ``ELASTIC_JOB_ID`` | job id (``[A-Za-z0-9._-]``, 1-128 chars) | ``default`` |
 | ``ELASTIC_WORKER_ID`` | unique worker id within the job | ``HOST-PID`` |
 | ``ELASTIC_HOST`` | host name; ranks of one host are contiguous | ``socket.gethostname()`` |
-| ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address |
+| ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address (which must then not be loopback) |
 | ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
 | ``ELASTIC_TLS_CA`` | connect to the rendezvous with TLS, trusting this CA (PEM) | plaintext |
 | ``ELASTIC_TLS_CERT`` / ``ELASTIC_TLS_KEY`` | client certificate and key (servers with ``--tls-client-ca``) | none |
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from typing import Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from rendezvous.client import channel_credentials, is_loopback, parse_addresses, read_token_file
 from rendezvous.client import DEFAULT_MAX_NP
@@ -70,8 +70,7 @@ class WorkerConfig:
             token = read_token_file(token_file, "ELASTIC_TOKEN_FILE")
         tls_ca, tls_cert, tls_key = (env.get(name) or None for name in TLS_VARIABLES)
         channel_credentials(tls_ca, tls_cert, tls_key, names=TLS_VARIABLES)  # unreadable: fail now
-        ring_host = env.get("ELASTIC_RING_HOST") or ("127.0.0.1" if all(
-            is_loopback(a.rpartition(":")[0]) for a in rendezvous) else _host_address())
+        ring_host = ring_host_for(env.get("ELASTIC_RING_HOST", ""), rendezvous, _host_address)
 
         def number(name: str, kind, default):
             raw = env.get(name, "")
@@ -116,9 +115,35 @@ class WorkerConfig:
         return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, names=TLS_VARIABLES)
 
 
-def _host_address() -> str:
-    """This host's address as its name resolves; set ELASTIC_RING_HOST where that is not routable."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
+def ring_host_for(explicit: str, rendezvous: Sequence[str], resolve: Callable[[], Tuple[str, str]]) -> str:
+    """The address this worker's ring listener binds and announces (a pure decision).
+
+    ``explicit`` is ELASTIC_RING_HOST (always wins, even a loopback one: the operator said so);
+    ``rendezvous`` the server addresses; ``resolve()`` gives (host name, address it resolves
+    to, "" if it does not). With every rendezvous address on loopback the job is on this host:
+    127.0.0.1. Otherwise the job may span hosts, and the host's own address is announced;
+    a loopback one (Debian's /etc/hosts maps the host name to 127.0.1.1) would leave the
+    other hosts' workers connecting to themselves until the form timeout, so that stops
+    the worker at start, naming ELASTIC_RING_HOST.
+    """
+    if explicit:
+        return explicit
+    if all(is_loopback(a.rpartition(":")[0]) for a in rendezvous):
         return "127.0.0.1"
+    name, address = resolve()
+    if address and not is_loopback(address):
+        return address
+    found = f"resolves to {address}, a loopback address" if address else "does not resolve"
+    raise ValueError(f"ELASTIC_RING_HOST is not set and this host's name {name!r} {found}, which workers on other "
+                     f"hosts cannot reach; the rendezvous ({','.join(rendezvous)}) is not on loopback, so the job "
+                     "may span hosts: set ELASTIC_RING_HOST to this host's address on the network the workers "
+                     "share (or to 127.0.0.1 if every worker runs on this host)")
+
+
+def _host_address() -> Tuple[str, str]:
+    """This host's name and the address it resolves to ("" if it does not)."""
+    name = socket.gethostname()
+    try:
+        return name, socket.gethostbyname(name)
+    except OSError:
+        return name, ""

@@ -1,6 +1,32 @@
-"""Exceptions of elastic-ring, and the mapping from the native core's failures."""
+"""Exceptions of elastic-ring, and the mapping from the native core's failures.
+
+Every error that changes what ``elastic.run`` does is told apart by its class and its
+``kind`` (an ``ErrorKind`` of the native core, ``elastic._native.ErrorKind``), never by
+its text: messages may quote what a peer sent, and a peer must not steer a worker.
+"""
 
 from __future__ import annotations
+
+import re
+
+from ._native import ErrorKind
+
+# Kinds where the peer named in the error is to blame: the runtime reports it to the
+# rendezvous. Aborted and Propagated name a live neighbour; Refused, SettingsMismatch and
+# Mismatch blame nobody (another world version, other settings, a program bug).
+_BLAMES_PEER = frozenset({ErrorKind.PeerLost, ErrorKind.Timeout, ErrorKind.Unreachable, ErrorKind.BadPeer})
+
+
+def _reason(kind: ErrorKind) -> str:
+    """``ErrorKind.PeerLost`` -> ``"peer_lost"``: the ``reason`` strings, derived, not listed."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", kind.name).lower()
+
+
+def _locate(err: Exception, kind: ErrorKind, op: str, world_version: int, rank: int, peer: int) -> None:
+    """What every ring error carries: its kind, the operation, world version, this rank, the
+    neighbour involved (-1: none) and ``peer_rank``, the rank to blame (None: nobody)."""
+    err.kind, err.op, err.world_version, err.rank, err.peer = kind, op, world_version, rank, peer
+    err.peer_rank = peer if kind in _BLAMES_PEER and peer >= 0 else None
 
 
 class ElasticError(Exception):
@@ -13,20 +39,29 @@ class WorkerLostError(ElasticError):
     The communicator that raised it is unusable; ``elastic.run`` restores the last
     commit and re-forms the ring for the next world version. Attributes say where:
     ``op`` (the collective), ``world_version``, ``rank`` (this worker), ``peer`` (the
-    suspected rank, or -1 when unknown, e.g. after an abort) and ``reason``: ``"peer_lost"``
-    (the neighbour ``peer`` died or reset), ``"timeout"`` (``peer`` went silent), ``"propagated"``
-    (the neighbour ``peer`` is alive and gave up because of a failure further round the ring)
-    or ``"aborted"`` (``abort()`` was called, e.g. on a rendezvous notice).
+    neighbour involved, or -1 when none, e.g. after an abort), ``kind`` (an ``ErrorKind``),
+    ``peer_rank`` (the rank to blame, or None) and ``reason``, the kind in words:
+    ``"peer_lost"`` (the neighbour ``peer`` died or reset), ``"timeout"`` (``peer`` went
+    silent), ``"propagated"`` (the neighbour ``peer`` is alive and gave up because of a
+    failure further round the ring), ``"aborted"`` (``abort()`` was called, e.g. on a
+    rendezvous notice), or for a ``BadPeerError`` ``"unreachable"`` / ``"bad_peer"``.
     """
 
     def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1,
-                 peer: int = -1, reason: str = "peer_lost"):
+                 peer: int = -1, kind: ErrorKind = ErrorKind.PeerLost):
         super().__init__(message)
-        self.op = op
-        self.world_version = world_version
-        self.rank = rank
-        self.peer = peer
-        self.reason = reason
+        _locate(self, kind, op, world_version, rank, peer)
+        self.reason = _reason(kind)
+
+
+class BadPeerError(WorkerLostError):
+    """A neighbour cannot be part of a ring: its announced address is unusable (not HOST:PORT,
+    a wildcard, a name that does not resolve, nothing accepts connections there: ``kind``
+    ``Unreachable``) or what answers there does not prove the job's secret or speak the ring
+    protocol (``BadPeer``; e.g. a refusal without the secret's MAC, whatever it says).
+
+    It is that peer's failure, not this worker's: ``peer_rank`` names it, ``elastic.run``
+    reports it to the rendezvous, which evicts it, and the healthy workers re-form."""
 
 
 class MembershipChanged(ElasticError):
@@ -38,13 +73,26 @@ class RendezvousError(ElasticError):
 
 
 class HandshakeError(RendezvousError):
-    """A ring neighbour refused the connection: wrong job, wrong secret or another world version."""
+    """A ring neighbour that proved the job's secret refused the connection: another world
+    version (this worker's is stale), world size or rank, or a duplicate. ``kind`` is
+    ``ErrorKind.Refused``; ``peer`` the neighbour; nobody is to blame (``peer_rank`` None)."""
 
-    def __init__(self, message: str, *, world_version: int = -1, rank: int = -1, peer: int = -1):
+    def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1):
         super().__init__(message)
-        self.world_version = world_version
-        self.rank = rank
-        self.peer = peer
+        _locate(self, ErrorKind.Refused, op, world_version, rank, peer)
+
+
+class SettingsMismatchError(ElasticError):
+    """The ranks of one world run with different ring settings (algorithm, sizes, transport),
+    as an authenticated neighbour says or the check at ``connect()`` found. No later world
+    fixes that, so ``elastic.run`` ends the worker with it. ``kind`` is
+    ``ErrorKind.SettingsMismatch``; ``setting`` names the setting when it is known ("")."""
+
+    def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1,
+                 setting: str = ""):
+        super().__init__(message)
+        _locate(self, ErrorKind.SettingsMismatch, op, world_version, rank, peer)
+        self.setting = setting
 
 
 class CollectiveMismatchError(ElasticError):
@@ -52,28 +100,29 @@ class CollectiveMismatchError(ElasticError):
 
     def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1, peer: int = -1):
         super().__init__(message)
-        self.op = op
-        self.world_version = world_version
-        self.rank = rank
-        self.peer = peer
+        _locate(self, ErrorKind.Mismatch, op, world_version, rank, peer)
 
 
 class ElasticTimeout(ElasticError):
     """The job stayed below its minimum size for longer than its elastic timeout."""
 
 
-# Mirrors ering::ErrorKind in native/src/common.h.
-_PEER_LOST, _TIMEOUT, _ABORTED, _REFUSED, _INVALID, _MISMATCH, _PROPAGATED = range(7)
-_REASONS = {_PEER_LOST: "peer_lost", _TIMEOUT: "timeout", _ABORTED: "aborted", _PROPAGATED: "propagated"}
-
-
-def _from_native(kind: int, message: str, op: str, world_version: int, rank: int, peer: int) -> Exception:
+def _from_native(kind: ErrorKind, message: str, op: str, world_version: int, rank: int, peer: int) -> Exception:
     """Builds the Python exception for a native CommError (called by the binding)."""
-    if kind in _REASONS:
-        return WorkerLostError(message, op=op, world_version=world_version, rank=rank, peer=peer,
-                               reason=_REASONS[kind])
-    if kind == _REFUSED:
-        return HandshakeError(message, world_version=world_version, rank=rank, peer=peer)
-    if kind == _MISMATCH:
-        return CollectiveMismatchError(message, op=op, world_version=world_version, rank=rank, peer=peer)
-    return ValueError(message)
+    where = dict(world_version=world_version, rank=rank, peer=peer)
+    if kind in (ErrorKind.Unreachable, ErrorKind.BadPeer):
+        return BadPeerError(message, op=op, kind=kind, **where)
+    if kind in (ErrorKind.PeerLost, ErrorKind.Timeout, ErrorKind.Aborted, ErrorKind.Propagated):
+        return WorkerLostError(message, op=op, kind=kind, **where)
+    if kind == ErrorKind.Refused:
+        return HandshakeError(message, op=op, **where)
+    if kind == ErrorKind.SettingsMismatch:
+        return SettingsMismatchError(message, op=op, **where)
+    if kind == ErrorKind.Mismatch:
+        return CollectiveMismatchError(message, op=op, **where)
+    if kind == ErrorKind.Invalid:
+        return ValueError(message)
+    # A kind this module does not know yet: still an ElasticError, never a crash in the translator.
+    err = ElasticError(message)
+    _locate(err, kind, op, world_version, rank, peer)
+    return err

@@ -2,9 +2,15 @@
 
     join and form the ring -> sync state -> func(state)
       WorkerLostError   : restore the last commit, report the suspect, wait for the next world
+                          (BadPeerError too: a neighbour with an unusable address, or one that
+                          does not prove the job's secret, is reported to be evicted)
+      HandshakeError    : an authenticated neighbour is at another world version: restore and
+                          take the next world
       MembershipChanged : keep the state, form the next world
     then reset callbacks, sync, and call func again. A failure while forming or syncing is
-    handled like any other. Any other exception ends this worker with its traceback.
+    handled like any other. Any other exception ends this worker with its traceback, among
+    them SettingsMismatchError (the workers' ring settings differ: no later world fixes that).
+    What to do is decided by the exception's type, never by its text.
 """
 
 from __future__ import annotations
@@ -70,10 +76,6 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
                     rt.report_failure(e)
                     min_version = failed_version + 1
                 except HandshakeError as e:
-                    if "forms no" in str(e):
-                        # Same world, other rings: the ring settings differ between workers. No
-                        # later world can fix that, so end here with the reason.
-                        raise
                     # A neighbour is at another world version: ours is stale, take the next one.
                     log.warning("%s", e)
                     state.restore()

@@ -22,7 +22,7 @@ from rendezvous.client import RendezvousError as _ClientError
 from . import collectives
 from .communicator import Communicator, Listener
 from .config import WorkerConfig
-from .errors import RendezvousError, WorkerLostError
+from .errors import BadPeerError, RendezvousError, WorkerLostError
 
 log = logging.getLogger("elastic")
 
@@ -224,15 +224,20 @@ class Runtime:
         return comm
 
     def report_failure(self, err: WorkerLostError) -> None:
-        """Tells the server which peer broke, so it checks that peer at once instead of at its timeout."""
+        """Tells the server which peer broke, so it checks that peer at once instead of at its timeout.
+
+        A ``BadPeerError`` is reported as an unusable address: the server evicts that peer even
+        though it is alive, since a member nobody can connect to can never be in a ring."""
         world = self.world
-        # Aborted: the server already knows. Propagated: the neighbour is alive, the failed
-        # rank is further on and its own neighbour reports it.
-        if world is None or err.reason in ("aborted", "propagated") or not 0 <= err.peer < len(world.members):
+        # No peer to blame: aborted (the server already knows) or propagated (the neighbour is
+        # alive, the failed rank is further on and its own neighbour reports it).
+        if world is None or err.peer_rank is None or err.world_version != world.version or \
+                not 0 <= err.peer_rank < len(world.members):
             return
-        suspect = world.members[err.peer].worker_id
+        suspect = world.members[err.peer_rank].worker_id
         try:
-            evicted = self.client.report_failure(suspect, world.version, reason=str(err)[:1000])
+            evicted = self.client.report_failure(suspect, world.version, reason=str(err)[:1000],
+                                                 unusable_address=isinstance(err, BadPeerError))
             log.info("reported %s (world %d): %s", suspect, world.version,
                      "evicted" if evicted else "still alive")
         except _ClientError as e:

@@ -486,11 +486,13 @@ class RendezvousClient:
                                                            committed_step=committed_step),
                           timeout_s).world_version
 
-    def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "") -> bool:
-        """Tell the server a peer broke; returns True if the server evicted it."""
+    def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "",
+                       unusable_address: bool = False) -> bool:
+        """Tell the server a peer broke; returns True if the server evicted it. ``unusable_address``:
+        its ring address leads to no member of this job, so the server evicts it even if it is alive."""
         return self._call("ReportFailure", pb.ReportFailureRequest(
             session_id=self._sid(), world_version=world_version,
-            suspect_worker_id=suspect_worker_id, reason=reason),
+            suspect_worker_id=suspect_worker_id, reason=reason, unusable_address=unusable_address),
             # The server may wait up to its heartbeat timeout for the suspect's stream to break.
             timeout_s=max(30.0, self.rpc_timeout_s), attempt_s=max(15.0, self.rpc_timeout_s)).evicted
 

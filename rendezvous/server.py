@@ -868,6 +868,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if not same_suspect():
                 await self._wait_durable(job, job.seq)
                 return pb.ReportFailureResponse(evicted=True, detail="suspect gone meanwhile")
+        if request.unusable_address:
+            # A probe answer would prove only that the suspect lives, not that its ring
+            # address leads anywhere: alive or not, no ring of this job can include it.
+            seq, _ = self._apply_evict(job, suspect, f"unusable ring address; {why}")
+            await self._wait_durable(job, seq)
+            return pb.ReportFailureResponse(evicted=True, detail="suspect's ring address is unusable")
         if suspect not in job.streams:
             # Never reattached under this leader: the server's doing as much as the host's.
             seq, _ = self._apply_evict(job, suspect, f"no watch stream; {why}",

@@ -123,6 +123,13 @@ NB_MODULE(_native, m) {
   nb::set_leak_warnings(false);
   m.doc() = "elastic-ring native core: ring collectives over TCP and same-host shared memory, with deadlines, abort and authenticated handshakes";
 
+  // The one list in common.h, so Python names the kinds without mirroring their numbers.
+  nb::enum_<ErrorKind> kinds(m, "ErrorKind", "Why a ring operation failed (ering::ErrorKind); carried as .kind "
+                                             "on the elastic exceptions.");
+#define ERING_KIND_BINDING(name, number, doc) kinds.value(#name, ErrorKind::name, doc);
+  ERING_ERROR_KINDS(ERING_KIND_BINDING)
+#undef ERING_KIND_BINDING
+
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -133,7 +140,7 @@ NB_MODULE(_native, m) {
       }
       try {
         nb::object mod = nb::module_::import_("elastic.errors");
-        nb::object exc = mod.attr("_from_native")(int(e.kind), e.what(), e.op, e.world_version, e.rank, e.peer);
+        nb::object exc = mod.attr("_from_native")(e.kind, e.what(), e.op, e.world_version, e.rank, e.peer);
         PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
       } catch (nb::python_error& pe) {
         pe.restore();

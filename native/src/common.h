@@ -23,15 +23,29 @@ inline double seconds_since(Clock::time_point t) {
 }
 
 // Why a communicator operation failed. Everything except Invalid poisons the
-// communicator: the caller must discard it and form a new one.
+// communicator: the caller must discard it and form a new one. One list, so the binding
+// exports exactly these names and values (elastic._native.ErrorKind) and Python never
+// mirrors the numbers.
+#define ERING_ERROR_KINDS(X)                                                                                   \
+  X(PeerLost, 0, "a ring neighbour closed or reset its connection")                                           \
+  X(Timeout, 1, "no progress before the deadline (hung, stopped or partitioned peer)")                        \
+  X(Aborted, 2, "abort() was called, locally or by a neighbour's failure")                                    \
+  X(Refused, 3, "a neighbour that proved the job's secret refused the handshake (another world version, "     \
+                "world size, rank or job, or a duplicate)")                                                   \
+  X(Invalid, 4, "bad arguments; the communicator is still usable")                                            \
+  X(Mismatch, 5, "ranks called different collectives (a program bug)")                                        \
+  X(Propagated, 6, "a neighbour failed or aborted because of a failure elsewhere in the ring")                \
+  X(SettingsMismatch, 7, "ranks of one world have different ring settings, as a neighbour that proved the "   \
+                         "job's secret says; no later world fixes that")                                      \
+  X(Unreachable, 8, "a neighbour's announced address cannot be used: not HOST:PORT, a wildcard, a name that " \
+                    "does not resolve, or nothing accepts connections there")                                 \
+  X(BadPeer, 9, "what answers at a neighbour's address does not prove the job's secret or does not speak "    \
+                "the ring protocol (an unauthenticated refusal, garbage)")
+
 enum class ErrorKind : int {
-  PeerLost = 0,   // a ring neighbour closed or reset its connection
-  Timeout = 1,    // no progress before the deadline (hung or partitioned peer)
-  Aborted = 2,    // abort() was called, locally or by a neighbour's failure
-  Refused = 3,    // a handshake was refused (wrong job, secret or world version)
-  Invalid = 4,    // bad arguments; the communicator is still usable
-  Mismatch = 5,   // ranks called different collectives (a program bug)
-  Propagated = 6, // a neighbour failed or aborted because of a failure elsewhere in the ring
+#define ERING_KIND_VALUE(name, number, doc) name = number,
+  ERING_ERROR_KINDS(ERING_KIND_VALUE)
+#undef ERING_KIND_VALUE
 };
 
 class CommError : public std::runtime_error {

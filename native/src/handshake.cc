@@ -1,6 +1,7 @@
 // Encoding, decoding and judging of ring handshake messages; no sockets here.
 #include "handshake.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace ering {
@@ -85,57 +86,109 @@ bool decode_hello_body(const uint8_t* p, size_t n, Hello* out, std::string* why)
   return true;
 }
 
-Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason) {
+Verdict judge_hello(const Hello& h, const Expectation& e, Refusal* code, std::string* reason) {
+  auto refuse = [&](Refusal c, std::string why) {
+    *code = c;
+    *reason = std::move(why);
+    return Verdict::Refuse;
+  };
   if (!e.active) return Verdict::Park;
-  if (h.job_id != e.job_id) {
-    *reason = "job mismatch: this worker is in job '" + e.job_id + "', the peer is in job '" + h.job_id + "'";
-    return Verdict::Refuse;
-  }
-  if (h.world_version < e.world_version || (e.retired && h.world_version == e.world_version)) {
-    *reason = "stale world version " + std::to_string(h.world_version) + ": this worker is at world version " +
-              std::to_string(e.world_version) + (e.retired ? " (closed)" : "");
-    return Verdict::Refuse;
-  }
+  if (h.job_id != e.job_id)
+    return refuse(Refusal::OtherJob, "job mismatch: this worker is in job '" + printable(e.job_id) +
+                                         "', the peer is in job '" + printable(h.job_id) + "'");
+  if (h.world_version < e.world_version || (e.retired && h.world_version == e.world_version))
+    return refuse(Refusal::StaleVersion, "stale world version " + std::to_string(h.world_version) +
+                                             ": this worker is at world version " + std::to_string(e.world_version) +
+                                             (e.retired ? " (closed)" : ""));
   if (h.world_version > e.world_version) return Verdict::Park;
-  if (h.world_size != e.world_size) {
-    *reason = "world size mismatch at world version " + std::to_string(h.world_version) + ": peer says " +
-              std::to_string(h.world_size) + ", this worker " + std::to_string(e.world_size);
-    return Verdict::Refuse;
-  }
-  if (h.to_rank != e.rank) {
-    *reason = "connection meant for rank " + std::to_string(h.to_rank) + " reached rank " + std::to_string(e.rank);
-    return Verdict::Refuse;
-  }
-  if (h.channel >= kChannels) {
-    *reason = "unknown ring channel " + std::to_string(h.channel);
-    return Verdict::Refuse;
-  }
+  if (h.world_size != e.world_size)
+    return refuse(Refusal::WorldSize, "world size mismatch at world version " + std::to_string(h.world_version) +
+                                          ": peer says " + std::to_string(h.world_size) + ", this worker " +
+                                          std::to_string(e.world_size));
+  if (h.to_rank != e.rank)
+    return refuse(Refusal::WrongRank, "connection meant for rank " + std::to_string(h.to_rank) + " reached rank " +
+                                          std::to_string(e.rank));
+  if (h.channel >= kChannels) return refuse(Refusal::UnknownChannel, "unknown ring channel " + std::to_string(h.channel));
   int64_t want = e.prev_rank[h.channel];
   if (want < 0) {
     // Every rank derives the rings from the same world, so only different settings get here.
-    *reason = std::string("this worker forms no ") + channel_name(h.channel) + " at world version " +
-              std::to_string(h.world_version) + " (channel " + std::to_string(h.channel) +
-              "): is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?";
-    return Verdict::Refuse;
+    return refuse(Refusal::NoSuchRing, std::string("this worker forms no ") + channel_name(h.channel) +
+                                           " at world version " + std::to_string(h.world_version) + " (channel " +
+                                           std::to_string(h.channel) +
+                                           "): is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?");
   }
-  if (int64_t(h.from_rank) != want) {
-    *reason = "rank " + std::to_string(h.from_rank) + " is not this worker's " + channel_name(h.channel) +
-              " predecessor (expected rank " + std::to_string(want) + ")";
-    return Verdict::Refuse;
-  }
+  if (int64_t(h.from_rank) != want)
+    return refuse(Refusal::WrongRank, "rank " + std::to_string(h.from_rank) + " is not this worker's " +
+                                          channel_name(h.channel) + " predecessor (expected rank " +
+                                          std::to_string(want) + ")");
   return Verdict::Accept;
 }
 
 Digest handshake_mac(const std::string& secret, const char* role, const std::vector<uint8_t>& hello_body,
-                     const uint8_t* acceptor_nonce) {
+                     const uint8_t* acceptor_nonce, const std::vector<uint8_t>& extra) {
   std::vector<uint8_t> t;
-  const char* label = "elastic-ring handshake v2:";
+  const char* label = "elastic-ring handshake v3:";
   t.insert(t.end(), label, label + std::strlen(label));
   t.insert(t.end(), role, role + std::strlen(role));
   t.push_back(0);
   t.insert(t.end(), hello_body.begin(), hello_body.end());
   t.insert(t.end(), acceptor_nonce, acceptor_nonce + kNonceBytes);
+  t.insert(t.end(), extra.begin(), extra.end());
   return hmac_sha256(secret, t.data(), t.size());
+}
+
+namespace {
+constexpr size_t kDigestBytes = sizeof(Digest);
+constexpr size_t kRefusalFixed = 1 + 2;
+constexpr size_t kMaxReasonBytes = kMaxBodyBytes - kRefusalFixed - kDigestBytes;
+}  // namespace
+
+std::vector<uint8_t> encode_refusal(const std::string* secret, const std::vector<uint8_t>& hello_body,
+                                    const uint8_t* acceptor_nonce, Refusal code, const std::string& reason) {
+  std::string text = reason.substr(0, kMaxReasonBytes);
+  std::vector<uint8_t> b;
+  b.push_back(uint8_t(code));
+  put_u16(b, uint16_t(text.size()));
+  b.insert(b.end(), text.begin(), text.end());
+  Digest mac{};
+  if (secret) mac = handshake_mac(*secret, "refusal", hello_body, acceptor_nonce, b);
+  b.insert(b.end(), mac.begin(), mac.end());
+  return b;
+}
+
+bool decode_refusal(const std::vector<uint8_t>& body, const std::string& secret,
+                    const std::vector<uint8_t>& hello_body, const uint8_t* acceptor_nonce, Refusal* code,
+                    std::string* reason, bool* authenticated) {
+  *authenticated = false;
+  if (body.size() < kRefusalFixed + kDigestBytes) return false;
+  size_t len = get_u16(body.data() + 1);
+  if (kRefusalFixed + len + kDigestBytes != body.size() || body[0] > kMaxRefusal) return false;
+  *code = Refusal(body[0]);
+  reason->assign(reinterpret_cast<const char*>(body.data() + kRefusalFixed), len);
+  std::vector<uint8_t> signed_part(body.begin(), body.begin() + long(kRefusalFixed + len));
+  Digest want = handshake_mac(secret, "refusal", hello_body, acceptor_nonce, signed_part);
+  *authenticated = digest_equal(body.data() + kRefusalFixed + len, want.data(), want.size());
+  return true;
+}
+
+std::string printable(const std::string& s, size_t max_bytes) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  size_t n = std::min(s.size(), max_bytes);
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c >= 0x20 && c < 0x7f) {
+      out += char(c);
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  if (s.size() > max_bytes) out += "...(" + std::to_string(s.size()) + " bytes)";
+  return out;
 }
 
 }  // namespace ering

@@ -3,14 +3,17 @@
 // Connector -> acceptor: HELLO  (job, world version, ranks, connector nonce)
 // Acceptor -> connector: ACK    (status; on OK: acceptor nonce)
 // Connector -> acceptor: PROOF  (MAC over HELLO and both nonces: the connector holds the secret)
-// Acceptor -> connector: RESULT (status; on OK: the acceptor's MAC, else the reason)
+// Acceptor -> connector: RESULT (status; on OK: the acceptor's MAC; on REFUSED: a refusal
+//                                 code, the reason, and a MAC over both)
 // The acceptor judges the HELLO only after the PROOF checks out, so an unauthenticated
 // peer learns nothing about the ring (not even the job id) and cannot park connections;
 // a peer that holds the secret gets the precise reason (stale version, wrong rank, ...).
+// The connector acts on a refusal's code only when its MAC proves the acceptor holds the
+// secret too: anyone listening at a neighbour's address can send words, not a verdict.
 // Every message starts with a 12-byte header: magic "ERNG", protocol version,
 // type, status, body length (big-endian). See native/README.md.
 //
-// Protocol 2 adds a channel to HELLO: one world version forms several rings (the flat
+// Protocol 3 authenticates refusals (code + reason + MAC). Protocol 2 added a channel to HELLO: one world version forms several rings (the flat
 // ring, and for the hierarchical allreduce a ring of the ranks of one host and a ring of
 // one leader per host), all through the same listener. The channel is inside the MAC,
 // and each channel of a world version has its own expected predecessor and slot.
@@ -26,7 +29,7 @@
 namespace ering {
 
 constexpr uint32_t kMagic = 0x45524E47;  // "ERNG"
-constexpr uint16_t kProtocolVersion = 2;
+constexpr uint16_t kProtocolVersion = 3;
 constexpr size_t kHeaderBytes = 12;
 constexpr size_t kMaxBodyBytes = 4096;
 constexpr size_t kMaxJobIdBytes = 255;
@@ -83,12 +86,44 @@ struct Expectation {
 
 enum class Verdict { Accept, Park, Refuse };
 
+// Why an acceptor refused, as the first byte of a RESULT REFUSED body. A connector trusts
+// it only with a valid MAC (see decode_refusal); NotAuthenticated never carries one.
+enum class Refusal : uint8_t {
+  NotAuthenticated = 0,  // the connector's PROOF failed: it holds another secret (or another job's)
+  OtherJob = 1,          // authenticated, but for another job id
+  StaleVersion = 2,      // an older world version, or this worker's communicator for it is closed
+  WorldSize = 3,         // the same world version with another size
+  WrongRank = 4,         // meant for another rank, or not this ring's expected predecessor
+  UnknownChannel = 5,    // a channel this protocol does not have
+  NoSuchRing = 6,        // a ring this worker does not form at this world version: settings differ
+  Duplicate = 7,         // the ring of this world version is already connected
+};
+constexpr uint8_t kMaxRefusal = uint8_t(Refusal::Duplicate);
+
 // Pure decision on an authenticated HELLO: Park (hold, unanswered) when this worker has
 // not yet reached the peer's world version, so a fast neighbour does not have to retry.
-Verdict judge_hello(const Hello& h, const Expectation& e, std::string* reason);
+// On Refuse, *code and *reason say why.
+Verdict judge_hello(const Hello& h, const Expectation& e, Refusal* code, std::string* reason);
 
-// MAC over the transcript; role distinguishes the two proofs so one cannot be replayed as the other.
+// MAC over the transcript (and `extra`, if given); role distinguishes the proofs and the
+// refusal so that none can be replayed as another.
 Digest handshake_mac(const std::string& secret, const char* role, const std::vector<uint8_t>& hello_body,
-                     const uint8_t* acceptor_nonce);
+                     const uint8_t* acceptor_nonce, const std::vector<uint8_t>& extra = {});
+
+// RESULT REFUSED body: u8 code | u16 reason length | reason | 32-byte MAC (role "refusal",
+// over code, length and reason). `secret` null: an all-zero MAC (the acceptor could not
+// authenticate the connector, so it proves nothing to it either).
+std::vector<uint8_t> encode_refusal(const std::string* secret, const std::vector<uint8_t>& hello_body,
+                                    const uint8_t* acceptor_nonce, Refusal code, const std::string& reason);
+// Decodes a RESULT REFUSED body. Returns false when it is malformed. *authenticated says
+// whether its MAC proves `secret`; only then is *code to be acted on.
+bool decode_refusal(const std::vector<uint8_t>& body, const std::string& secret,
+                    const std::vector<uint8_t>& hello_body, const uint8_t* acceptor_nonce, Refusal* code,
+                    std::string* reason, bool* authenticated);
+
+// A peer-supplied string made safe for a log line or an error message: bytes outside
+// printable ASCII (escape codes, newlines, NUL) become \xNN, a backslash \\, and it is cut at
+// max_bytes (noting the full length), so no peer can forge lines or drive a terminal.
+std::string printable(const std::string& s, size_t max_bytes = 64);
 
 }  // namespace ering

@@ -190,15 +190,10 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
       if (h.empty()) throw CommError(ErrorKind::Invalid, "host names must not be empty");
   }
   hier_ = plan_hierarchy();
-  if (peers_.size() > 1) {
-    if (!listener_) throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
-    for (auto& p : peers_) {  // reject bad addresses before touching the network
-      HostPort hp = parse_address(p);
-      if (hp.host == "0.0.0.0" || hp.host == "::" || hp.host.empty())
-        throw CommError(ErrorKind::Invalid, "peer address '" + p + "' is a wildcard: announce an address other "
-                                                "hosts can connect to (bind the listener to it)");
-    }
-  }
+  // The peers' addresses are what they announced: a bad one is that peer's failure, which
+  // form() reports naming it (ErrorKind::Unreachable), not a bad argument of this caller.
+  if (peers_.size() > 1 && !listener_)
+    throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
 }
 
 Hierarchy Communicator::plan_hierarchy() const {
@@ -311,7 +306,8 @@ void Communicator::form() {
   auto add_ring = [&](uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into) {
     RingForm f;
     f.channel = channel;
-    f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, peers_[next], peers_[prev]};
+    f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
+                        printable(peers_[prev], 300)};
     f.send_settings.want_shm = same_host(next);
     f.recv_settings.want_shm = same_host(prev);
     f.into = into;
@@ -336,7 +332,8 @@ void Communicator::form() {
   e.world_size = uint32_t(n);
   for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
   listener_->expect(e);
-  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.form_timeout_s));
+  auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
+  auto deadline = Clock::now() + seconds(cfg_.form_timeout_s);
   try {
     // Every ring's connection and LINK go out before this rank waits for any predecessor,
     // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
@@ -350,7 +347,9 @@ void Communicator::form() {
       h.world_size = uint32_t(n);
       h.channel = f.channel;
       random_bytes(h.nonce.data(), h.nonce.size());
-      f.next_fd = connect_ring_peer(f.ctx.next_address, h, secret_, deadline, abort_);
+      // A neighbour that accepts no connection for as long as a collective may go without
+      // progress is not coming: give up on it then, even if the form deadline is later.
+      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline, seconds(cfg_.timeout_s), abort_);
       f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, abort_);
     }
     for (auto& f : rings) {

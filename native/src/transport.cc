@@ -23,6 +23,9 @@ namespace {
 
 constexpr size_t kMaxPending = 128;
 constexpr size_t kMaxRefusalLog = 64;
+// Refusal lines on stderr per second; a flood of strays then costs one summary line a second.
+constexpr int kLogLines = 5;
+constexpr auto kLogWindow = std::chrono::seconds(1);
 // A parked HELLO waits this long for its world version before it is told NOT_READY
 // and has to reconnect; long enough for any rendezvous to settle.
 constexpr double kParkSeconds = 30.0;
@@ -59,6 +62,12 @@ std::string peer_name(int fd) {
     return std::string("[") + host + "]:" + std::to_string(port);
   }
   return std::string(host) + ":" + std::to_string(port);
+}
+
+// True when the other end of a connection closed or reset it (looked at without waiting).
+bool connection_ended(int fd) {
+  pollfd p = {fd, short(POLLRDHUP), 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
 // Blocking-style I/O on a non-blocking socket for the connector's handshake, bounded
@@ -144,20 +153,20 @@ HostPort parse_address(const std::string& address) {
   if (!address.empty() && address[0] == '[') {
     auto close = address.find(']');
     if (close == std::string::npos || close + 1 >= address.size() || address[close + 1] != ':')
-      throw CommError(ErrorKind::Invalid, "invalid ring address '" + address + "': expected [IPv6]:PORT");
+      throw CommError(ErrorKind::Invalid, "invalid ring address '" + printable(address, 300) + "': expected [IPv6]:PORT");
     host = address.substr(1, close - 1);
     port = address.substr(close + 2);
   } else {
     auto colon = address.rfind(':');
     if (colon == std::string::npos || colon == 0)
-      throw CommError(ErrorKind::Invalid, "invalid ring address '" + address + "': expected HOST:PORT");
+      throw CommError(ErrorKind::Invalid, "invalid ring address '" + printable(address, 300) + "': expected HOST:PORT");
     host = address.substr(0, colon);
     port = address.substr(colon + 1);
   }
   char* end = nullptr;
   long p = std::strtol(port.c_str(), &end, 10);
   if (port.empty() || *end != '\0' || p <= 0 || p > 65535)
-    throw CommError(ErrorKind::Invalid, "invalid port in ring address '" + address + "'");
+    throw CommError(ErrorKind::Invalid, "invalid port in ring address '" + printable(address, 300) + "'");
   return {host, int(p)};
 }
 
@@ -312,6 +321,7 @@ std::vector<std::string> Listener::refusals() {
 }
 
 void Listener::record_refusal(const std::string& peer, const std::string& reason) {
+  // Every peer-supplied string in `reason` went through printable(), so the line is one line.
   std::string line = "refused ring connection from " + peer + ": " + reason;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -319,10 +329,36 @@ void Listener::record_refusal(const std::string& peer, const std::string& reason
     if (refusals_.size() > kMaxRefusalLog) refusals_.pop_front();
   }
   refusal_count_.fetch_add(1);
-  // One line on stderr: an operator sees strays and stale workers without enabling anything.
+  log_line(line);
+}
+
+void Listener::log_line(const std::string& line) {
+  // An operator sees strays and stale workers on stderr without enabling anything, and a
+  // flood of them cannot fill the disk or bury everything else.
+  auto now = Clock::now();
+  if (now - log_window_ >= kLogWindow) {
+    flush_suppressed();
+    log_window_ = now;
+    log_lines_ = 0;
+  }
+  if (log_lines_ >= kLogLines) {
+    ++log_suppressed_;
+    return;
+  }
+  ++log_lines_;
   std::string out = "elastic-ring: " + line + "\n";
   ssize_t r = ::write(2, out.data(), out.size());
   (void)r;
+}
+
+void Listener::flush_suppressed() {
+  if (!log_suppressed_) return;
+  std::string out = "elastic-ring: suppressed " + std::to_string(log_suppressed_) +
+                    " more refused ring connections on " + address() + " (at most " + std::to_string(kLogLines) +
+                    " lines a second; Listener.refusals() keeps the latest " + std::to_string(kMaxRefusalLog) + ")\n";
+  ssize_t r = ::write(2, out.data(), out.size());
+  (void)r;
+  log_suppressed_ = 0;
 }
 
 void Listener::close_pending(Pending& p) {
@@ -330,13 +366,19 @@ void Listener::close_pending(Pending& p) {
   p.fd = -1;
 }
 
-void Listener::refuse(Pending& p, const std::string& told, const std::string& logged) {
+void Listener::refuse(Pending& p, Refusal code, const std::string& told, const std::string& logged) {
   // Recorded before answering, so the refusal is on record once the peer hears of it.
   record_refusal(p.peer, logged.empty() ? told : logged);
   if (!told.empty()) {
-    std::vector<uint8_t> body(told.begin(), told.end());
-    MsgType type = p.state == Pending::ReadHello ? MsgType::Ack : MsgType::Result;
-    auto msg = encode_message(type, Status::Refused, body);
+    // Only after a PROOF (checked or not) is there a transcript to sign; the MAC proves the
+    // secret only to a connector that proved it first.
+    std::string secret;
+    if (p.authenticated) {
+      std::lock_guard<std::mutex> g(mu_);
+      secret = expect_.secret;
+    }
+    auto body = encode_refusal(p.authenticated ? &secret : nullptr, p.hello_body, p.nonce.data(), code, told);
+    auto msg = encode_message(MsgType::Result, Status::Refused, body);
     ssize_t w = ::send(p.fd, msg.data(), msg.size(), MSG_NOSIGNAL);
     (void)w;
   }
@@ -362,7 +404,8 @@ void Listener::decide(Pending& p) {
   std::unique_lock<std::mutex> g(mu_);
   Expectation e = expect_;
   std::string reason;
-  Verdict v = judge_hello(p.hello, e, &reason);
+  Refusal code = Refusal::NotAuthenticated;
+  Verdict v = judge_hello(p.hello, e, &code, &reason);
   if (v == Verdict::Park) {
     g.unlock();
     if (p.state != Pending::Parked) {
@@ -372,15 +415,22 @@ void Listener::decide(Pending& p) {
     return;
   }
   const uint8_t ch = p.hello.channel;  // judge_hello accepted it: < kChannels
+  if (v == Verdict::Accept && slot_fd_[ch] >= 0 && slot_version_[ch] == e.world_version &&
+      connection_ended(slot_fd_[ch])) {
+    // The predecessor's earlier connection died after its handshake (its RESULT lost on
+    // the way, say) and it came back: the new one replaces it.
+    ::close(slot_fd_[ch]);
+    slot_fd_[ch] = -1;
+  }
   if (v == Verdict::Accept && (slot_fd_[ch] >= 0 || e.connected[ch])) {
     v = Verdict::Refuse;
+    code = Refusal::Duplicate;
     reason = "duplicate connection from rank " + std::to_string(p.hello.from_rank) + ": the " + channel_name(ch) +
              " of world version " + std::to_string(p.hello.world_version) + " is already connected";
   }
   if (v == Verdict::Refuse) {
     g.unlock();
-    p.state = Pending::ReadProof;  // the answer is a RESULT
-    refuse(p, reason, "");
+    refuse(p, code, reason, "");
     return;
   }
   Digest mine = handshake_mac(e.secret, "acceptor", p.hello_body, p.nonce.data());
@@ -413,12 +463,12 @@ bool Listener::advance(Pending& p) {
     if (!p.header_done) {
       std::string why;
       if (!decode_header(p.buf.data(), &p.header, &why)) {
-        refuse(p, "", why);  // garbage: no answer
+        refuse(p, Refusal::NotAuthenticated, "", why);  // garbage: no answer
         return false;
       }
       MsgType want = p.state == Pending::ReadProof ? MsgType::Proof : MsgType::Hello;
       if (p.header.type != want) {
-        refuse(p, "", "unexpected handshake message type");
+        refuse(p, Refusal::NotAuthenticated, "", "unexpected handshake message type");
         return false;
       }
       p.header_done = true;
@@ -429,7 +479,7 @@ bool Listener::advance(Pending& p) {
     if (p.state == Pending::ReadHello) {
       std::string why;
       if (!decode_hello_body(p.buf.data(), p.buf.size(), &p.hello, &why)) {
-        refuse(p, "", why);
+        refuse(p, Refusal::NotAuthenticated, "", why);
         return false;
       }
       p.hello_body = p.buf;
@@ -456,8 +506,9 @@ bool Listener::advance(Pending& p) {
     }
     Digest want = handshake_mac(secret, "connector", p.hello_body, p.nonce.data());
     if (p.buf.size() != want.size() || !digest_equal(p.buf.data(), want.data(), want.size())) {
-      refuse(p, "authentication failed: the peer does not hold this job's secret (or belongs to another job)",
-             "authentication failed: the peer, claiming job '" + p.hello.job_id + "' world version " +
+      refuse(p, Refusal::NotAuthenticated,
+             "authentication failed: the peer does not hold this job's secret (or belongs to another job)",
+             "authentication failed: the peer, claiming job '" + printable(p.hello.job_id) + "' world version " +
                  std::to_string(p.hello.world_version) + " rank " + std::to_string(p.hello.from_rank) +
                  ", does not hold this job's secret");
       return false;
@@ -480,6 +531,7 @@ void Listener::loop() {
     fds.push_back({listen_fd_, short(accept_paused ? 0 : POLLIN), 0});
     auto next_deadline = Clock::now() + std::chrono::seconds(60);
     if (accept_paused) next_deadline = std::min(next_deadline, accept_resume);
+    if (log_suppressed_) next_deadline = std::min(next_deadline, log_window_ + kLogWindow);
     for (auto& p : pending) {
       // Waiting connections are only watched for hang-up, not read.
       bool waiting = p->state == Pending::Parked || p->state == Pending::WaitActive;
@@ -508,6 +560,7 @@ void Listener::loop() {
       }
     }
     auto now = Clock::now();
+    if (log_suppressed_ && now - log_window_ >= kLogWindow) flush_suppressed();
     for (auto& p : pending) {
       if (p->fd < 0) continue;
       if (rejudge && p->state == Pending::WaitActive) {
@@ -528,7 +581,8 @@ void Listener::loop() {
           (void)w;
           close_pending(*p);
         } else {
-          refuse(*p, "", "handshake not completed within " + std::to_string(handshake_timeout_s_) + " s");
+          refuse(*p, Refusal::NotAuthenticated, "",
+                 "handshake not completed within " + std::to_string(handshake_timeout_s_) + " s");
         }
       }
     }
@@ -544,16 +598,21 @@ void Listener::loop() {
           break;
         }
         if (pending.size() >= kMaxPending) {
-          // Full: drop the oldest connection that has not authenticated, so a flood of
-          // silent strays cannot lock the real neighbour out.
-          auto victim = std::find_if(pending.begin(), pending.end(), [](auto& p) { return !p->authenticated; });
-          if (victim == pending.end()) {
+          // Full: drop the newest connection that has sent nothing yet, else the newest that
+          // has not authenticated; never one that proved the secret. Under a burst the real
+          // neighbour is among the older ones, or halfway through its handshake, while the
+          // newest is most likely another stray; a real neighbour that is dropped reconnects.
+          auto silent = [](auto& p) { return !p->authenticated && p->state == Pending::ReadHello && !p->header_done && p->have == 0; };
+          auto victim = std::find_if(pending.rbegin(), pending.rend(), silent);
+          if (victim == pending.rend())
+            victim = std::find_if(pending.rbegin(), pending.rend(), [](auto& p) { return !p->authenticated; });
+          if (victim == pending.rend()) {
             record_refusal(peer_name(fd), "too many handshakes in progress");
             ::close(fd);
             continue;
           }
-          refuse(**victim, "", "dropped: too many handshakes in progress");
-          pending.erase(victim);
+          refuse(**victim, Refusal::NotAuthenticated, "", "dropped: too many handshakes in progress");
+          pending.erase(std::next(victim).base());
         }
         auto p = std::make_unique<Pending>();
         p->fd = fd;
@@ -573,119 +632,171 @@ void Listener::loop() {
 
 // ---------------------------------------------------------------- connector
 
+namespace {
+
+bool is_wildcard(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "::"; }
+
+}  // namespace
+
 int connect_ring_peer(const std::string& address, const Hello& hello, const std::string& secret,
-                      Clock::time_point deadline, const AbortSignal& abort) {
-  HostPort hp = parse_address(address);
+                      Clock::time_point deadline, Clock::duration unreachable_after, const AbortSignal& abort) {
   auto fail = [&](ErrorKind kind, const std::string& what) -> CommError {
     return CommError(kind,
                      "form (world version " + std::to_string(hello.world_version) + ", rank " +
                          std::to_string(hello.from_rank) + "): " + what,
                      "form", int64_t(hello.world_version), int(hello.from_rank), int(hello.to_rank));
   };
-  std::string peer = "rank " + std::to_string(hello.to_rank) + " at " + address +
+  const std::string shown = printable(address, 300);  // the rendezvous passed it on from the peer
+  std::string peer = "rank " + std::to_string(hello.to_rank) + " at " + shown +
                      (hello.channel == kChannelFlat ? "" : std::string(" (") + channel_name(hello.channel) + ")");
+  // The neighbour's announced address is its own doing: a bad one is its failure, not a bad argument.
+  HostPort hp;
+  try {
+    hp = parse_address(address);
+  } catch (const CommError& e) {
+    throw fail(ErrorKind::Unreachable,
+               "rank " + std::to_string(hello.to_rank) + " announced an unusable ring address: " + e.what());
+  }
+  if (is_wildcard(hp.host))
+    throw fail(ErrorKind::Unreachable, "rank " + std::to_string(hello.to_rank) + " announced the wildcard address " +
+                                           shown + ", which nobody can connect to (it must announce an address "
+                                           "the other workers reach, e.g. ELASTIC_RING_HOST)");
+
   std::vector<uint8_t> hello_body = encode_hello_body(hello);
   std::vector<uint8_t> hello_msg = encode_message(MsgType::Hello, Status::Ok, hello_body);
+  const auto started = Clock::now();
+  bool reached = false;  // some attempt got a TCP connection: something listens there
   int backoff_ms = 2;
   std::string last_problem = "no attempt";
+  auto retry_after = [&](int fd, std::string problem) {
+    if (fd >= 0) ::close(fd);
+    last_problem = std::move(problem);
+    backoff_sleep(backoff_ms, abort);
+    backoff_ms = std::min(backoff_ms * 2, 100);
+  };
+  // The answer at the neighbour's address is not a neighbour of this job: its failure.
+  auto bad_peer = [&](int fd, const std::string& what) -> CommError {
+    ::close(fd);
+    return fail(ErrorKind::BadPeer, peer + " " + what);
+  };
+  // Sends `out` and reads the answer, which must be a `want` message. False: the connection
+  // was closed or reset first (the caller retries). Throws on abort, at the deadline, and
+  // on an answer that is not this protocol.
+  auto exchange = [&](int fd, const std::vector<uint8_t>& out, MsgType want, const char* after, MsgHeader* h,
+                      std::vector<uint8_t>* body) {
+    uint8_t hdr[kHeaderBytes];
+    std::string why;
+    int e = write_full(fd, out.data(), out.size(), deadline, abort);
+    if (!e) e = read_full(fd, hdr, kHeaderBytes, deadline, abort);
+    if (!e) {
+      if (!decode_header(hdr, h, &why))
+        throw bad_peer(fd, std::string("answered the ") + after + " with something that is not an elastic-ring "
+                                                                  "handshake: " + why);
+      if (h->type != want) throw bad_peer(fd, std::string("sent an unexpected handshake message in answer to the ") + after);
+      body->assign(h->body_len, 0);
+      e = read_full(fd, body->data(), body->size(), deadline, abort);
+    }
+    if (e == ECANCELED || e == ETIMEDOUT) {
+      ::close(fd);
+      if (e == ECANCELED) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
+      throw fail(ErrorKind::Timeout, "no handshake with " + peer + " before the deadline (no answer to the " + after +
+                                         "; it accepted the connection)");
+    }
+    return e == 0;
+  };
   for (;;) {
     if (abort.fired()) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
-    if (Clock::now() >= deadline) throw fail(ErrorKind::Timeout, "could not connect to " + peer + " before the deadline (" + last_problem + ")");
+    auto now = Clock::now();
+    auto connect_deadline = reached ? deadline : std::min(deadline, started + unreachable_after);
+    if (now >= connect_deadline) {
+      if (reached)
+        throw fail(ErrorKind::Timeout, "could not connect to " + peer + " before the deadline (" + last_problem + ")");
+      throw fail(ErrorKind::Unreachable,
+                 peer + " accepted no connection for " +
+                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now - started).count()) +
+                     " s (" + last_problem + "): nothing listens at its announced address");
+    }
     addrinfo hints{};
     hints.ai_socktype = SOCK_STREAM;
     hints.ai_flags = AI_NUMERICSERV;
     addrinfo* res = nullptr;
     std::string port_s = std::to_string(hp.port);
     int rc = getaddrinfo(hp.host.c_str(), port_s.c_str(), &hints, &res);
-    if (rc != 0) throw fail(ErrorKind::Invalid, "cannot resolve " + peer + ": " + gai_strerror(rc));
+    if (rc == EAI_AGAIN) {  // the resolver is not answering now; it may later
+      retry_after(-1, std::string("cannot resolve its host: ") + gai_strerror(rc));
+      continue;
+    }
+    if (rc != 0)
+      throw fail(ErrorKind::Unreachable, "cannot resolve " + peer + ": " + gai_strerror(rc));
     int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    int e = 0;
     if (fd < 0) {
       freeaddrinfo(res);
-      throw fail(ErrorKind::PeerLost, std::string("socket() failed: ") + errno_text(errno));
+      retry_after(-1, std::string("socket() failed: ") + errno_text(errno));  // out of descriptors, for now
+      continue;
     }
+    int e = 0;
     if (::connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS) e = errno;
     freeaddrinfo(res);
-    if (!e) e = wait_fd(fd, POLLOUT, deadline, abort);
+    if (!e) e = wait_fd(fd, POLLOUT, connect_deadline, abort);
     if (!e) {
       socklen_t len = sizeof(e);
       getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len);
     }
-    uint8_t hdr[kHeaderBytes];
-    MsgHeader h{};
-    std::string why;
-    std::vector<uint8_t> body;
-    if (!e) e = write_full(fd, hello_msg.data(), hello_msg.size(), deadline, abort);
-    if (!e) e = read_full(fd, hdr, kHeaderBytes, deadline, abort);
-    if (!e && !decode_header(hdr, &h, &why)) {
+    if (e == ECANCELED) {
       ::close(fd);
-      throw fail(ErrorKind::Refused, peer + " answered with something that is not an elastic-ring handshake: " + why);
-    }
-    if (!e) {
-      body.resize(h.body_len);
-      e = read_full(fd, body.data(), body.size(), deadline, abort);
+      throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
     }
     if (e) {
-      ::close(fd);
-      if (e == ECANCELED) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
-      if (e == ETIMEDOUT) throw fail(ErrorKind::Timeout, "no handshake with " + peer + " before the deadline");
-      // Refused or reset: the peer may not be listening yet or may be restarting.
-      last_problem = errno_text(e);
-      backoff_sleep(backoff_ms, abort);
-      backoff_ms = std::min(backoff_ms * 2, 100);
+      retry_after(fd, errno_text(e));
       continue;
     }
-    if (h.type != MsgType::Ack) {
-      ::close(fd);
-      throw fail(ErrorKind::Refused, peer + " sent an unexpected handshake message");
+    reached = true;
+
+    // HELLO -> ACK. A connection closed or reset before the RESULT is retried: a flooded
+    // listener drops connections that have not proved the secret yet.
+    MsgHeader h{};
+    std::vector<uint8_t> body;
+    if (!exchange(fd, hello_msg, MsgType::Ack, "HELLO", &h, &body)) {
+      retry_after(fd, "it closed the connection before answering the HELLO");
+      continue;
     }
     if (h.status == Status::NotReady) {
-      ::close(fd);
-      last_problem = peer + " has not reached world version " + std::to_string(hello.world_version);
-      backoff_sleep(backoff_ms, abort);
-      backoff_ms = std::min(backoff_ms * 2, 100);
+      retry_after(fd, peer + " has not reached world version " + std::to_string(hello.world_version));
       continue;
     }
-    if (h.status == Status::Refused) {
-      ::close(fd);
-      throw fail(ErrorKind::Refused, peer + " refused the ring connection: " + std::string(body.begin(), body.end()));
-    }
-    if (body.size() != kNonceBytes) {
-      ::close(fd);
-      throw fail(ErrorKind::Refused, peer + " sent a malformed handshake acknowledgement");
-    }
+    if (h.status == Status::Refused)  // this protocol refuses only after the PROOF, with a MAC
+      throw bad_peer(fd, "refused the ring connection before any proof (unauthenticated, not acted on): '" +
+                             printable(std::string(body.begin(), body.end()), 200) + "'");
+    if (body.size() != kNonceBytes) throw bad_peer(fd, "sent a malformed handshake acknowledgement");
+
+    // PROOF -> RESULT.
     std::vector<uint8_t> acceptor_nonce = body;
     Digest mine = handshake_mac(secret, "connector", hello_body, acceptor_nonce.data());
     auto proof = encode_message(MsgType::Proof, Status::Ok, std::vector<uint8_t>(mine.begin(), mine.end()));
-    e = write_full(fd, proof.data(), proof.size(), deadline, abort);
-    if (!e) e = read_full(fd, hdr, kHeaderBytes, deadline, abort);
-    if (!e && (!decode_header(hdr, &h, &why) || h.type != MsgType::Result)) e = EPROTO;
-    if (!e) {
-      body.assign(h.body_len, 0);
-      e = read_full(fd, body.data(), body.size(), deadline, abort);
-    }
-    if (e) {
-      ::close(fd);
-      if (e == ECANCELED) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
-      if (e == ETIMEDOUT) throw fail(ErrorKind::Timeout, "no handshake with " + peer + " before the deadline");
-      throw fail(ErrorKind::PeerLost, peer + " closed the connection during the handshake");
-    }
-    if (h.status == Status::NotReady) {
-      ::close(fd);
-      last_problem = peer + " has not reached world version " + std::to_string(hello.world_version);
-      backoff_sleep(backoff_ms, abort);
-      backoff_ms = std::min(backoff_ms * 2, 100);
+    if (!exchange(fd, proof, MsgType::Result, "proof", &h, &body)) {
+      retry_after(fd, "it closed the connection during the handshake, after the proof");
       continue;
     }
-    if (h.status != Status::Ok) {
+    if (h.status == Status::NotReady) {
+      retry_after(fd, peer + " has not reached world version " + std::to_string(hello.world_version));
+      continue;
+    }
+    if (h.status == Status::Refused) {
+      Refusal code{};
+      std::string reason;
+      bool authenticated = false;
+      if (!decode_refusal(body, secret, hello_body, acceptor_nonce.data(), &code, &reason, &authenticated))
+        throw bad_peer(fd, "sent a malformed refusal");
+      if (!authenticated || code == Refusal::NotAuthenticated)
+        throw bad_peer(fd, "refused the ring connection without proving this job's secret (not acted on): '" +
+                               printable(reason, 200) + "'");
       ::close(fd);
-      throw fail(ErrorKind::Refused, peer + " refused the ring connection: " + std::string(body.begin(), body.end()));
+      throw fail(code == Refusal::NoSuchRing ? ErrorKind::SettingsMismatch : ErrorKind::Refused,
+                 peer + " refused the ring connection: " + printable(reason, 600));
     }
     Digest want = handshake_mac(secret, "acceptor", hello_body, acceptor_nonce.data());
-    if (body.size() != want.size() || !digest_equal(body.data(), want.data(), want.size())) {
-      ::close(fd);
-      throw fail(ErrorKind::Refused, peer + " failed to prove this job's secret (it holds another secret)");
-    }
+    if (body.size() != want.size() || !digest_equal(body.data(), want.data(), want.size()))
+      throw bad_peer(fd, "failed to prove this job's secret (it holds another secret)");
     tune_ring_socket(fd);
     return fd;
   }

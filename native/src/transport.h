@@ -77,9 +77,14 @@ class Listener {
   struct Pending;
   void loop();
   void wake();
-  // Answers `told` (empty: no answer) and logs `logged` (empty: the same), then closes.
-  void refuse(Pending& p, const std::string& told, const std::string& logged);
+  // Answers `told` with `code` in a RESULT REFUSED (empty: no answer; authenticated only
+  // if the peer is) and logs `logged` (empty: the same), then closes.
+  void refuse(Pending& p, Refusal code, const std::string& told, const std::string& logged);
   void record_refusal(const std::string& peer, const std::string& reason);
+  // stderr gets at most kLogLines refusal lines a second, then one line counting the rest;
+  // the count is written at the latest when the second is over (loop() wakes for it).
+  void log_line(const std::string& line);
+  void flush_suppressed();
   void close_pending(Pending& p);
   void send_ack(Pending& p);
   void decide(Pending& p);
@@ -101,13 +106,24 @@ class Listener {
   void close_slots_locked(bool all, uint64_t keep_version);
   std::deque<std::string> refusals_;  // guarded by mu_
   std::atomic<uint64_t> refusal_count_{0};
+  // The stderr rate limit; the listener thread only.
+  Clock::time_point log_window_{};
+  int log_lines_ = 0;
+  uint64_t log_suppressed_ = 0;
   std::thread thread_;
 };
 
-// Connects to a ring neighbour and completes the handshake, retrying while the
-// neighbour is unreachable or not yet at this world version. Returns the socket.
+// Connects to a ring neighbour and completes the handshake. Returns the socket.
+// Retried with backoff until the deadline: a connection closed or reset before the
+// handshake completed (a flooded listener drops unauthenticated connections), a neighbour
+// not yet at this world version, a name that does not resolve for now. A neighbour that
+// accepts no connection at all (refused, no route) is given up after `unreachable_after`
+// (or the deadline, if sooner) as Unreachable. Fails at once, naming the neighbour: an
+// address that is not HOST:PORT or a wildcard (Unreachable), an answer that is not the
+// protocol or a refusal without the secret's proof (BadPeer), an authenticated refusal
+// (Refused, or SettingsMismatch when the neighbour forms no such ring).
 int connect_ring_peer(const std::string& address, const Hello& hello, const std::string& secret,
-                      Clock::time_point deadline, const AbortSignal& abort);
+                      Clock::time_point deadline, Clock::duration unreachable_after, const AbortSignal& abort);
 
 // Moves exactly n bytes on a non-blocking socket within the deadline. Returns 0, or
 // ETIMEDOUT, ECANCELED (abort fired) or EPIPE (the peer closed or reset).
@@ -199,7 +215,7 @@ struct LinkContext {
   int size;
   uint64_t world_version;
   int next_rank, prev_rank;
-  std::string next_address, prev_address;
+  std::string next_address, prev_address;  // as printed in messages (printable())
 };
 
 // A connection of another ring of the same communicator that a run() must watch while it

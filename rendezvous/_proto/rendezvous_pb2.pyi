@@ -177,16 +177,18 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason")
+    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason", "unusable_address")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    UNUSABLE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     world_version: int
     suspect_worker_id: str
     reason: str
-    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    unusable_address: bool
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., unusable_address: _Optional[bool] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("evicted", "detail")

@@ -59,21 +59,20 @@ def _ring_still_works(w):
         assert w.expect(r, "round")[1] == 6.0
 
 
-def _intrude(target, *, job=JOB, secret=SECRET, version=VERSION, size=3, rank=2):
+def _intrude(target, *, job=JOB, secret=SECRET, version=VERSION, size=3, rank=2, expect=elastic.HandshakeError):
     """Connects to the ring's rank 0 posing as its predecessor (rank 2 of a 3-rank world)."""
     listener = elastic.Listener("127.0.0.1", 0)
     peers = [target, "127.0.0.1:1", listener.address] if size == 3 else [target, listener.address]
     try:
-        with pytest.raises(elastic.HandshakeError) as info:
+        with pytest.raises(expect) as info:
             elastic.Communicator.form(listener=listener, job_id=job, secret=secret, world_version=version,
                                       rank=rank, peers=peers, config=elastic.CommConfig(form_timeout=5))
-        return str(info.value)
+        return info.value
     finally:
         listener.close()
 
 
 @pytest.mark.parametrize("case,kwargs,connector_says", [
-    ("wrong secret", {"secret": b"guess"}, "authentication failed"),
     ("wrong job", {"job": "other-job"}, "job mismatch"),
     ("stale version", {"version": VERSION - 1}, "stale world version 4"),
     ("wrong world size", {"size": 2, "rank": 1}, "world size mismatch"),
@@ -81,9 +80,22 @@ def _intrude(target, *, job=JOB, secret=SECRET, version=VERSION, size=3, rank=2)
 ])
 def test_refused_handshake_leaves_the_live_ring_working(live_ring, case, kwargs, connector_says):
     w, addresses = live_ring
-    text = _intrude(addresses[0], **kwargs)
-    assert connector_says in text, text
-    assert "refused" in text
+    err = _intrude(addresses[0], **kwargs)
+    assert connector_says in str(err) and "refused" in str(err), err
+    # The refusal is authenticated (the ring's rank 0 proved the secret): a verdict on this
+    # connection, nobody to blame.
+    assert err.kind == elastic.ErrorKind.Refused and err.peer_rank is None
+    _ring_still_works(w)
+
+
+def test_a_refusal_to_a_connector_without_the_secret_blames_the_peer_it_cannot_trust(live_ring):
+    # Holding another secret, the intruder cannot check the refusal's MAC: to it, whatever
+    # answers at rank 0's address does not prove the job's secret, and that is rank 0's failure
+    # as far as it can tell (it reports it), never a verdict it acts on.
+    w, addresses = live_ring
+    err = _intrude(addresses[0], secret=b"guess", expect=elastic.BadPeerError)
+    assert "authentication failed" in str(err) and "without proving this job's secret" in str(err), err
+    assert (err.kind, err.peer_rank, err.reason) == (elastic.ErrorKind.BadPeer, 0, "bad_peer")
     _ring_still_works(w)
 
 
@@ -151,51 +163,29 @@ def test_hmac_matches_the_standard_library():
 # ring (2). The channel is part of the authenticated HELLO; each channel has its own expected
 # predecessor, and the same fencing and refusals hold on every channel.
 
-import hashlib  # noqa: E402
-import hmac  # noqa: E402
 import struct  # noqa: E402
 
+from . import wire  # noqa: E402
 from .harness import mixed_hosts  # noqa: E402
-
-_MAGIC, _HELLO, _ACK, _PROOF, _RESULT = 0x45524E47, 1, 2, 3, 4
-
-
-def _msg(mtype: int, body: bytes, proto: int = 2) -> bytes:
-    return struct.pack(">IHBBI", _MAGIC, proto, mtype, 0, len(body)) + body
-
-
-def _read_msg(sock):
-    def exact(n):
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                return None
-            data += chunk
-        return data
-    hdr = exact(12)
-    if hdr is None:
-        return None
-    magic, proto, mtype, status, length = struct.unpack(">IHBBI", hdr)
-    assert magic == _MAGIC and proto == 2
-    return mtype, status, exact(length)
 
 
 def _raw_handshake(address, *, channel, from_rank, to_rank, size=3, job=JOB, secret=SECRET, version=VERSION):
-    """Speaks protocol 2 by hand; returns ("ok", None) or ("refused", reason)."""
+    """Speaks protocol 3 by hand; returns ("ok", None) or ("refused", reason), checking a refusal's MAC."""
     host, port = address.rsplit(":", 1)
-    body = struct.pack(">QIIIB", version, from_rank, to_rank, size, channel) + bytes(16) + \
-        struct.pack(">H", len(job)) + job.encode()
+    body = wire.hello_body(job, version, from_rank, to_rank, size, channel)
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(_msg(_HELLO, body))
-        mtype, status, nonce = _read_msg(s)
-        if status != 0:
-            return "refused", nonce.decode()
-        mac = hmac.new(secret, b"elastic-ring handshake v2:connector\0" + body + nonce, hashlib.sha256).digest()
-        s.sendall(_msg(_PROOF, mac))
-        mtype, status, answer = _read_msg(s)
-        assert mtype == _RESULT
-        return ("ok", None) if status == 0 else ("refused", answer.decode())
+        s.sendall(wire.msg(wire.HELLO, body))
+        mtype, status, nonce = wire.read_msg(s)
+        assert (mtype, status) == (wire.ACK, wire.OK)  # refusals come only after the proof
+        s.sendall(wire.msg(wire.PROOF, wire.mac(secret, b"connector", body, nonce)))
+        mtype, status, answer = wire.read_msg(s)
+        assert mtype == wire.RESULT
+        if status == wire.OK:
+            return "ok", None
+        code, reason, authenticated = wire.read_refusal(answer, secret, body, nonce)
+        # Signed exactly when the connector proved the secret (code 0: it did not).
+        assert authenticated == (code != 0), (code, reason)
+        return "refused", reason
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +225,7 @@ def test_a_protocol_1_hello_is_closed_unanswered_and_logged():
         host, port = listener.address.rsplit(":", 1)
         old = struct.pack(">QIII", VERSION, 1, 2, 3) + bytes(16) + struct.pack(">H", len(JOB)) + JOB.encode()
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(_msg(_HELLO, old, proto=1))
+            s.sendall(wire.msg(wire.HELLO, old, proto=1))
             try:
                 assert s.recv(100) == b""  # closed without an answer
             except ConnectionResetError:
@@ -243,7 +233,7 @@ def test_a_protocol_1_hello_is_closed_unanswered_and_logged():
         deadline = time.monotonic() + 5
         while not listener.refusals() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert any("unsupported ring protocol version 1 (this build speaks 2)" in r for r in listener.refusals())
+        assert any("unsupported ring protocol version 1 (this build speaks 3)" in r for r in listener.refusals())
     finally:
         listener.close()
 
