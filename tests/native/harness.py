@@ -19,6 +19,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
+import torch
 
 import elastic
 
@@ -56,6 +57,9 @@ def hosts_for(transport: Union[str, Sequence[str]], n: int) -> Optional[List[str
 def _worker_main(rank: int, n: int, conn, fn: Callable, config: Optional[elastic.CommConfig], job_id: str,
                  secret: bytes, world_version: int, hosts: Optional[List[str]]) -> None:
     try:
+        # A forked child cannot use the OpenMP thread pool of a parent that already ran a
+        # parallel torch op (collecting the whole suite does): its first one would hang.
+        torch.set_num_threads(1)
         listener = elastic.Listener("127.0.0.1", 0)
         conn.send(("address", listener.address))
         if not conn.poll(60):
