@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import socket
 import uuid
@@ -142,8 +141,3 @@ class ServerConfig:
         return DecisionConfig(settle_s=self.settle_s, settle_max_s=self.settle_max_s,
                               blacklist_after=self.blacklist_after,
                               cooldown_min_s=self.cooldown_min_s, cooldown_max_s=self.cooldown_max_s)
-
-
-def credential_of(token: Optional[str]) -> str:
-    """What a job stores of the token that created it (SHA-256, hex); "" for no token (--insecure)."""
-    return hashlib.sha256(token.encode()).hexdigest() if token else ""

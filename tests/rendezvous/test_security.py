@@ -193,7 +193,7 @@ def test_fuzzed_raw_bytes_never_crash_the_server(server, stub, method, payload):
     assert_alive(stub)
 
 
-# ------------------------------------------------------------------ who may do what (issue 11)
+# ------------------------------------------------------------------ who may do what
 def _member(server, worker, job, **kw):
     """A real worker-side client of the job, joined with TOKEN."""
     from rdzv_helpers import make_client

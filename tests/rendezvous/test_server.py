@@ -154,10 +154,10 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve):
 
 async def _detach(s, job, worker):
     """Forget a worker's stream without evicting it (what a new leader starts with)."""
-    from rendezvous.server import _END
+    from rendezvous.jobs import END
     stream = s.service.jobs[job].streams.pop(worker)
     stream.closed_by_server = True
-    stream.queue.put_nowait(_END)
+    stream.queue.put_nowait(END)
 
 
 def test_report_failure_of_live_peer_is_refuted_by_probe(serve):
@@ -243,7 +243,7 @@ def test_evicted_worker_learns_its_session_ended(serve):
 
 async def _evict(s, job, worker):
     svc = s.service
-    svc._evict(svc.jobs[job], worker, "test eviction")
+    svc.evict(svc.jobs[job], worker, "test eviction")
 
 
 def test_status_lists_jobs_members_and_ranks(serve):
