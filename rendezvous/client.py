@@ -54,8 +54,10 @@ from typing import Optional, Sequence, Union
 
 import grpc
 
+from . import wire
 from ._proto import rendezvous_pb2 as pb
 from ._proto import rendezvous_pb2_grpc as pb_grpc
+from .decision import JobSpec, Member
 
 log = logging.getLogger("rendezvous.client")
 
@@ -85,31 +87,11 @@ def finished_outcome(text: str) -> Optional[bool]:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobSpec:
-    min_np: int = 1
-    max_np: int = 1
-    elastic_timeout_s: float = 0.0   # 0: the server's default
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberInfo:
-    worker_id: str
-    host: str
-    ring_address: str
-    rank: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    committed_step: int
-
-
-@dataclasses.dataclass(frozen=True)
 class WorldInfo:
     """A world this worker is a member of."""
 
     version: int
-    members: tuple[MemberInfo, ...]
+    members: tuple[Member, ...]
     rank: int
     size: int
     local_rank: int
@@ -282,9 +264,7 @@ def read_token_list(path: str, what: str) -> tuple[str, ...]:
 
 
 def _world(w: pb.World) -> WorldInfo:
-    members = tuple(MemberInfo(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank,
-                               m.local_size, m.cross_rank, m.cross_size, m.committed_step)
-                    for m in w.members)
+    members = tuple(wire.member_from_pb(m) for m in w.members)
     return WorldInfo(w.version, members, w.rank, w.size, w.local_rank, w.local_size, w.cross_rank,
                      w.cross_size)
 
@@ -405,9 +385,7 @@ class RendezvousClient:
             resp = self._call("Join", pb.JoinRequest(
                 job_id=self.job_id, worker_id=self.worker_id, host=self.host,
                 ring_address=self.ring_address, committed_step=committed_step,
-                spec=pb.JobSpec(min_np=self.spec.min_np, max_np=self.spec.max_np,
-                                elastic_timeout_s=self.spec.elastic_timeout_s),
-                session_id=old_sid or ""), timeout_s,
+                spec=wire.spec_pb(self.spec), session_id=old_sid or ""), timeout_s,
                 again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,))
             if len(resp.ring_secret) < _MIN_RING_SECRET:
                 raise RendezvousError(f"Join for job {self.job_id} worker {self.worker_id}: the "

@@ -43,22 +43,32 @@ from typing import Mapping, Optional, Union
 
 @dataclass(frozen=True)
 class JobSpec:
-    """Job-wide limits, fixed by the first worker that joins."""
+    """Job-wide limits: what a worker asks for at Join, and what the first join fixes for the job.
+
+    0 means "not set": max_np 0 is no cap beyond the server's max workers per job, and an
+    elastic_timeout_s of 0 the server's default. A job's own spec (`JobState.spec`) has both set
+    (`resolved`); a later join may leave them 0 and then takes the job's."""
 
     min_np: int = 1
-    max_np: int = 1
-    elastic_timeout_s: float = 600.0
+    max_np: int = 0
+    elastic_timeout_s: float = 0.0
+
+    def resolved(self, max_workers: int, default_elastic_timeout_s: float) -> "JobSpec":
+        """This spec with every unset limit filled in from the server's settings."""
+        return JobSpec(self.min_np, self.max_np or max_workers,
+                       self.elastic_timeout_s or default_elastic_timeout_s)
 
 
 @dataclass(frozen=True)
 class DecisionConfig:
-    """Server-wide knobs of the decision (a slice of rendezvous.config.ServerConfig)."""
+    """Server-wide knobs of the decision: derived from rendezvous.config.ServerConfig (`decision()`),
+    which is where their defaults are."""
 
-    settle_s: float = 0.2
-    settle_max_s: float = 2.0
-    blacklist_after: int = 3
-    cooldown_min_s: float = 10.0
-    cooldown_max_s: float = 300.0
+    settle_s: float
+    settle_max_s: float
+    blacklist_after: int
+    cooldown_min_s: float
+    cooldown_max_s: float
 
 
 class Phase(str, enum.Enum):
@@ -289,7 +299,7 @@ Action = Union[AnnounceWorld, AnnouncePending, AnnounceAbort, Rejected, Dropped,
 
 # ---------------------------------------------------------------------------------------------- decide
 def decide(state: JobState, event: Event, now: float,
-           config: DecisionConfig = DecisionConfig()) -> tuple[JobState, list[Action]]:
+           config: DecisionConfig) -> tuple[JobState, list[Action]]:
     """Apply one event at wall-clock time `now`; return the new state and what the server must do."""
     actions: list[Action] = []
     if state.phase in TERMINAL:
@@ -345,7 +355,7 @@ def decide(state: JobState, event: Event, now: float,
     return _evaluate(state, now, config, actions)
 
 
-def next_deadline(state: JobState, config: DecisionConfig = DecisionConfig()) -> Optional[float]:
+def next_deadline(state: JobState, config: DecisionConfig) -> Optional[float]:
     """When the server must send the next Tick (None: nothing time-driven is pending)."""
     if state.phase in TERMINAL:
         return None

@@ -394,18 +394,20 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                ring_secret=bytes.fromhex(job.state.ring_secret))
 
     def _new_spec(self, job_id: str, spec: pb.JobSpec) -> d.JobSpec:
-        """The spec of a job this Join creates; refuses bad limits and a full server."""
-        if spec.min_np < 1 or spec.max_np < spec.min_np or spec.max_np > self.config.max_workers_per_job:
+        """The spec of a job this Join creates, its unset limits filled in; refuses bad limits and
+        a full server."""
+        cap = self.config.max_workers_per_job
+        asked = wire.spec_from_pb(spec)
+        resolved = asked.resolved(cap, self.config.default_elastic_timeout_s)
+        if asked.min_np < 1 or resolved.max_np < asked.min_np or resolved.max_np > cap:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"job {job_id}: spec needs 1 <= min_np <= max_np <= "
-                              f"{self.config.max_workers_per_job}, got min_np={spec.min_np} "
-                              f"max_np={spec.max_np}")
+                              f"job {job_id}: spec needs 1 <= min_np <= max_np <= {cap} (max_np 0: "
+                              f"{cap}), got min_np={spec.min_np} max_np={spec.max_np}")
         running = sum(1 for j in self.jobs.values() if j.state.phase not in d.TERMINAL)
         if running >= self.config.max_jobs:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"server runs {running} jobs, the limit")
-        return d.JobSpec(spec.min_np, spec.max_np,
-                         spec.elastic_timeout_s or self.config.default_elastic_timeout_s)
+        return resolved
 
     async def _create_job(self, job_id: str, spec: d.JobSpec, credential: str,
                           replacing: Optional[Job] = None) -> Job:

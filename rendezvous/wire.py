@@ -1,6 +1,7 @@
 """The protobuf forms of the decision's values and actions, and the trailing metadata of refusals.
 
-A follower's UNAVAILABLE carries the `leader` hint; the status code of a refusal is picked from its
+Both sides use it: the service to build what it sends, the client to read specs and members. A
+follower's UNAVAILABLE carries the `leader` hint; the status code of a refusal is picked from its
 kind, never from its text.
 """
 from __future__ import annotations
@@ -48,10 +49,19 @@ def spec_pb(spec: d.JobSpec) -> pb.JobSpec:
     return pb.JobSpec(min_np=spec.min_np, max_np=spec.max_np, elastic_timeout_s=spec.elastic_timeout_s)
 
 
+def spec_from_pb(spec: pb.JobSpec) -> d.JobSpec:
+    return d.JobSpec(spec.min_np, spec.max_np, spec.elastic_timeout_s)
+
+
 def member_pb(m: d.Member) -> pb.Member:
     return pb.Member(worker_id=m.worker_id, host=m.host, ring_address=m.ring_address, rank=m.rank,
                      local_rank=m.local_rank, local_size=m.local_size, cross_rank=m.cross_rank,
                      cross_size=m.cross_size, committed_step=m.committed_step)
+
+
+def member_from_pb(m: pb.Member) -> d.Member:
+    return d.Member(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank, m.local_size,
+                    m.cross_rank, m.cross_size, m.committed_step)
 
 
 def job_status(state: d.JobState, attached: Container[str], now: float) -> pb.JobStatus:

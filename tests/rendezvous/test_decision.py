@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from dataclasses import replace
+
 from rendezvous.decision import (AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld, Attach,
                                  DecisionConfig, Dropped, Evict, Join, JobSpec, Leave, Phase, Progress,
                                  Refusal, Rejected, Success, Tick,
@@ -332,19 +334,19 @@ def test_unattached_workers_do_not_count_toward_min_np():
 def test_server_caused_eviction_does_not_count_against_the_host():
     s = formed([("a", "h1"), ("b", "h2")])
     s, acts = run(s, [(2.0, Evict("b", "did not reattach", count_failure=False))],
-                  DecisionConfig(blacklist_after=1))
+                  replace(CFG, blacklist_after=1))
     assert s.hosts.get("h2") is None and s.blacklisted_hosts(2.0) == []
 
 
 def test_blacklist_after_zero_never_blacklists():
     s = formed([("a", "h1"), ("b", "h1"), ("c", "h2")])
-    s, _ = run(s, [(2.0, Evict("a", "crash")), (3.0, Evict("b", "crash"))], DecisionConfig(blacklist_after=0))
+    s, _ = run(s, [(2.0, Evict("a", "crash")), (3.0, Evict("b", "crash"))], replace(CFG, blacklist_after=0))
     assert s.blacklisted_hosts(3.0) == [] and s.hosts["h1"].failures == 2
 
 
 # Blacklisted standbys: rows of (what happens, expected world members / phase).
 def test_blacklisted_standby_does_not_count_toward_min_np():
-    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
+    cfg = replace(CFG, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
     s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
                [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
                 (0.0, Join("c", "h1", "h1:2")), (1.0, Tick())], cfg)
@@ -355,7 +357,7 @@ def test_blacklisted_standby_does_not_count_toward_min_np():
 
 
 def test_spare_is_promoted_when_its_hosts_cooldown_ends():
-    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
+    cfg = replace(CFG, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
     s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
                [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
                 (0.0, Join("c", "h1", "h1:2")), (1.0, Tick()), (2.0, Evict("a", "crash"))], cfg)
@@ -367,7 +369,7 @@ def test_spare_is_promoted_when_its_hosts_cooldown_ends():
 
 
 def test_blacklisted_standby_lets_the_elastic_timeout_fire():
-    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=100.0, cooldown_max_s=300.0)
+    cfg = replace(CFG, blacklist_after=1, cooldown_min_s=100.0, cooldown_max_s=300.0)
     s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
                [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
                 (0.0, Join("c", "h1", "h1:2")), (1.0, Tick()), (2.0, Evict("a", "crash"))], cfg)
@@ -395,3 +397,17 @@ def test_ring_broken_report_aborts_and_reannounces_the_same_members(version_delt
     else:
         assert aborts == [] and new == []
 
+
+@pytest.mark.parametrize("asked, resolved", [
+    (JobSpec(), JobSpec(1, 2048, 600.0)),                      # unset: the server's cap and default
+    (JobSpec(2, 0, 30.0), JobSpec(2, 2048, 30.0)),
+    (JobSpec(2, 8, 0.0), JobSpec(2, 8, 600.0)),
+    (JobSpec(2, 8, 30.0), JobSpec(2, 8, 30.0)),                # set: kept
+])
+def test_a_spec_left_unset_takes_the_servers_cap_and_timeout(asked, resolved):
+    assert asked.resolved(2048, 600.0) == resolved
+
+
+def test_a_job_needs_a_resolved_spec():
+    with pytest.raises(ValueError, match="max_np"):
+        new_job("j", JobSpec(min_np=2), 0.0)

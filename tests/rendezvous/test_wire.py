@@ -96,6 +96,8 @@ def test_a_reattaching_worker_first_gets_what_the_stored_state_says_of_it(state,
         assert first.succeeded is True
 
 
-def test_specs_cross_the_wire_unchanged():
-    spec = d.JobSpec(2, 8, 30.5)
-    assert wire.spec_pb(spec) == pb.JobSpec(min_np=2, max_np=8, elastic_timeout_s=30.5)
+def test_specs_and_members_cross_the_wire_unchanged():
+    spec = d.JobSpec(2, 0, 30.5)
+    assert wire.spec_from_pb(wire.spec_pb(spec)) == spec
+    for m in _members(4, step=2 ** 40):
+        assert wire.member_from_pb(wire.member_pb(m)) == m
