@@ -22,6 +22,11 @@ training in V and move to the next `WorldInfo` at a commit boundary every member
 `Standby` worker waits for a world that includes it. `Ended` means the server no longer knows this
 session (it was evicted, e.g. after being stopped longer than the heartbeat timeout): join again.
 
+How the job ended comes typed, never as text to parse: a `Finished` event while watching; and when
+this worker learns it only from a refusal (its session ended with the job, or a Join came after the
+end), `Ended.finished` and `RendezvousRPCError.finished` are True (succeeded) or False (failed),
+from the server's `elastic-job-outcome` trailing metadata. None means "not because the job is over".
+
 TLS: `channel_credentials(ca, cert, key)` reads the PEM files once (a clear ValueError naming the
 flag or variable if one is unreadable) and is what every client of the service uses: workers, the
 launcher's Status polls, `elastic-rendezvous status`, and the rendezvous server's etcd connection.
@@ -47,7 +52,6 @@ import ipaddress
 import logging
 import queue
 import random
-import re
 import threading
 import time
 from typing import Optional, Sequence, Union
@@ -68,22 +72,15 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 _MIN_RING_SECRET = 16   # bytes; a server that sends less is not one this client can trust
 
 
-class RendezvousError(RuntimeError):
-    """A rendezvous call failed for good; `code` is the gRPC status code (None: no server reached)."""
+class RendezvousRPCError(RuntimeError):
+    """A rendezvous call failed for good; `code` is the gRPC status code (None: no server reached).
+    `finished` is True/False when it was refused because the job succeeded/failed, else None."""
 
-    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None):
+    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None, *,
+                 finished: Optional[bool] = None):
         super().__init__(message)
         self.code = code
-
-
-_FINISHED = re.compile(r"finished \((SUCCEEDED|FAILED)")
-
-
-def finished_outcome(text: str) -> Optional[bool]:
-    """For a refusal or session end because the job is over (the server says "finished
-    (SUCCEEDED: …)" or "finished (FAILED: …)"): whether it succeeded; None for anything else."""
-    m = _FINISHED.search(text)
-    return None if m is None else m.group(1) == "SUCCEEDED"
+        self.finished = finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +127,11 @@ class Finished:
 
 @dataclasses.dataclass(frozen=True)
 class Ended:
-    """This session is over (evicted, replaced, or no server reachable): join again or give up."""
+    """This session is over (evicted, replaced, or no server reachable): join again or give up.
+    `finished` is True/False when it ended because the job succeeded/failed (join no more)."""
 
     reason: str
+    finished: Optional[bool] = None
 
 
 Event = Union[WorldInfo, Pending, Abort, Standby, Finished, Ended]
@@ -350,18 +349,18 @@ class RendezvousClient:
                 if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                     unsure = True
                 if e.code() not in _RETRYABLE and not (unsure and e.code() in again_if_retried):
-                    raise RendezvousError(f"{method} to {address} for job {self.job_id} worker "
-                                          f"{self.worker_id}: {e.code().name}: {e.details()}",
-                                          e.code()) from None
+                    raise RendezvousRPCError(
+                        f"{method} to {address} for job {self.job_id} worker {self.worker_id}: "
+                        f"{e.code().name}: {e.details()}", e.code(),
+                        finished=wire.job_outcome(e.trailing_metadata())) from None
                 last = f"{address}: {e.code().name}: {e.details()}"
-                hint = dict(e.trailing_metadata() or ()).get("leader", "")
-                self._next_address(hint)
+                self._next_address(wire.leader_hint(e.trailing_metadata()))
             tried += 1
             if time.monotonic() + backoff > deadline:
-                raise RendezvousError(f"{method} for job {self.job_id} worker {self.worker_id}: no "
-                                      f"rendezvous server answered within the deadline ({tried} "
-                                      f"attempt(s) over {self.addresses}); last: {last}",
-                                      grpc.StatusCode.UNAVAILABLE)
+                raise RendezvousRPCError(f"{method} for job {self.job_id} worker {self.worker_id}: no "
+                                         f"rendezvous server answered within the deadline ({tried} "
+                                         f"attempt(s) over {self.addresses}); last: {last}",
+                                         grpc.StatusCode.UNAVAILABLE)
             if tried % len(self.addresses) == 0:
                 time.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, self.backoff_max_s)
@@ -388,9 +387,9 @@ class RendezvousClient:
                 spec=wire.spec_pb(self.spec), session_id=old_sid or ""), timeout_s,
                 again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,))
             if len(resp.ring_secret) < _MIN_RING_SECRET:
-                raise RendezvousError(f"Join for job {self.job_id} worker {self.worker_id}: the "
-                                      f"server sent no ring secret ({len(resp.ring_secret)} bytes); "
-                                      f"it is too old for this client")
+                raise RendezvousRPCError(f"Join for job {self.job_id} worker {self.worker_id}: the "
+                                         f"server sent no ring secret ({len(resp.ring_secret)} "
+                                         f"bytes); it is too old for this client")
         except BaseException:
             with self._session:
                 if self.session_id is None:
@@ -435,8 +434,9 @@ class RendezvousClient:
     def wait_world(self, timeout_s: float, min_version: int = 1) -> WorldInfo:
         """Block until a world with version >= min_version that includes this worker arrives.
 
-        Other events are consumed. Raises RendezvousError on Finished/Ended, TimeoutError on the
-        deadline (standby workers simply keep waiting).
+        Other events are consumed. Raises RendezvousRPCError on Finished/Ended (its `finished` says
+        whether the job is over and how), TimeoutError on the deadline (standby workers simply keep
+        waiting).
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -447,9 +447,11 @@ class RendezvousClient:
             if isinstance(ev, WorldInfo) and ev.version >= min_version:
                 return ev
             if isinstance(ev, Finished):
-                raise RendezvousError(f"job {self.job_id} finished: {ev.reason}")
+                raise RendezvousRPCError(f"job {self.job_id} finished: {ev.reason}",
+                                         finished=ev.succeeded)
             if isinstance(ev, Ended):
-                raise RendezvousError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}")
+                raise RendezvousRPCError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}",
+                                         finished=ev.finished)
 
     def heartbeat(self, committed_step: int = -1, timeout_s: float = 1.0) -> int:
         """Report the last committed step; returns the server's current world version.
@@ -512,7 +514,7 @@ class RendezvousClient:
 
     def _sid(self) -> str:
         if self.session_id is None:
-            raise RendezvousError(f"worker {self.worker_id}: join() first")
+            raise RendezvousRPCError(f"worker {self.worker_id}: join() first")
         return self.session_id
 
     # --------------------------------------------------------------------------- watching
@@ -547,11 +549,12 @@ class RendezvousClient:
                 code = e.code()
                 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
-                    if self._push(Ended(f"{code.name}: {e.details()}"), gen) and self._stop_if(gen):
+                    ended = Ended(f"{code.name}: {e.details()}",
+                                  finished=wire.job_outcome(e.trailing_metadata()))
+                    if self._push(ended, gen) and self._stop_if(gen):
                         return
                     continue  # a join() replaced the session while we watched the old one
-                hint = dict(e.trailing_metadata() or ()).get("leader", "")
-                self._next_address(hint)
+                self._next_address(wire.leader_hint(e.trailing_metadata()))
             down_since = down_since or time.monotonic()
             if time.monotonic() - down_since > self.reconnect_timeout_s:
                 if self._push(Ended(f"no rendezvous server reachable for "

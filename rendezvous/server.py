@@ -310,7 +310,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if not auth.holds_session(w, secret) or run != job.state.run:
             if job.state.phase in d.TERMINAL:
                 raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"job {job_id} finished ({job.state.phase.value}: {job.state.reason})")
+                                  f"job {job_id} finished ({job.state.phase.value}: {job.state.reason})",
+                                  finished=wire.outcome(job.state.phase))
             raise StatusError(grpc.StatusCode.NOT_FOUND,
                               f"job {job_id}: not a current session of worker {worker_id} (evicted, "
                               f"left, rejoined, or never issued): join again")
@@ -382,7 +383,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         for a in actions:
             if isinstance(a, d.Rejected):
                 raise wire.refusal(a, f"job {request.job_id}: worker {request.worker_id} refused: "
-                                      f"{a.reason}")
+                                      f"{a.reason}", job.state.phase)
         # It must open its Watch within the heartbeat timeout; until then it is kept out of worlds.
         job.attach_deadline[request.worker_id] = (
             time.time() + self.config.heartbeat_timeout_s,
@@ -535,7 +536,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         seq, actions = self.journal.apply(job, d.Success(w.worker_id, request.world_version))
         for a in actions:
             if isinstance(a, d.Rejected):
-                raise wire.refusal(a, a.reason)
+                raise wire.refusal(a, a.reason, job.state.phase)
         await self.journal.wait_durable(job, seq)
         return pb.ReportSuccessResponse()
 

@@ -1,12 +1,12 @@
 """The protobuf forms of the decision's values and actions, and the trailing metadata of refusals.
 
-Both sides use it: the service to build what it sends, the client to read specs and members. A
-follower's UNAVAILABLE carries the `leader` hint; the status code of a refusal is picked from its
-kind, never from its text.
+Both sides use it: the service to build what it sends, the client to read specs, members and the
+typed outcome of a refusal. Nothing here reads a message's text: a refusal because the job is over
+carries `elastic-job-outcome: succeeded|failed`, a follower's UNAVAILABLE the `leader` hint.
 """
 from __future__ import annotations
 
-from typing import Container, Iterator, Union
+from typing import Container, Iterator, Optional, Union
 
 import grpc
 
@@ -14,7 +14,11 @@ from . import decision as d
 from ._proto import rendezvous_pb2 as pb
 
 LEADER_KEY = "leader"                  # UNAVAILABLE from a follower: HOST:PORT of the leader
-# What the decision's refusal kinds are on the wire.
+JOB_OUTCOME_KEY = "elastic-job-outcome"  # a refusal because the job is over: how it ended
+_OUTCOME_TEXT = {True: "succeeded", False: "failed"}
+_OUTCOME_OF = {text: outcome for outcome, text in _OUTCOME_TEXT.items()}
+# What the decision's refusal kinds are on the wire. The server picks the code from the kind,
+# never from a reason's text.
 REFUSAL_CODES = {
     d.Refusal.FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
     d.Refusal.BLACKLISTED: grpc.StatusCode.FAILED_PRECONDITION,
@@ -26,22 +30,50 @@ NO_WORLD_YET = "no world formed yet"
 
 
 class StatusError(Exception):
-    """Raised inside handlers: the RPC fails with `code` and `message`; `leader` (a follower's hint)
-    goes in trailing metadata."""
+    """Raised inside handlers: the RPC fails with `code` and `message`. `leader` (a follower's hint)
+    and `finished` (True/False: refused because the job succeeded/failed) go in trailing metadata."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, leader: str = ""):
+    def __init__(self, code: grpc.StatusCode, message: str, *, leader: str = "",
+                 finished: Optional[bool] = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.leader = leader
+        self.finished = finished
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((LEADER_KEY, self.leader),) if self.leader else ()
+        md = []
+        if self.leader:
+            md.append((LEADER_KEY, self.leader))
+        if self.finished is not None:
+            md.append((JOB_OUTCOME_KEY, _OUTCOME_TEXT[self.finished]))
+        return tuple(md)
 
 
-def refusal(rejected: d.Rejected, message: str) -> StatusError:
-    """The status of a join or success report the decision refused."""
-    return StatusError(REFUSAL_CODES[rejected.kind], message)
+def outcome(phase: d.Phase) -> Optional[bool]:
+    """True/False for a job that succeeded/failed; None while it runs."""
+    return {d.Phase.SUCCEEDED: True, d.Phase.FAILED: False}.get(phase)
+
+
+def job_outcome(metadata) -> Optional[bool]:
+    """From a failed call's trailing metadata: True/False when it was refused because the job
+    succeeded/failed; None otherwise, and for a value this version does not know."""
+    for key, value in metadata or ():
+        if key == JOB_OUTCOME_KEY:
+            return _OUTCOME_OF.get(value) if isinstance(value, str) else None
+    return None
+
+
+def leader_hint(metadata) -> str:
+    """The `leader` a follower named in its trailing metadata ("" when none)."""
+    value = dict(metadata or ()).get(LEADER_KEY, "")
+    return value if isinstance(value, str) else ""
+
+
+def refusal(rejected: d.Rejected, message: str, phase: d.Phase) -> StatusError:
+    """The status of a join or success report the decision refused, in a job now in `phase`."""
+    finished = outcome(phase) if rejected.kind is d.Refusal.FINISHED else None
+    return StatusError(REFUSAL_CODES[rejected.kind], message, finished=finished)
 
 
 # --------------------------------------------------------------------------------- values

@@ -15,7 +15,7 @@ import pytest
 
 from rendezvous._proto import rendezvous_pb2 as pb
 from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.client import JobSpec, RendezvousClient, RendezvousError
+from rendezvous.client import JobSpec, RendezvousClient, RendezvousRPCError
 
 def worker_environ(pid: int) -> dict:
     with open(f"/proc/{pid}/environ", "rb") as f:
@@ -55,7 +55,7 @@ def test_the_embedded_server_wants_a_private_random_token_while_the_job_runs(lau
     assert status_code(address, token="default") == grpc.StatusCode.UNAUTHENTICATED
     stranger = RendezvousClient([address], job_id="default", worker_id="intruder", host="evil",
                                 ring_address="127.0.0.1:1", spec=JobSpec(min_np=1, max_np=8))
-    with pytest.raises(RendezvousError) as e:
+    with pytest.raises(RendezvousRPCError) as e:
         stranger.join(timeout_s=5)
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
     stranger.close()

@@ -1,4 +1,4 @@
-"""Table tests of the wire forms: pure functions, no sockets. What a refusal's status is, what a
+"""Table tests of the wire forms: pure functions, no sockets. What a refusal's metadata says, what a
 (re)attaching worker is sent first, and that the spliced world is the world each member would get."""
 from __future__ import annotations
 
@@ -11,20 +11,49 @@ from rendezvous import decision as d
 from rendezvous import wire
 from rendezvous._proto import rendezvous_pb2 as pb
 
-@pytest.mark.parametrize("kind, code", [
-    (d.Refusal.FINISHED, grpc.StatusCode.FAILED_PRECONDITION),
-    (d.Refusal.BLACKLISTED, grpc.StatusCode.FAILED_PRECONDITION),
-    (d.Refusal.WORKER_EXISTS, grpc.StatusCode.ALREADY_EXISTS),
-    (d.Refusal.NOT_MEMBER, grpc.StatusCode.PERMISSION_DENIED),
+OUTCOME = wire.JOB_OUTCOME_KEY
+
+
+@pytest.mark.parametrize("metadata, finished", [
+    ((), None),
+    (None, None),
+    (((OUTCOME, "succeeded"),), True),
+    (((OUTCOME, "failed"),), False),
+    ((("leader", "10.0.0.1:29400"), (OUTCOME, "failed")), False),
+    (((OUTCOME, "SUCCEEDED"),), None),          # only the exact words count
+    (((OUTCOME, "succeeded "),), None),
+    (((OUTCOME, "yes"),), None),
+    (((OUTCOME, b"succeeded"),), None),         # not a text value
+    ((("elastic-job-outcome-bin", b"succeeded"),), None),
+    ((("grpc-message", "job j finished (SUCCEEDED: worker w reported success)"),), None),
 ])
-def test_a_refusal_gets_its_code_from_its_kind(kind, code):
-    e = wire.refusal(d.Rejected("w", "why", kind), "job j: why")
-    assert (e.code, e.message) == (code, "job j: why")
+def test_the_job_outcome_is_read_from_its_metadata_key_only(metadata, finished):
+    assert wire.job_outcome(metadata) is finished
 
 
-@pytest.mark.parametrize("leader, metadata", [("", ()), ("10.0.0.1:29400", (("leader", "10.0.0.1:29400"),))])
-def test_a_status_error_carries_the_leader_hint_as_trailing_metadata(leader, metadata):
-    assert wire.StatusError(grpc.StatusCode.UNAVAILABLE, "m", leader=leader).trailing_metadata() == metadata
+@pytest.mark.parametrize("leader, finished, metadata", [
+    ("", None, ()),
+    ("10.0.0.1:29400", None, (("leader", "10.0.0.1:29400"),)),
+    ("", True, ((OUTCOME, "succeeded"),)),
+    ("", False, ((OUTCOME, "failed"),)),
+])
+def test_a_status_error_carries_its_hint_and_outcome_as_trailing_metadata(leader, finished, metadata):
+    e = wire.StatusError(grpc.StatusCode.UNAVAILABLE, "m", leader=leader, finished=finished)
+    assert e.trailing_metadata() == metadata
+    assert wire.job_outcome(metadata) is finished and wire.leader_hint(metadata) == leader
+
+
+@pytest.mark.parametrize("kind, phase, code, finished", [
+    (d.Refusal.FINISHED, d.Phase.SUCCEEDED, grpc.StatusCode.FAILED_PRECONDITION, True),
+    (d.Refusal.FINISHED, d.Phase.FAILED, grpc.StatusCode.FAILED_PRECONDITION, False),
+    (d.Refusal.BLACKLISTED, d.Phase.RUNNING, grpc.StatusCode.FAILED_PRECONDITION, None),
+    (d.Refusal.WORKER_EXISTS, d.Phase.RUNNING, grpc.StatusCode.ALREADY_EXISTS, None),
+    (d.Refusal.NOT_MEMBER, d.Phase.RUNNING, grpc.StatusCode.PERMISSION_DENIED, None),
+])
+def test_a_refusal_gets_its_code_from_its_kind_and_an_outcome_only_when_the_job_is_over(
+        kind, phase, code, finished):
+    e = wire.refusal(d.Rejected("w", "why", kind), "job j: why", phase)
+    assert (e.code, e.finished, e.message) == (code, finished, "job j: why")
 
 
 def test_every_refusal_kind_has_a_code():
