@@ -15,9 +15,8 @@ import threading
 import time
 from typing import Optional
 
-from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousClient, Standby, WorldInfo,
-                               finished_outcome)
-from rendezvous.client import RendezvousError as _ClientError
+from rendezvous.client import Abort, Ended, Finished, JobSpec, Pending, RendezvousClient, Standby, WorldInfo
+from rendezvous.client import RendezvousRPCError as _ClientError
 
 from . import collectives
 from .communicator import Communicator, Listener
@@ -53,7 +52,7 @@ class Runtime:
         self._aborted_version = -1                 # newest version a member of which failed
         self._seen_version = 0                     # newest world version announced to this worker
         self._finished: Optional[Finished] = None
-        self._ended: Optional[str] = None
+        self._ended: Optional[Ended] = None
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, name="elastic-rendezvous-pump", daemon=True)
         self.committed_step = -1
@@ -141,7 +140,7 @@ class Runtime:
             if not ev.succeeded and comm is not None:
                 comm.abort(f"job failed: {ev.reason}")
         elif isinstance(ev, Ended):
-            self._ended = ev.reason
+            self._ended = ev
             if comm is not None:
                 comm.abort(f"rendezvous session ended: {ev.reason}")
         elif isinstance(ev, Standby):
@@ -167,8 +166,7 @@ class Runtime:
                     raise JobFinished(f"job {self.config.job_id} finished: {self._finished.reason}",
                                       self._finished.succeeded)
                 if self._ended is not None:
-                    reason, self._ended = self._ended, None
-                    outcome = finished_outcome(reason)
+                    reason, outcome, self._ended = self._ended.reason, self._ended.finished, None
                     if outcome is not None:  # e.g. evicted while stopped, woken after the end
                         raise JobFinished(f"job {self.config.job_id} finished without worker "
                                           f"{self.config.worker_id}: {reason}", outcome)
@@ -179,7 +177,7 @@ class Runtime:
                     try:
                         self.client.join(committed_step=self.committed_step)
                     except _ClientError as e:
-                        outcome = finished_outcome(str(e))
+                        outcome = e.finished
                         if outcome is not None:
                             raise JobFinished(f"job {self.config.job_id} finished without worker "
                                               f"{self.config.worker_id}: {e}", outcome) from None

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from .client import (StatusClient, StatusError, StatusInfo, channel_credentials, parse_addresses,
                      read_token_file, read_token_list)
-from .config import ServerConfig
+from .config import ServerConfig, default
 from .ports import check_can_listen
 from .store import EtcdAccessError, EtcdStore, StoreError
 
@@ -36,13 +36,14 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the rendezvous daemon", allow_abbrev=False,
                        description="Run the rendezvous daemon. SIGTERM/SIGINT stop it gracefully "
                                    "(streams end without evicting anyone; leadership is handed over).")
-    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=int, default=29400, help="port to listen on; 0 picks a free one "
-                                                            "(default: %(default)s)")
+    # Every default is ServerConfig's (rendezvous/config.py): it is defined there only.
+    s.add_argument("--host", default=default("host"), help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=default("port"),
+                   help="port to listen on; 0 picks a free one (default: %(default)s)")
     s.add_argument("--etcd", default="", metavar="HOST:PORT[,HOST:PORT...]",
                    help="etcd v3 endpoints; without it the state lives in memory (single server)")
-    s.add_argument("--etcd-prefix", default="/elastic-ring", help="key prefix in etcd "
-                                                                  "(default: %(default)s)")
+    s.add_argument("--etcd-prefix", default=default("etcd_prefix"),
+                   help="key prefix in etcd (default: %(default)s)")
     auth = s.add_mutually_exclusive_group(required=True)
     auth.add_argument("--token-file", metavar="F", help="file of accepted tokens, one a line; every "
                                                         "RPC must send 'authorization: Bearer <token>'"
@@ -63,25 +64,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="authenticate to etcd as USER (needs --etcd-ca); the password comes from "
                         "--etcd-password-file or ELASTIC_ETCD_PASSWORD, never the command line")
     s.add_argument("--etcd-password-file", metavar="F", help="file holding --etcd-user's password")
-    s.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
+    s.add_argument("--heartbeat-timeout", type=float, default=default("heartbeat_timeout_s"), metavar="S",
                    help="evict a worker that stops answering keepalive pings within S seconds "
                         "(default: %(default)s)")
-    s.add_argument("--leader-ttl", type=int, default=2, metavar="S",
+    s.add_argument("--leader-ttl", type=int, default=default("leader_ttl_s"), metavar="S",
                    help="TTL of the leader's etcd lease: a failed leader is replaced after about S "
                         "seconds; workers get heartbeat timeout + S + 2 s to reattach "
                         "(default: %(default)s)")
-    s.add_argument("--settle", type=float, default=0.2, metavar="S",
+    s.add_argument("--settle", type=float, default=default("settle_s"), metavar="S",
                    help="batch membership changes arriving within S seconds into one world "
                         "(default: %(default)s)")
-    s.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+    s.add_argument("--settle-max", type=float, default=default("settle_max_s"), metavar="S",
+                   help="under a steady trickle of changes, form the world at most S seconds after "
+                        "the first one (default: 10 x --settle, at least 2)")
+    s.add_argument("--elastic-timeout", type=float, default=default("default_elastic_timeout_s"),
+                   metavar="S",
                    help="default time a job may stay below min-np before failing "
                         "(default: %(default)s)")
-    s.add_argument("--blacklist-after", type=int, default=3, metavar="N",
+    s.add_argument("--blacklist-after", type=int, default=default("blacklist_after"), metavar="N",
                    help="blacklist a host after N failures; 0 never does (default: %(default)s)")
-    s.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=(10.0, 300.0),
+    s.add_argument("--blacklist-cooldown-range", type=float, nargs=2,
+                   default=(default("cooldown_min_s"), default("cooldown_max_s")),
                    metavar=("MIN", "MAX"), help="cooldown doubles from MIN up to MAX seconds "
-                                                "(default: 10 300)")
-    s.add_argument("--advertise", default="", metavar="HOST:PORT",
+                                                "(default: %s %s)" % (default("cooldown_min_s"),
+                                                                      default("cooldown_max_s")))
+    s.add_argument("--advertise", default=default("advertise_address"), metavar="HOST:PORT",
                    help="address clients use to reach this replica (leader hints)")
     s.add_argument("--port-file", metavar="F", help="write the bound port to F once serving")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -134,8 +141,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                        etcd_key=a.etcd_key, etcd_user=a.etcd_user,
                        etcd_password=_etcd_password(a),
                        heartbeat_timeout_s=a.heartbeat_timeout, settle_s=a.settle,
-                       leader_ttl_s=a.leader_ttl,
-                       settle_max_s=max(2.0, a.settle * 10), default_elastic_timeout_s=a.elastic_timeout,
+                       leader_ttl_s=a.leader_ttl, settle_max_s=a.settle_max,
+                       default_elastic_timeout_s=a.elastic_timeout,
                        blacklist_after=a.blacklist_after,
                        cooldown_min_s=a.blacklist_cooldown_range[0],
                        cooldown_max_s=a.blacklist_cooldown_range[1], advertise_address=a.advertise)

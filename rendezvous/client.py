@@ -22,6 +22,11 @@ training in V and move to the next `WorldInfo` at a commit boundary every member
 `Standby` worker waits for a world that includes it. `Ended` means the server no longer knows this
 session (it was evicted, e.g. after being stopped longer than the heartbeat timeout): join again.
 
+How the job ended comes typed, never as text to parse: a `Finished` event while watching; and when
+this worker learns it only from a refusal (its session ended with the job, or a Join came after the
+end), `Ended.finished` and `RendezvousRPCError.finished` are True (succeeded) or False (failed),
+from the server's `elastic-job-outcome` trailing metadata. None means "not because the job is over".
+
 TLS: `channel_credentials(ca, cert, key)` reads the PEM files once (a clear ValueError naming the
 flag or variable if one is unreadable) and is what every client of the service uses: workers, the
 launcher's Status polls, `elastic-rendezvous status`, and the rendezvous server's etcd connection.
@@ -47,16 +52,16 @@ import ipaddress
 import logging
 import queue
 import random
-import re
 import threading
 import time
 from typing import Callable, Optional, Sequence, Union
 
 import grpc
 
+from . import wire
 from ._proto import rendezvous_pb2 as pb
 from ._proto import rendezvous_pb2_grpc as pb_grpc
-from .decision import DEFAULT_MAX_NP
+from .decision import DEFAULT_MAX_NP, JobSpec, Member
 
 log = logging.getLogger("rendezvous.client")
 
@@ -67,42 +72,15 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 _MIN_RING_SECRET = 16   # bytes; a server that sends less is not one this client can trust
 
 
-class RendezvousError(RuntimeError):
-    """A rendezvous call failed for good; `code` is the gRPC status code (None: no server reached)."""
+class RendezvousRPCError(RuntimeError):
+    """A rendezvous call failed for good; `code` is the gRPC status code (None: no server reached).
+    `finished` is True/False when it was refused because the job succeeded/failed, else None."""
 
-    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None):
+    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None, *,
+                 finished: Optional[bool] = None):
         super().__init__(message)
         self.code = code
-
-
-_FINISHED = re.compile(r"finished \((SUCCEEDED|FAILED)")
-
-
-def finished_outcome(text: str) -> Optional[bool]:
-    """For a refusal or session end because the job is over (the server says "finished
-    (SUCCEEDED: …)" or "finished (FAILED: …)"): whether it succeeded; None for anything else."""
-    m = _FINISHED.search(text)
-    return None if m is None else m.group(1) == "SUCCEEDED"
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    min_np: int = 1
-    max_np: int = DEFAULT_MAX_NP
-    elastic_timeout_s: float = 0.0   # 0: the server's default
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberInfo:
-    worker_id: str
-    host: str
-    ring_address: str
-    rank: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    committed_step: int
+        self.finished = finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +88,7 @@ class WorldInfo:
     """A world this worker is a member of."""
 
     version: int
-    members: tuple[MemberInfo, ...]
+    members: tuple[Member, ...]
     rank: int
     size: int
     local_rank: int
@@ -149,9 +127,11 @@ class Finished:
 
 @dataclasses.dataclass(frozen=True)
 class Ended:
-    """This session is over (evicted, replaced, or no server reachable): join again or give up."""
+    """This session is over (evicted, replaced, or no server reachable): join again or give up.
+    `finished` is True/False when it ended because the job succeeded/failed (join no more)."""
 
     reason: str
+    finished: Optional[bool] = None
 
 
 Event = Union[WorldInfo, Pending, Abort, Standby, Finished, Ended]
@@ -283,9 +263,7 @@ def read_token_list(path: str, what: str) -> tuple[str, ...]:
 
 
 def _world(w: pb.World) -> WorldInfo:
-    members = tuple(MemberInfo(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank,
-                               m.local_size, m.cross_rank, m.cross_size, m.committed_step)
-                    for m in w.members)
+    members = tuple(wire.member_from_pb(m) for m in w.members)
     return WorldInfo(w.version, members, w.rank, w.size, w.local_rank, w.local_size, w.cross_rank,
                      w.cross_size)
 
@@ -371,18 +349,18 @@ class RendezvousClient:
                 if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                     unsure = True
                 if e.code() not in _RETRYABLE and not (unsure and e.code() in again_if_retried):
-                    raise RendezvousError(f"{method} to {address} for job {self.job_id} worker "
-                                          f"{self.worker_id}: {e.code().name}: {e.details()}",
-                                          e.code()) from None
+                    raise RendezvousRPCError(
+                        f"{method} to {address} for job {self.job_id} worker {self.worker_id}: "
+                        f"{e.code().name}: {e.details()}", e.code(),
+                        finished=wire.job_outcome(e.trailing_metadata())) from None
                 last = f"{address}: {e.code().name}: {e.details()}"
-                hint = dict(e.trailing_metadata() or ()).get("leader", "")
-                self._next_address(hint)
+                self._next_address(wire.leader_hint(e.trailing_metadata()))
             tried += 1
             if time.monotonic() + backoff > deadline:
-                raise RendezvousError(f"{method} for job {self.job_id} worker {self.worker_id}: no "
-                                      f"rendezvous server answered within the deadline ({tried} "
-                                      f"attempt(s) over {self.addresses}); last: {last}",
-                                      grpc.StatusCode.UNAVAILABLE)
+                raise RendezvousRPCError(f"{method} for job {self.job_id} worker {self.worker_id}: no "
+                                         f"rendezvous server answered within the deadline ({tried} "
+                                         f"attempt(s) over {self.addresses}); last: {last}",
+                                         grpc.StatusCode.UNAVAILABLE)
             if tried % len(self.addresses) == 0:
                 time.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, self.backoff_max_s)
@@ -406,14 +384,12 @@ class RendezvousClient:
             resp = self._call("Join", pb.JoinRequest(
                 job_id=self.job_id, worker_id=self.worker_id, host=self.host,
                 ring_address=self.ring_address, committed_step=committed_step,
-                spec=pb.JobSpec(min_np=self.spec.min_np, max_np=self.spec.max_np,
-                                elastic_timeout_s=self.spec.elastic_timeout_s),
-                session_id=old_sid or ""), timeout_s,
+                spec=wire.spec_pb(self.spec), session_id=old_sid or ""), timeout_s,
                 again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,))
             if len(resp.ring_secret) < _MIN_RING_SECRET:
-                raise RendezvousError(f"Join for job {self.job_id} worker {self.worker_id}: the "
-                                      f"server sent no ring secret ({len(resp.ring_secret)} bytes); "
-                                      f"it is too old for this client")
+                raise RendezvousRPCError(f"Join for job {self.job_id} worker {self.worker_id}: the "
+                                         f"server sent no ring secret ({len(resp.ring_secret)} "
+                                         f"bytes); it is too old for this client")
         except BaseException:
             with self._session:
                 if self.session_id is None:
@@ -458,8 +434,9 @@ class RendezvousClient:
     def wait_world(self, timeout_s: float, min_version: int = 1) -> WorldInfo:
         """Block until a world with version >= min_version that includes this worker arrives.
 
-        Other events are consumed. Raises RendezvousError on Finished/Ended, TimeoutError on the
-        deadline (standby workers simply keep waiting).
+        Other events are consumed. Raises RendezvousRPCError on Finished/Ended (its `finished` says
+        whether the job is over and how), TimeoutError on the deadline (standby workers simply keep
+        waiting).
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -470,9 +447,11 @@ class RendezvousClient:
             if isinstance(ev, WorldInfo) and ev.version >= min_version:
                 return ev
             if isinstance(ev, Finished):
-                raise RendezvousError(f"job {self.job_id} finished: {ev.reason}")
+                raise RendezvousRPCError(f"job {self.job_id} finished: {ev.reason}",
+                                         finished=ev.succeeded)
             if isinstance(ev, Ended):
-                raise RendezvousError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}")
+                raise RendezvousRPCError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}",
+                                         finished=ev.finished)
 
     def heartbeat(self, committed_step: int = -1, timeout_s: float = 1.0) -> int:
         """Report the last committed step; returns the server's current world version.
@@ -537,7 +516,7 @@ class RendezvousClient:
 
     def _sid(self) -> str:
         if self.session_id is None:
-            raise RendezvousError(f"worker {self.worker_id}: join() first")
+            raise RendezvousRPCError(f"worker {self.worker_id}: join() first")
         return self.session_id
 
     # --------------------------------------------------------------------------- watching
@@ -572,11 +551,12 @@ class RendezvousClient:
                 code = e.code()
                 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
-                    if self._push(Ended(f"{code.name}: {e.details()}"), gen) and self._stop_if(gen):
+                    ended = Ended(f"{code.name}: {e.details()}",
+                                  finished=wire.job_outcome(e.trailing_metadata()))
+                    if self._push(ended, gen) and self._stop_if(gen):
                         return
                     continue  # a join() replaced the session while we watched the old one
-                hint = dict(e.trailing_metadata() or ()).get("leader", "")
-                self._next_address(hint)
+                self._next_address(wire.leader_hint(e.trailing_metadata()))
             down_since = down_since or time.monotonic()
             if time.monotonic() - down_since > self.reconnect_timeout_s:
                 if self._push(Ended(f"no rendezvous server reachable for "
@@ -711,7 +691,7 @@ class StatusFailure:
     details: str
 
 
-class StatusError(RendezvousError):
+class StatusError(RendezvousRPCError):
     """A Status call got no answer: no configured server answered (`failures` says why for each,
     in order), or one said NOT_FOUND (a job it does not know; the others are not asked). `code`
     is the last failure's."""

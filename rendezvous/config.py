@@ -1,12 +1,14 @@
-"""The rendezvous server's configuration: one dataclass, filled from CLI flags (rendezvous/cli.py)."""
+"""The rendezvous server's configuration: one dataclass, the one home of every server setting's default.
+
+The flags of `elastic-rendezvous serve` (rendezvous/cli.py) take their defaults from its fields, and the
+membership decision's knobs are derived from it (`decision()`)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import socket
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import grpc
 
@@ -41,12 +43,14 @@ class ServerConfig:
     # Liveness: a client that stops answering HTTP/2 keepalive pings is cut off after at most
     # heartbeat_timeout_s (ping every third, wait a third for the ack); a broken stream evicts at once.
     heartbeat_timeout_s: float = 3.0
+    # Membership changes arriving within settle_s of each other become one new world; under a steady
+    # trickle a world still forms settle_max_s after the first change (None: 10 x settle_s, >= 2 s).
     settle_s: float = 0.2
-    settle_max_s: float = 2.0
-    blacklist_after: int = 3
-    cooldown_min_s: float = 10.0
-    cooldown_max_s: float = 300.0
-    default_elastic_timeout_s: float = 600.0
+    settle_max_s: Optional[float] = None
+    blacklist_after: int = 3                # failures that blacklist a host; 0: never
+    cooldown_min_s: float = 10.0            # a blacklisting lasts this long, doubling each time,
+    cooldown_max_s: float = 300.0           # up to this
+    default_elastic_timeout_s: float = 600.0  # for a job whose first join leaves it 0
     leader_ttl_s: int = 2                   # etcd lease of the leader key: failover takes about this long
     # The whole job state is one etcd value: ~430 B per worker with its session hash (0.43 MiB at
     # 1,024, 1.7 MiB at 4,096, measured). etcd refuses requests over 1.5 MiB by default
@@ -101,8 +105,9 @@ class ServerConfig:
             raise ValueError("--etcd-user needs --etcd-ca: the etcd password is only sent over TLS")
         if not 0.5 <= self.heartbeat_timeout_s <= 600:
             raise ValueError(f"heartbeat timeout {self.heartbeat_timeout_s} s is outside 0.5..600 s")
-        if not 0 <= self.settle_s <= self.settle_max_s:
-            raise ValueError(f"need 0 <= settle ({self.settle_s}) <= settle max ({self.settle_max_s})")
+        if not 0 <= self.settle_s <= self.effective_settle_max_s():
+            raise ValueError(f"need 0 <= settle ({self.settle_s}) <= settle max "
+                             f"({self.effective_settle_max_s()})")
         if self.leader_ttl_s < 1:
             raise ValueError("leader TTL must be at least 1 s")
         if self.blacklist_after < 0:
@@ -138,12 +143,21 @@ class ServerConfig:
                     "clear text; add --tls-cert/--tls-key")
         return None
 
+    def effective_settle_max_s(self) -> float:
+        if self.settle_max_s is not None:
+            return self.settle_max_s
+        return max(2.0, 10 * self.settle_s)
+
     def decision(self) -> DecisionConfig:
-        return DecisionConfig(settle_s=self.settle_s, settle_max_s=self.settle_max_s,
+        """The membership decision's knobs, as this configuration sets them."""
+        return DecisionConfig(settle_s=self.settle_s, settle_max_s=self.effective_settle_max_s(),
                               blacklist_after=self.blacklist_after,
                               cooldown_min_s=self.cooldown_min_s, cooldown_max_s=self.cooldown_max_s)
 
 
-def credential_of(token: Optional[str]) -> str:
-    """What a job stores of the token that created it (SHA-256, hex); "" for no token (--insecure)."""
-    return hashlib.sha256(token.encode()).hexdigest() if token else ""
+def default(name: str) -> Any:
+    """The default of ServerConfig's field `name` (what a flag left out means)."""
+    field = ServerConfig.__dataclass_fields__[name]
+    if field.default is dataclasses.MISSING:
+        raise KeyError(f"ServerConfig.{name} has no plain default")
+    return field.default

@@ -6,7 +6,7 @@ keeps every membership rule testable as a table (tests/rendezvous/test_decision.
 a plain value that round-trips through etcd as JSON, so a restarted server or another replica continues
 exactly where the last one stopped.
 
-Rules (issue 3):
+Rules:
 * A world forms once at least `min_np` workers are registered and no change arrived for `settle_s`
   (simultaneous changes become one new world; `settle_max_s` bounds the wait under a steady trickle).
 * At most `max_np` workers are in the world; the rest are hot spares that fill a failed member's place in
@@ -41,30 +41,39 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
 
 
-# The one default of a job's max_np, wherever a job is described without one: the server's spec,
-# the worker's client and ELASTIC_MAX_NP (elastic/config.py), elastic-run --max-np. Workers beyond
-# it are hot spares; a server refuses more than its max_workers_per_job (2048) anyway.
+# What a worker asks for as max_np when it is not told (ELASTIC_MAX_NP, elastic-run --max-np):
+# workers beyond it are hot spares. On the wire, 0 means "not set" (see JobSpec).
 DEFAULT_MAX_NP = 1024
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """Job-wide limits, fixed by the first worker that joins."""
+    """Job-wide limits: what a worker asks for at Join, and what the first join fixes for the job.
+
+    0 means "not set": max_np 0 is no cap beyond the server's max workers per job, and an
+    elastic_timeout_s of 0 the server's default. A job's own spec (`JobState.spec`) has both set
+    (`resolved`); a later join may leave them 0 and then takes the job's."""
 
     min_np: int = 1
-    max_np: int = DEFAULT_MAX_NP
-    elastic_timeout_s: float = 600.0
+    max_np: int = 0
+    elastic_timeout_s: float = 0.0
+
+    def resolved(self, max_workers: int, default_elastic_timeout_s: float) -> "JobSpec":
+        """This spec with every unset limit filled in from the server's settings."""
+        return JobSpec(self.min_np, self.max_np or max_workers,
+                       self.elastic_timeout_s or default_elastic_timeout_s)
 
 
 @dataclass(frozen=True)
 class DecisionConfig:
-    """Server-wide knobs of the decision (a slice of rendezvous.config.ServerConfig)."""
+    """Server-wide knobs of the decision: derived from rendezvous.config.ServerConfig (`decision()`),
+    which is where their defaults are."""
 
-    settle_s: float = 0.2
-    settle_max_s: float = 2.0
-    blacklist_after: int = 3
-    cooldown_min_s: float = 10.0
-    cooldown_max_s: float = 300.0
+    settle_s: float
+    settle_max_s: float
+    blacklist_after: int
+    cooldown_min_s: float
+    cooldown_max_s: float
 
 
 class Phase(str, enum.Enum):
@@ -123,8 +132,9 @@ class JobState:
     phase: Phase = Phase.FORMING
     version: int = 0
     world: tuple[Member, ...] = ()
-    aborted_version: int = 0                 # last version an Abort was issued for
-    pending_version: int = 0                 # last version a Pending was issued for (once is enough)
+    aborted_version: int = 0                 # last version an abort was announced for
+    pending_version: int = 0                 # last version a pending change was announced for (once
+                                             # per version is enough)
     workers: Mapping[str, Worker] = field(default_factory=dict)
     hosts: Mapping[str, HostRecord] = field(default_factory=dict)
     change_first: Optional[float] = None     # first unapplied change (settle window opened)
@@ -231,7 +241,7 @@ Event = Union[Join, Attach, Leave, Evict, RingBroken, Progress, Success, Tick]
 
 # ---------------------------------------------------------------------------------------------- actions
 @dataclass(frozen=True)
-class Announce:
+class AnnounceWorld:
     """A new world: send it to its members, Standby to everyone else registered."""
 
     version: int
@@ -240,7 +250,7 @@ class Announce:
 
 
 @dataclass(frozen=True)
-class Pending:
+class AnnouncePending:
     """Tell the members of `version` that a clean change will produce a new world."""
 
     version: int
@@ -248,8 +258,8 @@ class Pending:
 
 
 @dataclass(frozen=True)
-class Abort:
-    """A member of `version` failed: its survivors must abort what is in flight."""
+class AnnounceAbort:
+    """A member of `version` failed: tell its survivors to abort what is in flight."""
 
     version: int
     reason: str
@@ -282,17 +292,19 @@ class Dropped:
 
 
 @dataclass(frozen=True)
-class Finished:
+class AnnounceFinished:
+    """The job is over: tell every attached worker how it ended, then end their streams."""
+
     succeeded: bool
     reason: str
 
 
-Action = Union[Announce, Pending, Abort, Rejected, Dropped, Finished]
+Action = Union[AnnounceWorld, AnnouncePending, AnnounceAbort, Rejected, Dropped, AnnounceFinished]
 
 
 # ---------------------------------------------------------------------------------------------- decide
 def decide(state: JobState, event: Event, now: float,
-           config: DecisionConfig = DecisionConfig()) -> tuple[JobState, list[Action]]:
+           config: DecisionConfig) -> tuple[JobState, list[Action]]:
     """Apply one event at wall-clock time `now`; return the new state and what the server must do."""
     actions: list[Action] = []
     if state.phase in TERMINAL:
@@ -313,7 +325,7 @@ def decide(state: JobState, event: Event, now: float,
     elif isinstance(event, RingBroken):
         if event.version == state.version and state.in_world(event.reporter_id):
             if state.aborted_version != state.version:
-                actions.append(Abort(state.version, event.reason))
+                actions.append(AnnounceAbort(state.version, event.reason))
                 state = replace(state, aborted_version=state.version)
             state = _mark_change(state, now)
     elif isinstance(event, Attach):
@@ -341,14 +353,14 @@ def decide(state: JobState, event: Event, now: float,
         reason = f"worker {event.worker_id} reported success"
         state = replace(state, phase=Phase.SUCCEEDED, reason=reason, change_first=None,
                         change_last=None, finished_at=now)
-        actions.append(Finished(True, reason))
+        actions.append(AnnounceFinished(True, reason))
         return state, actions
     elif not isinstance(event, Tick):
         raise TypeError(f"unknown event {event!r}")
     return _evaluate(state, now, config, actions)
 
 
-def next_deadline(state: JobState, config: DecisionConfig = DecisionConfig()) -> Optional[float]:
+def next_deadline(state: JobState, config: DecisionConfig) -> Optional[float]:
     """When the server must send the next Tick (None: nothing time-driven is pending)."""
     if state.phase in TERMINAL:
         return None
@@ -445,7 +457,7 @@ def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
     # One notice per version: a burst of joins must not cost O(joins x members) messages.
     if state.aborted_version == state.version or state.pending_version == state.version:
         return state
-    actions.append(Pending(state.version, reason))
+    actions.append(AnnouncePending(state.version, reason))
     return replace(state, pending_version=state.version)
 
 
@@ -462,7 +474,7 @@ def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: l
     if state.in_world(worker_id):
         if failure:
             if state.aborted_version != state.version:
-                actions.append(Abort(state.version, reason))
+                actions.append(AnnounceAbort(state.version, reason))
                 state = replace(state, aborted_version=state.version)
         else:
             state = _pending(state, reason, actions)
@@ -494,7 +506,7 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
                       f"{state.spec.elastic_timeout_s:g} s")
             state = replace(state, phase=Phase.FAILED, reason=reason, change_first=None,
                             change_last=None, finished_at=now)
-            actions.append(Finished(False, reason))
+            actions.append(AnnounceFinished(False, reason))
         return state, actions
     state = replace(state, below_min_since=None)
     if state.change_last is None:
@@ -506,7 +518,7 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
     state = replace(state, change_first=None, change_last=None)
     unchanged = (tuple((m.worker_id, m.rank, m.ring_address) for m in members)
                  == tuple((m.worker_id, m.rank, m.ring_address) for m in state.world))
-    # Re-announcing an unchanged world is needed after an Abort (the ring broke) and after a Pending
+    # Re-announcing an unchanged world is needed after an abort (the ring broke) and after a pending
     # notice (its members wait for a version > V, e.g. a newcomer that left within the window).
     if (unchanged and state.world and state.aborted_version != state.version
             and state.pending_version != state.version):
@@ -516,7 +528,7 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
                  for m in members if not state.workers[m.worker_id].member_since}
     state = replace(state, version=version, world=members, phase=Phase.RUNNING, reason="",
                     workers={**state.workers, **newcomers} if newcomers else state.workers)
-    actions.append(Announce(version, members, tuple(state.standby())))
+    actions.append(AnnounceWorld(version, members, tuple(state.standby())))
     return state, actions
 
 

@@ -48,10 +48,6 @@ class Leadership:
     def fence(self) -> Fence:
         return Fence(self.key, self.identity)
 
-    @property
-    def held(self) -> bool:
-        return self._lease is not None
-
     async def current_leader(self) -> Optional[str]:
         got = await self.store.get(self.key)
         return got.value.decode(errors="replace") if got else None

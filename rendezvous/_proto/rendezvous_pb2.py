@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rendezvous.proto\x12\x15\x65lastic.rendezvous.v1\"D\n\x07JobSpec\x12\x0e\n\x06min_np\x18\x01 \x01(\r\x12\x0e\n\x06max_np\x18\x02 \x01(\r\x12\x19\n\x11\x65lastic_timeout_s\x18\x03 \x01(\x01\"\xae\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x14\n\x0cring_address\x18\x04 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x05 \x01(\x03\x12,\n\x04spec\x18\x06 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x12\n\nsession_id\x18\x07 \x01(\t\"|\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x13\n\x0bring_secret\x18\x04 \x01(\x0c\":\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\"\xb5\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cring_address\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ommitted_step\x18\t \x01(\x03\"\xb4\x01\n\x05World\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\":\n\x11MembershipPending\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x0c\x41\x62ortVersion\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"0\n\x07Standby\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"0\n\x0bJobFinished\x12\x11\n\tsucceeded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd1\x02\n\nWatchEvent\x12-\n\x05world\x18\x01 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.WorldH\x00\x12;\n\x07pending\x18\x02 \x01(\x0b\x32(.elastic.rendezvous.v1.MembershipPendingH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.elastic.rendezvous.v1.AbortVersionH\x00\x12\x31\n\x07standby\x18\x04 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.StandbyH\x00\x12-\n\x05probe\x18\x05 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.ProbeH\x00\x12\x36\n\x08\x66inished\x18\x06 \x01(\x0b\x32\".elastic.rendezvous.v1.JobFinishedH\x00\x42\x07\n\x05\x65vent\"S\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x13\n\x0bprobe_nonce\x18\x03 \x01(\x04\"*\n\x11HeartbeatResponse\x12\x15\n\rworld_version\x18\x01 \x01(\x04\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x86\x01\n\x14ReportFailureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12\x19\n\x11suspect_worker_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10unusable_address\x18\x05 \x01(\x08\"8\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"A\n\x14ReportSuccessRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x17\n\x15ReportSuccessResponse\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"p\n\x0cMemberStatus\x12-\n\x06member\x18\x01 \x01(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x10\n\x08in_world\x18\x02 \x01(\x08\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\"\xd0\x01\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x04spec\x18\x02 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.elastic.rendezvous.v1.MemberStatus\x12\x19\n\x11\x62lacklisted_hosts\x18\x07 \x03(\t\"S\n\x0eStatusResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12.\n\x04jobs\x18\x02 \x03(\x0b\x32 .elastic.rendezvous.v1.JobStatus2\x93\x05\n\nRendezvous\x12O\n\x04Join\x12\".elastic.rendezvous.v1.JoinRequest\x1a#.elastic.rendezvous.v1.JoinResponse\x12Q\n\x05Watch\x12#.elastic.rendezvous.v1.WatchRequest\x1a!.elastic.rendezvous.v1.WatchEvent0\x01\x12^\n\tHeartbeat\x12\'.elastic.rendezvous.v1.HeartbeatRequest\x1a(.elastic.rendezvous.v1.HeartbeatResponse\x12R\n\x05Leave\x12#.elastic.rendezvous.v1.LeaveRequest\x1a$.elastic.rendezvous.v1.LeaveResponse\x12j\n\rReportFailure\x12+.elastic.rendezvous.v1.ReportFailureRequest\x1a,.elastic.rendezvous.v1.ReportFailureResponse\x12j\n\rReportSuccess\x12+.elastic.rendezvous.v1.ReportSuccessRequest\x1a,.elastic.rendezvous.v1.ReportSuccessResponse\x12U\n\x06Status\x12$.elastic.rendezvous.v1.StatusRequest\x1a%.elastic.rendezvous.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rendezvous.proto\x12\x15\x65lastic.rendezvous.v1\"D\n\x07JobSpec\x12\x0e\n\x06min_np\x18\x01 \x01(\r\x12\x0e\n\x06max_np\x18\x02 \x01(\r\x12\x19\n\x11\x65lastic_timeout_s\x18\x03 \x01(\x01\"\xae\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x14\n\x0cring_address\x18\x04 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x05 \x01(\x03\x12,\n\x04spec\x18\x06 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x12\n\nsession_id\x18\x07 \x01(\t\"|\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x13\n\x0bring_secret\x18\x04 \x01(\x0c\":\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\"\xb5\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cring_address\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ommitted_step\x18\t \x01(\x03\"\xb4\x01\n\x05World\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\":\n\x11MembershipPending\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x0c\x41\x62ortVersion\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"0\n\x07Standby\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"/\n\nJobOutcome\x12\x11\n\tsucceeded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd0\x02\n\nWatchEvent\x12-\n\x05world\x18\x01 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.WorldH\x00\x12;\n\x07pending\x18\x02 \x01(\x0b\x32(.elastic.rendezvous.v1.MembershipPendingH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.elastic.rendezvous.v1.AbortVersionH\x00\x12\x31\n\x07standby\x18\x04 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.StandbyH\x00\x12-\n\x05probe\x18\x05 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.ProbeH\x00\x12\x35\n\x08\x66inished\x18\x06 \x01(\x0b\x32!.elastic.rendezvous.v1.JobOutcomeH\x00\x42\x07\n\x05\x65vent\"S\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x13\n\x0bprobe_nonce\x18\x03 \x01(\x04\"*\n\x11HeartbeatResponse\x12\x15\n\rworld_version\x18\x01 \x01(\x04\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x86\x01\n\x14ReportFailureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12\x19\n\x11suspect_worker_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10unusable_address\x18\x05 \x01(\x08\"8\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"A\n\x14ReportSuccessRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x17\n\x15ReportSuccessResponse\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"p\n\x0cMemberStatus\x12-\n\x06member\x18\x01 \x01(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x10\n\x08in_world\x18\x02 \x01(\x08\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\"\xd0\x01\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x04spec\x18\x02 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.elastic.rendezvous.v1.MemberStatus\x12\x19\n\x11\x62lacklisted_hosts\x18\x07 \x03(\t\"S\n\x0eStatusResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12.\n\x04jobs\x18\x02 \x03(\x0b\x32 .elastic.rendezvous.v1.JobStatus2\x93\x05\n\nRendezvous\x12O\n\x04Join\x12\".elastic.rendezvous.v1.JoinRequest\x1a#.elastic.rendezvous.v1.JoinResponse\x12Q\n\x05Watch\x12#.elastic.rendezvous.v1.WatchRequest\x1a!.elastic.rendezvous.v1.WatchEvent0\x01\x12^\n\tHeartbeat\x12\'.elastic.rendezvous.v1.HeartbeatRequest\x1a(.elastic.rendezvous.v1.HeartbeatResponse\x12R\n\x05Leave\x12#.elastic.rendezvous.v1.LeaveRequest\x1a$.elastic.rendezvous.v1.LeaveResponse\x12j\n\rReportFailure\x12+.elastic.rendezvous.v1.ReportFailureRequest\x1a,.elastic.rendezvous.v1.ReportFailureResponse\x12j\n\rReportSuccess\x12+.elastic.rendezvous.v1.ReportSuccessRequest\x1a,.elastic.rendezvous.v1.ReportSuccessResponse\x12U\n\x06Status\x12$.elastic.rendezvous.v1.StatusRequest\x1a%.elastic.rendezvous.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,34 +51,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STANDBY']._serialized_end=1006
   _globals['_PROBE']._serialized_start=1008
   _globals['_PROBE']._serialized_end=1030
-  _globals['_JOBFINISHED']._serialized_start=1032
-  _globals['_JOBFINISHED']._serialized_end=1080
-  _globals['_WATCHEVENT']._serialized_start=1083
-  _globals['_WATCHEVENT']._serialized_end=1420
-  _globals['_HEARTBEATREQUEST']._serialized_start=1422
-  _globals['_HEARTBEATREQUEST']._serialized_end=1505
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1507
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1549
-  _globals['_LEAVEREQUEST']._serialized_start=1551
-  _globals['_LEAVEREQUEST']._serialized_end=1585
-  _globals['_LEAVERESPONSE']._serialized_start=1587
-  _globals['_LEAVERESPONSE']._serialized_end=1602
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1605
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1739
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1741
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1797
-  _globals['_REPORTSUCCESSREQUEST']._serialized_start=1799
-  _globals['_REPORTSUCCESSREQUEST']._serialized_end=1864
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=1866
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=1889
-  _globals['_STATUSREQUEST']._serialized_start=1891
-  _globals['_STATUSREQUEST']._serialized_end=1922
-  _globals['_MEMBERSTATUS']._serialized_start=1924
-  _globals['_MEMBERSTATUS']._serialized_end=2036
-  _globals['_JOBSTATUS']._serialized_start=2039
-  _globals['_JOBSTATUS']._serialized_end=2247
-  _globals['_STATUSRESPONSE']._serialized_start=2249
-  _globals['_STATUSRESPONSE']._serialized_end=2332
-  _globals['_RENDEZVOUS']._serialized_start=2335
-  _globals['_RENDEZVOUS']._serialized_end=2994
+  _globals['_JOBOUTCOME']._serialized_start=1032
+  _globals['_JOBOUTCOME']._serialized_end=1079
+  _globals['_WATCHEVENT']._serialized_start=1082
+  _globals['_WATCHEVENT']._serialized_end=1418
+  _globals['_HEARTBEATREQUEST']._serialized_start=1420
+  _globals['_HEARTBEATREQUEST']._serialized_end=1503
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1505
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1547
+  _globals['_LEAVEREQUEST']._serialized_start=1549
+  _globals['_LEAVEREQUEST']._serialized_end=1583
+  _globals['_LEAVERESPONSE']._serialized_start=1585
+  _globals['_LEAVERESPONSE']._serialized_end=1600
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1603
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1737
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1739
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1795
+  _globals['_REPORTSUCCESSREQUEST']._serialized_start=1797
+  _globals['_REPORTSUCCESSREQUEST']._serialized_end=1862
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=1864
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=1887
+  _globals['_STATUSREQUEST']._serialized_start=1889
+  _globals['_STATUSREQUEST']._serialized_end=1920
+  _globals['_MEMBERSTATUS']._serialized_start=1922
+  _globals['_MEMBERSTATUS']._serialized_end=2034
+  _globals['_JOBSTATUS']._serialized_start=2037
+  _globals['_JOBSTATUS']._serialized_end=2245
+  _globals['_STATUSRESPONSE']._serialized_start=2247
+  _globals['_STATUSRESPONSE']._serialized_end=2330
+  _globals['_RENDEZVOUS']._serialized_start=2333
+  _globals['_RENDEZVOUS']._serialized_end=2992
 # @@protoc_insertion_point(module_scope)

@@ -126,7 +126,7 @@ class Probe(_message.Message):
     nonce: int
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
-class JobFinished(_message.Message):
+class JobOutcome(_message.Message):
     __slots__ = ("succeeded", "reason")
     SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -147,8 +147,8 @@ class WatchEvent(_message.Message):
     abort: AbortVersion
     standby: Standby
     probe: Probe
-    finished: JobFinished
-    def __init__(self, world: _Optional[_Union[World, _Mapping]] = ..., pending: _Optional[_Union[MembershipPending, _Mapping]] = ..., abort: _Optional[_Union[AbortVersion, _Mapping]] = ..., standby: _Optional[_Union[Standby, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ...) -> None: ...
+    finished: JobOutcome
+    def __init__(self, world: _Optional[_Union[World, _Mapping]] = ..., pending: _Optional[_Union[MembershipPending, _Mapping]] = ..., abort: _Optional[_Union[AbortVersion, _Mapping]] = ..., standby: _Optional[_Union[Standby, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., finished: _Optional[_Union[JobOutcome, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "committed_step", "probe_nonce")

@@ -13,7 +13,7 @@ import sys
 import grpc
 import pytest
 
-from rendezvous.client import JobSpec, RendezvousClient, RendezvousError, StatusClient, StatusError
+from rendezvous.client import JobSpec, RendezvousClient, RendezvousRPCError, StatusClient, StatusError
 
 
 def worker_environ(pid: int) -> dict:
@@ -53,7 +53,7 @@ def test_the_embedded_server_wants_a_private_random_token_while_the_job_runs(lau
     assert status_code(address, token="default") == grpc.StatusCode.UNAUTHENTICATED
     stranger = RendezvousClient([address], job_id="default", worker_id="intruder", host="evil",
                                 ring_address="127.0.0.1:1", spec=JobSpec(min_np=1, max_np=8))
-    with pytest.raises(RendezvousError) as e:
+    with pytest.raises(RendezvousRPCError) as e:
         stranger.join(timeout_s=5)
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
     stranger.close()

@@ -17,7 +17,7 @@ def test_serve_help_documents_the_flags(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--port", "--etcd", "--token-file", "--insecure", "--tls-cert", "--tls-key",
-                 "--heartbeat-timeout", "--settle", "SIGTERM"):
+                 "--heartbeat-timeout", "--settle", "--settle-max", "SIGTERM"):
         assert flag in out, flag
 
 
@@ -38,6 +38,36 @@ def test_serve_rejects_bad_arguments_with_a_clear_message(args, message):
     with pytest.raises(SystemExit) as e:
         main(["serve", *args])
     assert message in str(e.value.code)
+
+
+def test_serve_flags_left_out_mean_the_server_configs_defaults():
+    from rendezvous.cli import _parser, config_from_args
+    from rendezvous.config import ServerConfig
+
+    got, want = config_from_args(_parser().parse_args(["serve", "--insecure"])), ServerConfig(insecure=True)
+    for field in ("host", "port", "etcd_prefix", "heartbeat_timeout_s", "leader_ttl_s", "settle_s",
+                  "settle_max_s", "default_elastic_timeout_s", "blacklist_after", "cooldown_min_s",
+                  "cooldown_max_s", "advertise_address"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.decision() == want.decision()
+
+
+@pytest.mark.parametrize("args, settle_max", [
+    ([], 2.0),                                  # 10 x the default settle of 0.2 s, at least 2 s
+    (["--settle", "0.5"], 5.0),                 # follows --settle
+    (["--settle", "0.5", "--settle-max", "1"], 1.0),
+])
+def test_settle_max_follows_settle_unless_given(args, settle_max):
+    from rendezvous.cli import _parser, config_from_args
+
+    cfg = config_from_args(_parser().parse_args(["serve", "--insecure", *args]))
+    assert cfg.decision().settle_max_s == settle_max
+
+
+def test_a_settle_max_below_settle_is_refused():
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--insecure", "--settle", "1", "--settle-max", "0.5"])
+    assert "settle max" in str(e.value.code)
 
 
 def test_empty_token_file_is_rejected(tmp_path):

@@ -7,9 +7,9 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_world_of
+from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.cli import main
-from rendezvous.client import JobSpec, RendezvousError, finished_outcome
+from rendezvous.client import Ended, JobSpec, RendezvousRPCError
 from rendezvous.etcd_process import free_port
 from rendezvous.store import MemoryStore
 
@@ -35,7 +35,7 @@ def test_no_reachable_server_fails_within_the_deadline_naming_addresses():
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     c = make_client(dead, "w0", job_id=unique("job"))
     start = time.monotonic()
-    with pytest.raises(RendezvousError) as e:
+    with pytest.raises(RendezvousRPCError) as e:
         c.join(timeout_s=1.0)
     assert time.monotonic() - start < 5.0
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and dead[0] in str(e.value)
@@ -53,7 +53,7 @@ def test_wait_world_times_out_with_job_and_worker_named(server):
 
 def test_calls_before_join_are_refused_clearly(server):
     c = make_client(server.address, "early", job_id=unique("job"))
-    with pytest.raises(RendezvousError, match="join\\(\\) first"):
+    with pytest.raises(RendezvousRPCError, match="join\\(\\) first"):
         c.heartbeat(1)
     c.close()
 
@@ -72,7 +72,7 @@ def test_tls_server_accepts_tls_clients_and_refuses_plaintext(tmp_path, capsys):
         c.join(timeout_s=10)
         assert wait_world_of([c], 1)[0].size == 1
         plain = make_client(address, "w1", job_id=job)
-        with pytest.raises(RendezvousError) as e:
+        with pytest.raises(RendezvousRPCError) as e:
             plain.join(timeout_s=1.0)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
         assert main(["status", "--server", address, "--tls-ca", str(cert), "--job", job]) == 0
@@ -173,25 +173,83 @@ def test_internal_errors_are_not_retried_and_leave_still_closes():
             calls.append(sid)
             raise RuntimeError("bug")
         s.service._session = broken
-        with pytest.raises(RendezvousError) as e:
+        with pytest.raises(RendezvousRPCError) as e:
             c.heartbeat(committed_step=1, timeout_s=3.0)
         assert e.value.code == grpc.StatusCode.INTERNAL and len(calls) == 1
-        with pytest.raises(RendezvousError):
+        with pytest.raises(RendezvousRPCError):
             c.leave()
         assert c._closed.is_set() and not c._watch_thread.is_alive()
     finally:
         s.stop()
 
 
-@pytest.mark.parametrize("text, outcome", [
-    ("FAILED_PRECONDITION: job j finished (SUCCEEDED: worker w0 reported success)", True),
-    ("Join to a:1 for job j worker w: FAILED_PRECONDITION: job j: worker w refused: job j already finished "
-     "(FAILED: worker w1 failed)", False),
-    ("NOT_FOUND: session j/w/2 ended (worker w evicted, left or rejoined): join again", None),
-    ("job j: worker w refused: host h is blacklisted for 7.6 s more after repeated failures", None),
-])
-def test_finished_outcome_reads_the_servers_finished_refusals(text, outcome):
-    assert finished_outcome(text) is outcome
+def _finished_job(s, succeeded):
+    """A job whose only member ended it: by reporting success, or by leaving below min_np=1 for
+    an elastic timeout of 0.2 s."""
+    job = unique("job")
+    a = make_client(s.address, "a", job_id=job, spec=JobSpec(min_np=1, max_np=2, elastic_timeout_s=0.2))
+    a.join()
+    a.wait_world(timeout_s=5.0)
+    if succeeded:
+        a.report_success()
+    else:
+        a.leave()
+        wait_until(lambda: s.service.jobs[job].state.phase.value == "FAILED", 5.0, "the job to fail")
+    a.close()
+    return job
+
+
+@pytest.mark.parametrize("succeeded", [True, False], ids=["succeeded", "failed"])
+def test_a_join_after_the_job_ended_is_refused_with_the_outcome_typed(server, succeeded):
+    job = _finished_job(server, succeeded)
+    late = make_client(server.address, "late", job_id=job)
+    with pytest.raises(RendezvousRPCError) as e:
+        late.join()
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.finished is succeeded
+    late.close()
+
+
+def test_refusals_for_other_reasons_carry_no_outcome(server):
+    job = unique("job")
+    a = make_client(server.address, "a", job_id=job, spec=JobSpec(min_np=1, max_np=2))
+    a.join()
+    other = make_client(server.address, "b", job_id=job, spec=JobSpec(min_np=1, max_np=3))
+    with pytest.raises(RendezvousRPCError) as e:   # spec mismatch: FAILED_PRECONDITION as well
+        other.join()
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.finished is None
+    a.close()
+    other.close()
+
+
+def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server):
+    """The worker was evicted while its stream was away (stopped, say) and the job ended meanwhile:
+    reattaching, it learns how the job ended from the refusal, typed."""
+    from rendezvous import decision as d
+    from rendezvous.jobs import END
+
+    job = unique("job")
+    a, b = (make_client(server.address, w, job_id=job) for w in "ab")
+    a.join()
+    b.join()
+    world = wait_world_of([a, b], 2)[0]
+
+    async def away_evicted_and_over():   # at once, on the server's loop: no RPC comes in between
+        svc = server.service
+        j = svc.jobs[job]
+        stream = j.streams.pop("b")
+        stream.closed_by_server = True
+        stream.queue.put_nowait(END)
+        svc.evict(j, "b", "stopped")
+        svc.journal.apply(j, d.Success("a", world.version))
+    server.call(away_evicted_and_over())
+    deadline = time.monotonic() + 10.0
+    ev = None
+    while not isinstance(ev, Ended):
+        ev = b.next_event(deadline - time.monotonic())
+        assert ev is not None, "b's session did not end"
+    assert ev.finished is True and ev.reason.startswith("FAILED_PRECONDITION")
+    a.close()
+    b.close()
 
 
 def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_is_evicted():

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from rendezvous.decision import (Abort, Announce, Attach, DecisionConfig, Dropped, Evict, Finished, Join,
-                                 JobSpec, Leave, Pending, Phase, Progress, Refusal, Rejected, Success, Tick,
+from dataclasses import replace
+
+from rendezvous.decision import (AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld, Attach,
+                                 DecisionConfig, Dropped, Evict, Join, JobSpec, Leave, Phase, Progress,
+                                 Refusal, Rejected, Success, Tick,
                                  decide, from_json, new_job, next_deadline, to_json)
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
@@ -21,7 +24,7 @@ def run(state, events, cfg=CFG):
 
 
 def announces(actions):
-    return [a for _, a in actions if isinstance(a, Announce)]
+    return [a for _, a in actions if isinstance(a, AnnounceWorld)]
 
 
 def ids(announce):
@@ -89,15 +92,16 @@ def test_hot_spare_replaces_failed_member_without_new_join():
     s = formed([("a", "h1"), ("b", "h2")], max_np=2)
     s, _ = run(s, [(2.0, Join("spare", "h3", "h3:1"))])
     s, acts = run(s, [(3.0, Evict("a", "crashed")), (3.2, Tick())])
-    assert [type(a) for _, a in acts if not isinstance(a, type(None))][-1] is Announce
-    assert [a for _, a in acts if isinstance(a, Abort)] == [Abort(1, "crashed")]
+    assert [type(a) for _, a in acts if not isinstance(a, type(None))][-1] is AnnounceWorld
+    assert [a for _, a in acts if isinstance(a, AnnounceAbort)] == [AnnounceAbort(1, "crashed")]
     assert ids(announces(acts)[0]) == ["b", "spare"] and s.version == 2
 
 
 def test_failure_aborts_old_version_at_once_and_new_world_after_settle():
     s = formed([("a", "h"), ("b", "h"), ("c", "h")])
     s, acts = run(s, [(5.0, Evict("b", "stream broken"))])
-    assert [a for _, a in acts if isinstance(a, (Abort, Announce))] == [Abort(1, "stream broken")]
+    assert ([a for _, a in acts if isinstance(a, (AnnounceAbort, AnnounceWorld))]
+            == [AnnounceAbort(1, "stream broken")])
     s, acts = run(s, [(5.1, Tick())])
     assert announces(acts) == []
     s, acts = run(s, [(5.2, Tick())])
@@ -107,19 +111,19 @@ def test_failure_aborts_old_version_at_once_and_new_world_after_settle():
 def test_two_failures_in_one_window_give_one_abort_and_one_world():
     s = formed([("a", "h"), ("b", "h"), ("c", "h"), ("d", "h")])
     s, acts = run(s, [(5.0, Evict("b", "x")), (5.1, Evict("c", "y")), (5.5, Tick())])
-    assert len([a for _, a in acts if isinstance(a, Abort)]) == 1
+    assert len([a for _, a in acts if isinstance(a, AnnounceAbort)]) == 1
     assert [ids(a) for a in announces(acts)] == [["a", "d"]]
 
 
 def test_clean_join_and_leave_announce_pending_not_abort():
     s = formed([("a", "h"), ("b", "h")])
     s, acts = run(s, [(2.0, Join("c", "h", "h:3"))])
-    assert [a for _, a in acts] == [Pending(1, "worker c on h joined")]
+    assert [a for _, a in acts] == [AnnouncePending(1, "worker c on h joined")]
     s, acts = run(s, [(3.0, Tick())])
     assert ids(announces(acts)[0]) == ["a", "b", "c"]
     s, acts = run(s, [(4.0, Leave("a"))])
-    assert not any(isinstance(a, Abort) for _, a in acts)
-    assert Pending(2, "worker a left") in [a for _, a in acts]
+    assert not any(isinstance(a, AnnounceAbort) for _, a in acts)
+    assert AnnouncePending(2, "worker a left") in [a for _, a in acts]
 
 
 def test_survivors_keep_relative_order_and_newcomers_are_appended():
@@ -138,7 +142,7 @@ def test_highest_committed_step_becomes_rank_zero():
 
 def test_ties_in_committed_step_keep_lowest_rank_first():
     s = formed([("a", "h"), ("b", "h"), ("c", "h")], steps={"a": 1, "b": 7, "c": 7})
-    assert ids(Announce(s.version, s.world, ())) == ["b", "a", "c"]
+    assert ids(AnnounceWorld(s.version, s.world, ())) == ["b", "a", "c"]
 
 
 def test_ranks_of_one_host_are_contiguous_with_local_and_cross_ranks():
@@ -175,10 +179,10 @@ def test_clean_leaves_do_not_count_toward_blacklist():
 def test_below_min_np_waits_then_fails_with_reason():
     s = formed([("a", "h"), ("b", "h")], min_np=2)
     s, acts = run(s, [(10.0, Evict("b", "x")), (20.0, Tick())])
-    assert s.phase is Phase.WAITING and not any(isinstance(a, Finished) for _, a in acts)
+    assert s.phase is Phase.WAITING and not any(isinstance(a, AnnounceFinished) for _, a in acts)
     assert next_deadline(s, CFG) == pytest.approx(40.0)
     s, acts = run(s, [(40.0, Tick())])
-    (fin,) = [a for _, a in acts if isinstance(a, Finished)]
+    (fin,) = [a for _, a in acts if isinstance(a, AnnounceFinished)]
     assert not fin.succeeded and "below min_np=2" in fin.reason and s.phase is Phase.FAILED
 
 
@@ -197,7 +201,7 @@ def test_initial_formation_also_bounded_by_elastic_timeout():
 def test_success_of_one_worker_completes_job_and_refuses_joins():
     s = formed([("a", "h"), ("b", "h")])
     s, acts = run(s, [(2.0, Success("b", 1))])
-    assert [a for _, a in acts] == [Finished(True, "worker b reported success")]
+    assert [a for _, a in acts] == [AnnounceFinished(True, "worker b reported success")]
     s, acts = run(s, [(3.0, Join("c", "h", "h:3"))])
     assert acts[0][1].kind is Refusal.FINISHED and s.phase is Phase.SUCCEEDED
 
@@ -206,7 +210,7 @@ def test_rejoin_with_its_current_session_replaces_old_membership():
     s = formed([("a", "h"), ("b", "h")])
     s, acts = run(s, [(2.0, Join("b", "h", "h:99", proof="hash-b", session_hash="hash-b2")),
                       (3.0, Tick())])
-    assert any(isinstance(a, Abort) for _, a in acts)
+    assert any(isinstance(a, AnnounceAbort) for _, a in acts)
     assert [m.ring_address for m in announces(acts)[0].members] == ["h:9000", "h:99"]
     assert s.workers["b"].session_hash == "hash-b2"
 
@@ -249,7 +253,7 @@ def test_success_counts_only_from_a_member_of_the_world_it_names(reporter, versi
     after, acts = run(s, [(5.0, Success(reporter, version))])
     if accepted:
         assert after.phase is Phase.SUCCEEDED
-        assert [a for _, a in acts] == [Finished(True, f"worker {reporter} reported success")]
+        assert [a for _, a in acts] == [AnnounceFinished(True, f"worker {reporter} reported success")]
     else:
         assert after == s
         assert [(type(a), a.kind) for _, a in acts] == [(Rejected, Refusal.NOT_MEMBER)]
@@ -259,7 +263,7 @@ def test_success_counts_only_from_a_member_of_the_world_it_names(reporter, versi
 def test_a_refused_rejoin_drops_nobody():
     s = formed([("a", "h"), ("b", "h")])
     _, acts = run(s, [(2.0, Join("a", "h", "h:9", proof=""))])
-    assert not [a for _, a in acts if isinstance(a, (Dropped, Abort, Pending))]
+    assert not [a for _, a in acts if isinstance(a, (Dropped, AnnounceAbort, AnnouncePending))]
 
 
 def test_invalid_spec_is_refused():
@@ -287,25 +291,27 @@ def test_job_credential_secret_run_and_sessions_round_trip_through_json():
 def test_burst_of_joins_into_running_world_sends_one_pending_notice():
     s = formed([("a", "h"), ("b", "h")], max_np=16)
     s, acts = run(s, [(2.0 + 0.01 * i, Join(f"n{i}", "h", f"h:{100 + i}")) for i in range(10)])
-    assert [a for _, a in acts if isinstance(a, Pending)] == [Pending(1, "worker n0 on h joined")]
+    assert ([a for _, a in acts if isinstance(a, AnnouncePending)]
+            == [AnnouncePending(1, "worker n0 on h joined")])
     s, acts = run(s, [(3.0, Tick())])
     assert announces(acts)[0].version == 2 and len(s.world) == 12
     s, acts = run(s, [(4.0, Join("late", "h", "h:999"))])
-    assert [a for _, a in acts] == [Pending(2, "worker late on h joined")]  # new version: notify again
+    # A new version: notify again.
+    assert [a for _, a in acts] == [AnnouncePending(2, "worker late on h joined")]
 
 
-# ---------------------------------------------------------------- review findings (issue 3 follow-up)
+# ------------------------------------------- pending notices, attaching, blacklisted standbys
 def kinds(actions):
     return [f"{type(a).__name__}{getattr(a, 'version', '')}" for _, a in actions]
 
 
 @pytest.mark.parametrize("gone", [Leave("c"), Evict("c", "stream broken")], ids=["leave", "crash"])
 def test_pending_notice_is_always_followed_by_a_new_version(gone):
-    # A newcomer joins (Pending(1) goes out) and is gone within the settle window: the members were
-    # promised a version > 1, so one comes, with the same members.
+    # A newcomer joins (AnnouncePending(1) goes out) and is gone within the settle window: the members
+    # were promised a version > 1, so one comes, with the same members.
     s = formed([("a", "h"), ("b", "h")])
     s, acts = run(s, [(2.0, Join("c", "h", "h:3")), (2.1, gone), (3.0, Tick())])
-    assert kinds(acts)[0] == "Pending1"
+    assert kinds(acts)[0] == "AnnouncePending1"
     (a,) = announces(acts)
     assert a.version == 2 and ids(a) == ["a", "b"] and s.version == 2
 
@@ -328,19 +334,19 @@ def test_unattached_workers_do_not_count_toward_min_np():
 def test_server_caused_eviction_does_not_count_against_the_host():
     s = formed([("a", "h1"), ("b", "h2")])
     s, acts = run(s, [(2.0, Evict("b", "did not reattach", count_failure=False))],
-                  DecisionConfig(blacklist_after=1))
+                  replace(CFG, blacklist_after=1))
     assert s.hosts.get("h2") is None and s.blacklisted_hosts(2.0) == []
 
 
 def test_blacklist_after_zero_never_blacklists():
     s = formed([("a", "h1"), ("b", "h1"), ("c", "h2")])
-    s, _ = run(s, [(2.0, Evict("a", "crash")), (3.0, Evict("b", "crash"))], DecisionConfig(blacklist_after=0))
+    s, _ = run(s, [(2.0, Evict("a", "crash")), (3.0, Evict("b", "crash"))], replace(CFG, blacklist_after=0))
     assert s.blacklisted_hosts(3.0) == [] and s.hosts["h1"].failures == 2
 
 
 # Blacklisted standbys: rows of (what happens, expected world members / phase).
 def test_blacklisted_standby_does_not_count_toward_min_np():
-    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
+    cfg = replace(CFG, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
     s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
                [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
                 (0.0, Join("c", "h1", "h1:2")), (1.0, Tick())], cfg)
@@ -351,7 +357,7 @@ def test_blacklisted_standby_does_not_count_toward_min_np():
 
 
 def test_spare_is_promoted_when_its_hosts_cooldown_ends():
-    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
+    cfg = replace(CFG, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
     s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
                [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
                 (0.0, Join("c", "h1", "h1:2")), (1.0, Tick()), (2.0, Evict("a", "crash"))], cfg)
@@ -363,7 +369,7 @@ def test_spare_is_promoted_when_its_hosts_cooldown_ends():
 
 
 def test_blacklisted_standby_lets_the_elastic_timeout_fire():
-    cfg = DecisionConfig(settle_s=0.2, blacklist_after=1, cooldown_min_s=100.0, cooldown_max_s=300.0)
+    cfg = replace(CFG, blacklist_after=1, cooldown_min_s=100.0, cooldown_max_s=300.0)
     s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
                [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("b", "h2", "h2:1")),
                 (0.0, Join("c", "h1", "h1:2")), (1.0, Tick()), (2.0, Evict("a", "crash"))], cfg)
@@ -383,10 +389,25 @@ def test_ring_broken_report_aborts_and_reannounces_the_same_members(version_delt
     v = state.version
     state, actions = run(state, [(5.0, RingBroken(reporter, v + version_delta, "timeout on b")), (5.1, Tick()),
                                  (6.0, Tick())])
-    aborts = [a for _, a in actions if isinstance(a, Abort)]
+    aborts = [a for _, a in actions if isinstance(a, AnnounceAbort)]
     new = announces(actions)
     if expect_new_world:
         assert [a.version for a in aborts] == [v]
         assert len(new) == 1 and new[0].version == v + 1 and ids(new[0]) == ["a", "b", "c"]
     else:
         assert aborts == [] and new == []
+
+
+@pytest.mark.parametrize("asked, resolved", [
+    (JobSpec(), JobSpec(1, 2048, 600.0)),                      # unset: the server's cap and default
+    (JobSpec(2, 0, 30.0), JobSpec(2, 2048, 30.0)),
+    (JobSpec(2, 8, 0.0), JobSpec(2, 8, 600.0)),
+    (JobSpec(2, 8, 30.0), JobSpec(2, 8, 30.0)),                # set: kept
+])
+def test_a_spec_left_unset_takes_the_servers_cap_and_timeout(asked, resolved):
+    assert asked.resolved(2048, 600.0) == resolved
+
+
+def test_a_job_needs_a_resolved_spec():
+    with pytest.raises(ValueError, match="max_np"):
+        new_job("j", JobSpec(min_np=2), 0.0)

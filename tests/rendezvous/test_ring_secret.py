@@ -16,7 +16,7 @@ import elastic
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous._proto import rendezvous_pb2 as pb
 from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.client import RendezvousError
+from rendezvous.client import RendezvousRPCError
 from rendezvous.store import EtcdStore, MemoryStore
 
 TOKEN, OTHER = "tenant-a-token", "tenant-b-token"
@@ -117,7 +117,7 @@ def test_ring_secret_sessions_and_ownership_survive_a_server_restart_over_etcd(e
         assert wait_until(lambda: a.heartbeat(committed_step=1, timeout_s=2.0) >= world.version,
                           10.0, "a's session to work on the new server")
         stranger = make_client(s.address, "x", job_id=job, token=OTHER)
-        with pytest.raises(RendezvousError) as e:
+        with pytest.raises(RendezvousRPCError) as e:
             stranger.join(timeout_s=5)
         assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and stranger.ring_secret is None
         b.close()

@@ -193,7 +193,7 @@ def test_fuzzed_raw_bytes_never_crash_the_server(server, stub, method, payload):
     assert_alive(stub)
 
 
-# ------------------------------------------------------------------ who may do what (issue 11)
+# ------------------------------------------------------------------ who may do what
 def _member(server, worker, job, **kw):
     """A real worker-side client of the job, joined with TOKEN."""
     from rdzv_helpers import make_client
@@ -308,21 +308,21 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
 
 def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(server, stub):
     from rdzv_helpers import unique, wait_world_of
-    from rendezvous.client import JobSpec, RendezvousError, Standby
+    from rendezvous.client import JobSpec, RendezvousRPCError, Standby
     job = unique("success")
     spec = JobSpec(min_np=1, max_np=1)
     a = _member(server, "a", job, spec=spec)
     world = wait_world_of([a], 1)[0]
     spare = _member(server, "spare", job, spec=spec)   # beyond max_np: a hot spare, in no world
     assert isinstance(spare.next_event(5.0), Standby)
-    with pytest.raises(RendezvousError) as e:   # it has seen no world: it names none
+    with pytest.raises(RendezvousRPCError) as e:   # it has seen no world: it names none
         spare.report_success()
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "not a member" in str(e.value)
     for version in (world.version, world.version + 1):   # nor may it name one it is not in
-        with pytest.raises(RendezvousError) as e:
+        with pytest.raises(RendezvousRPCError) as e:
             spare.report_success(world_version=version)
         assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "not a member" in str(e.value)
-    with pytest.raises(RendezvousError) as e:   # nor report a member's failure
+    with pytest.raises(RendezvousRPCError) as e:   # nor report a member's failure
         spare.report_failure("a", world.version, "made up")
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     assert _status(stub, job).phase == "RUNNING"
@@ -393,7 +393,7 @@ def test_a_watched_forming_job_is_not_dropped():
 
 def test_a_finished_job_is_launched_again_by_its_own_token_only():
     from rdzv_helpers import make_client, unique, wait_until, wait_world_of
-    from rendezvous.client import RendezvousError
+    from rendezvous.client import RendezvousRPCError
     s = ServerThread(server_config(insecure=False, tokens=(TOKEN, OTHER), heartbeat_timeout_s=0.5,
                                    leader_ttl_s=1), MemoryStore)
     try:
@@ -403,19 +403,19 @@ def test_a_finished_job_is_launched_again_by_its_own_token_only():
         wait_world_of([a], 1)
         first_secret = a.ring_secret
         a.report_success()
-        with pytest.raises(RendezvousError) as e:   # a member learns how it ended, not a new run
+        with pytest.raises(RendezvousRPCError) as e:   # a member learns how it ended, not a new run
             a.join()
-        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "SUCCEEDED" in str(e.value)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.finished is True
         stranger = make_client(s.address, "a", job_id=job, token=OTHER)
         again = make_client(s.address, "a", job_id=job, token=TOKEN)
 
         def relaunched():
-            with pytest.raises(RendezvousError) as e:
+            with pytest.raises(RendezvousRPCError) as e:
                 stranger.join(timeout_s=2)
             assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
             try:
                 again.join(timeout_s=2)
-            except RendezvousError as e:
+            except RendezvousRPCError as e:
                 assert e.code == grpc.StatusCode.FAILED_PRECONDITION, e
                 return False
             return True

@@ -11,7 +11,7 @@ import pytest
 from rdzv_helpers import make_client, unique, wait_until, wait_world_of
 from rendezvous._proto import rendezvous_pb2 as pb
 from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousError, Standby,
+from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousRPCError, Standby,
                                WorldInfo)
 
 
@@ -154,10 +154,10 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve):
 
 async def _detach(s, job, worker):
     """Forget a worker's stream without evicting it (what a new leader starts with)."""
-    from rendezvous.server import _END
+    from rendezvous.jobs import END
     stream = s.service.jobs[job].streams.pop(worker)
     stream.closed_by_server = True
-    stream.queue.put_nowait(_END)
+    stream.queue.put_nowait(END)
 
 
 def test_report_failure_of_live_peer_is_refuted_by_probe(serve):
@@ -185,7 +185,7 @@ def test_repeatedly_failing_host_is_blacklisted(serve):
     bad.close()
     next_of(good, Abort)
     again = make_client(s.address, "bad2", job_id=job, host="bad")
-    with pytest.raises(RendezvousError) as e:
+    with pytest.raises(RendezvousRPCError) as e:
         again.join()
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "blacklisted" in str(e.value)
     status = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5)
@@ -220,8 +220,9 @@ def test_success_of_one_worker_finishes_job_for_all(serve):
         fin = next_of(c, Finished)
         assert fin.succeeded and "w1" in fin.reason
     late = make_client(s.address, "late", job_id=job)
-    with pytest.raises(RendezvousError, match="already finished"):
+    with pytest.raises(RendezvousRPCError) as e:
         late.join()
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.finished is True
     for c in cs + [late]:
         c.close()
 
@@ -243,7 +244,7 @@ def test_evicted_worker_learns_its_session_ended(serve):
 
 async def _evict(s, job, worker):
     svc = s.service
-    svc._evict(svc.jobs[job], worker, "test eviction")
+    svc.evict(svc.jobs[job], worker, "test eviction")
 
 
 def test_status_lists_jobs_members_and_ranks(serve):

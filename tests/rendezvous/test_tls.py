@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from rdzv_helpers import REPO, ServerProc, child_env, make_client, unique, wait_world_of
-from rendezvous.client import RendezvousError, channel_credentials
+from rendezvous.client import RendezvousRPCError, channel_credentials
 from rendezvous.config import ServerConfig
 from tests.certs import make_pki
 
@@ -87,7 +87,7 @@ def test_a_client_the_server_cannot_verify_or_that_cannot_verify_it_is_refused(w
              "trusting another CA": channel_credentials(other.ca, pki.client_cert, pki.client_key)}[who]
     job = unique("job")
     c = make_client([tls_server.address], "w0", job_id=job, token=TOKEN, credentials=creds)
-    with pytest.raises(RendezvousError) as e:
+    with pytest.raises(RendezvousRPCError) as e:
         c.join(timeout_s=1.5)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     c.close()
@@ -133,7 +133,7 @@ def test_a_worker_configured_for_tls_never_sends_its_token_in_clear_text(pki, tm
     t.start()
     c = make_client([f"127.0.0.1:{listener.getsockname()[1]}"], "w0", token=cfg.token,
                     credentials=cfg.channel_credentials())
-    with pytest.raises(RendezvousError):
+    with pytest.raises(RendezvousRPCError):
         c.join(timeout_s=1.5)
     c.close()
     listener.close()

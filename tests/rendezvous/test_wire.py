@@ -1,0 +1,132 @@
+"""Table tests of the wire forms: pure functions, no sockets. What a refusal's metadata says, what a
+(re)attaching worker is sent first, and that the spliced world is the world each member would get."""
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+
+from rendezvous import decision as d
+from rendezvous import wire
+from rendezvous._proto import rendezvous_pb2 as pb
+
+OUTCOME = wire.JOB_OUTCOME_KEY
+
+
+@pytest.mark.parametrize("metadata, finished", [
+    ((), None),
+    (None, None),
+    (((OUTCOME, "succeeded"),), True),
+    (((OUTCOME, "failed"),), False),
+    ((("leader", "10.0.0.1:29400"), (OUTCOME, "failed")), False),
+    (((OUTCOME, "SUCCEEDED"),), None),          # only the exact words count
+    (((OUTCOME, "succeeded "),), None),
+    (((OUTCOME, "yes"),), None),
+    (((OUTCOME, b"succeeded"),), None),         # not a text value
+    ((("elastic-job-outcome-bin", b"succeeded"),), None),
+    ((("grpc-message", "job j finished (SUCCEEDED: worker w reported success)"),), None),
+])
+def test_the_job_outcome_is_read_from_its_metadata_key_only(metadata, finished):
+    assert wire.job_outcome(metadata) is finished
+
+
+@pytest.mark.parametrize("leader, finished, metadata", [
+    ("", None, ()),
+    ("10.0.0.1:29400", None, (("leader", "10.0.0.1:29400"),)),
+    ("", True, ((OUTCOME, "succeeded"),)),
+    ("", False, ((OUTCOME, "failed"),)),
+])
+def test_a_status_error_carries_its_hint_and_outcome_as_trailing_metadata(leader, finished, metadata):
+    e = wire.RpcRefusal(grpc.StatusCode.UNAVAILABLE, "m", leader=leader, finished=finished)
+    assert e.trailing_metadata() == metadata
+    assert wire.job_outcome(metadata) is finished and wire.leader_hint(metadata) == leader
+
+
+@pytest.mark.parametrize("kind, phase, code, finished", [
+    (d.Refusal.FINISHED, d.Phase.SUCCEEDED, grpc.StatusCode.FAILED_PRECONDITION, True),
+    (d.Refusal.FINISHED, d.Phase.FAILED, grpc.StatusCode.FAILED_PRECONDITION, False),
+    (d.Refusal.BLACKLISTED, d.Phase.RUNNING, grpc.StatusCode.FAILED_PRECONDITION, None),
+    (d.Refusal.WORKER_EXISTS, d.Phase.RUNNING, grpc.StatusCode.ALREADY_EXISTS, None),
+    (d.Refusal.NOT_MEMBER, d.Phase.RUNNING, grpc.StatusCode.PERMISSION_DENIED, None),
+])
+def test_a_refusal_gets_its_code_from_its_kind_and_an_outcome_only_when_the_job_is_over(
+        kind, phase, code, finished):
+    e = wire.refusal(d.Rejected("w", "why", kind), "job j: why", phase)
+    assert (e.code, e.finished, e.message) == (code, finished, "job j: why")
+
+
+def test_every_refusal_kind_has_a_code():
+    assert set(wire.REFUSAL_CODES) == set(d.Refusal)
+
+
+def _members(n, hosts=2, step=-1):
+    return tuple(d.Member(f"w{i}", f"h{i % hosts}", f"10.0.{i % hosts}.1:{4000 + i}", i, i // hosts,
+                          (n + hosts - 1 - i % hosts) // hosts, i % hosts, min(hosts, n), step)
+                 for i in range(n))
+
+
+@pytest.mark.parametrize("members", [
+    _members(1, hosts=1),
+    _members(5, hosts=2, step=123456789012),
+    _members(600, hosts=8),       # over 16 KiB: a three-byte length prefix
+], ids=["one", "five", "six-hundred"])
+def test_the_spliced_world_is_the_world_each_member_would_be_sent(members):
+    action = d.AnnounceWorld(7, members, ())
+    got = dict(wire.spliced_worlds(action, {m.worker_id for m in members}))
+    assert set(got) == {m.worker_id for m in members}
+    for m in members:
+        event = pb.WatchEvent.FromString(got[m.worker_id])
+        assert event == wire.world_event(7, members, m)
+        assert event.world.rank == m.rank and event.world.size == len(members)
+
+
+def test_the_spliced_world_goes_only_to_members_with_a_stream():
+    members = _members(3)
+    assert [w for w, _ in wire.spliced_worlds(d.AnnounceWorld(1, members, ()), {"w2", "stranger"})] == ["w2"]
+
+
+@pytest.mark.parametrize("action, kind", [
+    (d.AnnouncePending(3, "worker c joined"), "pending"),
+    (d.AnnounceAbort(3, "worker b evicted"), "abort"),
+])
+def test_notices_go_out_as_their_own_event_kind(action, kind):
+    event = wire.notice_event(action)
+    assert event.WhichOneof("event") == kind
+    assert (getattr(event, kind).world_version, getattr(event, kind).reason) == (3, action.reason)
+
+
+def _state(**kw):
+    base = d.new_job("j", d.JobSpec(1, 2, 60.0), 0.0)
+    return dataclasses.replace(base, **kw)
+
+
+WORLD = _members(2, hosts=1)
+
+
+@pytest.mark.parametrize("state, worker, kinds, reason", [
+    (_state(), "w0", ["standby"], wire.NO_WORLD_YET),
+    (_state(version=1, world=WORLD, phase=d.Phase.RUNNING), "spare", ["standby"], wire.HOT_SPARE),
+    (_state(version=1, world=WORLD, phase=d.Phase.RUNNING), "w1", ["world"], None),
+    (_state(version=1, world=WORLD, phase=d.Phase.RUNNING, aborted_version=1), "w1", ["world", "abort"],
+     None),
+    (_state(version=1, world=WORLD, phase=d.Phase.SUCCEEDED, reason="worker w0 reported success"), "w1",
+     ["finished"], "worker w0 reported success"),
+], ids=["no-world", "hot-spare", "member", "member-of-aborted-world", "finished"])
+def test_a_reattaching_worker_first_gets_what_the_stored_state_says_of_it(state, worker, kinds, reason):
+    events = wire.snapshot(state, worker)
+    assert [e.WhichOneof("event") for e in events] == kinds
+    first = getattr(events[0], kinds[0])
+    if kinds[0] == "world":
+        assert first.rank == state.member(worker).rank and first.version == state.version
+    else:
+        assert first.reason == reason
+    if kinds == ["finished"]:
+        assert first.succeeded is True
+
+
+def test_specs_and_members_cross_the_wire_unchanged():
+    spec = d.JobSpec(2, 0, 30.5)
+    assert wire.spec_from_pb(wire.spec_pb(spec)) == spec
+    for m in _members(4, step=2 ** 40):
+        assert wire.member_from_pb(wire.member_pb(m)) == m
