@@ -29,7 +29,7 @@ from .errors import (
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .run import run
-from .runtime import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size, world_version
+from .session import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size, world_version
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 

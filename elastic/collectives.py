@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
+from . import session
 from .communicator import Communicator, Handle
-from .errors import RendezvousError
 from .ops import ReduceOp
-
-_lock = threading.Lock()
-_current: Optional[Communicator] = None
 
 
 def set_communicator(comm: Optional[Communicator]) -> None:
-    """Makes ``comm`` the one the module-level collectives use (the runtime calls this
-    after every re-form; tests call it with a communicator formed by hand)."""
-    global _current
-    with _lock:
-        _current = comm
+    """Makes ``comm`` the ring the module-level collectives use while no session runs (tools
+    and tests that form a ring by hand); the session's own ring always comes first."""
+    session.use_ring(comm)
 
 
 def current_communicator() -> Communicator:
-    comm = _current
-    if comm is None:
-        raise RendezvousError("no communicator: call elastic.init() (or run under elastic.run) first")
-    return comm
+    """The ring the collectives run on now (see ``elastic.session.ring``)."""
+    return session.ring()
 
 
 def allreduce(tensor: Any, op: ReduceOp = ReduceOp.Average) -> Any:

@@ -104,7 +104,9 @@ class CollectiveMismatchError(ElasticError):
 
 
 class ElasticTimeout(ElasticError):
-    """The job stayed below its minimum size for longer than its elastic timeout."""
+    """A wait ran out: the job stayed below its minimum size for longer than its elastic timeout
+    (the rendezvous ended it as failed), or no world included this worker within
+    ``ELASTIC_WORLD_TIMEOUT``."""
 
 
 def _from_native(kind: ErrorKind, message: str, op: str, world_version: int, rank: int, peer: int) -> Exception:

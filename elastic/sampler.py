@@ -1,6 +1,6 @@
 """ElasticSampler: shards an epoch's not-yet-processed samples over the current world.
 
-Semantics (DESIGN.md §6): every rank gets the same number of samples; within an epoch no
+Semantics: every rank gets the same number of samples; within an epoch no
 sample is skipped, and the only repeats are the padding that makes the shards equal (at
 most ``size()-1`` per re-partition).
 
@@ -67,11 +67,11 @@ class ElasticSampler:
     def _world(self):
         if self._fixed_size is not None:
             return (self._fixed_rank or 0), self._fixed_size
-        from . import runtime
-        rt = runtime._runtime
-        if rt is None or rt.world is None:
+        from . import session
+        world = session.current_world()
+        if world is None:
             return 0, 1
-        return rt.world.rank, rt.world.size
+        return world.rank, world.size
 
     def _repartition_if_needed(self) -> None:
         _, size = self._world()

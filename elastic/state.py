@@ -1,7 +1,8 @@
 """Committed training state: commit() takes a copy, restore() rolls back to it, sync() makes
 every rank hold the commit of the most advanced rank.
 
-The protocol, as ``elastic.run`` drives it:
+A ``State`` takes and loads snapshots; when it does is the step protocol of the worker's
+session (``elastic.session``), which ``elastic.run`` drives:
 - ``commit()`` copies everything (state dicts and attributes: copies, not references), then runs
   ``check_membership()``, so a clean join or leave takes effect at the same commit on every rank.
 - on ``WorkerLostError`` every survivor ``restore()``s its last commit;
@@ -30,9 +31,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from . import checkpoint, collectives, runtime, serialization
-from .errors import MembershipChanged
-from .ops import Max
+from . import checkpoint, serialization, session
 
 log = logging.getLogger("elastic")
 
@@ -101,16 +100,7 @@ class State:
         An attribute the sync format cannot carry (a function, a class instance, a set …)
         raises ``TypeError`` naming it, before anything is copied: the last commit stays.
         """
-        view = self.live()
-        self._check_committable(view)
-        self._take_snapshot(view)
-        object.__setattr__(self, "commit_step", self.commit_step + 1)
-        rt = runtime._runtime
-        if rt is not None:
-            rt.record_commit(self.commit_step)
-        if self._checkpoint_dir and self.commit_step % self._checkpoint_every == 0 and _rank_or_zero() == 0:
-            self._write_checkpoint()
-        self.check_membership()
+        session.commit(self)
 
     def restore(self) -> None:
         """Rolls the live state back to the last commit (no-op before the first)."""
@@ -118,55 +108,30 @@ class State:
             self.load(self._snapshot)
 
     def check_membership(self) -> None:
-        """Raises MembershipChanged on every rank at once when a clean join/leave is pending.
-
-        One 4-byte allreduce: a rank that has heard of the change tells all the others, so
-        they all switch at this same commit.
-        """
-        rt = runtime._runtime
-        comm = collectives.current_communicator()
-        flag = np.array([1 if rt is not None and rt.membership_pending() else 0], dtype=np.int32)
-        comm.allreduce_(flag, Max)
-        if flag[0]:
-            raise MembershipChanged(f"membership of world version {comm.world_version} changed; re-forming")
+        """Raises MembershipChanged on every rank at once when a clean join/leave is pending."""
+        session.check_membership()
 
     def sync(self) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""
-        comm = collectives.current_communicator()
-        steps = comm.allgather(np.array([self.commit_step], dtype=np.int64))
-        root = int(np.argmax(steps))  # the lowest rank among those with the highest step
-        step = int(steps[root])
-        if comm.rank == root:
-            try:
-                encoded = self._encode_for_sync(step, root)
-            except Exception:
-                # Told before failing, no rank waits for a state that is not coming.
-                comm.broadcast_(np.array([-1], dtype=np.int64), root_rank=root)
-                raise
-            size = np.array([encoded.nbytes], dtype=np.int64)
-        else:
-            size = np.zeros(1, dtype=np.int64)
-        comm.broadcast_(size, root_rank=root)
-        if size[0] < 0:
-            raise ValueError(f"sync in world version {comm.world_version}: rank {root}, which holds the most "
-                             f"advanced commit ({step}), could not send its state; its own error says why")
-        payload = np.empty(int(size[0]), dtype=np.uint8)
-        if comm.rank == root:
-            encoded.copy_into(payload)
-        comm.broadcast_(payload, root_rank=root)
-        # Every rank, the root too, loads the same bytes: identical state by construction.
-        step, snapshot = _decode_sync(payload, root, comm.world_version)
-        self.load(snapshot)
-        self._take_snapshot()
-        object.__setattr__(self, "commit_step", step)
-        rt = runtime._runtime
-        if rt is not None:
-            rt.record_commit(step)
+        session.sync(self)
 
-    def _encode_for_sync(self, step: int, root: int) -> serialization.Encoded:
-        """The root's (step, state) to broadcast: a durable commit at the job's first sync, else
-        its live state (encoded as views, copied into the payload right away)."""
-        durable = self._read_checkpoint() if step < 0 and root == 0 else None
+    # -- snapshots, as the session's step protocol takes and loads them
+    def take_snapshot(self) -> None:
+        """The in-memory half of ``commit()``: check, copy, and count the commit."""
+        view = self.live()
+        self._check_committable(view)
+        self._take_snapshot(view)
+        object.__setattr__(self, "commit_step", self.commit_step + 1)
+
+    def checkpoint_due(self) -> bool:
+        """The commit just taken is one to write durably."""
+        return bool(self._checkpoint_dir) and self.commit_step % self._checkpoint_every == 0
+
+    def encode_for_sync(self, step: int, from_checkpoint: bool) -> serialization.Encoded:
+        """The sync root's (step, state) to broadcast: the newest durable commit when asked to
+        (the job's first sync) and there is one, else its live state (encoded as views, copied
+        into the payload right away)."""
+        durable = self._read_checkpoint() if from_checkpoint else None
         if durable is not None:
             step, snapshot = durable
         else:
@@ -174,8 +139,17 @@ class State:
             self._check_committable(snapshot)  # names an attribute set since the last commit
         return serialization.encode((step, snapshot))
 
+    def adopt_synced(self, payload: np.ndarray, root: int, world_version: int) -> int:
+        """Loads the (step, state) that rank ``root`` sent in a sync, makes it the last commit,
+        and returns its step."""
+        step, snapshot = _decode_sync(payload, root, world_version)
+        self.load(snapshot)
+        self._take_snapshot()
+        object.__setattr__(self, "commit_step", step)
+        return step
+
     # -- durable commits
-    def _write_checkpoint(self) -> None:
+    def write_checkpoint(self) -> None:
         checkpoint.write(self._checkpoint_dir, self.commit_step, self._snapshot)
 
     def _read_checkpoint(self) -> Optional[Tuple[int, Any]]:
@@ -199,11 +173,6 @@ def _decode_sync(payload: np.ndarray, root: int, world_version: int) -> Tuple[in
     if type(value) is not tuple or len(value) != 2 or type(value[0]) is not int or value[0] < -1:
         raise ValueError(f"sync in world version {world_version}: rank {root} sent no (commit step, state) pair")
     return value
-
-
-def _rank_or_zero() -> int:
-    rt = runtime._runtime
-    return rt.world.rank if rt is not None and rt.world is not None else 0
 
 
 class ObjectState(State):

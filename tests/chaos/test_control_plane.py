@@ -9,11 +9,9 @@ import signal
 import time
 import uuid
 
-import grpc
 import pytest
 
-from rendezvous._proto import rendezvous_pb2 as pb
-from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.client import StatusClient, StatusError
 from tests.rendezvous.rdzv_helpers import ServerProc
 from tests.waiting import wait_until
 
@@ -52,16 +50,16 @@ def servers(tmp_path, cluster):
 
 def leader_id(address: str):
     try:
-        with grpc.insecure_channel(address) as ch:
-            return pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(), timeout=2).leader_id
-    except grpc.RpcError:
+        with StatusClient([address]) as status:
+            return status.status(timeout_s=2).leader_id
+    except StatusError:
         return None
 
 
 def job_phase(address: str, job_id: str = "job"):
-    with grpc.insecure_channel(address) as ch:
-        (status,) = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=job_id), timeout=5).jobs
-    return status.phase
+    with StatusClient([address]) as status:
+        (job,) = status.status(job_id, timeout_s=5).jobs
+    return job.phase
 
 
 def steps_between(job, t0: float, t1: float) -> int:

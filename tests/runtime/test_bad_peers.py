@@ -10,9 +10,10 @@ even though it is alive (it answers probes); nobody ends with ValueError or a se
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
-from rendezvous.client import Ended, JobSpec, RendezvousClient
+from rendezvous.client import Ended, JobSpec, RendezvousClient, RendezvousRPCError
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.native import wire
 
@@ -76,7 +77,9 @@ def test_an_unusable_address_report_evicts_only_when_a_member_of_that_world_make
         members = [m.worker_id for m in world.members]
         standby = next(w for w in clients if w not in members)
         reporter, suspect = members
-        assert clients[standby].report_failure(suspect, world.version, reason="r", unusable_address=True) is False
+        with pytest.raises(RendezvousRPCError) as refused:
+            clients[standby].report_failure(suspect, world.version, reason="r", unusable_address=True)
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert clients[reporter].report_failure(suspect, world.version, reason="r", unusable_address=True) is True
     finally:
         for c in clients.values():
