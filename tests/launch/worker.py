@@ -4,7 +4,9 @@ Knobs (environment): LW_OUT directory for pid-<worker>.txt; LW_STEPS steps (defa
 LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank;
 LW_RAISE_AFTER_RUN=WORKER that worker raises RuntimeError after the job completed;
 LW_EXIT_AFTER_RUN=WORKER:CODE that worker exits with CODE after the job completed.
-Prints "start" first (before any world), "step S size N" after every step and "done" at the end.
+Prints "start" first (before any world), "step S size N" after every step, "done" at the end,
+then what the worker sees after elastic.run returned: "result R", "after rank R size N
+version V", and the class of the error a collective raises then.
 """
 
 import logging
@@ -42,10 +44,18 @@ def train(state):
         time.sleep(SLEEP)
         if state.step % 2 == 0:
             state.commit()
+    return state.total
 
 
-train(state)
+result = train(state)
 print("done", flush=True)
+print(f"result {result}", flush=True)
+print(f"after rank {elastic.rank()} size {elastic.size()} version {elastic.world_version()}", flush=True)
+try:
+    elastic.allreduce(np.ones(1, dtype=np.float32))
+    print("collective after run: ran", flush=True)
+except elastic.RendezvousError as e:
+    print(f"collective after run: {type(e).__name__}: {e}", flush=True)
 if os.environ.get("LW_RAISE_AFTER_RUN") == WORKER:
     raise RuntimeError("failed after training")
 after, _, code = os.environ.get("LW_EXIT_AFTER_RUN", "").partition(":")

@@ -48,7 +48,7 @@ def workers():
         p.kill()
 
 
-# Issue 3: a crashed worker is evicted and the next world announced within 0.3 s, settle window (0.2 s
+# A crashed worker is evicted and the next world announced within 0.3 s, settle window (0.2 s
 # by default) included. Measured from SIGKILL to the moment a survivor process holds the next world;
 # the stated margin of 0.2 s covers a loaded 2-core CI machine (process scheduling, etcd fsync).
 CRASH_TO_WORLD_TARGET_S = 0.3
