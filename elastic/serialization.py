@@ -14,7 +14,7 @@ What it carries, exactly (anything else is refused with ``TypeError`` naming it 
 | --- | --- |
 | ``None``, ``bool``, ``int`` (any size), ``float``, ``complex``, ``str``, ``bytes`` | the same, bit-exact (NaN payloads, -0.0 included); subclasses (an ``IntEnum``, a ``numpy.float64``) are not these types: numpy scalars are carried as numpy scalars, the rest is refused |
 | ``list``, ``tuple`` | ``list``, ``tuple`` |
-| ``dict`` | ``dict``, insertion order kept; keys are ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str`` or ``bytes`` |
+| ``dict`` | ``dict``, insertion order kept; keys are ``None``, ``bool``, 64-bit ``int``, ``str`` or ``bytes`` (what ``state_dict()`` uses; floats and big ints hash to chosen collisions, which would make decoding quadratic) |
 | ``collections.OrderedDict`` | ``OrderedDict`` with the same ``_metadata`` (what ``Module.state_dict()`` attaches); no other attribute |
 | ``torch.Tensor``, ``torch.nn.Parameter`` | a new contiguous CPU ``torch.Tensor`` that owns its memory: same dtype, shape and bits; ``requires_grad`` False (what ``state_dict()`` gives); any device is read through host memory; sparse, quantized, nested, meta tensors and other subclasses are refused |
 | ``numpy.ndarray`` (bool, int, uint, float, complex dtypes) | a new C-contiguous ``ndarray`` that owns its memory, same shape and values, little-endian dtype; subclasses (``np.matrix``, masked arrays, memmaps) are refused |
@@ -69,8 +69,10 @@ NONE, FALSE, TRUE, INT, BIGINT, FLOAT, COMPLEX, STR, BYTES = range(9)
 LIST, TUPLE, DICT, ORDERED_DICT = 16, 17, 18, 19
 TENSOR, NDARRAY, NP_SCALAR, SIZE, DTYPE = 32, 33, 34, 35, 36
 
-_KEY_TAGS = frozenset((NONE, FALSE, TRUE, INT, BIGINT, FLOAT, COMPLEX, STR, BYTES))
-_KEY_TYPES = (type(None), bool, int, float, complex, str, bytes)
+# Dict keys: str and bytes hash with a per-process random key; 64-bit ints collide at most a few
+# at a time. Floats and big ints can be picked to share one hash, making a dict quadratic to build.
+_KEY_TAGS = frozenset((NONE, FALSE, TRUE, INT, STR, BYTES))
+_KEY_TYPES = (type(None), bool, int, str, bytes)
 
 # torch dtypes by code (part of the format). Resolved by these fixed names when torch is first
 # needed; a name this torch lacks is simply not carried.
@@ -279,9 +281,9 @@ class _Encoder:
         self.small.append(ORDERED_DICT if ordered else DICT)
         self.small += _U64.pack(len(obj))
         for k, v in obj.items():
-            if type(k) not in _KEY_TYPES:
-                raise _Refused(f"a dict key of type {_type_name(k)} (keys may be None, bool, int, float, complex, "
-                               "str or bytes)")
+            if type(k) not in _KEY_TYPES or (type(k) is int and not -(1 << 63) <= k < (1 << 63)):
+                what = "an int key beyond 64 bits" if type(k) is int else f"a dict key of type {_type_name(k)}"
+                raise _Refused(f"{what} (keys may be None, bool, a 64-bit int, str or bytes)")
             try:
                 self.value(k, depth + 1)
                 self.value(v, depth + 1)
@@ -499,7 +501,8 @@ class _Decoder:
         for _ in range(self.length("a dict length")):
             key_at = self.pos
             if self.pos < len(self.data) and self.data[self.pos] not in _KEY_TAGS:
-                raise self.fail(key_at, f"a dict key with tag {self.data[self.pos]} (keys are scalars)")
+                raise self.fail(key_at, f"a dict key with tag {self.data[self.pos]} (keys are None, bool, "
+                                        "64-bit int, str or bytes)")
             key = self.value(depth + 1)
             if key in out:
                 raise self.fail(key_at, f"dict key {key!r} appears twice")
