@@ -33,6 +33,7 @@ from rendezvous.client import Ended, JobSpec, RendezvousClient, WorldInfo
 from rendezvous.client import RendezvousRPCError as _ClientError
 
 from . import reaction
+from ._native import ErrorKind
 from .communicator import Communicator, Listener
 from .config import WorkerConfig
 from .errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged, RendezvousError,
@@ -418,7 +419,16 @@ def sync(state) -> None:
     if comm.rank == root:
         encoded.copy_into(payload)
     comm.broadcast_(payload, root_rank=root)
-    step = state.adopt_synced(payload, root, comm.world_version)
+    try:
+        step, snapshot = state.decode_synced(payload, root, comm.world_version)
+    except ValueError as e:
+        if comm.rank == root:
+            raise
+        # Bytes that are not a state of this job's shape: the root's failure, as any peer that
+        # breaks the protocol. Reported and evicted; the rest sync from the next world's root.
+        raise BadPeerError(str(e), op="sync", world_version=comm.world_version, rank=comm.rank, peer=root,
+                           kind=ErrorKind.BadPeer) from None
+    state.adopt_synced(step, snapshot)
     s = _session
     if s is not None:
         s.record_commit(step)

@@ -139,14 +139,25 @@ class State:
             self._check_committable(snapshot)  # names an attribute set since the last commit
         return serialization.encode((step, snapshot))
 
-    def adopt_synced(self, payload: np.ndarray, root: int, world_version: int) -> int:
-        """Loads the (step, state) that rank ``root`` sent in a sync, makes it the last commit,
-        and returns its step."""
+    def decode_synced(self, payload: np.ndarray, root: int, world_version: int) -> Tuple[int, Any]:
+        """The (step, state) that rank ``root`` sent in a sync; ValueError when it is not data of
+        the format or not shaped like this state (``check_shape``)."""
         step, snapshot = _decode_sync(payload, root, world_version)
+        try:
+            self.check_shape(snapshot)
+        except ValueError as e:
+            raise ValueError(f"sync in world version {world_version}: the state rank {root} sent does not fit "
+                             f"this {type(self).__name__}: {e}") from None
+        return step, snapshot
+
+    def adopt_synced(self, step: int, snapshot: Any) -> None:
+        """Loads a synced (step, state) and makes it the last commit."""
         self.load(snapshot)
         self._take_snapshot()
         object.__setattr__(self, "commit_step", step)
-        return step
+
+    def check_shape(self, snapshot: Any) -> None:
+        """ValueError unless ``snapshot`` is shaped like what ``live()`` gives (subclasses say)."""
 
     # -- durable commits
     def write_checkpoint(self) -> None:
@@ -253,6 +264,13 @@ class ObjectState(State):
             if k not in self._names:
                 self._names.append(k)
 
+    def check_shape(self, snapshot: Any) -> None:
+        if type(snapshot) is not dict or type(snapshot.get("attrs")) is not dict:
+            raise ValueError("expected a dict with an 'attrs' dict")
+        if "handlers" in snapshot and type(snapshot["handlers"]) is not dict:
+            raise ValueError("'handlers' is not a dict")
+        self._check_attribute_names(snapshot)
+
     def load(self, snapshot: Any) -> None:
         self._check_attribute_names(snapshot)
         self._load_attributes(snapshot["attrs"])
@@ -304,6 +322,12 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             view["optimizer"] = self.optimizer.state_dict()
         return view
+
+    def check_shape(self, snapshot: Any) -> None:
+        super().check_shape(snapshot)
+        for part in ("model", "optimizer"):
+            if part in snapshot and not isinstance(snapshot[part], dict):
+                raise ValueError(f"'{part}' is not a state dict")
 
     def load(self, snapshot: Any) -> None:
         self._check_attribute_names(snapshot)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import elastic
-from elastic import checkpoint, collectives
+from elastic import checkpoint, collectives, serialization
 from tests.chaos.checks import EPOCHS, check_identical
 from tests.native.harness import run_world
 
@@ -141,20 +141,45 @@ def _hostile_sync_root(marker, comm):
         return None
     state = build(seed=0, optimizer="sgd")
     held = digest(state)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(elastic.BadPeerError) as e:   # the root's failure: reported and evicted
         state.sync()
-    return str(e.value), digest(state) == held, os.path.exists(marker)
+    return str(e.value), e.value.peer_rank, digest(state) == held, os.path.exists(marker)
 
 
-def test_a_planted_pickle_sent_as_sync_state_is_not_unpickled_and_fails_clearly(tmp_path):
+def test_a_planted_pickle_sent_as_sync_state_is_not_unpickled_and_blames_the_root(tmp_path):
     marker = str(tmp_path / "pwned")
     prove_it_bites(planted_torch_save(marker), marker)
     results = world(3, _hostile_sync_root, marker)
-    for message, unchanged, marked in (results[0], results[2]):
+    for message, blamed, unchanged, marked in (results[0], results[2]):
         assert "the state rank 1 sent is malformed" in message and "not elastic.serialization data" in message
+        assert blamed == 1
         assert unchanged, "a refused sync loads nothing"
         assert not marked
     assert not os.path.exists(marker)
+
+
+def _root_sending_well_formed_data_of_another_shape(payload, comm):
+    collectives.set_communicator(comm)
+    if comm.rank == 1:
+        comm.allgather(np.array([10 ** 9], dtype=np.int64))
+        data = np.frombuffer(payload, dtype=np.uint8).copy()
+        comm.broadcast_(np.array([data.size], dtype=np.int64), root_rank=1)
+        comm.broadcast_(data, root_rank=1)
+        return None
+    state = build(seed=0, optimizer="sgd")
+    held = digest(state)
+    with pytest.raises(elastic.BadPeerError) as e:
+        state.sync()
+    return str(e.value), e.value.peer_rank, digest(state) == held
+
+
+@pytest.mark.parametrize("value", [(5, 7), (5, {"noattrs": 1}), (5, {"attrs": {}, "model": 3})],
+                         ids=["not-a-dict", "no-attrs", "model-not-a-dict"])
+def test_a_sync_state_of_the_wrong_shape_blames_the_root_and_loads_nothing(value):
+    results = world(3, _root_sending_well_formed_data_of_another_shape, serialization.dumps(value))
+    for message, blamed, unchanged in (results[0], results[2]):
+        assert "the state rank 1 sent does not fit this TorchState" in message, message
+        assert blamed == 1 and unchanged
 
 
 def _root_with_an_attribute_it_cannot_send(comm):
