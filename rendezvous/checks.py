@@ -76,7 +76,9 @@ async def check_ring_address(address: str, resolver: concurrent.futures.Executor
     except ValueError:
         ip = None
     if ip is not None:
-        if ip.is_unspecified or ip.is_multicast:
+        mapped = getattr(ip, "ipv4_mapped", None)   # ::ffff:0.0.0.0 is the IPv4 wildcard too
+        if any(a is not None and (a.is_unspecified or a.is_multicast) for a in (ip, mapped)) or \
+                ip == ipaddress.IPv4Address("255.255.255.255"):
             raise bad("ring_address", address, not_wildcard)
         return
     if not host:

@@ -34,7 +34,7 @@ class Job:
     outbox: list = field(default_factory=list)          # (seq, action, world-at-action)
     streams: dict = field(default_factory=dict)         # worker_id -> Stream
     attach_deadline: dict = field(default_factory=dict)  # worker_id -> (wall time, why evicted)
-    probes: dict = field(default_factory=dict)          # nonce -> Future
+    probes: dict = field(default_factory=dict)          # nonce -> (worker id probed, Future)
     durable: asyncio.Condition = field(default_factory=asyncio.Condition)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     flushing: bool = False

@@ -95,7 +95,7 @@ class FailureReports:
         self._nonce += 1
         nonce = self._nonce
         fut = asyncio.get_running_loop().create_future()
-        job.probes[nonce] = fut
+        job.probes[nonce] = (suspect, fut)
         svc.send(job, suspect, pb.WatchEvent(probe=pb.Probe(nonce=nonce)))
         deadline = time.monotonic() + heartbeat_timeout_s + 0.25
         try:

@@ -149,7 +149,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             for stream in job.streams.values():
                 stream.closed_by_server = True   # the client reconnects to the new leader
                 stream.queue.put_nowait(END)
-            for fut in job.probes.values():
+            for _, fut in job.probes.values():
                 fut.cancel()
         self.jobs = {}
         if not self.stopping:
@@ -507,8 +507,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         checks.check_step(request.committed_step)
         job, w = self._session(request.session_id)
         if request.probe_nonce:
-            fut = job.probes.get(request.probe_nonce)
-            if fut is not None and not fut.done():
+            probed, fut = job.probes.get(request.probe_nonce, (None, None))
+            # Only the probed worker's own session proves it alive: another member answering
+            # for it would keep a dead peer in the world.
+            if fut is not None and probed == w.worker_id and not fut.done():
                 fut.set_result(w.worker_id)
         if request.committed_step > w.committed_step:
             self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))

@@ -337,6 +337,7 @@ def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(ser
     ("0.0.0.0:5000", "wildcard"), ("[::]:5000", "wildcard"), ("0.0.0.0:1", "wildcard"),
     (":5000", "HOST:PORT"), ("127.0.0.1:0", "port 1..65535"), ("127.0.0.1:65536", "port 1..65535"),
     ("no-such-host.invalid:5000", "resolve"), ("224.0.0.1:5000", "wildcard"),
+    ("[::ffff:0.0.0.0]:5000", "wildcard"), ("255.255.255.255:5000", "wildcard"),
     ("[127.0.0.1:5000", "HOST:PORT")])
 def test_a_ring_address_no_peer_could_connect_to_is_refused_at_join(stub, address, why):
     req = good_join("addresses", "w-bad")

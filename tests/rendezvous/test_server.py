@@ -152,6 +152,45 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve):
     a.close()
 
 
+def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve):
+    s = serve(heartbeat_timeout_s=1.0)
+    job = unique("job")
+    a = make_client(s.address, "a", job_id=job)
+    a.join()
+    raw = stub(s)
+    sessions = {}
+    for w in ("b", "c"):   # b never answers its probes; c would answer them for it
+        sessions[w] = raw.Join(pb.JoinRequest(job_id=job, worker_id=w, host="h", ring_address="127.0.0.1:5",
+                                              committed_step=-1), timeout=5).session_id
+    calls = {w: raw.Watch(pb.WatchRequest(session_id=sid), timeout=30) for w, sid in sessions.items()}
+    streams = {w: iter(call) for w, call in calls.items()}
+    for it in streams.values():
+        next(it)
+    world = wait_until(lambda: a.world if a.world and a.world.size == 3 else None, 5.0, "3-world")
+    answered = []
+
+    def answer_for_b():
+        for ev in streams["b"]:
+            if ev.WhichOneof("event") == "probe":
+                raw.Heartbeat(pb.HeartbeatRequest(session_id=sessions["c"], committed_step=-1,
+                                                  probe_nonce=ev.probe.nonce), timeout=5)
+                answered.append(ev.probe.nonce)
+                return
+
+    import threading
+    t = threading.Thread(target=answer_for_b, daemon=True)
+    t.start()
+    resp = raw.ReportFailure(pb.ReportFailureRequest(session_id=sessions["c"], world_version=world.version,
+                                                     suspect_worker_id="b", reason="timeout"), timeout=10)
+    t.join(5)
+    assert answered, "b was never probed"
+    # c's answer did not count: b's connection stayed alive, so the world is re-formed, not trusted.
+    assert not resp.evicted and "did not answer the probe" in resp.detail, resp.detail
+    for call in calls.values():
+        call.cancel()
+    a.close()
+
+
 async def _detach(s, job, worker):
     """Forget a worker's stream without evicting it (what a new leader starts with)."""
     from rendezvous.jobs import END
