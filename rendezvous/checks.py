@@ -10,6 +10,7 @@ import concurrent.futures
 import ipaddress
 import re
 import socket
+import time
 
 import grpc
 
@@ -53,11 +54,54 @@ def shown(text: str, limit: int = SHOWN_CHARS) -> str:
     return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
-async def check_ring_address(address: str, resolver: concurrent.futures.Executor) -> None:
+class Resolver:
+    """Host-name lookups for Join, on threads of their own and bounded.
+
+    getaddrinfo cannot be cancelled: a lookup that hangs (a name in a zone that never answers)
+    keeps its thread after Join has given up on it. So each caller (credential) may have
+    `per_caller` lookups in flight and all callers together at most `threads`; a Join waits up to
+    the lookup timeout for a slot, then is refused RESOURCE_EXHAUSTED (retry, or announce an IP
+    address), never blamed on the address, and one token's hanging names cannot hold every
+    other tenant's Joins."""
+
+    def __init__(self, threads: int = 8, per_caller: int = 2):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rdzv-resolve")
+        self._threads, self._per_caller = threads, per_caller
+        self._busy: dict = {}
+
+    async def lookup(self, host: str, port: int, caller: str) -> list:
+        deadline = time.monotonic() + RESOLVE_TIMEOUT_S
+        while self._busy.get(caller, 0) >= self._per_caller or sum(self._busy.values()) >= self._threads:
+            if time.monotonic() >= deadline:
+                raise RpcRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"too many host-name lookups in flight to check ring address {host!r}: retry, "
+                                 "or announce an IP address (ELASTIC_RING_HOST)")
+            await asyncio.sleep(0.01)
+        self._busy[caller] = self._busy.get(caller, 0) + 1
+
+        def done(f):
+            if not f.cancelled():
+                f.exception()   # retrieved: Join may have stopped waiting for it
+            left = self._busy.get(caller, 1) - 1
+            if left:
+                self._busy[caller] = left
+            else:
+                self._busy.pop(caller, None)
+
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._pool, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+        fut.add_done_callback(done)   # when the thread is done, not when Join stops waiting
+        return await asyncio.wait_for(asyncio.shield(fut), RESOLVE_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+async def check_ring_address(address: str, resolver: Resolver, caller: str = "") -> None:
     """INVALID_ARGUMENT unless every member could connect to `address`: HOST:PORT, port
     1..65535, not a wildcard, an IP literal or a name that resolves (within a second, on
-    `resolver`'s threads). Checked at Join, once, because a bad address in a world would make
-    every member's ring fail."""
+    `resolver`'s threads; `caller` is whose lookup it is). Checked at Join, once, because a bad
+    address in a world would make every member's ring fail."""
     rule = "HOST:PORT with port 1..65535"
     if not ADDR_RE.fullmatch(address):
         raise bad("ring_address", address, rule)
@@ -83,10 +127,8 @@ async def check_ring_address(address: str, resolver: concurrent.futures.Executor
         return
     if not host:
         raise bad("ring_address", address, not_wildcard)
-    loop = asyncio.get_running_loop()
     try:
-        infos = await asyncio.wait_for(loop.run_in_executor(
-            resolver, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM), RESOLVE_TIMEOUT_S)
+        infos = await resolver.lookup(host, port, caller)
     except asyncio.TimeoutError:
         raise bad("ring_address", address, f"a host name that resolves; {host} did not "
                                            f"within {RESOLVE_TIMEOUT_S:g} s") from None

@@ -84,8 +84,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.reports = FailureReports(self)
         # Name lookups of ring addresses get threads of their own: a slow resolver must not hold
         # the default executor, where the store's calls (and the leader's lease refresh) run.
-        self._resolver = concurrent.futures.ThreadPoolExecutor(max_workers=4,
-                                                               thread_name_prefix="rdzv-resolve")
+        self._resolver = checks.Resolver()
 
     # ----------------------------------------------------------------------------- leadership
     @property
@@ -175,7 +174,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                     pass
         self._leading = False
         await self.leadership.resign()
-        self._resolver.shutdown(wait=False)
+        self._resolver.shutdown()
 
     async def _leader_hint(self) -> str:
         try:
@@ -336,12 +335,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                   f"invalid session_id: expected a session of worker {request.worker_id}"
                                   f" in job {request.job_id} as a Join returned it, or none")
             previous = parsed[1], parsed[3]
-        await checks.check_ring_address(request.ring_address, self._resolver)
         caller = auth.caller()
         job = self.jobs.get(request.job_id)
         if job is not None and not auth.owns(job.state, caller):
             raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED,
                               f"job {request.job_id} belongs to another token: this one cannot join it")
+        await checks.check_ring_address(request.ring_address, self._resolver, caller)
         if job is not None and job.closing:
             raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, f"job {request.job_id} is being removed or "
                                                            f"replaced; retry")

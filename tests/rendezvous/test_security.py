@@ -484,3 +484,38 @@ def test_a_running_job_stored_by_an_older_server_is_refused_not_joined_without_a
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "older server" in details
     finally:
         s.stop()
+
+
+def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub, monkeypatch):
+    # A zone that never answers: every lookup of a *.hang.test name blocks until released.
+    import socket
+    import threading
+    import time
+
+    from rendezvous import checks
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *a, **kw):
+        if str(host).endswith(".hang.test"):
+            release.wait(30)
+            raise socket.gaierror(socket.EAI_NONAME, "released")
+        return real(host, *a, **kw)
+
+    monkeypatch.setattr(checks.socket, "getaddrinfo", getaddrinfo)
+    try:
+        codes = []
+        for i in range(6):   # more than the pool has threads, all from the other tenant
+            req = good_join("hang-b", f"b{i}")
+            req.ring_address = f"n{i}.hang.test:5000"
+            codes.append(code_of(stub.Join, req, timeout=10, metadata=OTHER_AUTH)[0])
+        # Its own lookups time out (INVALID_ARGUMENT naming the name) or find no slot.
+        assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        req = good_join("hang-a", "a0")
+        req.ring_address = "localhost:5001"
+        started = time.monotonic()
+        code, details = code_of(stub.Join, req, timeout=10, metadata=AUTH)
+        assert code == grpc.StatusCode.OK, details
+        assert time.monotonic() - started < checks.RESOLVE_TIMEOUT_S + 0.5
+    finally:
+        release.set()
