@@ -28,7 +28,8 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
     """Decorator: ``@elastic.run`` or ``@elastic.run(checkpoint_dir=..., checkpoint_every=10)``.
 
     The decorated function takes the ``State`` as its first argument. ``checkpoint_dir`` turns
-    on durable commits (every ``checkpoint_every``-th commit is written by rank 0); ``reset_limit``
+    on durable commits (every ``checkpoint_every``-th commit is written by rank 0, on a background
+    thread, finished before ``run`` returns); ``reset_limit``
     (default ``ELASTIC_RESET_LIMIT``, 0 = none) bounds the number of re-forms.
 
     Returns what the function returns. A worker that the job finished without (another
@@ -48,6 +49,11 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
             state.enable_durable_commits(checkpoint_dir, checkpoint_every)
         s = session.init(form=False)  # join only: forming happens in the loop, with recovery
         limit = s.config.reset_limit if reset_limit is None else reset_limit
-        return s.run(func, state, args, kwargs, limit)
+        try:
+            return s.run(func, state, args, kwargs, limit)
+        finally:
+            # The last durable commit may still be on the writer thread: a job that ended has
+            # it on disk before the code after training runs (a deadline, logged if missed).
+            state.finish_durable_commits()
 
     return wrapper
