@@ -58,6 +58,7 @@ _LEGACY_NAME = "elastic-commit.pt"  # pickle files of earlier versions: never re
 # At the end of elastic.run and at process exit, how long the write in flight may take to finish:
 # less than the 30 s the launcher gives workers to exit after the job succeeded.
 FINISH_TIMEOUT_S = 20.0
+IDLE_EXIT_S = 30.0  # a writer thread with nothing to write for this long ends
 NOTABLE_WAIT_S = 0.1  # a commit that waited this long for the previous write says so (a warning)
 
 
@@ -282,7 +283,7 @@ class DurableWriter:
                         "durable commit %d waited %.1f s for the write of commit %d to %s", step, waited, previous,
                         self.directory)
             self._job = (step, snapshot)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="elastic-durable-writer", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
@@ -314,13 +315,20 @@ class DurableWriter:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                idle_until = time.monotonic() + IDLE_EXIT_S
                 while self._job is None:
-                    self._cond.wait(1.0)
+                    left = idle_until - time.monotonic()
+                    if left <= 0:
+                        # Idle: the thread ends (the next submit starts another), so a State
+                        # dropped by its owner leaves no thread behind.
+                        self._thread = None
+                        return
+                    self._cond.wait(left)
                 step, snapshot = self._job
             path = os.path.join(self.directory, file_name(step))
             try:
                 self.write_file(self.directory, step, snapshot)
-            except Exception as e:  # this thread must outlive any one write, or no commit is ever durable again
+            except BaseException as e:  # noqa: B036 - a thread that died here would hold the job forever
                 log.error("durable commit %d could not be written to %s: %s; the in-memory commit stands and the "
                           "next durable commit tries again", step, path, _reason(e))
                 failed: Optional[Tuple[int, str]] = (step, _reason(e))

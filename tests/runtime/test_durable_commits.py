@@ -21,6 +21,8 @@ import torch
 import elastic
 from elastic import checkpoint, collectives, serialization
 
+from tests.waiting import wait_until
+
 from .jobs import REPO
 
 
@@ -249,6 +251,16 @@ def test_a_failed_write_is_logged_with_path_and_reason_and_the_next_durable_comm
     assert payload_of(str(directory / checkpoint.file_name(2))) == expected
     assert state._writer.failed is None and state._writer.written == 2
     assert "after the write of commit 0 failed" in caplog.text
+
+
+def test_the_writer_thread_ends_when_idle_and_a_later_commit_starts_another(solo, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "IDLE_EXIT_S", 0.2)
+    state = make_state(tmp_path / "ckpt", every=1)
+    for i in range(2):
+        advance(state, i)
+        state.commit()
+        wait_until(lambda: state._writer._thread is None, 10, "the idle writer thread to end")
+        assert checkpoint.read_latest(str(tmp_path / "ckpt"))[0] == i
 
 
 # --------------------------------------------------------------------------- the end
