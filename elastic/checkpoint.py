@@ -21,10 +21,16 @@ and takes the one before.
 Anyone who can write the directory decides what every worker resumes from, so it must be owned
 by this user and writable by no one else, and no directory above it may let another user
 replace it (group/other write without the sticky bit).
+
+``DurableWriter`` writes them on a thread of its own, so the training thread never waits for
+the disk: a commit hands over its in-memory snapshot and goes on. One write at a time; a
+commit that finds the previous one still running waits for it (a bounded time, logged), and a
+failed write is logged and the next durable commit tries again.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -32,6 +38,9 @@ import re
 import stat
 import struct
 import tempfile
+import threading
+import time
+import weakref
 from typing import Any, List, Optional, Tuple
 
 from . import serialization
@@ -46,6 +55,11 @@ _HEADER = struct.Struct("<8sIqQ")
 _DIGEST = 32
 _NAME = re.compile(r"elastic-commit-(\d{1,19})\.ckpt")
 _LEGACY_NAME = "elastic-commit.pt"  # pickle files of earlier versions: never read
+# At the end of elastic.run and at process exit, how long the write in flight may take to finish:
+# less than the 30 s the launcher gives workers to exit after the job succeeded.
+FINISH_TIMEOUT_S = 20.0
+IDLE_EXIT_S = 30.0  # a writer thread with nothing to write for this long ends
+NOTABLE_WAIT_S = 0.1  # a commit that waited this long for the previous write says so (a warning)
 
 
 def file_name(step: int) -> str:
@@ -208,5 +222,149 @@ def read_latest(directory: str) -> Optional[Tuple[int, Any, str]]:
     return None
 
 
-__all__ = ["MAGIC", "VERSION", "KEEP", "file_name", "check_directory", "prepare_directory", "write", "read_file",
-           "read_latest"]
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"{e.strerror}{where}"
+    return f"{type(e).__name__}: {e}"
+
+
+class DurableWriter:
+    """Writes the durable commits of one directory on a background thread, one at a time.
+
+    ``submit(step, snapshot)`` hands over a snapshot and returns at once unless the previous
+    write is still running: then it waits for it, at most ``wait_s`` (logging the time waited),
+    and past that leaves this commit unwritten (logged). While the writer ``holds()`` a
+    snapshot, its owner must not change it: ``State`` copies its next commit into fresh
+    buffers rather than into the one being written. A failed write (a full disk, an I/O error,
+    a directory that went away) is logged with the path and the reason and changes nothing
+    else; the next submitted commit is written as usual. ``finish()`` waits for the write in
+    flight, with a deadline; every writer still busy at process exit is finished too.
+
+    ``write_file`` (``write``) is what writes one file; tests replace it to slow the disk down.
+    """
+
+    write_file = staticmethod(write)
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._cond = threading.Condition()
+        self._job: Optional[Tuple[int, Any]] = None  # (step, snapshot) handed over and not yet written
+        self._thread: Optional[threading.Thread] = None
+        self.written: Optional[int] = None  # step of the last commit written
+        self.failed: Optional[Tuple[int, str]] = None  # (step, reason) of the last failure, until a write succeeds
+        _writers.add(self)
+
+    def holds(self, snapshot: Any) -> bool:
+        """Whether ``snapshot`` is handed over and not yet written (its buffers are being read)."""
+        with self._cond:
+            return self._job is not None and self._job[1] is snapshot
+
+    def pending(self) -> Optional[int]:
+        """The step of the commit handed over and not yet written, or None."""
+        with self._cond:
+            return None if self._job is None else self._job[0]
+
+    def submit(self, step: int, snapshot: Any, wait_s: float) -> bool:
+        """Hands ``snapshot`` (commit ``step``) to the writer; False (logged) when the previous
+        write was still running after ``wait_s`` seconds and this commit is not written."""
+        started = time.monotonic()
+        with self._cond:
+            if self._job is not None:
+                previous = self._job[0]
+                if not self._wait_idle(started + wait_s):
+                    log.warning("durable commit %d not written: the write of commit %d to %s is still running "
+                                "after %.1f s; the in-memory commit stands and the next durable commit tries again",
+                                step, previous, self.directory, time.monotonic() - started)
+                    return False
+                waited = time.monotonic() - started
+                # A disk slower than the commit interval is worth a line; a few ms of overlap are not.
+                log.log(logging.WARNING if waited >= NOTABLE_WAIT_S else logging.DEBUG,
+                        "durable commit %d waited %.1f s for the write of commit %d to %s", step, waited, previous,
+                        self.directory)
+            self._job = (step, snapshot)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="elastic-durable-writer", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    def finish(self, timeout_s: Optional[float] = None) -> bool:
+        """Waits for the write in flight; False (logged) when it is still running after
+        ``timeout_s`` (default ``FINISH_TIMEOUT_S``)."""
+        timeout_s = FINISH_TIMEOUT_S if timeout_s is None else timeout_s
+        started = time.monotonic()
+        with self._cond:
+            if self._job is None:
+                return True
+            step = self._job[0]
+            if self._wait_idle(started + timeout_s):
+                return True
+        log.error("durable commit %d was still being written to %s after %.1f s; the newest complete durable "
+                  "commit there is an earlier one", step, self.directory, time.monotonic() - started)
+        return False
+
+    def _wait_idle(self, deadline: float) -> bool:
+        while self._job is not None:  # called holding the lock
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                idle_until = time.monotonic() + IDLE_EXIT_S
+                while self._job is None:
+                    left = idle_until - time.monotonic()
+                    if left <= 0:
+                        # Idle: the thread ends (the next submit starts another), so a State
+                        # dropped by its owner leaves no thread behind.
+                        self._thread = None
+                        return
+                    self._cond.wait(left)
+                step, snapshot = self._job
+            path = os.path.join(self.directory, file_name(step))
+            try:
+                self.write_file(self.directory, step, snapshot)
+            except BaseException as e:  # noqa: B036 - a thread that died here would hold the job forever
+                log.error("durable commit %d could not be written to %s: %s; the in-memory commit stands and the "
+                          "next durable commit tries again", step, path, _reason(e))
+                failed: Optional[Tuple[int, str]] = (step, _reason(e))
+            else:
+                if self.failed is not None:
+                    log.warning("durable commit %d written to %s (after the write of commit %d failed)", step, path,
+                                self.failed[0])
+                failed = None
+            with self._cond:
+                if failed is None:
+                    self.written = step
+                self.failed = failed
+                self._job = None  # from here on the snapshot's buffers are free to reuse
+                del snapshot
+                self._cond.notify_all()
+
+    def _forget_after_fork(self) -> None:
+        # A forked child has no writer thread: nothing of the parent's is in flight there.
+        self._cond = threading.Condition()
+        self._job, self._thread = None, None
+
+
+_writers: "weakref.WeakSet[DurableWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    # Runs before the interpreter stops daemon threads: a completed job's last durable commit
+    # reaches the disk even when the script ends right after its last commit.
+    for w in list(_writers):
+        w.finish()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [w._forget_after_fork() for w in list(_writers)])
+
+
+__all__ = ["MAGIC", "VERSION", "KEEP", "FINISH_TIMEOUT_S", "file_name", "check_directory", "prepare_directory",
+           "write", "read_file", "read_latest", "DurableWriter"]

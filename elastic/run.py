@@ -28,7 +28,8 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
     """Decorator: ``@elastic.run`` or ``@elastic.run(checkpoint_dir=..., checkpoint_every=10)``.
 
     The decorated function takes the ``State`` as its first argument. ``checkpoint_dir`` turns
-    on durable commits (every ``checkpoint_every``-th commit is written by rank 0); ``reset_limit``
+    on durable commits (every ``checkpoint_every``-th commit is written by rank 0, on a background
+    thread, finished before ``run`` returns); ``reset_limit``
     (default ``ELASTIC_RESET_LIMIT``, 0 = none) bounds the number of re-forms.
 
     Returns what the function returns. A worker that the job finished without (another

@@ -34,7 +34,7 @@ from rendezvous.client import RendezvousRPCError as _ClientError
 
 from . import reaction
 from ._native import ErrorKind
-from .communicator import Communicator, Listener
+from .communicator import CommConfig, Communicator, Listener
 from .config import WorkerConfig
 from .errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged, RendezvousError,
                      WorkerLostError)
@@ -282,6 +282,9 @@ class Session:
             # A job fails only by staying below min_np for its elastic timeout.
             raise ElasticTimeout(str(e)) from None
         finally:
+            # The last durable commit may still be on the writer thread: on disk before success
+            # is reported and before the code after training runs (a deadline, logged if missed).
+            state.finish_durable_commits()
             shutdown(success)
 
 
@@ -372,8 +375,17 @@ def commit(state) -> None:
     if s is not None:
         s.record_commit(state.commit_step)
     if state.checkpoint_due() and _rank_or_zero() == 0:
-        state.write_checkpoint()
+        state.write_checkpoint(wait_s=_durable_wait_s())  # written on the State's writer thread
     check_membership()
+
+
+def _durable_wait_s() -> float:
+    """How long a durable commit may wait for the previous write still running: half the
+    collective timeout, so the other ranks, already in the boundary's allreduce, never take
+    this live rank for a dead one."""
+    s = _session
+    comm = (s.comm if s is not None else None) or _ring
+    return (comm.config.timeout if comm is not None else CommConfig().timeout) / 2
 
 
 def check_membership() -> None:

@@ -19,6 +19,12 @@ code. So the state may hold only what that format carries (tensors, numpy arrays
 None/bool/int/float/complex/str/bytes, lists, tuples, dicts); ``commit()`` refuses anything
 else, naming the attribute, and the previous commit stays. Durable commits are files of
 ``elastic.checkpoint``: checksummed, the newest two kept, a corrupt newest one skipped.
+
+Durable commits are written off the training thread: the in-memory snapshot of the commit is
+handed to the State's ``checkpoint.DurableWriter``, which reads its tensors while training
+goes on. Commits are double-buffered (the next copy reuses the buffers of the commit before
+last), so a snapshot the writer still holds is never reused: that commit's copy gets fresh
+buffers instead, and the file holds exactly the state of its commit.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class State:
         object.__setattr__(self, "commit_step", -1)
         object.__setattr__(self, "_checkpoint_dir", None)
         object.__setattr__(self, "_checkpoint_every", 0)
+        object.__setattr__(self, "_writer", None)  # checkpoint.DurableWriter, with durable commits on
 
     # -- what subclasses provide
     def live(self) -> Any:
@@ -54,8 +61,8 @@ class State:
 
     def save(self, view: Any = None) -> Any:
         """A deep copy of the live state (or of ``view``, a ``live()`` just taken), reusing the
-        spare commit's tensors where they fit."""
-        return _copy_into(self._spare, self.live() if view is None else view)
+        spare commit's tensors where they fit (never those the durable writer is still reading)."""
+        return _copy_into(self._free_spare(), self.live() if view is None else view)
 
     def load(self, snapshot: Any) -> None:
         """Makes the live state equal to ``snapshot`` (which it must not keep references into)."""
@@ -78,18 +85,36 @@ class State:
             fn()
 
     def enable_durable_commits(self, directory: str, every: int) -> None:
-        """Every ``every``-th commit, rank 0 also writes it atomically to ``directory``; after losing
-        every worker, a relaunch resumes from it."""
+        """Every ``every``-th commit, rank 0 also writes it atomically to ``directory`` (on a
+        background thread); after losing every worker, a relaunch resumes from it."""
         if every < 1:
             raise ValueError(f"durable commits: every must be >= 1, got {every}")
         # Created 0700; refused (PermissionError) when another user could write it.
         checkpoint.prepare_directory(directory)
+        if self._writer is None or self._writer.directory != directory:
+            if self._writer is not None:
+                self._writer.finish()
+            # One writer, so one thread, per State: the State alone knows which of its
+            # snapshots the writer may still be reading when it next reuses a buffer.
+            object.__setattr__(self, "_writer", checkpoint.DurableWriter(directory))
         object.__setattr__(self, "_checkpoint_dir", directory)
         object.__setattr__(self, "_checkpoint_every", every)
 
+    def _free_spare(self) -> Any:
+        """The spare commit, whose buffers the next copy may reuse; None (and dropped) while the
+        durable writer still reads it, so that copy allocates fresh buffers instead."""
+        spare = self._spare
+        if spare is not None and self._writer is not None and self._writer.holds(spare):
+            object.__setattr__(self, "_spare", None)
+            return None
+        return spare
+
     def _take_snapshot(self, view: Any = None) -> None:
         # Double-buffered: the new copy goes into the commit before last, and only a complete
-        # copy replaces the last commit, so a commit that fails half-way loses nothing.
+        # copy replaces the last commit, so a commit that fails half-way loses nothing. The
+        # commit before last may be the one the durable writer is reading: then it is not
+        # reused (dropped here too, for a subclass whose save() reuses self._spare itself).
+        self._free_spare()
         new = self.save(view)
         object.__setattr__(self, "_spare", self._snapshot)
         object.__setattr__(self, "_snapshot", new)
@@ -160,8 +185,17 @@ class State:
         """ValueError unless ``snapshot`` is shaped like what ``live()`` gives (subclasses say)."""
 
     # -- durable commits
-    def write_checkpoint(self) -> None:
-        checkpoint.write(self._checkpoint_dir, self.commit_step, self._snapshot)
+    def write_checkpoint(self, wait_s: float) -> bool:
+        """Hands the commit just taken to the background writer; waits (logged) only while the
+        previous write still runs, at most ``wait_s``, and past that leaves this one unwritten
+        (logged). Never raises for the disk: failed writes are logged by the writer."""
+        return self._writer.submit(self.commit_step, self._snapshot, wait_s)
+
+    def finish_durable_commits(self, timeout_s: Optional[float] = None) -> bool:
+        """Waits until the durable commit being written is on disk; False (logged) when it is not
+        within ``timeout_s`` (default ``checkpoint.FINISH_TIMEOUT_S``). ``elastic.run`` calls it
+        before it returns, and process exit does too."""
+        return self._writer is None or self._writer.finish(timeout_s)
 
     def _read_checkpoint(self) -> Optional[Tuple[int, Any]]:
         """The newest usable durable commit (a corrupt newest one is logged and skipped)."""

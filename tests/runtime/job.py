@@ -10,6 +10,7 @@ proves the sample accounting. Knobs (environment):
                  its own JOB_DIE_AT-th commit (commit) or JOB_DIE_AT-th re-sync (sync)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
+  JOB_SLOW_DISK  seconds each durable write takes longer (the writer sleeps, then writes the real file)
   JOB_OPTIMIZER  "sgd" (default: SGD with momentum) or "adamw"
   JOB_EVIL_SYNC  this worker is a hostile sync root: at its first sync it claims the highest
                  commit step and broadcasts the bytes of this file instead of its state
@@ -49,6 +50,7 @@ DIE_IN = os.environ.get("JOB_DIE_IN", "")
 DIE_AT = int(os.environ.get("JOB_DIE_AT", "-1"))
 RAISE_AT = int(os.environ.get("JOB_RAISE_AT", "-1"))
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
+SLOW_DISK = float(os.environ.get("JOB_SLOW_DISK", "0"))
 STOP_FILE = os.environ.get("JOB_STOP_FILE") or None
 STOP_BEFORE_FORM = int(os.environ.get("JOB_STOP_BEFORE_FORM", "0"))
 OPTIMIZER = os.environ.get("JOB_OPTIMIZER", "sgd")
@@ -160,6 +162,19 @@ if STOP_BEFORE_FORM:
         return _connect(self)
 
     elastic.communicator.Communicator.connect = connect_maybe_stopping
+
+
+if SLOW_DISK:
+    _write_file = elastic.checkpoint.write
+
+    def slow_write(directory, step, snapshot):
+        started = time.time()
+        time.sleep(SLOW_DISK)  # a disk this much slower
+        path = _write_file(directory, step, snapshot)
+        event("durable", commit=step, started=started)
+        return path
+
+    elastic.checkpoint.DurableWriter.write_file = staticmethod(slow_write)
 
 
 def event(kind, **fields):
@@ -276,6 +291,7 @@ def train(state):
 
 
 train(state)
+event("returned", commit=state.commit_step)
 
 digest = hashlib.sha256()
 for k, v in sorted(model.state_dict().items()):

@@ -173,6 +173,7 @@ def test_state_resumes_from_the_commit_before_a_truncated_newest_one_and_goes_on
         first.epoch = step
         first.w += 1
         first.commit()  # commit_step 0..4; durable at 0, 2, 4
+    assert first.finish_durable_commits()  # written on the writer thread
     newest = os.path.join(directory, checkpoint.file_name(4))
     with open(newest, "r+b") as f:
         f.truncate(os.path.getsize(newest) - 10)
@@ -185,6 +186,7 @@ def test_state_resumes_from_the_commit_before_a_truncated_newest_one_and_goes_on
     again.epoch += 1
     again.commit()  # the job goes on: commit 3, then 4 written afresh
     again.commit()
+    assert again.finish_durable_commits()
     assert checkpoint.read_latest(directory)[0] == 4
 
 
