@@ -37,6 +37,10 @@ class Reporter:
         """The worker's rank in the latest world Status showed it in (None: never, or on standby)."""
         return self._ranks.get(worker_id, (0, None))[1]
 
+    def was_member(self, worker_id: str) -> bool:
+        """Status listed the worker as a member of the job (in a world or on standby) at some point."""
+        return worker_id in self._ranks
+
     def note_start(self, worker_id: str, now: float) -> None:
         self.starts[worker_id] = now
 

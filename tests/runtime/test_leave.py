@@ -4,8 +4,11 @@ commit boundary does not come within the grace leaves as a failure instead."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
+
+import pytest
 
 from rendezvous.client import StatusClient
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical, check_no_commit_lost
@@ -122,3 +125,45 @@ def test_a_leaver_that_reaches_no_commit_within_the_grace_leaves_as_a_failure(jo
     assert all(r["restores"] >= 1 and r["final_size"] == 2 for r in results)
     check_identical(results)
     check_no_commit_lost({w: job.events(w) for w in workers})
+
+
+# ---------------------------------------------------------------------- the request and its grace, in-process
+def test_the_grace_runs_out_once_from_the_first_request():
+    from elastic.preemption import LeaveRequest
+
+    expired = []
+    req = LeaveRequest(0.3, "w", expire=expired.append)
+    assert not req.pending
+    started = time.monotonic()
+    req.request("SIGTERM")
+    req.request("again")   # later requests change nothing
+    wait_until(lambda: expired, 5, "the grace to run out")
+    assert time.monotonic() - started >= 0.3
+    assert req.why == "SIGTERM" and "(SIGTERM) and reached no commit boundary within 0.3 s" in expired[0]
+    assert len(expired) == 1
+
+
+def test_a_finished_request_does_not_expire():
+    from elastic.preemption import LeaveRequest
+
+    expired = []
+    req = LeaveRequest(0.2, "w", expire=expired.append)
+    req.request("SIGTERM")
+    req.finish()   # left in time
+    assert not req.pending
+    time_out = time.monotonic() + 0.6
+    wait_until(lambda: time.monotonic() > time_out, 2, "past the grace")
+    assert expired == []
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("0", "ELASTIC_PREEMPT_GRACE=0 must be positive"),
+    ("-1", "ELASTIC_PREEMPT_GRACE='-1' must not be negative"),
+    ("soon", "ELASTIC_PREEMPT_GRACE='soon' is not a valid float"),
+])
+def test_a_bad_preempt_grace_is_refused_naming_the_variable(raw, message):
+    from elastic.config import WorkerConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        WorkerConfig.from_env({"ELASTIC_RENDEZVOUS": "127.0.0.1:1", "ELASTIC_PREEMPT_GRACE": raw})
+    assert WorkerConfig.from_env({"ELASTIC_RENDEZVOUS": "127.0.0.1:1"}).preempt_grace == 30.0
