@@ -51,7 +51,8 @@ __all__ = [
     "synchronize", "CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "BadPeerError",
     "CollectiveMismatchError", "ElasticError", "ElasticTimeout", "HandshakeError", "MembershipChanged",
     "Preempted", "RendezvousError", "SettingsMismatchError", "WorkerLostError", "Average", "Max",
-    "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "world_version", "ElasticSampler", "State", "ObjectState", "TorchState", "DistributedOptimizer",
+    "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank",
+    "local_size", "cross_rank", "cross_size", "world_version", "ElasticSampler", "State", "ObjectState",
+    "TorchState", "DistributedOptimizer",
     "broadcast_parameters", "broadcast_optimizer_state",
 ]

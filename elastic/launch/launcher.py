@@ -137,6 +137,7 @@ class Launcher:
                 if code == 0:
                     left += 1
                     w.left = True
+                    self.reporter.note_left(w.worker_id)
                     self.out.note(f"{self._label(w)} left (preempted: {why} to elastic-run)")
                 else:
                     self.out.note(f"{self._label(w)} {describe_exit(code)} while draining")
@@ -323,6 +324,7 @@ class Launcher:
         if code == 0 and (w.stopping or (self.reporter.was_member(w.worker_id) and not self._job_over())):
             # It exited 0 while the job runs: it left gracefully (SIGTERM, elastic.request_leave()).
             w.left = True
+            self.reporter.note_left(w.worker_id)
             self.out.note(f"{self._label(w)} left (" + (f"drained: discovery gives this host {self.target} slot(s)"
                                                          if w.stopping else "preempted") + "); not respawned")
         if w.stopping or w.left or code == 0:
