@@ -170,8 +170,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", metavar="PEM",
                    help="private key for --tls-cert; passed as ELASTIC_TLS_KEY (default: $ELASTIC_TLS_KEY)")
     p.add_argument("--stop-timeout", type=float, default=10.0, metavar="S",
-                   help="on Ctrl-C/SIGTERM or job end, SIGKILL workers still running S seconds after "
-                        "SIGTERM (default: %(default)g)")
+                   help="after the job ended, SIGKILL workers still running S seconds after SIGTERM; "
+                        "on Ctrl-C/SIGTERM (draining) and discovery scale-down, --preempt-grace + S seconds "
+                        "after it (default: %(default)g)")
     p.add_argument("--preempt-grace", type=float, default=30.0, metavar="S",
                    help="a worker sent SIGTERM (by this launcher draining, or by the platform) leaves the job "
                         "at its next commit; one that reaches none within S seconds ends as a failure. "
