@@ -2,6 +2,13 @@
 
     python bench/chaos_soak.py --kills 50                 # 4 workers, about 70% SIGKILL, 30% SIGSTOP
     python bench/chaos_soak.py --kills 10 --workers 3 --stop-share 0.5 --seed 7
+    python bench/chaos_soak.py --kills 50 --preempt       # SIGTERM: graceful leaves instead
+
+With --preempt every fault is a SIGTERM (a preemption): the victim must leave at its next commit
+and exit 0, and a new worker is started in its place. Printed per fault and in a table: the time
+from the SIGTERM to the first step of the smaller world (target: one commit interval, as the
+survivors' commit events measure it, plus 0.5 s), and the steps the survivors redid (target 0: a
+leave restores nothing).
 
 It starts a rendezvous server (in-memory store, heartbeat timeout --heartbeat-timeout) and
 the chaos suite's training job (tests/runtime/job.py: a per-sample counter in the model,
@@ -48,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--heartbeat-timeout", type=float, default=2.0,
                    help="server heartbeat timeout: a stopped worker is evicted after it (default 2)")
     p.add_argument("--seed", type=int, default=0, help="random seed for the fault schedule")
+    p.add_argument("--preempt", action="store_true",
+                   help="every fault is a SIGTERM: a graceful leave at the next commit (see above)")
     p.add_argument("--recovery-timeout", type=float, default=30.0,
                    help="give up when a fault is not recovered within this many seconds (default 30)")
     args = p.parse_args(argv)
@@ -70,6 +79,8 @@ class Soak:
         self.live: list[str] = []
         self.spawned = 0
         self.recoveries = {"SIGKILL": [], "SIGSTOP": []}
+        self.shrinks: list = []          # --preempt: seconds from SIGTERM to the smaller world
+        self.leaver_codes: list = []     # --preempt: exit status of every worker sent SIGTERM
         self.failure = ""
 
     def spawn(self) -> str:
@@ -96,7 +107,43 @@ class Soak:
                     break
         return first
 
+    def shrunk_at(self, victim: str, t_fault: float, version: int):
+        """Time of the first step another worker completed in a smaller world newer than `version`."""
+        first = None
+        for w in self.live:
+            if w == victim:
+                continue
+            for e in self.job.events(w):
+                if e["ev"] == "step" and e["t"] > t_fault and e["v"] > version and e["size"] < self.args.workers:
+                    first = e["t"] if first is None else min(first, e["t"])
+                    break
+        return first
+
+    def preempt(self, n: int) -> None:
+        victim = self.rng.choice(self.live)
+        version = max((e["v"] for w in self.live for e in self.job.events(w) if e["ev"] == "step"), default=0)
+        t_fault = time.time()
+        self.job.kill(victim, signal.SIGTERM)
+        t = wait_until(lambda: self.shrunk_at(victim, t_fault, version), self.args.recovery_timeout,
+                       f"the world to shrink after SIGTERM to {victim}", interval=0.1)
+        try:
+            code = self.job.procs[victim].wait(self.args.recovery_timeout)
+        except Exception:
+            code = None
+        self.leaver_codes.append(code)
+        self.shrinks.append(t - t_fault)
+        print(f"fault {n:3d}: SIGTERM {victim:>4} in world {version:3d} -> smaller world in {t - t_fault:6.3f} s, "
+              f"exit status {code}", flush=True)
+        recovered_version = max(e["v"] for w in self.live if w != victim for e in self.job.events(w)
+                                if e["ev"] == "step")
+        self.live.remove(victim)
+        self.spawn()
+        wait_until(lambda: self.full_world(recovered_version), 60,
+                   f"the world to grow back to {self.args.workers}")
+
     def inject(self, n: int) -> None:
+        if self.args.preempt:
+            return self.preempt(n)
         sig = signal.SIGSTOP if self.rng.random() < self.args.stop_share else signal.SIGKILL
         victim = self.rng.choice(self.live)
         # The world at the fault: the newest any worker has stepped in.
@@ -168,15 +215,30 @@ class Soak:
             p95 = xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
             return f"{statistics.median(xs):.3f}", f"{p95:.3f}", f"{xs[-1]:.3f}"
 
-        survived = sum(len(v) for v in self.recoveries.values())
+        survived = sum(len(v) for v in self.recoveries.values()) + len(self.shrinks)
         print()
         print(f"faults survived: {survived}/{self.args.kills}")
-        print("| signal | faults | recovery p50 s | p95 s | max s | target |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for name, target in (("SIGKILL", "p50 <= 1 s"),
-                             ("SIGSTOP", f"<= heartbeat timeout + 1 = {self.args.heartbeat_timeout + 1:g} s")):
-            p50, p95, mx = dist(self.recoveries[name])
-            print(f"| {name} | {len(self.recoveries[name])} | {p50} | {p95} | {mx} | {target} |")
+        preempt_ok = True
+        if self.args.preempt:
+            interval = commit_interval(events)
+            redone = steps_redone(events)
+            target = interval + 0.5
+            p50, p95, mx = dist(self.shrinks)
+            clean = sum(1 for c in self.leaver_codes if c == 0)
+            print("| SIGTERMs | leavers exit 0 | to smaller world p50 s | p95 s | max s | target (commit interval "
+                  "+ 0.5 s) | steps redone by survivors (target 0) |")
+            print("| --- | --- | --- | --- | --- | --- | --- |")
+            print(f"| {len(self.shrinks)} | {clean} | {p50} | {p95} | {mx} | <= {interval:.3f} + 0.5 = {target:.3f} s "
+                  f"| {redone} |")
+            preempt_ok = (redone == 0 and clean == len(self.leaver_codes) and bool(self.shrinks)
+                          and max(self.shrinks) <= target)
+        else:
+            print("| signal | faults | recovery p50 s | p95 s | max s | target |")
+            print("| --- | --- | --- | --- | --- | --- |")
+            for name, target in (("SIGKILL", "p50 <= 1 s"),
+                                 ("SIGSTOP", f"<= heartbeat timeout + 1 = {self.args.heartbeat_timeout + 1:g} s")):
+                p50, p95, mx = dist(self.recoveries[name])
+                print(f"| {name} | {len(self.recoveries[name])} | {p50} | {p95} | {mx} | {target} |")
         print(f"commits lost: {len(lost)}" + "".join(f"\n  {p}" for p in lost))
         print(f"workers finished: {len(results)}/{len(self.live)} (exit codes {codes}); epochs {epochs}; "
               f"replicas bit-identical: {identical}; every sample counted, repeats <= {pad_bound}: {counted}")
@@ -184,7 +246,7 @@ class Soak:
               f"{'as good' if loss_ok else 'WORSE'}")
         kills, stops = sorted(self.recoveries["SIGKILL"]), self.recoveries["SIGSTOP"]
         targets = ((not kills or statistics.median(kills) <= 1.0)
-                   and (not stops or max(stops) <= self.args.heartbeat_timeout + 1))
+                   and (not stops or max(stops) <= self.args.heartbeat_timeout + 1) and preempt_ok)
         print(f"targets met: {targets}" + (f"; stopped early: {self.failure}" if self.failure else ""))
         ok = (survived == self.args.kills and not self.failure and not lost and identical and counted
               and loss_ok and targets)
@@ -193,6 +255,28 @@ class Soak:
     def close(self) -> None:
         self.job.close()
         self.server.kill()
+
+
+def commit_interval(events) -> float:
+    """Median seconds between two commits of one worker in one world (the boundary a leave waits for)."""
+    gaps = []
+    for evs in events.values():
+        commits = [e for e in evs if e["ev"] == "commit"]
+        gaps += [b["t"] - a["t"] for a, b in zip(commits, commits[1:]) if a["v"] == b["v"]]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def steps_redone(events) -> int:
+    """Steps a worker trained again after it had trained them (only a restore goes back)."""
+    redone = 0
+    for evs in events.values():
+        top = 0
+        for e in evs:
+            if e["ev"] == "step":
+                if e["step"] <= top:
+                    redone += 1
+                top = max(top, e["step"])
+    return redone
 
 
 def fault_free_loss(out: str, workers: int, epochs: int) -> float:

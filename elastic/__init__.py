@@ -23,13 +23,15 @@ from .errors import (
     ElasticTimeout,
     HandshakeError,
     MembershipChanged,
+    Preempted,
     RendezvousError,
     SettingsMismatchError,
     WorkerLostError,
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .run import run
-from .session import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size, world_version
+from .session import (cross_rank, cross_size, init, local_rank, local_size, rank, request_leave, shutdown, size,
+                      world_version)
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
@@ -48,8 +50,9 @@ __all__ = [
     "allgather", "allreduce", "allreduce_", "allreduce_async_", "barrier", "broadcast_", "broadcast_object",
     "synchronize", "CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "BadPeerError",
     "CollectiveMismatchError", "ElasticError", "ElasticTimeout", "HandshakeError", "MembershipChanged",
-    "RendezvousError", "SettingsMismatchError", "WorkerLostError", "Average", "Max",
-    "Min", "ReduceOp", "Sum", "run", "init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "world_version", "ElasticSampler", "State", "ObjectState", "TorchState", "DistributedOptimizer",
+    "Preempted", "RendezvousError", "SettingsMismatchError", "WorkerLostError", "Average", "Max",
+    "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank",
+    "local_size", "cross_rank", "cross_size", "world_version", "ElasticSampler", "State", "ObjectState",
+    "TorchState", "DistributedOptimizer",
     "broadcast_parameters", "broadcast_optimizer_state",
 ]

@@ -14,6 +14,7 @@
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 |
+| ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
 
@@ -52,6 +53,7 @@ class WorkerConfig:
     elastic_timeout: float = 0.0
     world_timeout: float = 600.0
     reset_limit: int = 0
+    preempt_grace: float = 30.0
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
 
     @classmethod
@@ -99,6 +101,7 @@ class WorkerConfig:
             elastic_timeout=number("ELASTIC_ELASTIC_TIMEOUT", float, 0.0),
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),
+            preempt_grace=number("ELASTIC_PREEMPT_GRACE", float, 30.0),
             comm=CommConfig.from_env(env),
         )
         if env.get("ELASTIC_FORM_TIMEOUT", "") == "":
@@ -106,6 +109,8 @@ class WorkerConfig:
             # so its own deadline is only a backstop; a newcomer may wait for the old members'
             # next commit, which can be far longer than the ring default.
             cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, form_timeout=cfg.world_timeout))
+        if not cfg.preempt_grace > 0:
+            raise ValueError(f"ELASTIC_PREEMPT_GRACE={cfg.preempt_grace:g} must be positive (seconds)")
         if cfg.min_np < 1 or cfg.max_np < cfg.min_np:
             raise ValueError(f"need 1 <= ELASTIC_MIN_NP <= ELASTIC_MAX_NP, got {cfg.min_np} and {cfg.max_np}")
         return cfg

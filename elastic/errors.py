@@ -128,3 +128,22 @@ def _from_native(kind: ErrorKind, message: str, op: str, world_version: int, ran
     err = ElasticError(message)
     _locate(err, kind, op, world_version, rank, peer)
     return err
+
+
+class Preempted(SystemExit):
+    """``elastic.run`` ended because this worker left the job gracefully (SIGTERM, SIGINT or
+    ``elastic.request_leave()``), at a commit boundary every rank agreed on.
+
+    A ``SystemExit`` with code 0: uncaught, the process exits 0 without running the code after
+    the training function's call (its result does not exist: training did not finish here), and
+    ``except Exception`` does not catch it. Catch ``elastic.Preempted`` to run code on the way
+    out; the job goes on without this worker, the others keep their state. ``reason`` says
+    what asked for the leave, ``world_version`` and ``commit_step`` where it happened."""
+
+    def __init__(self, reason: str, *, world_version: int = -1, commit_step: int = -1):
+        super().__init__(0)
+        self.reason, self.world_version, self.commit_step = reason, world_version, commit_step
+
+    def __str__(self) -> str:
+        return (f"left the job gracefully ({self.reason}) at commit {self.commit_step} of world version "
+                f"{self.world_version}")

@@ -8,6 +8,8 @@ which keeps it going across failures and world changes (``elastic.session`` owns
       HandshakeError    : an authenticated neighbour is at another world version: restore and
                           take the next world
       MembershipChanged : keep the state, form the next world
+      asked to leave    : (SIGTERM, SIGINT, elastic.request_leave()) leave at the next commit and
+                          raise elastic.Preempted; the others keep their state (a MembershipChanged)
     then reset callbacks, sync, and call func again. A failure while forming or syncing is
     handled like any other. Any other exception ends this worker with its traceback, among
     them SettingsMismatchError (the workers' ring settings differ: no later world fixes that).
@@ -36,6 +38,18 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
     worker reported success while this one waited for a world) returns None. Afterwards
     ``elastic.rank()``, ``size()`` … answer with the last world's values and collectives
     raise an error saying the job has finished.
+
+    Graceful leave: while it runs, SIGTERM and SIGINT (the previous handlers are put back when
+    it ends; a second signal of the same kind does what the previous handler did) and
+    ``elastic.request_leave()`` only ask this worker to leave. At its next commit boundary
+    (``state.commit()`` / ``check_membership()``, or at once while it waits for a world) it
+    leaves the job and the call raises ``elastic.Preempted`` instead of returning: a
+    ``SystemExit`` with code 0, so uncaught, the process exits 0 without running the code
+    after the call (``except Exception`` does not catch it; ``except elastic.Preempted`` does),
+    and the other workers go on with their state. A worker that reaches no commit boundary
+    within ``ELASTIC_PREEMPT_GRACE`` seconds (default 30; ``elastic-run --preempt-grace``)
+    after the request ends with exit status 143 after a log line, and the others restore their
+    last commit as for any lost worker.
     """
     if func is None:
         return lambda f: run(f, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,

@@ -7,6 +7,13 @@ aborted, synced and left:
     join -> form the ring of the next world -> sync -> func(state) -> commit ...
       a peer failed (WorkerLostError)     : restore the last commit, report the suspect, next world
       a clean join/leave (MembershipChanged): keep the state, next world (at a commit every rank agrees on)
+      asked to leave (SIGTERM, SIGINT, request_leave): leave at the next commit, raise Preempted
+
+A request to leave (``elastic.preemption``) is carried out at the next commit boundary: the
+membership allreduce tells every rank, which all switch at that commit; the leaver then calls
+the rendezvous Leave, closes its ring and ends ``elastic.run`` with ``Preempted``, the others
+raise MembershipChanged and form the next world without it, their state kept. A worker asked to
+leave while it waits for a world (on standby, say) holds no ring anyone uses and leaves at once.
 
 Its pump thread reads the rendezvous events and carries out what ``elastic.reaction`` decides
 they mean (abort the ring in flight, record a pending change), so a collective stuck on a
@@ -32,11 +39,11 @@ import numpy as np
 from rendezvous.client import Ended, JobSpec, RendezvousClient, WorldInfo
 from rendezvous.client import RendezvousRPCError as _ClientError
 
-from . import reaction
+from . import preemption, reaction
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
 from .config import WorkerConfig
-from .errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged, RendezvousError,
+from .errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged, Preempted, RendezvousError,
                      WorkerLostError)
 from .ops import Max
 
@@ -68,6 +75,8 @@ class Session:
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, name="elastic-rendezvous-pump", daemon=True)
         self.committed_step = -1
+        self.leave = preemption.LeaveRequest(config.preempt_grace, config.worker_id, on_request=self._wake)
+        self.departed = False   # this worker left the job gracefully (depart() ran)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -75,6 +84,7 @@ class Session:
             self.client.join(committed_step=-1)
         except _ClientError as e:
             self.listener.close()
+            self.leave.finish()
             raise RendezvousError(f"cannot join job {self.config.job_id!r} at {','.join(self.config.rendezvous)}: "
                                   f"{e}") from None
         self._pump.start()
@@ -83,7 +93,9 @@ class Session:
         """Ends this worker's part: report success, or leave cleanly, and release everything."""
         self._stop.set()
         try:
-            if success:
+            if self.departed:
+                pass   # it told the server already
+            elif success:
                 self.client.report_success()
             elif success is False:
                 self.client.leave()
@@ -103,6 +115,32 @@ class Session:
         self.client.close()
         self._pump.join(timeout=5)
         self.listener.close()
+        self.leave.finish()
+
+    def depart(self) -> Preempted:
+        """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
+        ``Preempted`` that ends ``elastic.run``. Called at a commit boundary every rank agreed
+        on (after its allreduce: until then the ring is in use), or holding no ring in use."""
+        world, step = self.world, self.committed_step
+        self._stop.set()
+        try:
+            self.client.leave()
+        except _ClientError as e:   # it is evicted when its stream ends instead: the others restore
+            log.warning("worker %s could not tell the rendezvous server it leaves: %s", self.config.worker_id, e)
+        with self._cond:
+            comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.close()
+        self.departed = True
+        self.leave.finish()
+        version = world.version if world is not None else 0
+        log.warning("worker %s left job %s gracefully (%s) at commit %d of world version %d", self.config.worker_id,
+                    self.config.job_id, self.leave.why, step, version)
+        return Preempted(self.leave.why, world_version=version, commit_step=step)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     # ------------------------------------------------------------------ events
     def _pump_loop(self) -> None:
@@ -146,7 +184,7 @@ class Session:
         """Waits for the newest world (version >= min_version) that includes this worker."""
         deadline = time.monotonic() + self.config.world_timeout
         with self._cond:
-            while True:
+            while not self.leave.pending:
                 view = self._view
                 if view.finished is not None:
                     raise JobDone(f"job {self.config.job_id} finished: {view.finished.reason}",
@@ -166,6 +204,8 @@ class Session:
                         f"worker {self.config.worker_id} of job {self.config.job_id}: no world (version >= "
                         f"{min_version}) included it within {self.config.world_timeout:g} s (ELASTIC_WORLD_TIMEOUT)")
                 self._cond.wait(min(left, 1.0))
+        # Asked to leave while waiting: no ring of this worker is in use, it may go now.
+        raise self.depart()
 
     def _rejoin(self, ended: Ended) -> None:
         """Joins again as a new member after the session ended (called holding the lock)."""
@@ -239,6 +279,7 @@ class Session:
         first = True
         min_version = 1
         success: Optional[bool] = False
+        handlers = preemption.install_handlers(self.leave.request)
         try:
             while True:
                 try:
@@ -281,7 +322,11 @@ class Session:
                 return None
             # A job fails only by staying below min_np for its elastic timeout.
             raise ElasticTimeout(str(e)) from None
+        except Preempted:
+            success = None   # left: depart() told the server
+            raise
         finally:
+            preemption.restore_handlers(handlers)
             # The last durable commit may still be on the writer thread: on disk before success
             # is reported and before the code after training runs (a deadline, logged if missed).
             state.finish_durable_commits()
@@ -389,17 +434,47 @@ def _durable_wait_s() -> float:
 
 
 def check_membership() -> None:
-    """Raises MembershipChanged on every rank at once when a clean join/leave is pending.
+    """Raises MembershipChanged on every rank at once when a clean join/leave is pending, or
+    when a rank was asked to leave; on that rank it raises ``Preempted`` after it left.
 
-    One 4-byte allreduce: a rank that has heard of the change tells all the others, so
-    they all switch at this same commit.
+    One 8-byte allreduce (Max of [a change is pending, this rank wants to leave]): a rank that
+    knows tells all the others, so they all switch at this same commit.
     """
     s = _session
     comm = ring()
-    flag = np.array([1 if s is not None and s.membership_pending() else 0], dtype=np.int32)
-    comm.allreduce_(flag, Max)
-    if flag[0]:
+    leaving = s is not None and s.leave.pending   # read once: what this rank tells the others
+    flags = np.array([1 if s is not None and s.membership_pending() else 0, 1 if leaving else 0], dtype=np.int32)
+    comm.allreduce_(flags, Max)
+    if flags[1]:
+        _farewell(comm)
+        if leaving:
+            raise s.depart()
+        raise MembershipChanged(f"a worker leaves world version {comm.world_version}; re-forming without it")
+    if flags[0]:
         raise MembershipChanged(f"membership of world version {comm.world_version} changed; re-forming")
+
+
+def _farewell(comm: Communicator) -> None:
+    """One barrier after the allreduce that announced a leave. When it completes on a leaver,
+    every rank has the allreduce's result, so closing the leaver's ring then fails nobody's
+    commit. A failure in it (a leaver closed first) is no failure of the commit: every rank
+    agreed already, and this ring is not used again."""
+    try:
+        comm.barrier()
+    except WorkerLostError as e:
+        log.debug("farewell barrier of world version %d: %s", comm.world_version, e)
+
+
+def request_leave(reason: str = "elastic.request_leave()") -> None:
+    """Asks this worker to leave the job gracefully at its next commit boundary, as SIGTERM does
+    under ``elastic.run``: for platforms that announce preemption another way (a metadata
+    endpoint, a notice file). Safe from any thread; later calls change nothing. The grace
+    (``ELASTIC_PREEMPT_GRACE``) runs from the first call. ``reason`` goes to the log lines."""
+    s = _session
+    if s is None:
+        raise RendezvousError("elastic.request_leave(): no session: call it while elastic.run (or elastic.init()) "
+                              "runs")
+    s.leave.request(str(reason)[:200])
 
 
 def sync(state) -> None:

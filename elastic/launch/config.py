@@ -42,7 +42,11 @@ backoff, at most --max-restarts times per slot; a worker that exits with an erro
 Exit status: 0 when the job completed and every worker this launcher started exited 0 (a worker
 killed by a signal while the job ran counts as a recovered failure); 1 with a one-line reason
 when the job failed or a worker failed after it completed (the first such worker is named);
-2 for bad flags; 128+N when stopped by signal N (every worker is stopped first).
+2 for bad flags; 128+N when stopped by signal N. A worker that exits 0 while the job runs has
+left it (preempted: SIGTERM, elastic.request_leave()): it is reported, not respawned, and counts
+as a success. On SIGTERM/SIGINT this launcher drains its workers the same way (SIGTERM to each,
+SIGKILL after --preempt-grace plus --stop-timeout) and exits 0 when every one left gracefully and
+the job goes on elsewhere (with --rendezvous); so does a slot the discovery script takes away.
 """
 
 EPILOG = """\
@@ -54,6 +58,7 @@ environment given to every worker (on top of this launcher's own, which is inher
   ELASTIC_MIN_NP           --min-np (the first worker of a job fixes it)
   ELASTIC_MAX_NP           --max-np (the first worker of a job fixes it)
   ELASTIC_ELASTIC_TIMEOUT  --elastic-timeout: seconds the job may stay below min-np
+  ELASTIC_PREEMPT_GRACE    --preempt-grace: seconds a worker told to leave may take to reach a commit
   ELASTIC_TOKEN_FILE       --token-file, or the embedded server's random token (a 0600 file)
   ELASTIC_TLS_CA           --tls-ca, when given (also ELASTIC_TLS_CERT, ELASTIC_TLS_KEY)
   ELASTIC_LOCAL_SLOT       this worker's slot on this host (0..np-1); stable across respawns
@@ -98,6 +103,7 @@ class LaunchConfig:
     tls_key: Optional[str]
     stop_timeout: float
     connect_timeout: float
+    preempt_grace: float
     # The token this launcher sends to --rendezvous servers (--token-file, else ELASTIC_TOKEN, else
     # ELASTIC_TOKEN_FILE, as the workers read them); None with the embedded server, which makes its own.
     token: Optional[str] = dataclasses.field(default=None, repr=False)
@@ -164,8 +170,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", metavar="PEM",
                    help="private key for --tls-cert; passed as ELASTIC_TLS_KEY (default: $ELASTIC_TLS_KEY)")
     p.add_argument("--stop-timeout", type=float, default=10.0, metavar="S",
-                   help="on Ctrl-C/SIGTERM or job end, SIGKILL workers still running S seconds after "
-                        "SIGTERM (default: %(default)g)")
+                   help="after the job ended, SIGKILL workers still running S seconds after SIGTERM; "
+                        "on Ctrl-C/SIGTERM (draining) and discovery scale-down, --preempt-grace + S seconds "
+                        "after it (default: %(default)g)")
+    p.add_argument("--preempt-grace", type=float, default=30.0, metavar="S",
+                   help="a worker sent SIGTERM (by this launcher draining, or by the platform) leaves the job "
+                        "at its next commit; one that reaches none within S seconds ends as a failure. "
+                        "Passed to workers as ELASTIC_PREEMPT_GRACE (default: %(default)g)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     return p
 
@@ -228,6 +239,8 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError(f"--port {a.port} is outside 0..65535")
     if a.stop_timeout < 0 or a.discovery_interval <= 0 or a.connect_timeout <= 0:
         raise UsageError("--stop-timeout must be >= 0, --discovery-interval and --connect-timeout > 0")
+    if not 0 < a.preempt_grace <= 86400:
+        raise UsageError(f"--preempt-grace must be in (0, 86400] seconds, got {a.preempt_grace:g}")
     try:
         rendezvous = parse_addresses(a.rendezvous, "--rendezvous") if a.rendezvous is not None else ()
     except ValueError as e:
@@ -258,7 +271,8 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         rendezvous=rendezvous, job_id=job_id, host=host, host_discovery_script=script,
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout, token=token,
+                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout,
+                        preempt_grace=a.preempt_grace, token=token,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
                                                   if env.get(k)))
 

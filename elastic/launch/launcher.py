@@ -5,8 +5,15 @@ spawns the local workers (each in its own process group), prefixes their output 
 worker id, respawns the ones killed by a signal (with backoff, --max-restarts per slot), and
 follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
 (exit 0 when it completed and every local worker ended well, see elastic/launch/outcome.py; 1
-with a one-line reason otherwise), and on Ctrl-C/SIGTERM stops every worker before it exits.
+with a one-line reason otherwise), and on Ctrl-C/SIGTERM drains every worker before it exits.
 Flags: elastic/launch/config.py.
+
+Graceful leave: a worker sent SIGTERM leaves the job at its next commit and exits 0 (the
+runtime's side is elastic.preemption). A worker of the job that exits 0 while the job still
+runs has left: it is reported as "left (preempted)" and not respawned. Draining (this launcher's
+SIGTERM/SIGINT, or a slot the discovery script takes away) sends SIGTERM to the worker and
+SIGKILL to its process group after --preempt-grace plus --stop-timeout; a launcher with
+--rendezvous whose workers all left on its SIGTERM exits 0: the job goes on elsewhere.
 
 Everything it learns about the job (worlds, ranks, the end) comes from Status answers, through the
 same public client `elastic-rendezvous status` uses (rendezvous.client.StatusClient); nothing a
@@ -81,8 +88,16 @@ class Launcher:
             return code
         except Interrupted as e:
             name = signal.Signals(e.signum).name
-            self.out.note(f"{name}: stopping {sum(w.alive for w in self.all_workers)} worker(s)")
+            alive = [w for w in self.all_workers if w.alive]
+            self.out.note(f"{name}: draining {len(alive)} worker(s): each leaves the job at its next commit "
+                          f"(SIGKILL after --preempt-grace {self.cfg.preempt_grace:g} s + --stop-timeout "
+                          f"{self.cfg.stop_timeout:g} s)")
+            left = self._drain(alive, name)
             self._shutdown()
+            if alive and left == len(alive) and not self.cfg.embedded:
+                self.out.note(f"every worker left job {self.cfg.job_id} gracefully on {name}; it goes on without "
+                              f"host {self.cfg.host}")
+                return 0
             self.out.note(f"stopped by {name}")
             return 128 + e.signum
         except LaunchFailed as e:
@@ -101,6 +116,41 @@ class Launcher:
     def _check_signal(self) -> None:
         if self.signum is not None:
             raise Interrupted(self.signum)
+
+    def _drain(self, workers: Sequence[Worker], why: str) -> int:
+        """Asks ``workers`` to leave the job and waits for them (a second signal: SIGKILL now);
+        returns how many left gracefully (exited 0)."""
+        deadline = time.monotonic() + self.cfg.preempt_grace + self.cfg.stop_timeout
+        for w in workers:
+            w.drain(deadline)
+        left = 0
+        pending = list(workers)
+        while pending:
+            for w in list(pending):
+                code = w.poll()
+                if code is None:
+                    continue
+                pending.remove(w)
+                w.handled = True
+                rank = self.reporter.rank_of(w.worker_id)
+                self.ends.append(WorkerEnd(w.worker_id, rank, code, stopped=True, left=code == 0))
+                if code == 0:
+                    left += 1
+                    w.left = True
+                    self.reporter.note_left(w.worker_id)
+                    self.out.note(f"{self._label(w)} left (preempted: {why} to elastic-run)")
+                else:
+                    self.out.note(f"{self._label(w)} {describe_exit(code)} while draining")
+            if not pending:
+                break
+            if time.monotonic() >= deadline or self.signals_seen > 1:
+                for w in pending:
+                    self.out.note(f"{self._label(w)} did not leave" + (" within the grace; killing it"
+                                  if self.signals_seen <= 1 else "; killing it (signalled again)"))
+                    w.signal_group(signal.SIGKILL)
+                break
+            time.sleep(POLL_S)
+        return left
 
     def _shutdown(self) -> None:
         stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals_seen > 1)
@@ -203,7 +253,7 @@ class Launcher:
             "ELASTIC_RENDEZVOUS": ",".join(self._addresses), "ELASTIC_JOB_ID": cfg.job_id,
             "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
             "ELASTIC_MIN_NP": str(self.min_np), "ELASTIC_MAX_NP": str(self.max_np),
-            "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}",
+            "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
             "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n), **self._credential_env(),
         }, drop=_CREDENTIAL_VARIABLES)
         try:
@@ -243,9 +293,9 @@ class Launcher:
                           + ", ".join(f"{w.worker_id} (pid {w.pid})" for w in started))
         for slot, w in self.workers.items():
             if slot >= self.target and w.alive and not w.stopping:
-                self.out.note(f"stopping worker {w.worker_id}: discovery gives this host {self.target} slot(s)")
-                w.stopping = True
-                w.signal_group(signal.SIGTERM)
+                self.out.note(f"draining {self._label(w)}: discovery gives this host {self.target} slot(s); "
+                              "it leaves the job at its next commit")
+                w.drain(time.monotonic() + self.cfg.preempt_grace + self.cfg.stop_timeout)
         for slot in [s for s in self.respawn_at if s >= self.target]:
             del self.respawn_at[slot]
 
@@ -257,6 +307,10 @@ class Launcher:
         for slot, w in list(self.workers.items()):
             if w.handled:
                 continue
+            if w.stop_deadline is not None and now >= w.stop_deadline and w.alive:
+                self.out.note(f"{self._label(w)} did not leave within --preempt-grace + --stop-timeout; killing it")
+                w.stop_deadline = None
+                w.signal_group(signal.SIGKILL)
             code = w.poll()
             if code is None:
                 continue
@@ -267,6 +321,12 @@ class Launcher:
         cfg = self.cfg
         what = describe_exit(code)
         rank = self.reporter.rank_of(w.worker_id)
+        if code == 0 and (w.stopping or (self.reporter.was_member(w.worker_id) and not self._job_over())):
+            # It exited 0 while the job runs: it left gracefully (SIGTERM, elastic.request_leave()).
+            w.left = True
+            self.reporter.note_left(w.worker_id)
+            self.out.note(f"{self._label(w)} left (" + (f"drained: discovery gives this host {self.target} slot(s)"
+                                                         if w.stopping else "preempted") + "); not respawned")
         if w.stopping or w.left or code == 0:
             self.ends.append(WorkerEnd(w.worker_id, rank, code, stopped=w.stopping, left=w.left))
             if not w.stopping:
@@ -308,6 +368,10 @@ class Launcher:
                 self.out.note(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
 
     # ------------------------------------------------------------------ the job
+    def _job_over(self) -> bool:
+        view = self._status_now()
+        return view is not None and view.terminal
+
     def _status_now(self) -> Optional[JobStatusInfo]:
         try:
             view = self.status.job(self.cfg.job_id, timeout_s=2.0)
@@ -355,6 +419,11 @@ class Launcher:
         if view is not None and view.terminal:
             return None  # _follow_job reports the job's end
         if self.target and self.succeeded >= set(range(self.target)):
+            if any(self.workers[s].left for s in range(self.target) if s in self.workers):
+                self.out.note(f"every local worker left job {self.cfg.job_id}; it goes on without host "
+                              f"{self.cfg.host}" if not self.cfg.embedded else
+                              f"every worker left job {self.cfg.job_id}")
+                return 0
             # Every worker exited 0 without the job being marked done (a script not under elastic.run).
             self.out.note(f"job {self.cfg.job_id} completed" + self._recovery_summary())
             return 0

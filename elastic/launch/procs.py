@@ -108,8 +108,9 @@ class Worker:
         self.started_at = time.monotonic()
         self.ended_at: Optional[float] = None
         self.stopping = False            # the launcher is stopping it: its end is no failure
-        # It left the job gracefully (preempted, told to go): its end counts as a success and its
-        # slot is not respawned. Nothing sets it yet; graceful leave will.
+        self.stop_deadline: Optional[float] = None   # when a worker being drained is SIGKILLed
+        # It left the job gracefully (exited 0 while the job ran: preempted, drained): its end
+        # counts as a success and its slot is not respawned.
         self.left = False
         self.handled = False             # the launcher has acted on its exit
         self.proc = subprocess.Popen(with_parent_death_signal(command), env=dict(env), stdin=subprocess.DEVNULL,
@@ -148,6 +149,22 @@ class Worker:
         deadline = time.monotonic() + timeout_s
         for t in self._readers:
             t.join(max(0.0, deadline - time.monotonic()))
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to the worker's own process only."""
+        try:
+            os.kill(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def drain(self, deadline: float) -> None:
+        """Asks it to leave the job (SIGTERM: it leaves at its next commit); SIGKILL after ``deadline``.
+
+        To its own process, not its group: a DataLoader's worker processes die of SIGTERM, and
+        the worker needs them to reach its next commit. The group is killed at the deadline."""
+        self.stopping = True
+        self.stop_deadline = deadline
+        self.signal(signal.SIGTERM)
 
     def signal_group(self, sig: int) -> None:
         try:

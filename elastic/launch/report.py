@@ -26,6 +26,8 @@ class Reporter:
         self.last: Optional[JobStatusInfo] = None
         self.failure_since: Optional[float] = None
         self.failure_what = ""
+        self.failure_ids: set = set()          # the members whose loss from a world is the failure noted
+        self.departed: set = set()             # workers that left the job gracefully: no failure
         self.starts: Dict[str, float] = {}
         self.recoveries: List[float] = []      # seconds from a failure to the next world, as reported
         self.world: set = set()                # members of the last world reported
@@ -37,12 +39,23 @@ class Reporter:
         """The worker's rank in the latest world Status showed it in (None: never, or on standby)."""
         return self._ranks.get(worker_id, (0, None))[1]
 
+    def was_member(self, worker_id: str) -> bool:
+        """Status listed the worker as a member of the job (in a world or on standby) at some point."""
+        return worker_id in self._ranks
+
     def note_start(self, worker_id: str, now: float) -> None:
         self.starts[worker_id] = now
 
-    def note_failure(self, what: str, now: float) -> None:
+    def note_failure(self, what: str, now: float, ids: frozenset = frozenset()) -> None:
         if self.failure_since is None:
-            self.failure_since, self.failure_what = now, what
+            self.failure_since, self.failure_what, self.failure_ids = now, what, set(ids)
+
+    def note_left(self, worker_id: str) -> None:
+        """The worker left the job gracefully: its absence from the next world is no failure,
+        whether Status showed it gone before the launcher saw it exit or after."""
+        self.departed.add(worker_id)
+        if self.failure_since is not None and self.failure_ids and self.failure_ids <= self.departed:
+            self.failure_since, self.failure_what, self.failure_ids = None, "", set()
 
     def update(self, view: JobStatusInfo, now: float) -> List[str]:
         msgs: List[str] = []
@@ -53,9 +66,9 @@ class Reporter:
         old = self.world
         if prev is not None and view.world_version == prev.world_version:
             present = {m.worker_id for m in view.members}
-            lost = {m.worker_id for m in prev.members if m.rank is not None} - present
+            lost = {m.worker_id for m in prev.members if m.rank is not None} - present - self.departed
             if lost:
-                self.note_failure(f"{_ids(lost)} left the world", now)
+                self.note_failure(f"{_ids(lost)} left the world", now, frozenset(lost))
         if view.world_version > 0 and view.world_version != (prev.world_version if prev else 0):
             new = {m.worker_id: m.rank for m in view.members if m.rank is not None}
             joined, left = set(new) - old, old - set(new)

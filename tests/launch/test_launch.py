@@ -143,6 +143,7 @@ def test_a_killed_launcher_takes_its_workers_and_server_with_it(launch):
     (["--np", "2", "--job-id", "bad id"], r"--job-id 'bad id': use 1-128 characters"),
     (["--np", "2", "--elastic-timeout", "0"], r"--elastic-timeout must be in"),
     (["--np", "2", "--host-discovery-script", "/nonexistent"], r"is not an executable file"),
+    (["--np", "2", "--preempt-grace", "0"], r"--preempt-grace must be in \(0, 86400\] seconds, got 0"),
 ])
 def test_bad_flags_give_a_one_line_error(launch, args, message):
     p = launch(*args)
@@ -269,3 +270,63 @@ def test_after_run_returns_every_worker_has_its_result_and_last_world_and_collec
         assert f"[{w}] collective after run: RendezvousError: job default has finished" in out, p.text()
     ranks = sorted(int(m.group(1)) for m in re.finditer(r"\] after rank (\d) size 2 version \d+", out))
     assert ranks == [0, 1], p.text()
+
+
+def test_a_worker_sent_sigterm_leaves_at_a_commit_is_reported_and_not_respawned(launch):
+    p = launch("--np", "3", "--min-np", "2", "--host", "hA", LW_STEPS="150")
+    p.wait_training(3)
+    p.kill_worker("hA-2", signal.SIGTERM)
+    p.wait_for(r"^elastic-run: worker hA-2 \(rank \d\) left \(preempted\); not respawned$", 15)
+    p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2", 15)
+    assert p.wait(60) == 0, p.text()
+    assert re.match(r"elastic-run: job default completed", last_line(p)), p.text()
+    assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[hA-0] done", "[hA-1] done"]
+    assert not os.path.exists(os.path.join(p.out_dir, "pid-hA-2-r1.txt")), "a worker that left was respawned"
+    # The survivors kept their state: a clean leave, not a failure.
+    assert not any("restoring commit" in l for l in p.stderr), p.text()
+    assert any(l.startswith("[hA-2] ") and "left job default gracefully (SIGTERM)" in l for l in p.stderr), p.text()
+    p.wait_no_leftovers()
+
+
+def test_sigterm_to_one_of_two_launchers_drains_its_workers_and_the_job_goes_on(launch, tmp_path):
+    from tests.rendezvous.rdzv_helpers import ServerProc
+
+    server = ServerProc(tmp_path, "--insecure", "--settle", "0.2")
+    try:
+        args = ("--rendezvous", server.address, "--job-id", "j")
+        a = launch("--np", "2", "--host", "hA", *args, LW_STEPS="300")
+        a.wait_training(2)
+        b = launch("--np", "1", "--host", "hB", *args, LW_STEPS="300")
+        b.wait_for(r"^\[hB-0\] step \d+ size 3$", 30, stream="out")
+        b.proc.send_signal(signal.SIGTERM)
+        assert b.wait(30) == 0, b.text()
+        b.wait_for(r"^elastic-run: worker hB-0 \(rank \d\) left \(preempted: SIGTERM to elastic-run\)$", 1)
+        assert last_line(b) == "elastic-run: every worker left job j gracefully on SIGTERM; it goes on without host hB"
+        a.wait_for(r"world \d+: 2 worker\(s\); left: hB-0", 15)
+        assert a.wait(60) == 0, a.text()
+        assert last_line(a).startswith("elastic-run: job j completed"), a.text()
+        assert not any("restoring commit" in l for l in a.stderr + b.stderr), a.text() + b.text()
+        a.wait_no_leftovers()
+        b.wait_no_leftovers()
+    finally:
+        server.kill()
+
+
+def test_a_slot_the_discovery_script_takes_away_is_drained_without_a_restore(launch, tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("hD:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    p = launch("--host", "hD", "--host-discovery-script", str(script), "--discovery-interval", "0.2",
+               "--min-np", "2", LW_STEPS="200")
+    p.wait_training(3)
+    tmp = tmp_path / "hosts.tmp"
+    tmp.write_text("hD:2\n")
+    tmp.replace(hosts)
+    p.wait_for(r"draining worker hD-2 \(rank \d\): discovery gives this host 2 slot\(s\)", 10)
+    p.wait_for(r"worker hD-2 \(rank \d\) left \(drained: discovery gives this host 2 slot\(s\)\)", 15)
+    p.wait_for(r"world \d+: 2 worker\(s\); left: hD-2", 15)
+    assert p.wait(60) == 0, p.text()
+    assert not any("restoring commit" in l for l in p.stderr), p.text()
+    assert not os.path.exists(os.path.join(p.out_dir, "pid-hD-2-r1.txt"))

@@ -39,6 +39,20 @@ def test_a_remote_failure_starts_the_clock_when_status_shows_the_member_gone():
     assert r.update(view(2, ["a"]), 5.5) == ["world 2: 1 worker(s); left: b; recovered 0.50 s after b left the world"]
 
 
+@pytest.mark.parametrize("status_first", [True, False])
+def test_a_local_worker_that_left_gracefully_is_no_failure_whichever_is_seen_first(status_first):
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    if status_first:   # Status shows it gone before the launcher reaps its exit 0
+        r.update(view(1, ["a"]), 5.0)
+        r.note_left("b")
+    else:
+        r.note_left("b")
+        r.update(view(1, ["a"]), 5.0)
+    assert r.update(view(2, ["a"]), 5.5) == ["world 2: 1 worker(s); left: b"]
+    assert r.recoveries == []
+
+
 def test_a_join_is_reported_with_the_time_since_the_worker_started_and_no_recovery():
     r = Reporter(now=0.0)
     r.update(view(1, ["a", "b"]), 1.0)

@@ -18,6 +18,7 @@ proves the sample accounting. Knobs (environment):
   JOB_STOP_BEFORE_FORM  SIGSTOP this process right before it connects its N-th ring (a worker
                  hung while forming; SIGCONT resumes it there, with the world it had then)
   JOB_STALL      "WORKER:STEP:SECONDS": that worker stalls once, at that step (a live but slow peer)
+  JOB_LEAVE_AT   "WORKER:STEP": that worker calls elastic.request_leave() once, after that step
 
 Besides its result, each worker appends JSON lines to events-<worker>.jsonl: every step
 (time, step, world version, size), every commit, and every sync (its commit step before and
@@ -57,6 +58,7 @@ OPTIMIZER = os.environ.get("JOB_OPTIMIZER", "sgd")
 EVIL_SYNC = os.environ.get("JOB_EVIL_SYNC") or None
 LR = 0.1  # with momentum 0.5 the job converges (loss ~1e-5) at every world size it runs at
 STALL = os.environ.get("JOB_STALL", "::").split(":")
+LEAVE_AT = os.environ.get("JOB_LEAVE_AT", ":").split(":")
 stalled = {"done": False}
 
 torch.manual_seed(0)
@@ -264,6 +266,7 @@ def train(state):
         for state.batch, (x, y, idx) in enumerate(loader):
             if WORKER == STALL[0] and state.step == int(STALL[1]) and not stalled["done"]:
                 stalled["done"] = True
+                event("stall", step=state.step)
                 time.sleep(float(STALL[2]))
             if state.step == RAISE_AT:
                 raise ValueError(f"deterministic user error at step {state.step}")
@@ -277,6 +280,9 @@ def train(state):
             state.step += 1
             progress(f"{state.step} {elastic.size()} {elastic.world_version()}")
             event("step", step=state.step, v=elastic.world_version(), size=elastic.size(), rank=elastic.rank())
+            if WORKER == LEAVE_AT[0] and state.step == int(LEAVE_AT[1]):
+                event("leave_requested", step=state.step)
+                elastic.request_leave("the test asked")
             time.sleep(STEP_SLEEP)
             if state.batch % 3 == 0:
                 commit()
@@ -290,7 +296,11 @@ def train(state):
     log["epochs"] = state.epoch + 1
 
 
-train(state)
+try:
+    train(state)
+except elastic.Preempted as e:
+    event("left", commit=e.commit_step, v=e.world_version, step=state.step)
+    raise
 event("returned", commit=state.commit_step)
 
 digest = hashlib.sha256()

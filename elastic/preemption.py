@@ -1,0 +1,134 @@
+"""Graceful leave: a worker's request to leave its job (SIGTERM, SIGINT, ``elastic.request_leave()``)
+and the grace period it has to do so.
+
+Preemptible VMs, Kubernetes eviction and Slurm all announce the end with SIGTERM and a grace
+period. The request is only recorded here; the session carries it out at the next commit
+boundary, where every rank learns of it through the same membership allreduce as a join
+(``elastic.session.check_membership``), so the survivors keep their state. If no boundary comes
+within the grace (``ELASTIC_PREEMPT_GRACE``), the worker ends as a failure: a log line, then
+``os._exit(GRACE_EXPIRED_EXIT)``, and the survivors restore their last commit as for any lost peer.
+
+The signal handler runs in the main thread between two bytecodes of whatever it interrupted, so
+it only records the request under a reentrant lock; the grace is kept by a daemon thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Callable, Dict, Optional
+
+log = logging.getLogger("elastic")
+
+# The status of a worker whose grace ran out: 128 + SIGTERM, what a shell reports for a process
+# SIGTERM killed, so a launcher treats it as it treated such a worker before graceful leave (a
+# failure the job recovers from, respawned unless it was being stopped), not as a program error.
+GRACE_EXPIRED_EXIT = 128 + int(signal.SIGTERM)
+
+LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _expire(message: str) -> None:
+    log.error("%s", message)
+    for handler in logging.getLogger().handlers + log.handlers:
+        try:
+            handler.flush()
+        except Exception:  # exiting anyway
+            pass
+    os._exit(GRACE_EXPIRED_EXIT)
+
+
+class LeaveRequest:
+    """Whether this worker was asked to leave, and the watch over its grace period.
+
+    ``request(why)`` records the first request (later ones change nothing); ``pending`` is True
+    from then until ``finish()`` (the worker left, or its session ended otherwise). ``on_request``
+    runs once, in the watch thread, when a request arrives (the session wakes its waits with it);
+    ``expire(message)`` runs there when the grace runs out first."""
+
+    def __init__(self, grace_s: float, worker: str, on_request: Callable[[], None] = lambda: None,
+                 expire: Callable[[str], None] = _expire):
+        self.grace_s, self.worker = grace_s, worker
+        self._on_request, self._expire = on_request, expire
+        # Reentrant: a signal handler may interrupt the main thread inside request() itself.
+        self._cond = threading.Condition(threading.RLock())
+        self.requested_at: Optional[float] = None
+        self.why = ""
+        self._finished = False
+        self._thread = threading.Thread(target=self._watch, name="elastic-preempt-grace", daemon=True)
+        self._thread.start()
+
+    def request(self, why: str) -> None:
+        with self._cond:
+            if self.requested_at is None and not self._finished:
+                self.requested_at, self.why = time.monotonic(), why
+                self._cond.notify_all()
+
+    @property
+    def pending(self) -> bool:
+        with self._cond:
+            return self.requested_at is not None and not self._finished
+
+    def finish(self) -> None:
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while self.requested_at is None and not self._finished:
+                self._cond.wait(1.0)
+            if self._finished:
+                return
+            why, deadline = self.why, self.requested_at + self.grace_s
+        log.warning("worker %s asked to leave (%s): leaving at its next commit (grace %g s)", self.worker, why,
+                    self.grace_s)
+        self._on_request()
+        with self._cond:
+            while not self._finished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 1.0))
+            if self._finished:
+                return
+        self._expire(f"worker {self.worker} was asked to leave ({why}) and reached no commit boundary within "
+                     f"{self.grace_s:g} s (ELASTIC_PREEMPT_GRACE): leaving as a failure "
+                     f"(exit status {GRACE_EXPIRED_EXIT})")
+
+
+def install_handlers(request: Callable[[str], None]) -> Optional[Dict[int, object]]:
+    """Makes SIGTERM and SIGINT call ``request(signal name)`` (a second one of the same signal does
+    what the replaced handler did: KeyboardInterrupt, or the default action); returns the handlers they replaced,
+    for ``restore_handlers``, or None when this is not the main thread (Python allows signal
+    handlers only there; ``elastic.request_leave()`` still works)."""
+    if threading.current_thread() is not threading.main_thread():
+        log.debug("not the main thread: no SIGTERM/SIGINT handlers; use elastic.request_leave()")
+        return None
+    previous: Dict[int, object] = {}
+    seen = {sig: 0 for sig in LEAVE_SIGNALS}
+
+    def on_signal(signum, frame) -> None:
+        seen[signum] += 1
+        if seen[signum] == 1:
+            request(signal.Signals(signum).name)
+            return
+        # The same signal again: the sender insists. Do what it did before graceful leave
+        # (KeyboardInterrupt for a second Ctrl-C, the default action for SIGTERM).
+        restore_handlers(previous)
+        os.kill(os.getpid(), signum)
+
+    for sig in LEAVE_SIGNALS:
+        previous[sig] = signal.signal(sig, on_signal)
+    return previous
+
+
+def restore_handlers(previous: Optional[Dict[int, object]]) -> None:
+    if not previous or threading.current_thread() is not threading.main_thread():
+        return
+    for sig, handler in previous.items():
+        # None: set from C, not Python; the default is the closest Python can put back.
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
