@@ -13,8 +13,8 @@
 #include "auth.h"
 #include "executor.h"
 #include "reduce.h"
+#include "listener.h"
 #include "ring.h"
-#include "transport.h"
 
 namespace nb = nanobind;
 using namespace ering;

@@ -15,6 +15,7 @@
 #include <exception>
 #include <thread>
 
+#include "connect.h"
 #include "reduce.h"
 
 namespace ering {

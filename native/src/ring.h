@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "common.h"
+#include "listener.h"
 #include "shm.h"
-#include "transport.h"
 
 namespace ering {
 

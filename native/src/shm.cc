@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "auth.h"
+#include "handshake.h"
 
 namespace ering {
 
@@ -71,12 +72,6 @@ template <class T>
 void store_fenced(T& v, T x) { __atomic_store_n(&v, x, __ATOMIC_SEQ_CST); }
 template <class T>
 T load_fenced(const T& v) { return __atomic_load_n(&v, __ATOMIC_SEQ_CST); }
-
-int poll_ms_until(Clock::time_point deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  if (left <= 0) return 0;
-  return int(std::min<long long>(left + 1, 1000 * 1000));
-}
 
 void put_u32(std::vector<uint8_t>& b, uint32_t v) { for (int i = 3; i >= 0; --i) b.push_back(uint8_t(v >> (8 * i))); }
 void put_u64(std::vector<uint8_t>& b, uint64_t v) { for (int i = 7; i >= 0; --i) b.push_back(uint8_t(v >> (8 * i))); }

@@ -16,7 +16,7 @@
 #include <memory>
 #include <string>
 
-#include "transport.h"
+#include "tcp_links.h"
 
 namespace ering {
 
