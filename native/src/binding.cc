@@ -11,10 +11,10 @@
 #include <mutex>
 
 #include "auth.h"
+#include "communicator.h"
 #include "executor.h"
-#include "reduce.h"
 #include "listener.h"
-#include "ring.h"
+#include "reduce.h"
 
 namespace nb = nanobind;
 using namespace ering;
