@@ -61,4 +61,12 @@ class CommError : public std::runtime_error {
   int peer;
 };
 
+// The error of a failed form() of world version `world_version` on `rank`, blaming `peer`
+// (-1: nobody): "form (world version V, rank R): what". Every step of forming builds it here.
+inline CommError form_error(ErrorKind kind, uint64_t world_version, int rank, int peer, const std::string& what) {
+  return CommError(kind, "form (world version " + std::to_string(world_version) + ", rank " + std::to_string(rank) +
+                             "): " + what,
+                   "form", int64_t(world_version), rank, peer);
+}
+
 }  // namespace ering

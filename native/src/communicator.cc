@@ -8,9 +8,11 @@
 #include <exception>
 
 #include "connect.h"
+#include "link_setup.h"
 #include "plans.h"
 #include "reduce.h"
-#include "shm.h"
+#include "shm_links.h"
+#include "tcp_links.h"
 
 namespace ering {
 
@@ -155,13 +157,12 @@ void Communicator::form() {
     }
     for (auto& f : rings) {
       f.send_ring = finish_link(f.next_fd, std::move(f.offered), f.ctx, deadline, abort_);
-      std::unique_ptr<Links> links;
-      if (f.send_ring || f.recv_ring)
-        links = std::make_unique<ShmLinks>(f.next_fd, f.prev_fd, std::move(f.send_ring), std::move(f.recv_ring), f.ctx,
-                                           &abort_, cfg_.timeout_s);
-      else
-        links = std::make_unique<TcpLinks>(f.next_fd, f.prev_fd, f.ctx, &abort_, cfg_.timeout_s);
-      f.next_fd = f.prev_fd = -1;  // owned by the links now
+      // Each direction runs over shared memory if its LINK settled on it, else over TCP.
+      auto send = f.send_ring ? shm_send_end(f.next_fd, std::move(f.send_ring), f.ctx) : tcp_send_end(f.next_fd, f.ctx);
+      f.next_fd = -1;  // owned by the end now
+      auto recv = f.recv_ring ? shm_recv_end(f.prev_fd, std::move(f.recv_ring), f.ctx) : tcp_recv_end(f.prev_fd, f.ctx);
+      f.prev_fd = -1;
+      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_, cfg_.timeout_s);
       std::lock_guard<std::mutex> g(err_mu_);
       *f.into = std::move(links);
     }

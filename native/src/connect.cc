@@ -25,11 +25,8 @@ bool is_wildcard(const std::string& host) { return host.empty() || host == "0.0.
 
 int connect_ring_peer(const std::string& address, const Hello& hello, const std::string& secret,
                       Clock::time_point deadline, Clock::duration unreachable_after, const AbortSignal& abort) {
-  auto fail = [&](ErrorKind kind, const std::string& what) -> CommError {
-    return CommError(kind,
-                     "form (world version " + std::to_string(hello.world_version) + ", rank " +
-                         std::to_string(hello.from_rank) + "): " + what,
-                     "form", int64_t(hello.world_version), int(hello.from_rank), int(hello.to_rank));
+  auto fail = [&](ErrorKind kind, const std::string& what) {
+    return form_error(kind, hello.world_version, int(hello.from_rank), int(hello.to_rank), what);
   };
   const std::string shown = printable(address, 300);  // the rendezvous passed it on from the peer
   std::string peer = "rank " + std::to_string(hello.to_rank) + " at " + shown +
@@ -64,11 +61,12 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
     ::close(fd);
     return fail(ErrorKind::BadPeer, peer + " " + what);
   };
-  // Sends `out` and reads the answer, which must be a `want` message. False: the connection
-  // was closed or reset first (the caller retries). Throws on abort, at the deadline, and
-  // on an answer that is not this protocol.
-  auto exchange = [&](int fd, const std::vector<uint8_t>& out, MsgType want, const char* after, MsgHeader* h,
-                      std::vector<uint8_t>* body) {
+  // Sends `out` and reads the answer, which must be a `want` message. False when the caller
+  // must reconnect (after a backoff, here): the connection was closed or reset first
+  // (`closed` says when), or the neighbour has not reached this world version. Throws on
+  // abort, at the deadline, and on an answer that is not this protocol.
+  auto exchange = [&](int fd, const std::vector<uint8_t>& out, MsgType want, const char* after, const char* closed,
+                      MsgHeader* h, std::vector<uint8_t>* body) {
     uint8_t hdr[kHeaderBytes];
     std::string why;
     int e = write_full(fd, out.data(), out.size(), deadline, abort);
@@ -87,7 +85,15 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
       throw fail(ErrorKind::Timeout, "no handshake with " + peer + " before the deadline (no answer to the " + after +
                                          "; it accepted the connection)");
     }
-    return e == 0;
+    if (e) {
+      retry_after(fd, closed);
+      return false;
+    }
+    if (h->status == Status::NotReady) {
+      retry_after(fd, peer + " has not reached world version " + std::to_string(hello.world_version));
+      return false;
+    }
+    return true;
   };
   for (;;) {
     if (abort.fired()) throw fail(ErrorKind::Aborted, "aborted while connecting to " + peer);
@@ -141,14 +147,9 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
     // listener drops connections that have not proved the secret yet.
     MsgHeader h{};
     std::vector<uint8_t> body;
-    if (!exchange(fd, hello_msg, MsgType::Ack, "HELLO", &h, &body)) {
-      retry_after(fd, "it closed the connection before answering the HELLO");
+    if (!exchange(fd, hello_msg, MsgType::Ack, "HELLO", "it closed the connection before answering the HELLO", &h,
+                  &body))
       continue;
-    }
-    if (h.status == Status::NotReady) {
-      retry_after(fd, peer + " has not reached world version " + std::to_string(hello.world_version));
-      continue;
-    }
     if (h.status == Status::Refused)  // this protocol refuses only after the PROOF, with a MAC
       throw bad_peer(fd, "refused the ring connection before any proof (unauthenticated, not acted on): '" +
                              printable(std::string(body.begin(), body.end()), 200) + "'");
@@ -158,14 +159,9 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
     std::vector<uint8_t> acceptor_nonce = body;
     Digest mine = handshake_mac(secret, "connector", hello_body, acceptor_nonce.data());
     auto proof = encode_message(MsgType::Proof, Status::Ok, std::vector<uint8_t>(mine.begin(), mine.end()));
-    if (!exchange(fd, proof, MsgType::Result, "proof", &h, &body)) {
-      retry_after(fd, "it closed the connection during the handshake, after the proof");
+    if (!exchange(fd, proof, MsgType::Result, "proof", "it closed the connection during the handshake, after the proof",
+                  &h, &body))
       continue;
-    }
-    if (h.status == Status::NotReady) {
-      retry_after(fd, peer + " has not reached world version " + std::to_string(hello.world_version));
-      continue;
-    }
     if (h.status == Status::Refused) {
       Refusal code{};
       std::string reason;

@@ -4,13 +4,15 @@
 // passed on.
 //
 // The links know connections and segments only; which bytes go where is the Plan's
-// business (plans.h). TCP framing is in tcp_links.h, shared memory in shm.h.
+// business (plans.h). Each direction is an end: TCP frames (tcp_links.h) or shared memory
+// (shm_links.h); one loop here drives both, whatever they are.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <poll.h>
 #include <string>
 #include <vector>
@@ -75,50 +77,130 @@ struct WatchFd {
 };
 constexpr size_t kMaxWatch = 2;
 
-// The data plane of one ring.
+// Where one run() of a ring stands: the collective in flight and how far each direction
+// has got. The ends advance their own counter; the loop reads both.
+struct RunState {
+  Plan& plan;
+  const OpInfo& op;
+  const LinkContext& ctx;
+  const size_t nsend, nrecv;
+  size_t sent = 0, received = 0;  // segments wholly sent / received so far
+  // The next send segment may start: it exists, and the receive it waits for has completed.
+  bool may_send() const {
+    return sent < nsend && (plan.send_after(sent) < 0 || size_t(plan.send_after(sent)) < received);
+  }
+};
+
+// How errors name a neighbour: "rank 3 (10.0.0.2:4000)".
+std::string rank_name(int rank, const std::string& address);
+
+// One neighbour's connection, as an end of a link sees it.
+struct Neighbour {
+  Neighbour(int fd, int rank, const std::string& address);
+  int fd;
+  int rank;
+  std::string name;       // "rank 3 (10.0.0.2:4000)"
+  bool poisoned = false;  // its poison byte, taken (a read past it would drop it) before its stream ended
+  // Its connection ended: "propagated" if its poison byte came first, else the peer is lost.
+  [[noreturn]] void closed(const RunState& s);
+  // A send or receive on its connection failed with `err`.
+  [[noreturn]] void broke(const RunState& s, int err);
+};
+
+// One end of a ring direction: the sending end (this rank -> the next) or the receiving
+// end (the previous rank -> this one), over TCP frames or shared memory. It owns the
+// connection to that neighbour. Links::run() drives two of them in one loop.
+class End {
+ public:
+  enum Direction { Send, Recv };
+  End(Direction d, Neighbour peer) : dir_(d), peer_(std::move(peer)) {}
+  virtual ~End();
+  End(const End&) = delete;
+  End& operator=(const End&) = delete;
+  virtual const char* kind() const = 0;  // "tcp" or "shm"
+  // Waits spin briefly before sleeping in poll() (memory the peer writes, not a socket).
+  virtual bool spins() const { return false; }
+  // A new run() begins: the first segment of this end's direction.
+  void start(RunState& s);
+  // Moves what it can without blocking, advancing s.sent (a sending end, while
+  // s.may_send()) or s.received (handing each segment to the plan); true if anything moved.
+  // Throws when it cannot go on (the neighbour's connection ended, a segment that does not
+  // match).
+  virtual bool move(RunState& s) = 0;
+  // About to sleep: arms the peer's wake-up (shared memory's sleeping flag); true when,
+  // looking once more, there is something to do after all. disarm() after the sleep.
+  virtual bool arm(const RunState& s) { return false; }
+  virtual void disarm() {}
+  // The poll() events to sleep on for the neighbour's connection, and what they mean. A
+  // receiving end only takes note (a poison byte, EOF), for its next move() to act on.
+  virtual short events(const RunState& s) const = 0;
+  virtual void polled(short revents, RunState& s) = 0;
+  const Neighbour& peer() const { return peer_; }
+
+ protected:
+  // Segments of this end's direction still to move in this run.
+  bool more(const RunState& s) const { return dir_ == Send ? s.sent < s.nsend : s.received < s.nrecv; }
+  // The current segment wholly moved (a receiving end has told the plan): count it and take
+  // the next one.
+  void next_segment(RunState& s);
+  const Direction dir_;
+  Neighbour peer_;
+  Span span_{nullptr, 0};  // the segment in flight
+  size_t off_ = 0;         // how much of it moved (TCP: of its frame, header included)
+};
+
+// The data plane of one ring: one loop drives both directions, whichever end each has
+// (TCP, or shared memory for a neighbour on the same host), so the deadline, abort,
+// watching and failure rules are written once for every transport.
 class Links {
  public:
-  virtual ~Links() = default;
-  virtual void run(Plan& plan, const OpInfo& op) = 0;
+  // `send` is a sending end to ctx.next_rank, `recv` a receiving end from ctx.prev_rank.
+  Links(std::unique_ptr<End> send, std::unique_ptr<End> recv, LinkContext ctx, const AbortSignal* abort,
+        double timeout_s);
+  // Runs the plan to the end: fails (CommError) when no byte moved for the timeout, on
+  // abort, when a neighbour's connection ends or a segment does not match.
+  void run(Plan& plan, const OpInfo& op);
   // Shuts the connections down so neighbours fail fast: how one failure reaches every rank.
-  virtual void shutdown() = 0;
+  // The poison byte once on both, then shutdown() (not close(): safe while another thread
+  // polls them; FIN reaches both at once). Ends keep their memory until destroyed.
+  void shutdown();
   // How this rank sends to the next rank and receives from the previous one: "tcp" or "shm".
-  virtual const char* send_kind() const { return "tcp"; }
-  virtual const char* recv_kind() const { return "tcp"; }
+  const char* send_kind() const { return send_->kind(); }
+  const char* recv_kind() const { return recv_->kind(); }
   // This ring's two connections, for another ring's run() to watch.
-  virtual std::vector<WatchFd> connections() const = 0;
+  std::vector<WatchFd> connections() const;
   // What the next run() watches besides its own connections (at most kMaxWatch); cleared by the caller.
   void watch(std::vector<WatchFd> w) { watch_ = std::move(w); }
-  virtual const LinkContext& context() const = 0;
+  const LinkContext& context() const { return ctx_; }
   // Outside run(): throws op's CommError if a neighbour on this ring gave up or died.
   void check_alive(const OpInfo& op);
 
- protected:
+ private:
+  // Nothing moved and nothing is left to spin for: sleeps in poll() on abort, both
+  // connections and the watched ones until one is ready or the deadline passes.
+  void sleep(RunState& s, Clock::time_point deadline);
+  std::unique_ptr<End> send_, recv_;
+  LinkContext ctx_;
+  const AbortSignal* abort_;
+  double timeout_s_;
+  std::atomic<bool> poisoned_{false};
   std::vector<WatchFd> watch_;
 };
-
-// Fills pollfd entries for the watched connections (FIN/RST and the urgent poison byte only).
-size_t add_watched(const std::vector<WatchFd>& w, pollfd* out);
-// Throws the op's CommError if a watched connection ended or carries the poison byte:
-// `revents` from a poll() over add_watched()'s entries, or null to poll them now without waiting.
-void check_watched(const std::vector<WatchFd>& w, const pollfd* polled, const LinkContext& ctx, const OpInfo& op);
 
 // The poison byte: one TCP urgent byte a rank sends before shutting a connection down when
 // it gives up, so a neighbour reports "propagated" instead of blaming a live rank.
 void send_poison(int fd);
-// What every Links does on giving up: the poison byte once on both connections, then
-// shutdown() (not close(): safe while another thread polls them; FIN reaches both at once).
-void give_up(std::atomic<bool>& poisoned, int next_fd, int prev_fd);
-// Throws the CommError of a failed operation on this rank, naming op, version, rank and peer.
-[[noreturn]] void link_failure(const LinkContext& ctx, ErrorKind kind, const OpInfo& op, int peer,
-                               const std::string& what);
-// A connection ended: "propagated" if the neighbour's poison byte came first, else the peer is lost.
-[[noreturn]] void link_lost(const LinkContext& ctx, const OpInfo& op, bool propagated, int peer,
-                            const std::string& name, const std::string& what);
 // Reads a pending poison byte; true if there was one.
 bool take_poison(int fd);
 // After a short read: reads the poison byte if the read stopped at the urgent mark (the
 // next read past it would discard it).
 bool take_poison_at_mark(int fd);
+// Throws the CommError of a failed operation on this rank, naming op, version, rank and peer.
+[[noreturn]] void link_failure(const LinkContext& ctx, ErrorKind kind, const OpInfo& op, int peer,
+                               const std::string& what);
+// Empty when a segment's header (what a TCP frame or a shared-memory chunk says it is) is
+// receive `index` of `op`, `bytes` long; else why not, naming the sender.
+std::string segment_mismatch(uint32_t seq, uint32_t tag, uint64_t index, uint64_t bytes, const OpInfo& op,
+                             size_t want_index, size_t want_bytes, const std::string& sender);
 
 }  // namespace ering

@@ -151,16 +151,12 @@ int Listener::take(uint64_t world_version, Clock::time_point deadline, const Abo
         return fd;
       }
     }
+    const std::string predecessor = std::string(channel_name(channel)) + " predecessor rank " + std::to_string(prev_rank);
     if (abort.fired())
-      throw CommError(ErrorKind::Aborted, "forming world version " + std::to_string(world_version) + " aborted",
-                      "form", int64_t(world_version), rank, prev_rank);
+      throw form_error(ErrorKind::Aborted, world_version, rank, prev_rank, "aborted while waiting for the " + predecessor);
     int ms = poll_ms_until(deadline);
     if (ms == 0)
-      throw CommError(ErrorKind::Timeout,
-                      "form (world version " + std::to_string(world_version) + ", rank " + std::to_string(rank) +
-                          "): " + channel_name(channel) + " predecessor rank " + std::to_string(prev_rank) +
-                          " did not connect before the deadline",
-                      "form", int64_t(world_version), rank, prev_rank);
+      throw form_error(ErrorKind::Timeout, world_version, rank, prev_rank, predecessor + " did not connect before the deadline");
     pollfd p[2] = {{ready_fd_, POLLIN, 0}, {abort.fd(), POLLIN, 0}};
     if (poll(p, 2, ms) > 0 && p[0].revents) {
       uint64_t v;
