@@ -26,9 +26,7 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
                                             std::to_string(peers_.size()));
   if (job_id_.empty() || job_id_.size() > kMaxJobIdBytes)
     throw CommError(ErrorKind::Invalid, "job id must be 1-255 bytes, got " + std::to_string(job_id_.size()));
-  if (cfg_.timeout_s <= 0 || cfg_.form_timeout_s <= 0)
-    throw CommError(ErrorKind::Invalid, "timeouts must be positive");
-  if (cfg_.segment_bytes < 64) throw CommError(ErrorKind::Invalid, "segment_bytes must be at least 64");
+  check_config(cfg_);
   if (!hosts_.empty()) {
     if (hosts_.size() != peers_.size())
       throw CommError(ErrorKind::Invalid, "hosts: got " + std::to_string(hosts_.size()) + " hosts for " +
@@ -132,7 +130,7 @@ void Communicator::form() {
   for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
   listener_->expect(e);
   auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
-  auto deadline = Clock::now() + seconds(cfg_.form_timeout_s);
+  auto deadline = Clock::now() + seconds(cfg_.form_timeout);
   try {
     // Every ring's connection and LINK go out before this rank waits for any predecessor,
     // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
@@ -148,7 +146,7 @@ void Communicator::form() {
       random_bytes(h.nonce.data(), h.nonce.size());
       // A neighbour that accepts no connection for as long as a collective may go without
       // progress is not coming: give up on it then, even if the form deadline is later.
-      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline, seconds(cfg_.timeout_s), abort_);
+      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline, seconds(cfg_.timeout), abort_);
       f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, abort_);
     }
     for (auto& f : rings) {
@@ -162,7 +160,7 @@ void Communicator::form() {
       f.next_fd = -1;  // owned by the end now
       auto recv = f.recv_ring ? shm_recv_end(f.prev_fd, std::move(f.recv_ring), f.ctx) : tcp_recv_end(f.prev_fd, f.ctx);
       f.prev_fd = -1;
-      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_, cfg_.timeout_s);
+      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_, cfg_.timeout);
       std::lock_guard<std::mutex> g(err_mu_);
       *f.into = std::move(links);
     }
