@@ -18,10 +18,6 @@ const char* op_name(ReduceOp op);
 
 using Clock = std::chrono::steady_clock;
 
-inline double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
 // Why a communicator operation failed. Everything except Invalid poisons the
 // communicator: the caller must discard it and form a new one. One list, so the binding
 // exports exactly these names and values (elastic._native.ErrorKind) and Python never

@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <poll.h>
 #include <string>
 #include <vector>
 
