@@ -29,9 +29,20 @@ ErrorKind = _native.ErrorKind
 _MAX_ALLGATHER_NDIM = 12
 
 
+_CORE = _native.CommConfig()  # the core's defaults: each setting's default is written once, in native/src/config.h
+
+
+def _setting(name: str, env: str) -> Any:
+    """A CommConfig field: its default from the core, and the environment variable that sets it."""
+    return dataclasses.field(default=getattr(_CORE, name), metadata={"env": env})
+
+
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
     """Settings of the ring core; the one place they are read from flags or environment.
+
+    Defaults come from the core (``elastic._native.CommConfig``), which also checks every value:
+    a bad one raises ``ValueError`` naming the setting (and the variable, from ``from_env``).
 
     ``algorithm`` (env ELASTIC_ALLREDUCE_ALGORITHM) picks the allreduce: "ring" (the flat ring
     always), "hierarchical" (in a mixed world: host-local ring over shared memory, ring of one
@@ -39,59 +50,38 @@ class CommConfig:
     hierarchical where it applies and the buffer is larger than ``hierarchical_bytes``, env
     ELASTIC_HIERARCHICAL_BYTES, 4 MiB; else the ring). It applies when ``hosts`` name at least
     two hosts, one of them with two or more ranks, and each host's ranks are contiguous in rank
-    order; elsewhere every allreduce takes the ring. Keep these settings the same on every rank
-    (``connect()`` checks, and fails on every rank naming the setting that differs).
+    order; elsewhere every allreduce takes the ring. Results are identical on every rank either
+    way (not bit-identical between the two algorithms for floats: the summation order differs);
+    see native/README.md, "Hierarchical allreduce". ``transport`` "auto" lets ring neighbours
+    with the same name in ``hosts`` exchange data through shared memory, "tcp" keeps every link
+    on TCP. Keep these settings the same on every rank (``connect()`` checks, and fails on every
+    rank naming the setting that differs).
     """
 
-    timeout: float = 30.0            # seconds a collective may go without moving a byte (hung peers)
-    form_timeout: float = 30.0       # seconds form() waits for both ring neighbours
-    segment_bytes: int = 1 << 20     # pipeline segment: ~1 MiB keeps both directions busy
-    small_bytes: int = 32 << 10      # allreduce up to this size takes the small-message path (measured crossover)
-    fusion_bytes: int = 64 << 20     # async allreduces are fused into buckets up to this size
-    # "auto": ring neighbours on the same host (same name in ``hosts``) exchange data through
-    # shared memory, the rest over TCP; "tcp": every link over TCP.
-    transport: str = "auto"
-    # Allreduce algorithm. "ring": always the flat ring. "hierarchical": in a mixed world
-    # (``hosts`` name >= 2 hosts, one of them with >= 2 ranks, each host's ranks contiguous in
-    # rank order) every allreduce runs (1) a ring allreduce among the ranks of each host (shared
-    # memory), (2) a ring allreduce among one leader per host (TCP), (3) a broadcast from the
-    # leader to its host; elsewhere the flat ring. "auto" (default): hierarchical where it applies
-    # and the buffer is larger than ``hierarchical_bytes``, else the flat ring. The choice depends
-    # only on world shape, size and these settings: set them the same on every rank. Results are
-    # identical on every rank either way (not bit-identical between the two algorithms for
-    # floats: the summation order differs). See native/README.md, "Hierarchical allreduce".
-    algorithm: str = "auto"
-    hierarchical_bytes: int = 4 << 20  # "auto" goes hierarchical above this size (measured, see README)
-
-    _ENV = {
-        "timeout": "ELASTIC_COLLECTIVE_TIMEOUT",
-        "form_timeout": "ELASTIC_FORM_TIMEOUT",
-        "segment_bytes": "ELASTIC_SEGMENT_BYTES",
-        "small_bytes": "ELASTIC_SMALL_BYTES",
-        "fusion_bytes": "ELASTIC_FUSION_THRESHOLD",
-        "transport": "ELASTIC_TRANSPORT",
-        "algorithm": "ELASTIC_ALLREDUCE_ALGORITHM",
-        "hierarchical_bytes": "ELASTIC_HIERARCHICAL_BYTES",
-    }
-
-    TRANSPORTS = ("auto", "tcp")
-    ALGORITHMS = ("auto", "ring", "hierarchical")
+    timeout: float = _setting("timeout", "ELASTIC_COLLECTIVE_TIMEOUT")          # s without progress: a hung peer
+    form_timeout: float = _setting("form_timeout", "ELASTIC_FORM_TIMEOUT")      # s form() waits for its neighbours
+    segment_bytes: int = _setting("segment_bytes", "ELASTIC_SEGMENT_BYTES")     # pipeline segment
+    small_bytes: int = _setting("small_bytes", "ELASTIC_SMALL_BYTES")           # small-message allreduce up to this
+    fusion_bytes: int = _setting("fusion_bytes", "ELASTIC_FUSION_THRESHOLD")    # async allreduce buckets up to this
+    transport: str = _setting("transport", "ELASTIC_TRANSPORT")                 # "auto" or "tcp"
+    algorithm: str = _setting("algorithm", "ELASTIC_ALLREDUCE_ALGORITHM")       # "auto", "ring" or "hierarchical"
+    hierarchical_bytes: int = _setting("hierarchical_bytes", "ELASTIC_HIERARCHICAL_BYTES")  # "auto" above this
 
     def __post_init__(self):
-        for name in ("timeout", "form_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"CommConfig.{name} must be positive, got {getattr(self, name)!r}")
-        if self.segment_bytes < 64:
-            raise ValueError(f"CommConfig.segment_bytes must be at least 64, got {self.segment_bytes}")
-        for name in ("small_bytes", "fusion_bytes", "hierarchical_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"CommConfig.{name} must not be negative, got {getattr(self, name)}")
-        if self.transport not in self.TRANSPORTS:
-            raise ValueError(f"CommConfig.transport must be one of {', '.join(self.TRANSPORTS)}, "
-                             f"got {self.transport!r}")
-        if self.algorithm not in self.ALGORITHMS:
-            raise ValueError(f"CommConfig.algorithm must be one of {', '.join(self.ALGORITHMS)}, "
-                             f"got {self.algorithm!r} (env ELASTIC_ALLREDUCE_ALGORITHM)")
+        self.to_native()  # the core checks every value
+
+    def to_native(self) -> Any:
+        """The core's ``CommConfig`` with these values, checked (``ValueError`` names a bad one)."""
+        native = _native.CommConfig()
+        for field in dataclasses.fields(self):
+            setattr(native, field.name, getattr(self, field.name))
+        native.check()
+        return native
+
+    @staticmethod
+    def env_var(name: str) -> str:
+        """The environment variable of setting ``name``."""
+        return next(f.metadata["env"] for f in dataclasses.fields(CommConfig) if f.name == name)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "CommConfig":
@@ -101,16 +91,19 @@ class CommConfig:
         env = os.environ if env is None else env
         values: dict = {}
         for field in dataclasses.fields(cls):
-            var = cls._ENV.get(field.name)
-            if var and env.get(var, "") != "":
-                if field.type in ("str", str):
-                    values[field.name] = env[var].strip().lower()
-                    continue
-                kind = float if field.type in ("float", float) else int
-                try:
-                    values[field.name] = kind(env[var])
-                except ValueError:
-                    raise ValueError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+            var = field.metadata["env"]
+            raw = env.get(var, "")
+            if raw == "":
+                continue
+            kind = type(field.default)
+            try:
+                values[field.name] = raw.strip().lower() if kind is str else kind(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a valid {kind.__name__}") from None
+            try:
+                cls(**{field.name: values[field.name]})  # the core checks it; say where it came from
+            except ValueError as e:
+                raise ValueError(f"{var}={raw!r}: {e}") from None
         values.update(overrides)
         return cls(**values)
 
@@ -205,10 +198,8 @@ class Communicator:
                                  "give one host name per rank")
             if not all(host_list):
                 raise ValueError("hosts: host names must not be empty")
-        native = _native.Communicator(listener, job_id, secret, world_version, rank, peers,
-                                      config.timeout, config.form_timeout, config.segment_bytes,
-                                      config.small_bytes, config.fusion_bytes, host_list, config.transport,
-                                      config.algorithm, config.hierarchical_bytes)
+        native = _native.Communicator(listener, job_id, secret, world_version, rank, peers, config.to_native(),
+                                      host_list)
         return cls(native, config)
 
     def connect(self) -> "Communicator":
@@ -253,7 +244,7 @@ class Communicator:
                 by_value.setdefault(words[v] if isinstance(getattr(self.config, name), str) else v, []).append(r)
             said = "; ".join(f"{v} on rank(s) {','.join(map(str, rs))}" for v, rs in by_value.items())
             raise SettingsMismatchError(
-                f"ring setting {name} ({CommConfig._ENV[name]}) differs between the ranks of world version "
+                f"ring setting {name} ({CommConfig.env_var(name)}) differs between the ranks of world version "
                 f"{self.world_version}: {said}; every worker must use the same",
                 world_version=self.world_version, rank=self.rank, setting=name)
 

@@ -11,10 +11,10 @@
 #include <mutex>
 
 #include "auth.h"
+#include "communicator.h"
 #include "executor.h"
+#include "listener.h"
 #include "reduce.h"
-#include "ring.h"
-#include "transport.h"
 
 namespace nb = nanobind;
 using namespace ering;
@@ -85,7 +85,6 @@ struct PyComm {
   std::shared_ptr<Listener> listener;
   std::shared_ptr<Communicator> comm;
   std::shared_ptr<Executor> exec;
-  size_t fusion_bytes = 0;
 
   std::shared_ptr<Communicator> c() {
     std::lock_guard<std::mutex> g(mu);
@@ -166,45 +165,62 @@ NB_MODULE(_native, m) {
 
   nb::class_<Work>(m, "Work").def("done", &Work::done, nb::call_guard<nb::gil_scoped_release>());
 
+  // The settings struct itself, so its defaults are written once (config.h) and Python
+  // fills it by field name. Sizes are Python ints that must not be negative; the enum
+  // settings are their names; check() applies the rest of the rules.
+  nb::class_<CommConfig> config(m, "CommConfig",
+                                "Ring settings with the core's defaults (ering::CommConfig); elastic.CommConfig "
+                                "fills one by field name.");
+  config.def(nb::init<>())
+      .def_rw("timeout", &CommConfig::timeout, "Seconds a collective may go without moving a byte.")
+      .def_rw("form_timeout", &CommConfig::form_timeout, "Seconds form() waits for both ring neighbours.");
+  auto size_setting = [&config](const char* name, size_t CommConfig::*field, const char* doc) {
+    config.def_prop_rw(
+        name, [field](const CommConfig& c) { return uint64_t(c.*field); },
+        [field, name](CommConfig& c, int64_t v) {
+          if (v < 0)
+            throw CommError(ErrorKind::Invalid,
+                            "CommConfig." + std::string(name) + " must not be negative, got " + std::to_string(v));
+          c.*field = size_t(v);
+        },
+        doc);
+  };
+  size_setting("segment_bytes", &CommConfig::segment_bytes, "Pipeline segment size in bytes.");
+  size_setting("small_bytes", &CommConfig::small_bytes, "Allreduce up to this size takes the small-message path.");
+  size_setting("fusion_bytes", &CommConfig::fusion_bytes, "Async allreduces are fused into buckets up to this size.");
+  size_setting("hierarchical_bytes", &CommConfig::hierarchical_bytes,
+               "algorithm 'auto' takes the hierarchical path above this size.");
+  config
+      .def_prop_rw(
+          "transport", [](const CommConfig& c) { return std::string(transport_name(c.transport)); },
+          [](CommConfig& c, const std::string& v) { c.transport = parse_transport(v); },
+          "'auto' (shared memory between ranks of one host) or 'tcp'.")
+      .def_prop_rw(
+          "algorithm", [](const CommConfig& c) { return std::string(algorithm_name(c.algorithm)); },
+          [](CommConfig& c, const std::string& v) { c.algorithm = parse_algorithm(v); },
+          "Allreduce algorithm: 'auto', 'ring' or 'hierarchical'.")
+      .def("check", [](const CommConfig& c) { check_config(c); },
+           "Raises ValueError naming the first setting that is out of range.");
+
   nb::class_<PyComm>(m, "Communicator")
       .def("__init__",
            [](PyComm* self, PyListener* listener, const std::string& job_id, nb::bytes secret, uint64_t world_version,
-              int rank, std::vector<std::string> peers, double timeout, double form_timeout, size_t segment_bytes,
-              size_t small_bytes, size_t fusion_bytes, std::vector<std::string> hosts, const std::string& transport,
-              const std::string& algorithm, size_t hierarchical_bytes) {
-             CommConfig cfg;
-             if (transport == "auto") cfg.transport = CommConfig::Transport::Auto;
-             else if (transport == "tcp") cfg.transport = CommConfig::Transport::Tcp;
-             else throw nb::value_error(("unknown transport '" + transport + "': expected 'auto' or 'tcp'").c_str());
-             if (algorithm == "auto") cfg.algorithm = CommConfig::Algorithm::Auto;
-             else if (algorithm == "ring") cfg.algorithm = CommConfig::Algorithm::Ring;
-             else if (algorithm == "hierarchical") cfg.algorithm = CommConfig::Algorithm::Hierarchical;
-             else
-               throw nb::value_error(("unknown allreduce algorithm '" + algorithm +
-                                      "': expected 'auto', 'ring' or 'hierarchical'").c_str());
-             cfg.hierarchical_bytes = hierarchical_bytes;
-             cfg.timeout_s = timeout;
-             cfg.form_timeout_s = form_timeout;
-             cfg.segment_bytes = segment_bytes;
-             cfg.small_bytes = small_bytes;
+              int rank, std::vector<std::string> peers, const CommConfig& config, std::vector<std::string> hosts) {
              std::shared_ptr<Listener> l = listener ? listener->get() : nullptr;
              auto comm = std::make_shared<Communicator>(l.get(), job_id, std::string(secret.c_str(), secret.size()),
-                                                        world_version, rank, std::move(peers), cfg, std::move(hosts));
+                                                        world_version, rank, std::move(peers), config,
+                                                        std::move(hosts));
              auto* pc = new (self) PyComm();
              pc->listener = l;
              pc->comm = std::move(comm);
-             pc->fusion_bytes = fusion_bytes;
            },
            nb::arg("listener").none(), nb::arg("job_id"), nb::arg("secret"), nb::arg("world_version"), nb::arg("rank"),
-           nb::arg("peers"), nb::arg("timeout"), nb::arg("form_timeout"), nb::arg("segment_bytes"),
-           nb::arg("small_bytes"), nb::arg("fusion_bytes"), nb::arg("hosts") = std::vector<std::string>{},
-           nb::arg("transport") = "auto", nb::arg("algorithm") = "auto",
-           nb::arg("hierarchical_bytes") = CommConfig{}.hierarchical_bytes)
+           nb::arg("peers"), nb::arg("config") = CommConfig(), nb::arg("hosts") = std::vector<std::string>{})
       .def("form",
            [](PyComm& s) {
              auto c = s.c();
              c->form();
-             auto e = std::make_shared<Executor>(c, s.fusion_bytes);
+             auto e = std::make_shared<Executor>(c, c->config().fusion_bytes);
              std::lock_guard<std::mutex> g(s.mu);
              if (!s.comm) {  // closed while forming
                e->stop();

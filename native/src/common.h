@@ -18,10 +18,6 @@ const char* op_name(ReduceOp op);
 
 using Clock = std::chrono::steady_clock;
 
-inline double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
 // Why a communicator operation failed. Everything except Invalid poisons the
 // communicator: the caller must discard it and form a new one. One list, so the binding
 // exports exactly these names and values (elastic._native.ErrorKind) and Python never
@@ -60,5 +56,13 @@ class CommError : public std::runtime_error {
   int rank;
   int peer;
 };
+
+// The error of a failed form() of world version `world_version` on `rank`, blaming `peer`
+// (-1: nobody): "form (world version V, rank R): what". Every step of forming builds it here.
+inline CommError form_error(ErrorKind kind, uint64_t world_version, int rank, int peer, const std::string& what) {
+  return CommError(kind, "form (world version " + std::to_string(world_version) + ", rank " + std::to_string(rank) +
+                             "): " + what,
+                   "form", int64_t(world_version), rank, peer);
+}
 
 }  // namespace ering

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "ring.h"
+#include "communicator.h"
 
 namespace ering {
 

@@ -4,15 +4,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include "wire.h"
+
 namespace ering {
 namespace {
-
-void put_u16(std::vector<uint8_t>& b, uint16_t v) { b.push_back(uint8_t(v >> 8)); b.push_back(uint8_t(v)); }
-void put_u32(std::vector<uint8_t>& b, uint32_t v) { for (int i = 3; i >= 0; --i) b.push_back(uint8_t(v >> (8 * i))); }
-void put_u64(std::vector<uint8_t>& b, uint64_t v) { for (int i = 7; i >= 0; --i) b.push_back(uint8_t(v >> (8 * i))); }
-uint16_t get_u16(const uint8_t* p) { return uint16_t(p[0]) << 8 | p[1]; }
-uint32_t get_u32(const uint8_t* p) { return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | p[3]; }
-uint64_t get_u64(const uint8_t* p) { return uint64_t(get_u32(p)) << 32 | get_u32(p + 4); }
 
 constexpr size_t kHelloFixed = 8 + 4 + 4 + 4 + 1 + kNonceBytes + 2;
 

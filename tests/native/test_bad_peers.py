@@ -87,7 +87,7 @@ def test_a_world_built_on_the_native_api_with_a_wildcard_peer_fails_typed_at_for
     listener = elastic.Listener("127.0.0.1", 0)
     try:
         comm = _native.Communicator(listener, JOB, SECRET, VERSION, 1, ["0.0.0.0:1", listener.address],
-                                    5.0, 5.0, 1 << 20, 1 << 16, 1 << 26)  # created: the address is not ours
+                                    elastic.CommConfig(timeout=5, form_timeout=5).to_native())  # created: not ours
         with pytest.raises(elastic.BadPeerError) as info:
             comm.form()
         assert info.value.peer_rank == 0 and info.value.kind == ErrorKind.Unreachable
@@ -295,7 +295,7 @@ def _rank_1(**listener_kw):
     listener = elastic.Listener("127.0.0.1", 0, **listener_kw)
     elsewhere = elastic.Listener("127.0.0.1", 0)
     former = _Former(_native.Communicator(listener, JOB, SECRET, VERSION, 1, [elsewhere.address, listener.address],
-                                          30.0, 30.0, 1 << 20, 1 << 16, 1 << 26))
+                                          elastic.CommConfig(timeout=30, form_timeout=30).to_native()))
     host, port = listener.address.rsplit(":", 1)
     try:
         yield listener, (host, int(port)), former

@@ -105,7 +105,7 @@ def test_abort_breaks_a_form_that_waits_for_a_missing_peer():
     # Build the native communicator ourselves so this thread can abort it mid-form.
     from elastic import _native
     comm = _native.Communicator(listener, "j", b"s", 3, 0, [listener.address, silent.address],
-                                30.0, 30.0, 1 << 20, 1 << 16, 1 << 26)
+                                elastic.CommConfig(timeout=30, form_timeout=30).to_native())
 
     def run():
         try:

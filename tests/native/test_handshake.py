@@ -124,7 +124,7 @@ def test_refusals_are_reported_on_the_acceptor_side():
     # `other` forms world version 7 of job "a" (its predecessor never comes); we come as version 6.
     from elastic import _native
     waiting = _native.Communicator(other, "a", b"s", 7, 1, [listener.address, other.address],
-                                   5.0, 5.0, 1 << 20, 1 << 16, 1 << 26)
+                                   elastic.CommConfig(timeout=5, form_timeout=5).to_native())
     outcome = []
 
     def form():

@@ -1,4 +1,8 @@
-// The communicator: forms a ring for one world version and runs collectives on it.
+// The communicator: the rings of one world version and their lifecycle (form, abort,
+// close), and the collectives' entry points, which pick the Plan each call runs.
+//
+// Any failure poisons it: every ring is shut down so neighbours fail at once, and every
+// later call fails with the first error. The caller discards it and forms a new one.
 #pragma once
 
 #include <atomic>
@@ -8,37 +12,12 @@
 #include <vector>
 
 #include "common.h"
-#include "shm.h"
-#include "transport.h"
+#include "config.h"
+#include "hierarchical.h"
+#include "links.h"
+#include "listener.h"
 
 namespace ering {
-
-struct CommConfig {
-  double timeout_s = 30.0;       // longest a collective may go without moving a byte
-  double form_timeout_s = 30.0;  // longest form() waits for both neighbours
-  size_t segment_bytes = 1 << 20;
-  size_t small_bytes = 32 << 10;  // allreduce at or below this size takes the small-message path
-  // Auto: a neighbour on the same host (same entry in `hosts`) gets shared memory; Tcp: never.
-  enum class Transport { Auto, Tcp } transport = Transport::Auto;
-  // Allreduce algorithm. Ring: the flat ring always. Hierarchical: the hierarchical
-  // schedule whenever the world allows it (see Hierarchy), else the ring. Auto: the
-  // hierarchical schedule when the world allows it and the buffer is larger than
-  // hierarchical_bytes, else the ring. The choice depends only on world shape, size and
-  // config, so every rank makes the same one (the config must be the same on every rank).
-  enum class Algorithm { Auto, Ring, Hierarchical } algorithm = Algorithm::Auto;
-  size_t hierarchical_bytes = 4 << 20;
-};
-
-// Where this rank sits in a mixed world, for the hierarchical allreduce.
-struct Hierarchy {
-  bool applies = false;  // >= 2 hosts, one of them with >= 2 ranks, each host's ranks contiguous
-  std::string why_not;   // when it does not apply
-  int num_hosts = 0, host = 0;         // hosts in rank order; this rank's host index
-  int local_rank = 0, local_size = 1;  // place among the ranks of its host (leader: local rank 0)
-  int first = 0;                       // global rank of this host's leader
-  std::vector<int> leaders;            // global rank of each host's leader, in host order
-  bool leader() const { return local_rank == 0; }
-};
 
 class Communicator {
  public:
@@ -80,9 +59,7 @@ class Communicator {
   void guarded(const char* name, F&& body);
   void check_usable(const char* name);
   OpInfo make_op(const char* name, uint32_t tag, std::string describe);
-  void hierarchical_allreduce(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
   void shutdown_links_locked();  // err_mu_ held
-  Hierarchy plan_hierarchy() const;
 
   Listener* listener_;
   std::string job_id_, secret_;

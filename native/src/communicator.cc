@@ -1,0 +1,357 @@
+// The communicator: validating a world, forming its rings, failing and aborting them, and
+// running each collective as a Plan on the right ring.
+#include "communicator.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <exception>
+
+#include "connect.h"
+#include "link_setup.h"
+#include "plans.h"
+#include "reduce.h"
+#include "shm_links.h"
+#include "tcp_links.h"
+
+namespace ering {
+
+Communicator::Communicator(Listener* listener, std::string job_id, std::string secret, uint64_t world_version,
+                           int rank, std::vector<std::string> peers, CommConfig cfg, std::vector<std::string> hosts)
+    : listener_(listener), job_id_(std::move(job_id)), secret_(std::move(secret)), world_version_(world_version),
+      rank_(rank), peers_(std::move(peers)), hosts_(std::move(hosts)), cfg_(cfg) {
+  if (peers_.empty()) throw CommError(ErrorKind::Invalid, "a communicator needs at least one peer address");
+  if (rank_ < 0 || rank_ >= int(peers_.size()))
+    throw CommError(ErrorKind::Invalid, "rank " + std::to_string(rank_) + " is outside a world of size " +
+                                            std::to_string(peers_.size()));
+  if (job_id_.empty() || job_id_.size() > kMaxJobIdBytes)
+    throw CommError(ErrorKind::Invalid, "job id must be 1-255 bytes, got " + std::to_string(job_id_.size()));
+  check_config(cfg_);
+  if (!hosts_.empty()) {
+    if (hosts_.size() != peers_.size())
+      throw CommError(ErrorKind::Invalid, "hosts: got " + std::to_string(hosts_.size()) + " hosts for " +
+                                              std::to_string(peers_.size()) + " peers: give one host name per rank");
+    for (auto& h : hosts_)
+      if (h.empty()) throw CommError(ErrorKind::Invalid, "host names must not be empty");
+  }
+  hier_ = plan_hierarchy(hosts_, rank_, cfg_.algorithm);
+  // The peers' addresses are what they announced: a bad one is that peer's failure, which
+  // form() reports naming it (ErrorKind::Unreachable), not a bad argument of this caller.
+  if (peers_.size() > 1 && !listener_)
+    throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
+}
+
+const char* Communicator::algorithm_for(size_t bytes) const {
+  if (!hier_.applies || size() < 2) return "ring";
+  if (cfg_.algorithm == CommConfig::Algorithm::Hierarchical) return "hierarchical";
+  return bytes > cfg_.hierarchical_bytes ? "hierarchical" : "ring";
+}
+
+void Communicator::shutdown_links_locked() {
+  for (auto* l : {&links_, &local_links_, &leader_links_})
+    if (*l) (*l)->shutdown();
+}
+
+Communicator::~Communicator() {
+  {
+    std::lock_guard<std::mutex> g(err_mu_);
+    shutdown_links_locked();
+  }
+  // Nobody will take a connection for this version any more: refuse late neighbours at once.
+  if (listener_ && size() > 1) listener_->retire(world_version_);
+}
+
+void Communicator::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> g(err_mu_);
+    if (abort_reason_.empty()) abort_reason_ = reason.empty() ? "aborted" : reason;
+  }
+  failed_.store(true);
+  abort_.fire();
+  // Wake every neighbour too (on every ring): they fail within a round trip instead of at their deadline.
+  std::lock_guard<std::mutex> g(err_mu_);
+  shutdown_links_locked();
+}
+
+namespace {
+
+// One ring being formed: the flat ring, or for the hierarchical allreduce the host-local
+// ring or the leaders' ring. All rings of a world version share the listener and differ
+// by handshake channel.
+struct RingForm {
+  uint8_t channel;
+  LinkContext ctx;
+  LinkSettings send_settings, recv_settings;
+  int next_fd = -1, prev_fd = -1;
+  std::unique_ptr<ShmRing> offered, send_ring, recv_ring;
+  std::unique_ptr<Links>* into;
+};
+
+}  // namespace
+
+void Communicator::form() {
+  if (formed_) throw CommError(ErrorKind::Invalid, "communicator is already formed");
+  const int n = size();
+  if (n == 1) {
+    formed_ = true;
+    return;
+  }
+  auto same_host = [&](int other) {
+    return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
+  };
+  std::vector<RingForm> rings;
+  auto add_ring = [&](uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into) {
+    RingForm f;
+    f.channel = channel;
+    f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
+                        printable(peers_[prev], 300)};
+    f.send_settings.want_shm = same_host(next);
+    f.recv_settings.want_shm = same_host(prev);
+    f.into = into;
+    rings.push_back(std::move(f));
+  };
+  add_ring(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n, &links_);
+  if (hier_.applies) {
+    const Hierarchy& h = hier_;
+    if (h.local_size >= 2)
+      add_ring(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
+               h.first + (h.local_rank + h.local_size - 1) % h.local_size, &local_links_);
+    if (h.leader())
+      add_ring(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
+               h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts], &leader_links_);
+  }
+  Expectation e;
+  e.active = true;
+  e.job_id = job_id_;
+  e.secret = secret_;
+  e.world_version = world_version_;
+  e.rank = uint32_t(rank_);
+  e.world_size = uint32_t(n);
+  for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
+  listener_->expect(e);
+  auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
+  auto deadline = Clock::now() + seconds(cfg_.form_timeout);
+  try {
+    // Every ring's connection and LINK go out before this rank waits for any predecessor,
+    // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
+    // that waits on it, whatever the rings.
+    for (auto& f : rings) {
+      Hello h;
+      h.job_id = job_id_;
+      h.world_version = world_version_;
+      h.from_rank = uint32_t(rank_);
+      h.to_rank = uint32_t(f.ctx.next_rank);
+      h.world_size = uint32_t(n);
+      h.channel = f.channel;
+      random_bytes(h.nonce.data(), h.nonce.size());
+      // A neighbour that accepts no connection for as long as a collective may go without
+      // progress is not coming: give up on it then, even if the form deadline is later.
+      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline, seconds(cfg_.timeout), abort_);
+      f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, abort_);
+    }
+    for (auto& f : rings) {
+      f.prev_fd = listener_->take(world_version_, deadline, abort_, rank_, f.ctx.prev_rank, f.channel);
+      f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, abort_);
+    }
+    for (auto& f : rings) {
+      f.send_ring = finish_link(f.next_fd, std::move(f.offered), f.ctx, deadline, abort_);
+      // Each direction runs over shared memory if its LINK settled on it, else over TCP.
+      auto send = f.send_ring ? shm_send_end(f.next_fd, std::move(f.send_ring), f.ctx) : tcp_send_end(f.next_fd, f.ctx);
+      f.next_fd = -1;  // owned by the end now
+      auto recv = f.recv_ring ? shm_recv_end(f.prev_fd, std::move(f.recv_ring), f.ctx) : tcp_recv_end(f.prev_fd, f.ctx);
+      f.prev_fd = -1;
+      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_, cfg_.timeout);
+      std::lock_guard<std::mutex> g(err_mu_);
+      *f.into = std::move(links);
+    }
+  } catch (CommError& err) {
+    for (auto& f : rings) {
+      if (f.next_fd >= 0) ::close(f.next_fd);
+      if (f.prev_fd >= 0) ::close(f.prev_fd);
+    }
+    failed_.store(true);
+    std::lock_guard<std::mutex> g(err_mu_);
+    shutdown_links_locked();  // rings already formed: tell their neighbours at once
+    if (!first_error_) first_error_ = std::make_unique<CommError>(err);
+    throw;
+  }
+  formed_ = true;
+  std::lock_guard<std::mutex> g(err_mu_);
+  if (abort_.fired()) shutdown_links_locked();  // abort() raced with the end of form()
+}
+
+std::vector<std::string> Communicator::link_kinds() {
+  std::lock_guard<std::mutex> g(err_mu_);
+  if (!links_) return {};
+  return {links_->send_kind(), links_->recv_kind()};
+}
+
+std::vector<std::vector<std::string>> Communicator::hierarchical_link_kinds() {
+  std::lock_guard<std::mutex> g(err_mu_);
+  std::vector<std::vector<std::string>> out(2);
+  if (local_links_) out[0] = {local_links_->send_kind(), local_links_->recv_kind()};
+  if (leader_links_) out[1] = {leader_links_->send_kind(), leader_links_->recv_kind()};
+  return out;
+}
+
+void Communicator::check_usable(const char* name) {
+  if (!formed_) throw CommError(ErrorKind::Invalid, std::string(name) + ": communicator is not formed");
+  if (!failed_.load()) return;
+  std::lock_guard<std::mutex> g(err_mu_);
+  if (first_error_) {
+    const CommError& e = *first_error_;
+    throw CommError(e.kind, std::string(name) + " on a failed communicator (discard it and form a new one): " + e.what(),
+                    name, e.world_version, e.rank, e.peer);
+  }
+  throw CommError(ErrorKind::Aborted,
+                  std::string(name) + " at world version " + std::to_string(world_version_) + " on rank " +
+                      std::to_string(rank_) + ": communicator aborted (" + abort_reason_ + ")",
+                  name, int64_t(world_version_), rank_, -1);
+}
+
+OpInfo Communicator::make_op(const char* name, uint32_t tag, std::string describe) {
+  uint32_t seq = seq_++;
+  return OpInfo{name, seq, tag, std::string(name) + " #" + std::to_string(seq) + " (" + describe + ")"};
+}
+
+template <class F>
+void Communicator::guarded(const char* name, F&& body) {
+  check_usable(name);
+  try {
+    try {
+      body();
+    } catch (CommError&) {
+      throw;
+    } catch (std::exception& other) {
+      // e.g. bad_alloc after the op sequence advanced: the ring is out of step, so poison it.
+      throw CommError(ErrorKind::Aborted, std::string(name) + " failed on rank " + std::to_string(rank_) + ": " +
+                                              other.what(), name, int64_t(world_version_), rank_, -1);
+    }
+  } catch (CommError& err) {
+    if (err.kind == ErrorKind::Invalid) throw;
+    failed_.store(true);
+    std::lock_guard<std::mutex> g(err_mu_);
+    shutdown_links_locked();  // every ring: a neighbour blocked in any phase wakes at once
+    if (err.kind == ErrorKind::Aborted && !abort_reason_.empty())
+      err = CommError(err.kind, std::string(err.what()) + " (" + abort_reason_ + ")", err.op, err.world_version,
+                      err.rank, err.peer);
+    if (!first_error_) first_error_ = std::make_unique<CommError>(err);
+    throw err;
+  }
+}
+
+void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
+  guarded("allreduce", [&] {
+    const int n = size();
+    const size_t esize = dtype_size(dtype), bytes = count * esize;
+    if (n == 1) {
+      if (op == ReduceOp::Average) scale_down(buf, count, dtype, 1);
+      return;
+    }
+    if (count == 0) return;
+    uint32_t tag = op_tag({1, uint64_t(dtype), uint64_t(op), count});
+    std::string what = std::string(dtype_name(dtype)) + ", " + std::to_string(count) + " elements, " + op_name(op);
+    if (algorithm_for(bytes)[0] == 'h') {
+      OpInfo info = make_op("allreduce", op_tag({tag, 5}), what + ", hierarchical");
+      HierarchicalRings rings{hier_, local_links_.get(), leader_links_.get(), cfg_.segment_bytes, n, scratch_,
+                              leader_scratch_, abort_, [this] {
+                                std::lock_guard<std::mutex> g(err_mu_);
+                                shutdown_links_locked();
+                              }};
+      if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
+        // As on the ring: 16-bit sums travel and accumulate as float32, rounded once.
+        std::vector<float> wide(count);
+        widen_to_f32(wide.data(), buf, count, dtype);
+        hierarchical_allreduce(rings, reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, info);
+        narrow_from_f32(buf, wide.data(), count, dtype);
+        return;
+      }
+      hierarchical_allreduce(rings, static_cast<char*>(buf), count, dtype, op, info);
+      return;
+    }
+    if (bytes <= cfg_.small_bytes) {
+      // Small message: gather every rank's whole buffer (n-1 latency steps instead of
+      // 2(n-1)) and reduce locally in rank order, which every rank does identically.
+      OpInfo info = make_op("allreduce", tag, what);
+      std::vector<char> all(bytes * n);
+      std::memcpy(all.data() + bytes * rank_, buf, bytes);
+      Blocks b;
+      for (int c = 0; c < n; ++c) { b.off.push_back(bytes * c); b.len.push_back(bytes); }
+      b.max_len = bytes;
+      AllgatherPlan plan(all.data(), b, rank_, n, std::max(bytes, cfg_.segment_bytes));
+      links_->run(plan, info);
+      std::vector<const void*> srcs(n);
+      for (int c = 0; c < n; ++c) srcs[c] = all.data() + bytes * c;
+      reduce_many(buf, srcs.data(), n, count, dtype, op);
+      return;
+    }
+    OpInfo info = make_op("allreduce", tag, what);
+    if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
+      // Sums of 16-bit floats travel and accumulate as float32 and are rounded once at the
+      // end, as the small path does: no overflow of partial sums, one rounding.
+      std::vector<float> wide(count);
+      widen_to_f32(wide.data(), buf, count, dtype);
+      AllreducePlan plan(reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, rank_, n,
+                         cfg_.segment_bytes, scratch_);
+      links_->run(plan, info);
+      narrow_from_f32(buf, wide.data(), count, dtype);
+      return;
+    }
+    AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
+    links_->run(plan, info);
+  });
+}
+
+void Communicator::broadcast(void* buf, size_t bytes, int root) {
+  if (root < 0 || root >= size())
+    throw CommError(ErrorKind::Invalid, "broadcast root rank " + std::to_string(root) + " is outside a world of size " +
+                                            std::to_string(size()));
+  guarded("broadcast", [&] {
+    if (size() == 1 || bytes == 0) return;
+    OpInfo info = make_op("broadcast", op_tag({2, bytes, uint64_t(root)}),
+                          std::to_string(bytes) + " bytes from rank " + std::to_string(root));
+    BroadcastPlan plan(static_cast<char*>(buf), bytes, rank_, size(), root, cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
+void Communicator::allgather(const void* in, void* out, const std::vector<uint64_t>& bytes_per_rank) {
+  const int n = size();
+  if (int(bytes_per_rank.size()) != n)
+    throw CommError(ErrorKind::Invalid, "allgather needs one size per rank: got " + std::to_string(bytes_per_rank.size()) +
+                                            " for a world of size " + std::to_string(n));
+  guarded("allgather", [&] {
+    Blocks b;
+    size_t at = 0;
+    uint32_t h = 3;
+    for (int c = 0; c < n; ++c) {
+      b.off.push_back(at);
+      b.len.push_back(bytes_per_rank[c]);
+      b.max_len = std::max<size_t>(b.max_len, bytes_per_rank[c]);
+      at += bytes_per_rank[c];
+      h = op_tag({h, bytes_per_rank[c]});
+    }
+    char* dst = static_cast<char*>(out) + b.off[rank_];
+    if (dst != in && b.len[rank_]) std::memmove(dst, in, b.len[rank_]);
+    if (n == 1) return;
+    OpInfo info = make_op("allgather", h, std::to_string(at) + " bytes in all");
+    AllgatherPlan plan(static_cast<char*>(out), b, rank_, n, cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
+void Communicator::barrier() {
+  guarded("barrier", [&] {
+    const int n = size();
+    if (n == 1) return;
+    // An allgather of empty blocks: after n-1 steps every rank has heard from every other.
+    OpInfo info = make_op("barrier", op_tag({4}), "barrier");
+    Blocks b;
+    b.off.assign(n, 0);
+    b.len.assign(n, 0);
+    AllgatherPlan plan(nullptr, b, rank_, n, cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
+}  // namespace ering

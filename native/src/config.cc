@@ -1,0 +1,47 @@
+// Checking and naming the communicator's settings.
+#include "config.h"
+
+#include <cmath>
+
+#include "common.h"
+#include "handshake.h"
+
+namespace ering {
+namespace {
+
+[[noreturn]] void bad(const std::string& what) { throw CommError(ErrorKind::Invalid, "CommConfig." + what); }
+
+}  // namespace
+
+void check_config(const CommConfig& c) {
+  if (!(c.timeout > 0) || !std::isfinite(c.timeout)) bad("timeout must be positive, got " + std::to_string(c.timeout));
+  if (!(c.form_timeout > 0) || !std::isfinite(c.form_timeout))
+    bad("form_timeout must be positive, got " + std::to_string(c.form_timeout));
+  if (c.segment_bytes < 64) bad("segment_bytes must be at least 64, got " + std::to_string(c.segment_bytes));
+}
+
+const char* transport_name(CommConfig::Transport t) { return t == CommConfig::Transport::Tcp ? "tcp" : "auto"; }
+
+CommConfig::Transport parse_transport(const std::string& name) {
+  if (name == "auto") return CommConfig::Transport::Auto;
+  if (name == "tcp") return CommConfig::Transport::Tcp;
+  bad("transport: unknown transport '" + printable(name) + "': expected 'auto' or 'tcp'");
+}
+
+const char* algorithm_name(CommConfig::Algorithm a) {
+  switch (a) {
+    case CommConfig::Algorithm::Ring: return "ring";
+    case CommConfig::Algorithm::Hierarchical: return "hierarchical";
+    case CommConfig::Algorithm::Auto: break;
+  }
+  return "auto";
+}
+
+CommConfig::Algorithm parse_algorithm(const std::string& name) {
+  if (name == "auto") return CommConfig::Algorithm::Auto;
+  if (name == "ring") return CommConfig::Algorithm::Ring;
+  if (name == "hierarchical") return CommConfig::Algorithm::Hierarchical;
+  bad("algorithm: unknown allreduce algorithm '" + printable(name) + "': expected 'auto', 'ring' or 'hierarchical'");
+}
+
+}  // namespace ering

@@ -1,0 +1,40 @@
+// The settings of a communicator: the one place each is defined and given its default.
+//
+// Python's elastic.CommConfig takes its defaults from here (the binding exposes this struct
+// as elastic._native.CommConfig) and fills one by field name, so no default is written twice.
+// Every rank of a world must use the same settings (Communicator.connect() checks).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace ering {
+
+struct CommConfig {
+  double timeout = 30.0;           // seconds a collective may go without moving a byte (hung peers)
+  double form_timeout = 30.0;      // seconds form() waits for both ring neighbours
+  size_t segment_bytes = 1 << 20;  // pipeline segment: ~1 MiB keeps both directions busy
+  size_t small_bytes = 32 << 10;   // allreduce up to this size takes the small-message path (measured)
+  size_t fusion_bytes = 64 << 20;  // async allreduces are fused into buckets up to this size
+  // Auto: a neighbour on the same host (same entry in `hosts`) gets shared memory; Tcp: never.
+  enum class Transport { Auto, Tcp } transport = Transport::Auto;
+  // Allreduce algorithm. Ring: the flat ring always. Hierarchical: the hierarchical
+  // schedule whenever the world allows it (see Hierarchy), else the ring. Auto: the
+  // hierarchical schedule when the world allows it and the buffer is larger than
+  // hierarchical_bytes, else the ring. The choice depends only on world shape, size and
+  // config, so every rank makes the same one.
+  enum class Algorithm { Auto, Ring, Hierarchical } algorithm = Algorithm::Auto;
+  size_t hierarchical_bytes = 4 << 20;  // "auto" goes hierarchical above this size (measured)
+};
+
+// Throws CommError(Invalid) naming the first setting that is out of range.
+void check_config(const CommConfig& c);
+
+// The settings' names as Python and the environment spell them ("auto", "tcp", ...);
+// parse_* throw CommError(Invalid) naming the choices.
+const char* transport_name(CommConfig::Transport t);
+CommConfig::Transport parse_transport(const std::string& name);
+const char* algorithm_name(CommConfig::Algorithm a);
+CommConfig::Algorithm parse_algorithm(const std::string& name);
+
+}  // namespace ering

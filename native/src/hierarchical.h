@@ -1,0 +1,49 @@
+// The hierarchical allreduce of a mixed world: where this rank sits (Hierarchy, a pure
+// function of the hosts), and the pipelined leaders-only schedule over the host-local ring
+// and the leaders' ring. See native/README.md, "Hierarchical allreduce".
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "config.h"
+#include "links.h"
+
+namespace ering {
+
+// Where this rank sits in a mixed world, for the hierarchical allreduce.
+struct Hierarchy {
+  bool applies = false;  // >= 2 hosts, one of them with >= 2 ranks, each host's ranks contiguous
+  std::string why_not;   // when it does not apply
+  int num_hosts = 0, host = 0;         // hosts in rank order; this rank's host index
+  int local_rank = 0, local_size = 1;  // place among the ranks of its host (leader: local rank 0)
+  int first = 0;                       // global rank of this host's leader
+  std::vector<int> leaders;            // global rank of each host's leader, in host order
+  bool leader() const { return local_rank == 0; }
+};
+
+// The hierarchy of `rank` in a world whose ranks run on `hosts` (one name per rank, or
+// empty: unknown), under the configured algorithm.
+Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::Algorithm algorithm);
+
+// What the schedule runs on; the communicator owns all of it.
+struct HierarchicalRings {
+  const Hierarchy& shape;
+  Links* local;    // the ring of this host's ranks; null on a host of one rank
+  Links* leaders;  // the ring of the hosts' leaders; null unless this rank leads its host
+  size_t segment_bytes;
+  int world_size;                     // Average divides by it, once, at the leaders
+  std::vector<char>& scratch;         // for the calling thread
+  std::vector<char>& leader_scratch;  // for the leaders' phase on its helper thread
+  const AbortSignal& abort;
+  std::function<void()> give_up;  // shuts every ring of the communicator down
+};
+
+// Allreduce of `count` elements in `buf` through the three phases; `info` is the whole
+// operation (each phase and chunk gets its own tag and description from it).
+void hierarchical_allreduce(const HierarchicalRings& r, char* buf, size_t count, DType dtype, ReduceOp op,
+                            const OpInfo& info);
+
+}  // namespace ering
