@@ -300,9 +300,12 @@ def test_sigterm_to_one_of_two_launchers_drains_its_workers_and_the_job_goes_on(
         b.wait_for(r"^\[hB-0\] step \d+ size 3$", 30, stream="out")
         b.proc.send_signal(signal.SIGTERM)
         assert b.wait(30) == 0, b.text()
-        b.wait_for(r"^elastic-run: worker hB-0 \(rank \d\) left \(preempted: SIGTERM to elastic-run\)$", 1)
+        # The rank is named when the launcher's Status polls saw one before it left.
+        b.wait_for(r"^elastic-run: worker hB-0( \(rank \d\))? left \(preempted: SIGTERM to elastic-run\)$", 1)
         assert last_line(b) == "elastic-run: every worker left job j gracefully on SIGTERM; it goes on without host hB"
-        a.wait_for(r"world \d+: 2 worker\(s\); left: hB-0", 15)
+        # hA's workers re-form without it at a commit (the launcher's own world lines depend on
+        # when it polls Status, so the workers' line is the one to wait for).
+        a.wait_for(r"a worker leaves world version \d+; re-forming without it", 15)
         assert a.wait(60) == 0, a.text()
         assert last_line(a).startswith("elastic-run: job j completed"), a.text()
         assert not any("restoring commit" in l for l in a.stderr + b.stderr), a.text() + b.text()
