@@ -33,13 +33,13 @@ import hashlib
 import json
 import os
 import signal
-import struct
 import time
 
 import numpy as np
 import torch
 
 import elastic
+from digest import bits_digest  # this directory: job.py runs as a script
 
 OUT = os.environ["JOB_OUT"]
 WORKER = os.environ["ELASTIC_WORKER_ID"]
@@ -191,31 +191,8 @@ held = {"commit": -1, "step": 0}
 
 def state_digest():
     """SHA-256 of everything the state holds, bit for bit (dtypes, shapes, bytes, key order)."""
-    h = hashlib.sha256()
-
-    def walk(v):
-        h.update(type(v).__name__.encode())
-        if isinstance(v, torch.Tensor):
-            h.update(f"{v.dtype}{tuple(v.shape)}".encode())
-            h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
-        elif isinstance(v, np.ndarray):
-            h.update(f"{v.dtype}{v.shape}".encode() + v.tobytes())
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(k)
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            h.update(str(len(v)).encode())
-            for x in v:
-                walk(x)
-        elif isinstance(v, float):
-            h.update(struct.pack("<d", v))
-        else:
-            h.update(repr(v).encode())
-
-    walk([model.state_dict(), opt.state_dict(), sampler.state_dict(), state.epoch, state.batch, state.step,
-          state.commit_step])
-    return h.hexdigest()
+    return bits_digest([model.state_dict(), opt.state_dict(), sampler.state_dict(), state.epoch, state.batch,
+                        state.step, state.commit_step])
 
 
 def logged_sync():

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 import os
-import struct
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from tests.chaos.checks import EPOCHS, check_identical
 from tests.native.harness import run_world
 
 from .bait import planted_pickle, planted_torch_save, prove_it_bites
+from .digest import bits_digest
 
 
 # --------------------------------------------------------------------------- helpers
@@ -51,31 +50,8 @@ def train(state: elastic.TorchState, steps: int, seed: int) -> None:
 
 def digest(state: elastic.TorchState) -> str:
     """SHA-256 of the whole state, bit for bit, computed without elastic.serialization."""
-    h = hashlib.sha256()
-
-    def walk(v):
-        h.update(type(v).__name__.encode())
-        if isinstance(v, torch.Tensor):
-            h.update(f"{v.dtype}{tuple(v.shape)}".encode())
-            h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
-        elif isinstance(v, np.ndarray):
-            h.update(f"{v.dtype}{v.shape}".encode() + v.tobytes())
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(k)
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            h.update(str(len(v)).encode())
-            for x in v:
-                walk(x)
-        elif isinstance(v, float):
-            h.update(struct.pack("<d", v))
-        else:
-            h.update(repr(v).encode())
-
-    walk([state.model.state_dict(), state.optimizer.state_dict(), state.sampler.state_dict(),
-          state.scheduler.state_dict(), state.epoch, state.losses, state.noise, state.commit_step])
-    return h.hexdigest()
+    return bits_digest([state.model.state_dict(), state.optimizer.state_dict(), state.sampler.state_dict(),
+                        state.scheduler.state_dict(), state.epoch, state.losses, state.noise, state.commit_step])
 
 
 def solo() -> elastic.Communicator:
