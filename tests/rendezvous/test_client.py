@@ -96,7 +96,7 @@ def _events(client, until, timeout_s=5.0):
 
 def _attached(server, job):
     import grpc as _grpc
-    from rendezvous._proto import rendezvous_pb2 as pb, rendezvous_pb2_grpc as pb_grpc
+    from rendezvous.proto import pb, pb_grpc
     with _grpc.insecure_channel(server.address) as ch:
         st = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
     return [(m.member.worker_id, m.attached) for m in st.members]
@@ -119,7 +119,7 @@ def test_rejoin_delivers_nothing_from_the_replaced_session(server, trial):
 
 
 def test_world_with_same_version_but_other_members_is_a_new_event():
-    from rendezvous._proto import rendezvous_pb2 as pb
+    from rendezvous.proto import pb
 
     c = make_client("127.0.0.1:1", "a", job_id="j")
 

@@ -10,8 +10,7 @@ import pytest
 
 from rdzv_helpers import (ServerProc, ServerThread, StallProxy, WorkerProc, make_client,
                           server_config, unique, wait_until, wait_world_of)
-from rendezvous._proto import rendezvous_pb2 as pb
-from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.proto import pb, pb_grpc
 from rendezvous.client import Abort, Ended, JobSpec, WorldInfo
 from rendezvous.config import ServerConfig
 from rendezvous.store import EtcdStore

@@ -14,8 +14,7 @@ import pytest
 
 import elastic
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
-from rendezvous._proto import rendezvous_pb2 as pb
-from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.proto import pb, pb_grpc
 from rendezvous.client import RendezvousRPCError
 from rendezvous.store import EtcdStore, MemoryStore
 

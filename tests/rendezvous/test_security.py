@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdzv_helpers import ServerThread, server_config
-from rendezvous._proto import rendezvous_pb2 as pb
-from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.proto import pb, pb_grpc
 from rendezvous.store import MemoryStore
 
 TOKEN = "s3cret-token"

@@ -9,8 +9,7 @@ import grpc
 import pytest
 
 from rdzv_helpers import make_client, unique, wait_until, wait_world_of
-from rendezvous._proto import rendezvous_pb2 as pb
-from rendezvous._proto import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.proto import pb, pb_grpc
 from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousRPCError, Standby,
                                WorldInfo)
 

@@ -9,7 +9,7 @@ import pytest
 
 from rendezvous import decision as d
 from rendezvous import wire
-from rendezvous._proto import rendezvous_pb2 as pb
+from rendezvous.proto import pb
 
 OUTCOME = wire.JOB_OUTCOME_KEY
 
