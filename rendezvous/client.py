@@ -155,16 +155,23 @@ def channel_options(keepalive_s: float = 1.0) -> list[tuple[str, int]]:
 _PEM_MAX_BYTES = 1 << 20
 
 
+def _read_bounded(path: str, what: str, limit: int, too_large: str) -> bytes:
+    """At most `limit` bytes of the file at `path`; ValueError naming `what` (its flag or
+    variable) when it cannot be read or is larger, `too_large` saying what it should be."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
+    if len(raw) > limit:
+        raise ValueError(f"{what} {path} is larger than {limit} bytes: {too_large}")
+    return raw
+
+
 def read_pem(path: str, what: str) -> bytes:
     """The PEM file at `path`; ValueError naming `what` (its flag or variable) if it is unreadable,
     too large or holds no PEM block (gRPC would only fail later, at connect, without naming it)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_PEM_MAX_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
-    if len(data) > _PEM_MAX_BYTES:
-        raise ValueError(f"{what} {path} is larger than {_PEM_MAX_BYTES} bytes: not a PEM file")
+    data = _read_bounded(path, what, _PEM_MAX_BYTES, "not a PEM file")
     if b"-----BEGIN " not in data:
         raise ValueError(f"{what} {path} is not a PEM file (no '-----BEGIN' line)")
     return data
@@ -225,16 +232,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _read_bounded(path: str, what: str, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
-    if len(raw) > limit:
-        raise ValueError(f"{what} {path} is larger than {limit} bytes: a token is up to 4096 "
-                         "printable ASCII characters")
-    return raw
+
+
+_TOKEN_RULE = "a token is up to 4096 printable ASCII characters"
 
 
 def _check_token(token: bytes, what: str, path: str) -> str:
@@ -246,7 +246,7 @@ def _check_token(token: bytes, what: str, path: str) -> str:
 def read_token_file(path: str, what: str) -> str:
     """The token in the file at `path` (surrounding whitespace dropped); ValueError naming `what`
     when it is unreadable, empty, or holds what an HTTP/2 header cannot carry."""
-    token = _read_bounded(path, what, 4096).strip()
+    token = _read_bounded(path, what, 4096, _TOKEN_RULE).strip()
     if not token:
         raise ValueError(f"{what} {path} is empty")
     return _check_token(token, what, path)
@@ -255,7 +255,7 @@ def read_token_file(path: str, what: str) -> str:
 def read_token_list(path: str, what: str) -> tuple[str, ...]:
     """The tokens a server accepts: one a line, blank lines ignored, so a one-token file works
     as is. ValueError naming `what` when the file is unreadable, holds none, or a bad one."""
-    lines = (line.strip() for line in _read_bounded(path, what, 1 << 20).splitlines())
+    lines = (line.strip() for line in _read_bounded(path, what, 1 << 20, _TOKEN_RULE).splitlines())
     tokens = tuple(dict.fromkeys(_check_token(t, what, path) for t in lines if t))
     if not tokens:
         raise ValueError(f"{what} {path} is empty")
