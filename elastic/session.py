@@ -389,10 +389,14 @@ def use_ring(comm: Optional[Communicator]) -> None:
         _ring = comm
 
 
+def _current_ring() -> Optional[Communicator]:
+    s = _session
+    return s.comm if s is not None else _ring
+
+
 def ring() -> Communicator:
     """The ring the collectives run on now; a clear error when there is none."""
-    s = _session
-    comm = s.comm if s is not None else _ring
+    comm = _current_ring()
     if comm is not None:
         return comm
     last = _last
@@ -428,8 +432,7 @@ def _durable_wait_s() -> float:
     """How long a durable commit may wait for the previous write still running: half the
     collective timeout, so the other ranks, already in the boundary's allreduce, never take
     this live rank for a dead one."""
-    s = _session
-    comm = (s.comm if s is not None else None) or _ring
+    comm = _current_ring()
     return (comm.config.timeout if comm is not None else CommConfig().timeout) / 2
 
 
