@@ -43,6 +43,9 @@ def __getattr__(name):
     if name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"):
         from . import optimizer
         return getattr(optimizer, name)
+    if name in ("DistributedDataParallel", "process_group"):
+        from . import distributed
+        return getattr(distributed, name)
     raise AttributeError(f"module 'elastic' has no attribute {name!r}")
 
 
@@ -53,6 +56,6 @@ __all__ = [
     "Preempted", "RendezvousError", "SettingsMismatchError", "WorkerLostError", "Average", "Max",
     "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank",
     "local_size", "cross_rank", "cross_size", "world_version", "ElasticSampler", "State", "ObjectState",
-    "TorchState", "DistributedOptimizer",
+    "TorchState", "DistributedOptimizer", "DistributedDataParallel", "process_group",
     "broadcast_parameters", "broadcast_optimizer_state",
 ]

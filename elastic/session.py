@@ -30,6 +30,7 @@ an error saying the job has finished.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Tuple
@@ -280,6 +281,9 @@ class Session:
         min_version = 1
         success: Optional[bool] = False
         handlers = preemption.install_handlers(self.leave.request)
+        torch_group = _torch_distributed()
+        if torch_group is not None:
+            torch_group.install_default_group()
         try:
             while True:
                 try:
@@ -294,7 +298,7 @@ class Session:
                     # The most advanced rank's state, after its reset callbacks, goes to everyone.
                     state.sync()
                     first = False
-                    result = func(state, *args, **kwargs)
+                    result = _call(func, state, args, kwargs)
                     success = True
                     return result
                 except WorkerLostError as e:   # BadPeerError too: reported as an unusable address
@@ -331,6 +335,33 @@ class Session:
             # is reported and before the code after training runs (a deadline, logged if missed).
             state.finish_durable_commits()
             shutdown(success)
+
+
+def _torch_distributed():
+    """``elastic.distributed`` when torch.distributed is there (numpy-only installs lack it)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available():
+        return None
+    from . import distributed
+    return distributed
+
+
+def _call(func: Callable, state, args: tuple, kwargs: dict) -> Any:
+    """``func(state, …)``; an error torch made of a ring failure (DDP's backward raises a
+    RuntimeError when its comm hook's allreduce fails) becomes that ring's WorkerLostError."""
+    try:
+        return func(state, *args, **kwargs)
+    except (WorkerLostError, MembershipChanged, HandshakeError, RendezvousError):
+        raise
+    except Exception as e:
+        torch_group = sys.modules.get(f"{__package__}.distributed")
+        lost = torch_group.pending_failure() if torch_group is not None else None
+        if lost is None:
+            raise
+        raise lost from e
 
 
 # ---------------------------------------------------------------------- the process's session
@@ -522,6 +553,9 @@ def sync(state) -> None:
     s = _session
     if s is not None:
         s.record_commit(step)
+    torch_group = sys.modules.get(f"{__package__}.distributed")
+    if torch_group is not None:   # DDP modules and the default group follow the new world
+        torch_group.after_sync(state, root)
 
 
 def _rank_or_zero() -> int:

@@ -1,0 +1,711 @@
+"""torch.distributed on the elastic ring: one ProcessGroup that follows re-forms, and DDP on it.
+
+``process_group()`` is the process's one ``torch.distributed.ProcessGroup`` whose ``rank()`` and
+``size()`` are the current world's and whose collectives run on the session's current ring, so
+the object a library cached stays right across re-forms. Inside ``elastic.run`` it is the default
+group (``install_default_group``): ``dist.get_rank()``, ``dist.all_reduce(t)`` … run on the ring.
+
+Failures never vanish. Every collective runs synchronously and raises the ring's own
+``WorkerLostError`` (``async_op=True`` hands back a finished ``Work``): torch loses the error of a
+``Work`` whose future failed, and DDP's reducer crashes on one. The one asynchronous path is
+DDP's gradient allreduce, which must overlap backward: it runs in a comm hook, whose failed
+future torch turns into a ``RuntimeError`` from ``backward()`` (DDP survives it); the ring's
+error is kept here (``pending_failure``) and ``elastic.run`` handles what escaped the training
+function as that ``WorkerLostError``.
+
+DDP rebuilds its gradient buckets in its second iteration, in the order gradients became ready,
+and broadcasts rank 0's order. After a re-form a joiner's DDP is new and a survivor's has
+rebuilt: the first iteration would reduce different parameters in the same bucket slots, silently.
+So at every sync every ``DistributedDataParallel`` builds a fresh reducer (``after_sync``), and
+all ranks, joiners included, start from the same buckets and rebuild together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from . import session
+from .errors import RendezvousError, WorkerLostError
+from .ops import Average, Max, Min, ReduceOp, Sum
+
+log = logging.getLogger("elastic")
+
+GROUP_NAME = "elastic"
+BACKEND = "elastic"
+DEFAULT_GROUP_ENV = "ELASTIC_DEFAULT_GROUP"
+
+# The ring reduces these natively; the other integer types are widened to int64 and back
+# (wrapping as torch's own integer arithmetic does), complex numbers as pairs of reals.
+_NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8}
+_WIDEN = {torch.int8, torch.int16, torch.uint16, torch.uint32}
+
+
+def _ring_op(op: Any, dtype: torch.dtype, what: str) -> ReduceOp:
+    """The ring's reduce op for a torch ``ReduceOp`` on ``dtype``; NotImplementedError names the rest."""
+    kind = op
+    if kind == dist.ReduceOp.SUM:
+        return Sum
+    if kind == dist.ReduceOp.AVG:
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise NotImplementedError(f"{what}: ReduceOp.AVG on {dtype} (integer average is undefined); "
+                                      "use SUM and divide")
+        return Average
+    if kind == dist.ReduceOp.MIN:
+        return Min
+    if kind == dist.ReduceOp.MAX:
+        return Max
+    if dtype == torch.bool and kind == dist.ReduceOp.BAND:
+        return Min
+    if dtype == torch.bool and kind == dist.ReduceOp.BOR:
+        return Max
+    name = getattr(kind, "op", kind)
+    raise NotImplementedError(f"{what}: {name} on {dtype} is not supported by the elastic ring "
+                              "(it has SUM, AVG, MIN, MAX, and BAND/BOR on bool)")
+
+
+def _reduce_op(opts: Any) -> Any:
+    """The reduce op of a call: options from torch's functions, or an op passed by hand."""
+    if opts is None:
+        return dist.ReduceOp.SUM
+    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        return opts
+    return opts.reduceOp
+
+
+class _Done(dist.Work):
+    """A collective that already finished (every op runs synchronously; see the module doc)."""
+
+    def __init__(self, result: Sequence[torch.Tensor] = ()):
+        super().__init__()
+        self._result = list(result)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self) -> List[torch.Tensor]:
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor (what allgather and broadcast move)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _check_cpu(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"{what}: the elastic ring moves CPU tensors; got one on {t.device}")
+    if t.is_sparse:
+        raise NotImplementedError(f"{what}: sparse tensors are not supported by the elastic ring")
+    return t
+
+
+class _Contiguous:
+    """The contiguous tensor a collective writes, copied back into ``t`` after when it is not."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.work = t if t.is_contiguous() else t.contiguous()
+
+    def done(self) -> None:
+        if self.work is not self.t:
+            self.t.copy_(self.work)
+
+
+class ElasticProcessGroup(dist.ProcessGroup):
+    """The current world as a ``torch.distributed.ProcessGroup`` (see the module doc).
+
+    ``rank()``/``size()`` answer with the current world (after ``elastic.run`` returned: its
+    last world); collectives run on ``elastic.session.ring()`` and raise what it raises:
+    ``WorkerLostError`` on a peer failure, ``RendezvousError`` when no job runs.
+    """
+
+    def __init__(self) -> None:
+        # The C++ base's rank and size are never read through this object: every Python
+        # caller gets the overrides below, and DDP's reducer (the one C++ user) takes its
+        # divide factor from the comm hook, which averages over the current size.
+        super().__init__(0, 1)
+        self._failure: Optional[WorkerLostError] = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ identity
+    def rank(self) -> int:
+        comm = session._current_ring()
+        if comm is not None:
+            return comm.rank
+        world = session.current_world()
+        return world.rank if world is not None else 0
+
+    def size(self) -> int:
+        comm = session._current_ring()
+        if comm is not None:
+            return comm.size
+        world = session.current_world()
+        return world.size if world is not None else 1
+
+    def getBackendName(self) -> str:   # noqa: N802 (torch's name)
+        return BACKEND
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return BACKEND
+
+    def shutdown(self) -> None:
+        """``dist.destroy_process_group()``: the ring is the session's; nothing to close here."""
+
+    def abort(self) -> None:
+        comm = session._current_ring()
+        if comm is not None:
+            comm.abort("torch.distributed ProcessGroup.abort()")
+
+    # ------------------------------------------------------------------ failures
+    def _record(self, err: WorkerLostError) -> None:
+        with self._lock:
+            if self._failure is None or err.world_version >= self._failure.world_version:
+                self._failure = err
+
+    def pending_failure(self) -> Optional[WorkerLostError]:
+        """The ring failure a collective run for torch hit, if the current ring is that one
+        (or none is held): what ``elastic.run`` raises in place of torch's ``RuntimeError``."""
+        with self._lock:
+            err = self._failure
+        if err is None:
+            return None
+        comm = session._current_ring()
+        if comm is None or comm.failed or comm.world_version <= err.world_version:
+            return err
+        return None
+
+    def clear_failure(self) -> None:
+        with self._lock:
+            self._failure = None
+
+    def _ring(self, what: str):
+        try:
+            return session.ring()
+        except RendezvousError as e:
+            raise RendezvousError(f"torch.distributed {what} on the elastic group: {e}") from None
+
+    def _run(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except WorkerLostError as e:
+            self._record(e)
+            raise
+
+    # ------------------------------------------------------------------ reductions
+    def _allreduce_one(self, comm, t: torch.Tensor, op: Any, what: str) -> None:
+        _check_cpu(t, what)
+        ring_op = _ring_op(op, t.dtype, what)
+        c = _Contiguous(t)
+        x = c.work.detach()
+        if x.dtype == torch.bool:
+            wide = x.to(torch.uint8)
+            self._run(what, comm.allreduce_, wide, ring_op)
+            x.copy_(wide.to(torch.bool))
+        elif x.dtype.is_complex:
+            self._run(what, comm.allreduce_, torch.view_as_real(x), ring_op)
+        elif x.dtype in _WIDEN:
+            wide = x.to(torch.int64)
+            self._run(what, comm.allreduce_, wide, ring_op)
+            x.copy_(wide.to(x.dtype))
+        elif x.dtype in _NATIVE:
+            self._run(what, comm.allreduce_, x, ring_op)
+        else:
+            raise NotImplementedError(f"{what}: dtype {x.dtype} is not supported by the elastic ring")
+        c.done()
+
+    def allreduce(self, tensors, opts=None):
+        what = "all_reduce"
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        comm = self._ring(what)
+        for t in tensors:
+            self._allreduce_one(comm, t, _reduce_op(opts), what)
+        return _Done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        comm = self._ring("all_reduce_coalesced")
+        op = _reduce_op(opts)
+        for t in tensors:
+            self._allreduce_one(comm, t, op, "all_reduce_coalesced")
+        return _Done(tensors)
+
+    def reduce(self, tensors, opts=None):
+        what = "reduce"
+        comm = self._ring(what)
+        root = opts.rootRank if opts is not None else 0
+        op = _reduce_op(opts)
+        for t in tensors:
+            # Every rank reduces (the ring has no tree); only the root's tensor takes the result.
+            target = t if comm.rank == root else t.detach().clone()
+            self._allreduce_one(comm, target, op, what)
+        return _Done(tensors)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        what = "reduce_scatter"
+        comm = self._ring(what)
+        op = _reduce_op(opts)
+        for out, inputs in zip(output_tensors, input_tensors):
+            if len(inputs) != comm.size:
+                raise ValueError(f"{what}: expected {comm.size} input tensors (one per rank), got {len(inputs)}")
+            for i in inputs:
+                _check_cpu(i, what)
+                if i.numel() != out.numel() or i.dtype != out.dtype:
+                    raise ValueError(f"{what}: every input must match the output's size and dtype "
+                                     f"({out.numel()} x {out.dtype}), got {i.numel()} x {i.dtype}")
+            # The ring reduces the whole list and each rank keeps its part: correct, not
+            # bandwidth-optimal (a ring reduce-scatter would move 1/size of it).
+            flat = torch.cat([i.detach().reshape(-1) for i in inputs])
+            self._allreduce_one(comm, flat, op, what)
+            out.detach().copy_(flat[comm.rank * out.numel():(comm.rank + 1) * out.numel()].view_as(out))
+        return _Done(output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        what = "reduce_scatter_tensor"
+        comm = self._ring(what)
+        _check_cpu(input, what)
+        if input.numel() != output.numel() * comm.size:
+            raise ValueError(f"{what}: input has {input.numel()} elements, expected output's {output.numel()} "
+                             f"x world size {comm.size}")
+        op = _reduce_op(opts)
+        flat = input.detach().reshape(-1).clone()
+        self._allreduce_one(comm, flat, op, what)
+        n = output.numel()
+        output.detach().copy_(flat[comm.rank * n:(comm.rank + 1) * n].view_as(output))
+        return _Done([output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self._reduce_scatter_base(o, i, opts)
+        return _Done(outputs)
+
+    # ------------------------------------------------------------------ data movement
+    def broadcast(self, tensors, opts=None):
+        what = "broadcast"
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        comm = self._ring(what)
+        root = opts.rootRank if opts is not None and not isinstance(opts, int) else (opts or 0)
+        if not 0 <= root < comm.size:
+            raise ValueError(f"{what}: root rank {root} is outside the world of {comm.size}")
+        for t in tensors:
+            _check_cpu(t, what)
+            c = _Contiguous(t)
+            if c.work.numel():
+                self._run(what, comm.broadcast_, _bytes(c.work), root)
+            c.done()
+        return _Done(tensors)
+
+    def _gather_bytes(self, comm, what: str, mine: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """Every rank's bytes, concatenated in rank order; ``sizes`` are each rank's byte counts."""
+        if len(sizes) != comm.size:
+            raise ValueError(f"{what}: expected {comm.size} output tensors (one per rank), got {len(sizes)}")
+        if mine.numel() != sizes[comm.rank]:
+            raise ValueError(f"{what}: this rank's input has {mine.numel()} bytes, its output slot {sizes[comm.rank]}")
+        out = torch.empty(sum(sizes), dtype=torch.uint8)
+        self._run(what, comm._native.allgather_, mine, out, list(sizes))
+        return out
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        what = "all_gather"
+        comm = self._ring(what)
+        for outs, inp in zip(output_tensors, input_tensors):
+            _check_cpu(inp, what)
+            for o in outs:
+                _check_cpu(o, what)
+                if o.dtype != inp.dtype:
+                    raise ValueError(f"{what}: output dtype {o.dtype} differs from the input's {inp.dtype}")
+            sizes = [o.numel() * o.element_size() for o in outs]
+            flat = self._gather_bytes(comm, what, _bytes(inp.contiguous()), sizes)
+            at = 0
+            for o, n in zip(outs, sizes):
+                c = _Contiguous(o)
+                _bytes(c.work).copy_(flat[at:at + n])
+                c.done()
+                at += n
+        return _Done([o for outs in output_tensors for o in outs])
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def _allgather_base(self, output, input, opts=None):
+        what = "all_gather_into_tensor"
+        comm = self._ring(what)
+        _check_cpu(input, what)
+        _check_cpu(output, what)
+        if output.numel() != input.numel() * comm.size or output.dtype != input.dtype:
+            raise ValueError(f"{what}: output must hold world size {comm.size} x the input ({input.numel()} x "
+                             f"{input.dtype}), got {output.numel()} x {output.dtype}")
+        n = input.numel() * input.element_size()
+        flat = self._gather_bytes(comm, what, _bytes(input.contiguous()), [n] * comm.size)
+        c = _Contiguous(output)
+        _bytes(c.work).copy_(flat)
+        c.done()
+        return _Done([output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self._allgather_base(o, i, opts)
+        return _Done(outputs)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        what = "gather"
+        comm = self._ring(what)
+        root = opts.rootRank if opts is not None else 0
+        inp = _check_cpu(input_tensors[0], what)
+        n = inp.numel() * inp.element_size()
+        # Every rank passes the same shape (torch's contract), so the root's slots are known to all.
+        flat = self._gather_bytes(comm, what, _bytes(inp.contiguous()), [n] * comm.size)
+        if comm.rank == root:
+            outs = output_tensors[0]
+            if len(outs) != comm.size:
+                raise ValueError(f"{what}: the root needs {comm.size} output tensors, got {len(outs)}")
+            for r, o in enumerate(outs):
+                c = _Contiguous(o)
+                _bytes(c.work).copy_(flat[r * n:(r + 1) * n])
+                c.done()
+        return _Done(output_tensors[0] if output_tensors else [])
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        what = "scatter"
+        comm = self._ring(what)
+        root = opts.rootRank if opts is not None else 0
+        out = _check_cpu(output_tensors[0], what)
+        n = out.numel() * out.element_size()
+        buf = torch.empty(n * comm.size, dtype=torch.uint8)
+        if comm.rank == root:
+            ins = input_tensors[0]
+            if len(ins) != comm.size:
+                raise ValueError(f"{what}: the root needs {comm.size} input tensors, got {len(ins)}")
+            for r, i in enumerate(ins):
+                if i.numel() * i.element_size() != n:
+                    raise ValueError(f"{what}: input {r} has another size than the output")
+                buf[r * n:(r + 1) * n].copy_(_bytes(i.contiguous()))
+        if buf.numel():
+            self._run(what, comm.broadcast_, buf, root)
+        c = _Contiguous(out)
+        _bytes(c.work).copy_(buf[comm.rank * n:(comm.rank + 1) * n])
+        c.done()
+        return _Done([out])
+
+    def _alltoall_bytes(self, comm, what: str, send: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Rank j gets ``send[j]`` of every rank: what each sends is gathered by all (the ring has
+        no point-to-point; correct, at world-size times the bytes of a direct exchange)."""
+        counts = torch.tensor([s.numel() for s in send], dtype=torch.int64)
+        every = torch.empty(comm.size * comm.size, dtype=torch.int64)
+        self._run(what, comm._native.allgather_, counts, every, [counts.numel() * 8] * comm.size)
+        table = every.view(comm.size, comm.size).tolist()
+        mine = torch.cat([s.reshape(-1) for s in send]) if send else torch.empty(0, dtype=torch.uint8)
+        flat = self._gather_bytes(comm, what, mine, [sum(row) for row in table])
+        got, at = [], 0
+        for src in range(comm.size):
+            offset = at + sum(table[src][:comm.rank])
+            got.append(flat[offset:offset + table[src][comm.rank]])
+            at += sum(table[src])
+        return got
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        what = "all_to_all"
+        comm = self._ring(what)
+        if len(input_tensors) != comm.size or len(output_tensors) != comm.size:
+            raise ValueError(f"{what}: expected {comm.size} input and output tensors (one per rank)")
+        got = self._alltoall_bytes(comm, what, [_bytes(_check_cpu(i, what).contiguous()) for i in input_tensors])
+        for src, (o, data) in enumerate(zip(output_tensors, got)):
+            if o.numel() * o.element_size() != data.numel():
+                raise ValueError(f"{what}: rank {src} sent {data.numel()} bytes, output {src} holds "
+                                 f"{o.numel() * o.element_size()}")
+            c = _Contiguous(o)
+            _bytes(c.work).copy_(data)
+            c.done()
+        return _Done(output_tensors)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        what = "all_to_all_single"
+        comm = self._ring(what)
+        _check_cpu(input, what)
+        _check_cpu(output, what)
+        if input.dim() == 0:
+            raise ValueError(f"{what}: the input needs at least one dimension")
+        splits_in = list(input_split_sizes) or [input.shape[0] // comm.size] * comm.size
+        if len(splits_in) != comm.size or sum(splits_in) != input.shape[0]:
+            raise ValueError(f"{what}: input split sizes {splits_in} do not divide {input.shape[0]} rows "
+                             f"among {comm.size} ranks")
+        row = (input.numel() // max(input.shape[0], 1)) * input.element_size()
+        data = _bytes(input.contiguous())
+        send, at = [], 0
+        for n in splits_in:
+            send.append(data[at:at + n * row])
+            at += n * row
+        got = self._alltoall_bytes(comm, what, send)
+        flat = torch.cat(got) if got else torch.empty(0, dtype=torch.uint8)
+        if flat.numel() != output.numel() * output.element_size():
+            raise ValueError(f"{what}: received {flat.numel()} bytes, the output holds "
+                             f"{output.numel() * output.element_size()}")
+        c = _Contiguous(output)
+        _bytes(c.work).copy_(flat)
+        c.done()
+        return _Done([output])
+
+    def barrier(self, opts=None):
+        comm = self._ring("barrier")
+        self._run("barrier", comm.barrier)
+        return _Done()
+
+    # ------------------------------------------------------------------ what the ring has not
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"torch.distributed {what} is not supported on the elastic group "
+                                  "(the ring has all_reduce, broadcast, all_gather, reduce_scatter, "
+                                  "all_to_all, gather, scatter, reduce and barrier)")
+
+    def send(self, *args, **kwargs):
+        self._unsupported("send (point-to-point)")
+
+    def recv(self, *args, **kwargs):
+        self._unsupported("recv (point-to-point)")
+
+    def recv_anysource(self, *args, **kwargs):
+        self._unsupported("recv (point-to-point)")
+
+    def monitored_barrier(self, *args, **kwargs):
+        self._unsupported("monitored_barrier")
+
+    def split_group(self, *args, **kwargs):
+        self._unsupported("split_group")
+
+    def merge_remote_group(self, *args, **kwargs):
+        self._unsupported("merge_remote_group")
+
+
+_group_lock = threading.Lock()
+_group: Optional[ElasticProcessGroup] = None
+
+
+def process_group() -> ElasticProcessGroup:
+    """The process's elastic ``torch.distributed.ProcessGroup``: the same object across re-forms."""
+    global _group
+    with _group_lock:
+        if _group is None:
+            _group = ElasticProcessGroup()
+        return _group
+
+
+def pending_failure() -> Optional[WorkerLostError]:
+    """The ring failure behind a torch error (see ``ElasticProcessGroup.pending_failure``)."""
+    g = _group
+    return g.pending_failure() if g is not None else None
+
+
+# ---------------------------------------------------------------------- the default group
+def _registered() -> bool:
+    return _group is not None and c10d._world.default_pg is _group
+
+
+def install_default_group() -> bool:
+    """Makes the elastic group torch.distributed's default group (inside ``elastic.run``).
+
+    Skipped when ``ELASTIC_DEFAULT_GROUP=0`` or when the script initialized a default group
+    itself (that one is left alone and does not follow re-forms; a warning says so). Returns
+    whether the elastic group is the default group now.
+    """
+    if os.environ.get(DEFAULT_GROUP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if _registered():
+        _update_ranks()
+        return True
+    if dist.is_initialized():
+        log.warning("torch.distributed's default group was initialized by the script (backend %s): elastic.run "
+                    "leaves it, and dist.* calls on it do not survive failures; pass "
+                    "group=elastic.process_group(), or drop init_process_group()", dist.get_backend())
+        return False
+    pg = process_group()
+    world = c10d._world
+    world.pg_map[pg] = (BACKEND, None)
+    world.pg_names[pg] = GROUP_NAME
+    world.pg_backend_config[pg] = f"cpu:{BACKEND}"
+    world.pg_to_tag[pg] = f"ptd:{GROUP_NAME}"
+    world.tags_to_pg.setdefault(f"ptd:{GROUP_NAME}", []).append(pg)
+    world.tags_to_pg.setdefault("", []).append(pg)
+    try:
+        pg._set_group_name(GROUP_NAME)
+    except RuntimeError:   # named already (installed before, then destroyed)
+        pass
+    try:
+        c10d._register_process_group(GROUP_NAME, pg)
+    except RuntimeError:
+        pass
+    c10d._update_default_pg(pg)
+    _update_ranks()
+    return True
+
+
+def _update_ranks() -> None:
+    """torch's table of the default group's ranks, for the current world's size."""
+    if _registered():
+        c10d._world.pg_group_ranks[_group] = {i: i for i in range(_group.size())}
+        torch._C._distributed_c10d._set_global_rank(_group.rank())
+
+
+# ---------------------------------------------------------------------- DDP
+_ddps: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+
+
+class _Completions:
+    """Completes DDP's bucket futures in order as the ring finishes their allreduces, on one
+    thread, so backward goes on computing while the ring moves the earlier buckets."""
+
+    def __init__(self) -> None:
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def put(self, comm, handle, fut: torch.futures.Future, buf: torch.Tensor) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="elastic-ddp-completions", daemon=True)
+                self._thread.start()
+        self._q.put((comm, handle, fut, buf))
+
+    def _loop(self) -> None:
+        while True:
+            comm, handle, fut, buf = self._q.get()
+            try:
+                comm.synchronize(handle)   # bounded by the ring's collective timeout or an abort
+            except WorkerLostError as e:
+                process_group()._record(e)
+                fut.set_exception(RuntimeError(f"elastic ring: {e}"))
+            except Exception as e:  # the future must finish, or DDP's backward waits forever
+                fut.set_exception(RuntimeError(f"elastic ring: gradient allreduce failed: {e}"))
+            else:
+                fut.set_result(buf)
+
+
+_completions = _Completions()
+
+
+def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP's comm hook: the bucket averaged over the current world, asynchronously."""
+    buf = bucket.buffer()
+    fut: torch.futures.Future = torch.futures.Future()
+    try:
+        comm = session.ring()
+        if buf.dtype not in _NATIVE:
+            raise NotImplementedError(f"DistributedDataParallel: gradients of dtype {buf.dtype} are not supported "
+                                      "by the elastic ring")
+        handle = comm.allreduce_async_(buf, Average)
+    except WorkerLostError as e:
+        process_group()._record(e)
+        fut.set_exception(RuntimeError(f"elastic ring: {e}"))
+        return fut
+    except Exception as e:
+        fut.set_exception(RuntimeError(f"elastic ring: {e}"))
+        return fut
+    _completions.put(comm, handle, fut, buf)
+    return fut
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """``torch.nn.parallel.DistributedDataParallel`` whose gradient allreduce runs on the
+    elastic ring: averaged over the current world, re-formed with it.
+
+    Takes DDP's keyword arguments except ``process_group`` (always ``elastic.process_group()``),
+    ``init_sync`` (parameters and buffers are synced by ``elastic.run`` at every sync, from the
+    rank holding the most advanced commit, not at construction) and ``mixed_precision``; the
+    module's parameters must be on the CPU. Build it before ``elastic.run`` (no ring is needed).
+    ``register_comm_hook`` is taken: the ring's allreduce is the hook.
+    """
+
+    def __init__(self, module: torch.nn.Module, **kwargs: Any) -> None:
+        for taken in ("process_group", "init_sync", "mixed_precision", "device_mesh"):
+            if kwargs.get(taken) is not None:
+                raise ValueError(f"elastic.DistributedDataParallel: {taken}= is not supported "
+                                 "(the process group is the elastic ring's; state is synced by elastic.run)")
+            kwargs.pop(taken, None)
+        for p in module.parameters():
+            if p.device.type != "cpu":
+                raise NotImplementedError("elastic.DistributedDataParallel: the elastic ring moves CPU tensors; "
+                                          f"this module has a parameter on {p.device}")
+        if kwargs.get("device_ids"):
+            raise NotImplementedError("elastic.DistributedDataParallel: device_ids= needs a GPU data plane, "
+                                      "which the elastic ring does not have yet")
+        super().__init__(module, process_group=process_group(), init_sync=False, **kwargs)
+        self._elastic_static_graph = bool(kwargs.get("static_graph", False))
+        dist._register_comm_hook(self.reducer, None, _allreduce_hook)
+        _ddps.add(self)
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise NotImplementedError("elastic.DistributedDataParallel runs the elastic ring's allreduce as its "
+                                  "comm hook; another hook cannot be registered")
+
+    def _elastic_reset(self) -> None:
+        """A fresh reducer, as at construction: every rank's buckets are the same again, and
+        they rebuild together (see the module doc). Also clears what a failed backward left."""
+        self.reducer._remove_autograd_hooks()
+        parameters, expect_sparse_gradient = self._build_params_for_reducer()
+        mapping = self._build_debug_param_to_name_mapping(parameters)
+        self._ddp_init_helper(parameters, expect_sparse_gradient, mapping, self._elastic_static_graph)
+        dist._register_comm_hook(self.reducer, None, _allreduce_hook)
+        self._has_rebuilt_buckets = False
+        if self._elastic_static_graph:
+            self.reducer._set_static_graph()
+            self.logger._set_static_graph()
+
+    def _elastic_broadcast(self, root: int) -> None:
+        tensors = [p.detach() for _, p in self.module.named_parameters()
+                   if _ not in self.parameters_to_ignore]
+        tensors += [b.detach() for _, b in self.module.named_buffers() if _ not in self.parameters_to_ignore]
+        if tensors:
+            with torch.no_grad():
+                dist._broadcast_coalesced(process_group(), tensors, self.broadcast_bucket_size, root)
+
+
+def _covered(state: Any, ddp: DistributedDataParallel) -> bool:
+    model = getattr(state, "__dict__", {}).get("model")
+    return model is ddp or model is ddp.module
+
+
+def after_sync(state: Any, root: int) -> None:
+    """Called on every rank at the end of each sync (``elastic.session.sync``): the ring is new
+    or kept, the state is everyone's. Each DDP's module gets the root's parameters and buffers
+    (unless the state carried them already) and a fresh reducer; the default group's ranks follow."""
+    group = _group
+    if group is not None:
+        group.clear_failure()
+    _update_ranks()
+    for ddp in list(_ddps):
+        if not _covered(state, ddp):
+            ddp._elastic_broadcast(root)
+        ddp._elastic_reset()
+
+
+__all__ = ["DistributedDataParallel", "ElasticProcessGroup", "process_group", "install_default_group",
+           "pending_failure", "after_sync"]
