@@ -476,6 +476,22 @@ class ElasticProcessGroup(dist.ProcessGroup):
         c.done()
         return _Done([output])
 
+    # torch 2.13's names for the single-tensor forms; older torch calls the underscored ones.
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
     def barrier(self, opts=None):
         comm = self._ring("barrier")
         self._run("barrier", comm.barrier)
@@ -622,6 +638,9 @@ def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Futur
             raise NotImplementedError(f"DistributedDataParallel: gradients of dtype {buf.dtype} are not supported "
                                       "by the elastic ring")
         handle = comm.allreduce_async_(buf, Average)
+        # Its own operation: the core fuses open async allreduces until something waits, and
+        # the completion thread waits at times of its own, so fusing would differ by rank.
+        comm.flush()
     except WorkerLostError as e:
         process_group()._record(e)
         fut.set_exception(RuntimeError(f"elastic ring: {e}"))

@@ -19,8 +19,9 @@ JOB = os.path.join(REPO, "tests", "runtime", "job.py")
 
 class Job:
     def __init__(self, tmp_path, server_address: str, *, job_id: str = "job", min_np: int = 1, max_np: int = 8,
-                 **env: str):
+                 script: str = JOB, **env: str):
         self.out = str(tmp_path)
+        self.script = script
         self.env = dict(os.environ)
         self.env.update({
             "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -35,7 +36,7 @@ class Job:
         """Starts a worker; ``prefix`` runs it under another command (e.g. ``ip netns exec NS``)."""
         e = dict(self.env, ELASTIC_WORKER_ID=worker_id, **{k: str(v) for k, v in env.items()})
         log = open(os.path.join(self.out, f"log-{worker_id}.txt"), "wb")
-        self.procs[worker_id] = subprocess.Popen([*prefix, sys.executable, JOB], env=e, stdout=log, stderr=subprocess.STDOUT,
+        self.procs[worker_id] = subprocess.Popen([*prefix, sys.executable, self.script], env=e, stdout=log, stderr=subprocess.STDOUT,
                                                  cwd=REPO)
         return self.procs[worker_id]
 

@@ -1,0 +1,190 @@
+"""elastic.process_group() as torch.distributed's default group, on real rings of forked ranks:
+every op a user can reach gives torch's answer or a clear NotImplementedError, and a peer's
+death raises WorkerLostError from the call (async_op=True too), never a silent wrong answer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import elastic
+from elastic import distributed, session
+from tests.native.harness import TRANSPORTS, World, run_world
+
+
+def _on_default_group(body):
+    def fn(comm):
+        session.use_ring(comm)
+        try:
+            assert distributed.install_default_group()
+            return body(comm.rank, comm.size)
+        finally:
+            session.use_ring(None)
+    return fn
+
+
+def _value(rank: int, n: int = 5, dtype=torch.float32) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.float64) * (rank + 1) - rank).to(dtype)
+
+
+def _ops(rank: int, size: int) -> dict:
+    got = {}
+    got["rank/size"] = (dist.get_rank(), dist.get_world_size(), dist.is_initialized(), dist.get_backend())
+    every = [_value(r) for r in range(size)]
+    for name, op, ref in [("sum", dist.ReduceOp.SUM, sum(every)), ("avg", dist.ReduceOp.AVG, sum(every) / size),
+                          ("min", dist.ReduceOp.MIN, torch.stack(every).min(0).values),
+                          ("max", dist.ReduceOp.MAX, torch.stack(every).max(0).values)]:
+        t = _value(rank)
+        dist.all_reduce(t, op=op)
+        got[f"all_reduce {name}"] = torch.allclose(t, ref)
+    for dtype in (torch.int8, torch.int16, torch.int64, torch.bfloat16, torch.float64):
+        t = _value(rank, dtype=dtype)
+        dist.all_reduce(t)
+        got[f"all_reduce {dtype}"] = torch.equal(t, sum(_value(r, dtype=torch.float64) for r in range(size)).to(dtype))
+    flags = torch.tensor([rank == 0, True, False])
+    dist.all_reduce(flags, op=dist.ReduceOp.BOR)
+    got["all_reduce bool BOR"] = flags.tolist() == [True, True, False]
+    z = torch.complex(_value(rank), _value(rank) * 2)
+    dist.all_reduce(z)
+    got["all_reduce complex"] = torch.allclose(z, torch.complex(sum(every), sum(every) * 2))
+    strided = torch.zeros(5, 2)[:, 0]
+    strided.copy_(_value(rank))
+    dist.all_reduce(strided)
+    got["all_reduce non-contiguous"] = torch.allclose(strided, sum(every))
+    w = dist.all_reduce(t := _value(rank), async_op=True)
+    got["async wait"] = w.wait() is True and torch.allclose(t, sum(every)) and w.is_completed()
+
+    for root in range(size):
+        b = _value(rank)
+        dist.broadcast(b, src=root)
+        got[f"broadcast from {root}"] = torch.equal(b, _value(root))
+    outs = [torch.empty(r + 1, dtype=torch.int64) for r in range(size)]
+    dist.all_gather(outs, torch.full((rank + 1,), rank, dtype=torch.int64))
+    got["all_gather uneven"] = [o.tolist() for o in outs] == [[r] * (r + 1) for r in range(size)]
+    out = torch.empty(size * 5)
+    dist.all_gather_into_tensor(out, _value(rank))
+    got["all_gather_into_tensor"] = torch.equal(out, torch.cat(every))
+    mine = torch.empty(5)
+    dist.reduce_scatter(mine, [_value(rank) + j for j in range(size)])
+    got["reduce_scatter"] = torch.allclose(mine, sum(every) + size * rank)
+    mine = torch.empty(2)
+    dist.reduce_scatter_tensor(mine, torch.arange(2.0 * size) * (rank + 1))
+    got["reduce_scatter_tensor"] = torch.allclose(mine, torch.arange(2.0 * rank, 2.0 * rank + 2) *
+                                                  (size * (size + 1) / 2))
+    ins = [torch.tensor([rank * 10 + j]) for j in range(size)]
+    outs = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_to_all(outs, ins)
+    got["all_to_all"] = [o.item() for o in outs] == [r * 10 + rank for r in range(size)]
+    # Uneven splits: rank r sends j + 1 rows to rank j.
+    send = torch.cat([torch.full((j + 1, 2), float(rank * 100 + j)) for j in range(size)])
+    recv = torch.empty(size * (rank + 1), 2)
+    dist.all_to_all_single(recv, send, output_split_sizes=[rank + 1] * size,
+                           input_split_sizes=[j + 1 for j in range(size)])
+    got["all_to_all_single uneven"] = torch.equal(
+        recv, torch.cat([torch.full((rank + 1, 2), float(r * 100 + rank)) for r in range(size)]))
+    gathered = [torch.empty(5) for _ in range(size)] if rank == 0 else None
+    dist.gather(_value(rank), gathered, dst=0)
+    got["gather"] = rank != 0 or all(torch.equal(g, e) for g, e in zip(gathered, every))
+    piece = torch.empty(5)
+    dist.scatter(piece, every if rank == size - 1 else None, src=size - 1)
+    got["scatter"] = torch.equal(piece, every[rank])
+    r = _value(rank)
+    dist.reduce(r, dst=1)
+    got["reduce"] = torch.allclose(r, sum(every)) if rank == 1 else torch.equal(r, _value(rank))
+    dist.barrier()
+
+    for name, call in [
+        ("PRODUCT", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.PRODUCT)),
+        ("send", lambda: dist.send(torch.ones(1), dst=(rank + 1) % size)),
+        ("recv", lambda: dist.recv(torch.ones(1), src=(rank + 1) % size)),
+        ("monitored_barrier", lambda: dist.monitored_barrier()),
+        ("AVG", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)),
+    ]:
+        try:
+            call()
+            got[f"refuses {name}"] = "no error"
+        except (NotImplementedError, ValueError) as e:   # ValueError: torch's own (monitored_barrier)
+            got[f"refuses {name}"] = name.lower() in str(e).lower()
+    return got
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_op_gives_torchs_answer_on_the_elastic_default_group(transport):
+    size = 3
+    for rank, got in enumerate(run_world(size, _on_default_group(_ops), transport=transport)):
+        assert got.pop("rank/size") == (rank, size, True, "elastic")
+        wrong = {k: v for k, v in got.items() if v is not True}
+        assert not wrong, f"rank {rank}: {wrong}"
+
+
+def _lose_a_peer(rank: int, size: int):
+    dist.barrier()
+    if rank == size - 1:
+        os._exit(0)   # gone, mid-job, without a word
+    caught = {}
+    for name, call in [("all_reduce", lambda: dist.all_reduce(torch.ones(1 << 16))),
+                       ("async all_reduce", lambda: dist.all_reduce(torch.ones(4), async_op=True).wait())]:
+        try:
+            call()
+            caught[name] = "returned"
+        except elastic.WorkerLostError as e:
+            caught[name] = type(e).__name__
+    caught["pending"] = type(distributed.pending_failure()).__name__
+    return caught
+
+
+def test_a_lost_peer_raises_worker_lost_from_dist_calls_never_silently():
+    with World(3, _on_default_group(_lose_a_peer)) as world:
+        world.wait_formed()
+        for rank in (0, 1):
+            msg = world.message(rank)
+            assert msg[0] == "ok", msg
+            assert msg[1] == {"all_reduce": "WorkerLostError", "async all_reduce": "WorkerLostError",
+                              "pending": "WorkerLostError"}
+
+
+@pytest.mark.parametrize("op,dtype,expected", [
+    (dist.ReduceOp.SUM, torch.float32, elastic.Sum),
+    (dist.ReduceOp.AVG, torch.bfloat16, elastic.Average),
+    (dist.ReduceOp.MIN, torch.int64, elastic.Min),
+    (dist.ReduceOp.MAX, torch.uint8, elastic.Max),
+    (dist.ReduceOp.BOR, torch.bool, elastic.Max),
+    (dist.ReduceOp.BAND, torch.bool, elastic.Min),
+    (dist.ReduceOp.AVG, torch.int32, NotImplementedError),
+    (dist.ReduceOp.PRODUCT, torch.float32, NotImplementedError),
+    (dist.ReduceOp.BXOR, torch.int64, NotImplementedError),
+    (dist.ReduceOp.BOR, torch.int64, NotImplementedError),
+])
+def test_reduce_op_table(op, dtype, expected):
+    if expected is NotImplementedError:
+        with pytest.raises(NotImplementedError, match="all_reduce"):
+            distributed._ring_op(op, dtype, "all_reduce")
+    else:
+        assert distributed._ring_op(op, dtype, "all_reduce") == expected
+
+
+def _script_owns_default_group(rank: int, size: int):
+    # The script initialized torch.distributed itself (a one-process gloo group here):
+    # elastic leaves it alone, and the elastic group is still there by name.
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        installed = distributed.install_default_group()
+        return installed, dist.get_backend(), elastic.process_group().size()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_default_group_the_script_made_is_left_alone():
+    assert run_world(2, _on_default_group(_script_owns_default_group)) == [(False, "gloo", 2)] * 2
+
+
+def test_elastic_default_group_0_opts_out():
+    def fn(comm):
+        os.environ[distributed.DEFAULT_GROUP_ENV] = "0"
+        session.use_ring(comm)
+        return distributed.install_default_group(), dist.is_initialized()
+    assert run_world(2, fn) == [(False, False)] * 2
