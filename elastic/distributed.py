@@ -49,6 +49,7 @@ DEFAULT_GROUP_ENV = "ELASTIC_DEFAULT_GROUP"
 # (wrapping as torch's own integer arithmetic does), complex numbers as pairs of reals.
 _NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8}
 _WIDEN = {torch.int8, torch.int16, torch.uint16, torch.uint32}
+_MAX_ALLTOALL_BYTES = 1 << 40
 
 
 def _ring_op(op: Any, dtype: torch.dtype, what: str) -> ReduceOp:
@@ -425,6 +426,10 @@ class ElasticProcessGroup(dist.ProcessGroup):
         every = torch.empty(comm.size * comm.size, dtype=torch.int64)
         self._run(what, comm._native.allgather_, counts, every, [counts.numel() * 8] * comm.size)
         table = every.view(comm.size, comm.size).tolist()
+        # Counts from peers size this rank's buffers: checked before anything is allocated.
+        if any(c < 0 for row in table for c in row) or sum(map(sum, table)) > _MAX_ALLTOALL_BYTES:
+            raise ValueError(f"{what}: the ranks' send counts {table} are negative or over "
+                             f"{_MAX_ALLTOALL_BYTES} bytes in all")
         mine = torch.cat([s.reshape(-1) for s in send]) if send else torch.empty(0, dtype=torch.uint8)
         flat = self._gather_bytes(comm, what, mine, [sum(row) for row in table])
         got, at = [], 0
