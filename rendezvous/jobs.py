@@ -44,3 +44,6 @@ class Job:
     # Set (and replaced) whenever a stream attaches: what a report waiting for a suspect waits on.
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False                  # being removed from the store or replaced: RPCs retry
+    # Monotonic: the first failure signal since the last world was announced (the recovery
+    # histogram measures from it to the next world).
+    failure_at: Optional[float] = None
