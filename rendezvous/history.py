@@ -80,11 +80,13 @@ class History:
                                                  collections.deque(maxlen=self._per_job))
         kept[1].append(RecentEvent(time.time(), event, version, worker_id, detail))
 
-    def delivered(self, job: "Job", action) -> None:
+    def delivered(self, job: "Job", action, version_before: int) -> None:
+        """A durable action took effect; `version_before`: the job's world version when it was
+        decided (the world a worker left; a new world's event carries its own version)."""
         described = describe(action)
         if described is not None:
             event, worker_id, fields, detail = described
-            version = action.version if isinstance(action, d.AnnounceWorld) else None
+            version = action.version if isinstance(action, d.AnnounceWorld) else version_before
             self.job(job, event, worker_id=worker_id, detail=detail, world_version=version,
                      **fields)
 

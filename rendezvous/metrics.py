@@ -170,9 +170,10 @@ class ServerMetrics:
     def elected(self) -> None:
         self.elections += 1
 
-    def failure_signal(self, job: "Job") -> None:
-        """A failure of one of `job`'s workers was noticed: the recovery clock starts (once)."""
-        if job.failure_at is None:
+    def failure_signal(self, job: "Job", worker_id: Optional[str] = None) -> None:
+        """A failure in `job`'s world was noticed (of member `worker_id`, if named): the recovery
+        clock starts, once. A worker outside the world failing changes no world: not counted."""
+        if job.failure_at is None and (worker_id is None or job.state.in_world(worker_id)):
             job.failure_at = time.monotonic()
 
     def delivered(self, job: "Job", action) -> None:

@@ -226,11 +226,11 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if stream is not None:
             stream.queue.put_nowait(event)
 
-    def _deliver(self, job: Job, action, world_before) -> None:
+    def _deliver(self, job: Job, action, before: d.JobState) -> None:
         """Carry out a durable action on the job's streams (the journal calls it)."""
         self._log_action(job, action)   # logged when it takes effect (durable, sent), not decided
         self.metrics.delivered(job, action)
-        self.history.delivered(job, action)
+        self.history.delivered(job, action, before.version)
         if isinstance(action, d.AnnounceWorld):
             for worker_id, event in wire.spliced_worlds(action, job.streams):
                 self.send(job, worker_id, event)
@@ -238,7 +238,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 self.send(job, w, wire.standby_event(action.version, wire.HOT_SPARE))
         elif isinstance(action, (d.AnnouncePending, d.AnnounceAbort)):
             event = wire.notice_event(action)
-            for m in world_before:
+            for m in before.world:
                 self.send(job, m.worker_id, event)
         elif isinstance(action, d.Dropped):
             # (Its attach deadline stays: after a rejoin it is the new session's; a stale one finds
@@ -295,7 +295,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         """Evict `worker_id` if it is still registered; returns the change's seq to wait for."""
         w = job.state.workers.get(worker_id)
         if w is not None:
-            self.metrics.failure_signal(job)
+            self.metrics.failure_signal(job, worker_id)
             self.journal.apply(job, d.Evict(worker_id, f"worker {worker_id} on host {w.host} evicted: "
                                                        f"{reason}", count_failure, cause))
         return job.seq
