@@ -179,3 +179,23 @@ def test_a_served_process_writes_its_start_and_graceful_stop(tmp_path):
     assert [e["event"] for e in events] == ["server_started", "leader_elected", "server_stopped"]
     assert events[0]["store"] == "memory" and events[0]["address"].startswith("127.0.0.1:")
     assert len({e["replica_id"] for e in events}) == 1
+
+
+def test_recent_events_go_only_to_the_owner_they_were_recorded_for():
+    from rendezvous.history import History
+    from rendezvous.jobs import Job
+
+    h = History()
+    mine = Job(state=d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-a"), revision=1)
+    h.job(mine, "job_created")
+    h.job(mine, "worker_joined", worker_id="w")
+    assert [e.event for e in h.recent("j", "cred-a", 10)] == ["job_created", "worker_joined"]
+    assert h.recent("j", "cred-a", 1)[0].event == "worker_joined"      # the newest n
+    assert h.recent("j", "cred-b", 10) == [] and h.recent("j", "cred-a", 0) == []
+    # The id forgotten and taken by another token: its history starts empty.
+    theirs = Job(state=d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-b"), revision=2)
+    h.job(theirs, "job_created")
+    assert [e.event for e in h.recent("j", "cred-b", 10)] == ["job_created"]
+    assert h.recent("j", "cred-a", 10) == []
+    h.forget()
+    assert h.recent("j", "cred-b", 10) == []
