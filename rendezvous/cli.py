@@ -9,14 +9,14 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from .client import (StatusClient, StatusError, StatusInfo, channel_credentials, parse_addresses,
-                     read_token_file, read_token_list)
 from . import status_view
+from .client import (StatusClient, StatusError, channel_credentials, parse_addresses,
+                     read_token_file, read_token_list)
 from .config import ServerConfig, default
 from .events import EventLog
 from .history import RECENT_PER_JOB
 from .ports import check_can_listen
-from .status_view import format_status  # noqa: F401  (also imported from here)
+from .status_view import format_status
 from .store import EtcdAccessError, EtcdStore, StoreError
 
 DESCRIPTION = """\
