@@ -9,10 +9,14 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from .client import (StatusClient, StatusError, StatusInfo, channel_credentials, parse_addresses,
+from . import status_view
+from .client import (StatusClient, StatusError, channel_credentials, parse_addresses,
                      read_token_file, read_token_list)
 from .config import ServerConfig, default
+from .events import EventLog
+from .history import RECENT_PER_JOB
 from .ports import check_can_listen
+from .status_view import format_status
 from .store import EtcdAccessError, EtcdStore, StoreError
 
 DESCRIPTION = """\
@@ -24,7 +28,9 @@ ranks, evictions) and keeps all state in etcd so a restart or failover changes n
   elastic-rendezvous serve --token-file /etc/elastic/token --tls-cert srv.pem --tls-key srv.key \\
       --tls-client-ca ca.pem --etcd 10.0.0.9:2379 --etcd-ca etcd-ca.pem --etcd-user rdzv \\
       --etcd-password-file /etc/elastic/etcd-password    # TLS and auth end to end
+  elastic-rendezvous serve --insecure --metrics-port 9400 --events /var/log/elastic/rdzv.jsonl
   elastic-rendezvous status --server 10.0.0.1:29400 --token-file /etc/elastic/token
+  elastic-rendezvous status --server 10.0.0.1:29400 --token-file /etc/elastic/token --watch
 """
 
 
@@ -90,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
                                                                       default("cooldown_max_s")))
     s.add_argument("--advertise", default=default("advertise_address"), metavar="HOST:PORT",
                    help="address clients use to reach this replica (leader hints)")
+    s.add_argument("--metrics-port", type=int, default=default("metrics_port"), metavar="P",
+                   help="serve Prometheus metrics on http://METRICS_HOST:P/metrics (default: not "
+                        "served; 0 picks a free port)")
+    s.add_argument("--metrics-host", default=default("metrics_host"), metavar="ADDR",
+                   help="address for --metrics-port (default: %(default)s, this machine only: the "
+                        "metrics name every tenant's jobs and need no token; bind a monitoring "
+                        "network's address to scrape from elsewhere)")
+    s.add_argument("--events", default=default("events_path"), metavar="FILE",
+                   help="append one JSON line per event (server started/stopped, leader elected, "
+                        "job created, world formed, worker joined/left/evicted, job finished) to "
+                        "FILE")
     s.add_argument("--port-file", metavar="F", help="write the bound port to F once serving")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -101,7 +118,17 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tls-cert", metavar="PEM",
                    help="client certificate, for a server started with --tls-client-ca")
     t.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
-    t.add_argument("--timeout", type=float, default=5.0, metavar="S")
+    t.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="give up on a server after S seconds (default: %(default)s)")
+    t.add_argument("--watch", action="store_true",
+                   help="redraw the table every --interval seconds until Ctrl-C, with the last "
+                        "events; retries while no server answers. When stdout is not a terminal, "
+                        "print one snapshot and exit")
+    t.add_argument("--interval", type=float, default=1.0, metavar="S",
+                   help="seconds between redraws of --watch (default: %(default)s)")
+    t.add_argument("--events", type=int, default=None, metavar="N",
+                   help="also list the last N events of the jobs, as the answering replica saw "
+                        "them (default: 10 with --watch, else 0; the server keeps 50 a job)")
     return p
 
 
@@ -145,7 +172,9 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                        default_elastic_timeout_s=a.elastic_timeout,
                        blacklist_after=a.blacklist_after,
                        cooldown_min_s=a.blacklist_cooldown_range[0],
-                       cooldown_max_s=a.blacklist_cooldown_range[1], advertise_address=a.advertise)
+                       cooldown_max_s=a.blacklist_cooldown_range[1], advertise_address=a.advertise,
+                       metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+                       events_path=a.events)
     try:
         cfg.validate()
         # Read the PEM files now: a bad one is a usage error, not a failure after start.
@@ -157,14 +186,14 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     return cfg
 
 
-async def _serve(cfg: ServerConfig, port_file: Optional[str]) -> None:
+async def _serve(cfg: ServerConfig, port_file: Optional[str], events: EventLog) -> None:
     from .server import RendezvousServer
 
     log = logging.getLogger("rendezvous")
     warning = cfg.exposure_warning()
     if warning:
         log.warning("%s", warning)
-    server = RendezvousServer(cfg)
+    server = RendezvousServer(cfg, events=events)
     if isinstance(server.store, EtcdStore):
         try:
             await server.store.verify(f"{cfg.etcd_prefix}/leader")
@@ -178,6 +207,8 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, server.metrics_port)
     log.info("serving on %s:%d (%s store, %s, %s)", cfg.host, port,
              "etcd " + ",".join(cfg.etcd_endpoints) if cfg.etcd_endpoints else "in-memory",
              "token auth" if cfg.accepted_tokens() else "insecure",
@@ -197,42 +228,29 @@ def _status(a: argparse.Namespace) -> int:
     try:
         if len(parse_addresses(a.server, "--server")) != 1:
             raise ValueError(f"--server takes one HOST:PORT, got {a.server!r}")
+        if not 0.1 <= a.interval <= 3600:
+            raise ValueError(f"--interval {a.interval} is outside 0.1..3600 s")
+        if a.events is not None and not 0 <= a.events <= RECENT_PER_JOB:
+            raise ValueError(f"--events {a.events} is outside 0..{RECENT_PER_JOB}")
+        if not 0 < a.timeout <= 600:
+            raise ValueError(f"--timeout {a.timeout} is outside 0..600 s")
         creds = channel_credentials(a.tls_ca, a.tls_cert, a.tls_key)
     except ValueError as e:
         raise SystemExit(f"elastic-rendezvous: {e}")
+    events = a.events if a.events is not None else (10 if a.watch else 0)
     with StatusClient([a.server], token, creds) as client:
+        if a.watch:
+            return status_view.watch(lambda: client.status(a.job, timeout_s=a.timeout, events=events),
+                                     server=a.server, interval_s=a.interval, events=events)
         try:
-            status = client.status(a.job, timeout_s=a.timeout)
+            status = client.status(a.job, timeout_s=a.timeout, events=events)
         except StatusError as e:
             for f in e.failures:
-                print(f"elastic-rendezvous status: {f.address}: {f.code.name}: {f.details}",
-                      file=sys.stderr)
+                print(f"elastic-rendezvous status: {f.address}: {f.code.name}: "
+                      f"{status_view.safe(f.details, 400)}", file=sys.stderr)
             return 1
-    print(format_status(status))
+    print(format_status(status, events))
     return 0
-
-
-def format_status(status: StatusInfo) -> str:
-    lines = [f"leader: {status.leader_id or '(answered by a follower, from the store)'}"]
-    if not status.jobs:
-        lines.append("no jobs")
-    for j in status.jobs:
-        lines.append("")
-        lines.append(f"job {j.job_id}  phase {j.phase}  world {j.world_version}  "
-                     f"np {j.min_np}..{j.max_np}" + (f"  ({j.reason})" if j.reason else "")
-                     + (f"  blacklisted: {','.join(j.blacklisted_hosts)}" if j.blacklisted_hosts
-                        else ""))
-        rows = [("RANK", "WORKER", "HOST", "LOCAL", "CROSS", "RING ADDRESS", "STEP", "ATTACHED",
-                 "AGE")]
-        for m in j.members:
-            rows.append((str(m.rank) if m.in_world else "standby", m.worker_id, m.host,
-                         f"{m.local_rank}/{m.local_size}" if m.in_world else "-",
-                         f"{m.cross_rank}/{m.cross_size}" if m.in_world else "-",
-                         m.ring_address, str(m.committed_step), "yes" if m.attached else "no",
-                         f"{m.age_s:.0f}s"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -242,16 +260,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = config_from_args(a)
     try:
         check_can_listen(cfg.host, cfg.port, "--port")
+        if cfg.metrics_port:
+            check_can_listen(cfg.metrics_host, cfg.metrics_port, "--metrics-port")
+        events = EventLog(cfg.events_path)   # opened now: a bad path is a flag error
     except ValueError as e:   # a flag error: exit 2, as argparse's, and no traceback from gRPC
         print(f"elastic-rendezvous: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=a.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_serve(cfg, a.port_file))
+        asyncio.run(_serve(cfg, a.port_file, events))
     except (OSError, EtcdAccessError) as e:
         print(f"elastic-rendezvous: {e}", file=sys.stderr)
         return 1
+    finally:
+        events.close()
     return 0
 
 

@@ -652,6 +652,18 @@ class MemberStatusInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class JobEventInfo:
+    """Something that happened to a job, as the answering replica saw it (its text is the
+    server's: escape it before showing it on a terminal)."""
+
+    time: float                      # Unix seconds
+    event: str                       # world_formed, worker_joined, worker_evicted, …
+    world_version: int
+    worker_id: str = ""
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class JobStatusInfo:
     """One job in a Status answer."""
 
@@ -664,6 +676,7 @@ class JobStatusInfo:
     elastic_timeout_s: float
     members: tuple[MemberStatusInfo, ...]
     blacklisted_hosts: tuple[str, ...] = ()
+    events: tuple[JobEventInfo, ...] = ()    # oldest first, only when asked for
 
     @property
     def terminal(self) -> bool:
@@ -715,7 +728,9 @@ def _member_status(m: pb.MemberStatus) -> MemberStatusInfo:
 def _job_status(j: pb.JobStatus) -> JobStatusInfo:
     return JobStatusInfo(j.job_id, j.phase, j.reason, j.world_version, j.spec.min_np,
                          j.spec.max_np, j.spec.elastic_timeout_s,
-                         tuple(_member_status(m) for m in j.members), tuple(j.blacklisted_hosts))
+                         tuple(_member_status(m) for m in j.members), tuple(j.blacklisted_hosts),
+                         tuple(JobEventInfo(e.time, e.event, e.world_version, e.worker_id, e.detail)
+                               for e in j.events))
 
 
 class StatusClient:
@@ -737,14 +752,14 @@ class StatusClient:
         self._channels = {a: open_channel(a, credentials) for a in self.addresses}
         self._stubs = {a: pb_grpc.RendezvousStub(ch) for a, ch in self._channels.items()}
 
-    def status(self, job_id: str = "", timeout_s: float = 2.0) -> StatusInfo:
-        """The first answer from the servers in turn, about `job_id` (empty: every job). Raises
-        StatusError when none answers (each gets up to `timeout_s`), or with code NOT_FOUND for a
-        job the server does not know."""
+    def status(self, job_id: str = "", timeout_s: float = 2.0, events: int = 0) -> StatusInfo:
+        """The first answer from the servers in turn, about `job_id` (empty: every job), with up
+        to `events` recent events per job. Raises StatusError when none answers (each gets up to
+        `timeout_s`), or with code NOT_FOUND for a job the server does not know."""
         failures = []
         for address in self.addresses:
             try:
-                resp = self._stubs[address].Status(pb.StatusRequest(job_id=job_id),
+                resp = self._stubs[address].Status(pb.StatusRequest(job_id=job_id, events=events),
                                                    timeout=timeout_s, metadata=self._metadata)
             except grpc.RpcError as e:
                 failures.append(StatusFailure(address, e.code(), e.details() or ""))

@@ -61,6 +61,11 @@ class ServerConfig:
     replica_id: str = dataclasses.field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     advertise_address: str = ""             # HOST:PORT clients should use to reach this replica
+    # Prometheus /metrics on metrics_host:metrics_port (None: not served; 0: a free port). Loopback
+    # by default: the metrics name every tenant's jobs and are served without auth.
+    metrics_port: Optional[int] = None
+    metrics_host: str = "127.0.0.1"
+    events_path: Optional[str] = None       # the JSON-lines event log (None: none)
 
     def accepted_tokens(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self.tokens + ((self.token,) if self.token is not None else ())))
@@ -110,6 +115,10 @@ class ServerConfig:
                              f"({self.effective_settle_max_s()})")
         if self.leader_ttl_s < 1:
             raise ValueError("leader TTL must be at least 1 s")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port} is outside 0..65535")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is also --port: give it another")
         if self.blacklist_after < 0:
             raise ValueError(f"--blacklist-after must be 0 (never) or more, got {self.blacklist_after}")
 

@@ -199,6 +199,19 @@ class Leave:
     worker_id: str
 
 
+class Departure(str, enum.Enum):
+    """Why a worker's session ended, as a kind: metrics and event logs count by it, never by the
+    reason's text."""
+
+    LEFT = "LEFT"                          # Leave: a clean departure, not a failure
+    STREAM_BROKEN = "STREAM_BROKEN"        # its Watch broke: crashed, or missed keepalive acks
+    NO_WATCH = "NO_WATCH"                  # did not open (or, after a leader change, reopen) it
+    REPORTED = "REPORTED"                  # a peer reported it and it had no stream
+    UNUSABLE_ADDRESS = "UNUSABLE_ADDRESS"  # a peer found its ring address leads nowhere
+    REJOINED = "REJOINED"                  # it joined again: the old session is replaced
+    FAILED = "FAILED"                      # any other failure
+
+
 @dataclass(frozen=True)
 class Evict:
     """The worker failed (stream broke, keepalive timeout, confirmed peer report)."""
@@ -206,6 +219,7 @@ class Evict:
     worker_id: str
     reason: str
     count_failure: bool = True   # False: the server caused it (no reattach after failover)
+    cause: Departure = Departure.FAILED
 
 
 @dataclass(frozen=True)
@@ -289,6 +303,7 @@ class Dropped:
 
     worker_id: str
     reason: str
+    cause: Departure = Departure.LEFT
 
 
 @dataclass(frozen=True)
@@ -321,7 +336,7 @@ def decide(state: JobState, event: Event, now: float,
                         failure=False, config=config)
     elif isinstance(event, Evict):
         state = _remove(state, event.worker_id, event.reason, now, actions, failure=True,
-                        config=config, count_failure=event.count_failure)
+                        config=config, count_failure=event.count_failure, cause=event.cause)
     elif isinstance(event, RingBroken):
         if event.version == state.version and state.in_world(event.reporter_id):
             if state.aborted_version != state.version:
@@ -430,7 +445,7 @@ def _on_join(state: JobState, ev: Join, now: float, config: DecisionConfig,
         # end the old membership as a failure, since it vanished without leaving.
         state = _remove(state, ev.worker_id, f"worker {ev.worker_id} rejoined (previous session "
                                              f"replaced)", now, actions, failure=True,
-                        config=config, count_failure=False)
+                        config=config, count_failure=False, cause=Departure.REJOINED)
     worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.committed_step, state.next_seq, now,
                     attached=ev.attached, session_hash=ev.session_hash)
     state = replace(state, workers={**state.workers, ev.worker_id: worker},
@@ -462,13 +477,14 @@ def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
 
 
 def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: list[Action], *,
-            failure: bool, config: DecisionConfig, count_failure: bool = True) -> JobState:
+            failure: bool, config: DecisionConfig, count_failure: bool = True,
+            cause: Departure = Departure.LEFT) -> JobState:
     worker = state.workers.get(worker_id)
     if worker is None:
         return state
     workers = {k: v for k, v in state.workers.items() if k != worker_id}
     state = replace(state, workers=workers)
-    actions.append(Dropped(worker_id, reason))
+    actions.append(Dropped(worker_id, reason, cause))
     if failure and count_failure:
         state = _count_host_failure(state, worker.host, now, config)
     if state.in_world(worker_id):

@@ -31,7 +31,7 @@ class Job:
     durable_state: Optional[d.JobState] = None  # the state as last written (what Watch snapshots show)
     seq: int = 0                           # in-memory change counter
     durable_seq: int = 0
-    outbox: list = field(default_factory=list)          # (seq, action, world-at-action)
+    outbox: list = field(default_factory=list)          # (seq, action, state the decision started from)
     streams: dict = field(default_factory=dict)         # worker_id -> Stream
     attach_deadline: dict = field(default_factory=dict)  # worker_id -> (wall time, why evicted)
     probes: dict = field(default_factory=dict)          # nonce -> (worker id probed, Future)
@@ -44,3 +44,6 @@ class Job:
     # Set (and replaced) whenever a stream attaches: what a report waiting for a suspect waits on.
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False                  # being removed from the store or replaced: RPCs retry
+    # Monotonic: the first failure signal since the last world was announced (the recovery
+    # histogram measures from it to the next world).
+    failure_at: Optional[float] = None

@@ -31,12 +31,13 @@ DURABLE_TIMEOUT_S = 10.0      # a change the store has not acknowledged by then 
 class Journal:
     """The jobs' states in the store under `prefix`/jobs/, written only while `is_leader()`.
 
-    `deliver(job, action, world_before)` is called for each action once its state is durable;
+    `deliver(job, action, before)` is called for each action once its state is durable (`before`:
+    the job's state the decision started from, so its world and version);
     `on_fenced(why)` when a fenced write is refused (another replica leads or wrote the job)."""
 
     def __init__(self, store: Store, prefix: str, leadership: Leadership, config: d.DecisionConfig, *,
                  is_leader: Callable[[], bool], on_fenced: Callable[[str], None],
-                 deliver: Callable[[Job, d.Action, tuple], None]):
+                 deliver: Callable[[Job, d.Action, d.JobState], None]):
         self.store = store
         self.prefix = prefix
         self.leadership = leadership
@@ -56,7 +57,7 @@ class Journal:
     def apply(self, job: Job, event: d.Event) -> tuple[int, list]:
         """Decide; queue the actions for after the next durable write. Returns (seq, actions)."""
         now = time.time()
-        world_before = job.state.world
+        before = job.state
         state, actions = d.decide(job.state, event, now, self.config)
         if state is not job.state:
             job.state = state
@@ -67,7 +68,7 @@ class Journal:
             job.seq += 1
             for a in actions:
                 if not isinstance(a, d.Rejected):
-                    job.outbox.append((job.seq, a, world_before))
+                    job.outbox.append((job.seq, a, before))
             self._kick(job)
         job.wake.set()
         return job.seq, actions
@@ -115,8 +116,8 @@ class Journal:
                 job.durable_state = state
                 ready = [x for x in job.outbox if x[0] <= seq]
                 job.outbox = [x for x in job.outbox if x[0] > seq]
-                for _, action, world_before in ready:
-                    self._deliver(job, action, world_before)
+                for _, action, before in ready:
+                    self._deliver(job, action, before)
                 async with job.durable:
                     job.durable.notify_all()
         finally:

@@ -80,13 +80,15 @@ class FailureReports:
         if request.unusable_address:
             # A probe answer would prove only that the suspect lives, not that its ring
             # address leads anywhere: alive or not, no ring of this job can include it.
-            seq = svc.evict(job, suspect, f"unusable ring address; {why}")
+            seq = svc.evict(job, suspect, f"unusable ring address; {why}",
+                            cause=d.Departure.UNUSABLE_ADDRESS)
             await svc.journal.wait_durable(job, seq)
             return pb.ReportFailureResponse(evicted=True, detail="suspect's ring address is unusable")
         if suspect not in job.streams:
             # Never reattached under this leader: the server's doing as much as the host's.
             seq = svc.evict(job, suspect, f"no watch stream; {why}",
-                            count_failure=suspect not in job.attach_deadline)
+                            count_failure=suspect not in job.attach_deadline,
+                            cause=d.Departure.REPORTED)
             await svc.journal.wait_durable(job, seq)
             return pb.ReportFailureResponse(evicted=True, detail="suspect had no watch stream")
         # The suspect has a stream, so keepalive vouches for it (answered by gRPC's C core, even while
@@ -106,7 +108,8 @@ class FailureReports:
                     return pb.ReportFailureResponse(evicted=True, detail="suspect's stream broke")
                 stream = job.streams.get(suspect)
                 if stream is None:
-                    seq = svc.evict(job, suspect, f"no watch stream; {why}")
+                    seq = svc.evict(job, suspect, f"no watch stream; {why}",
+                                    cause=d.Departure.REPORTED)
                     await svc.journal.wait_durable(job, seq)
                     return pb.ReportFailureResponse(evicted=True, detail="suspect lost its stream")
                 left = deadline - time.monotonic()
@@ -149,6 +152,7 @@ class FailureReports:
     async def _ring_broken(self, job: Job, reporter_id: str, version: int, why: str) -> None:
         # Nobody is evicted, but the reporter's ring is broken: without a new version every
         # member would wait for a world that never comes.
+        self.service.metrics.failure_signal(job)
         seq, _ = self.service.journal.apply(job, d.RingBroken(
             reporter_id, version, f"ring of world {version} broken, every member alive ({why})"))
         await self.service.journal.wait_durable(job, seq)

@@ -6,7 +6,8 @@ state to the store and only then are the actions sent on the workers' Watch stre
 announced world is durable before anyone sees it, a restarted server or a new leader reloads the same
 worlds and changes nothing; workers simply reattach their sessions. Tokens, credentials and session ids
 are auth.py's, the protobuf forms wire.py's, the time-driven changes timers.py's, the judging of
-failure reports probes.py's.
+failure reports probes.py's, what is counted (Prometheus) metrics.py's and what is recorded (the
+event log, each job's recent events for Status) history.py's: each is a one-line hook here.
 
 Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
 * A crashed worker's stream breaks at once (socket EOF/RST) and the grpc.aio handler is cancelled: we
@@ -52,9 +53,12 @@ from . import decision as d
 from ._proto import rendezvous_pb2 as pb
 from ._proto import rendezvous_pb2_grpc as pb_grpc
 from .config import ServerConfig
+from .events import EventLog
+from .history import RECENT_PER_JOB, History
 from .jobs import END, Job, Stream
 from .journal import Journal
 from .leader import Leadership
+from .metrics import ServerMetrics
 from .probes import FailureReports
 from .store import MemoryStore, Store, StoreError
 from .wire import RpcRefusal
@@ -65,8 +69,11 @@ RECONNECT_ALLOWANCE_S = 2.0   # client backoff tops out at 1 s (x1.5 jitter) plu
 
 
 class RendezvousService(pb_grpc.RendezvousServicer):
-    def __init__(self, config: ServerConfig, store: Store):
+    def __init__(self, config: ServerConfig, store: Store, history: Optional[History] = None):
         self.config = config
+        self.metrics = ServerMetrics(self)
+        self.history = history if history is not None else History()
+        store = self.metrics.metered(store)   # every store call the service makes is timed
         self.store = store
         self.jobs: dict[str, Job] = {}
         self.leadership = Leadership(store, f"{config.etcd_prefix}/leader",
@@ -131,6 +138,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             timers.start(job, self)
         self._leading = True
         self.leading_since = time.monotonic()
+        self.metrics.elected()
+        self.history.server("leader_elected", replica_id=self.config.replica_id, jobs=len(self.jobs))
         log.info("replica %s is the leader (%d job(s) loaded; workers have %.1f s to reattach)",
                  self.config.replica_id, len(self.jobs), window)
 
@@ -139,6 +148,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if not self._leading:
             return
         log.warning("replica %s lost leadership: %s", self.config.replica_id, reason)
+        self.history.server("leadership_lost", replica_id=self.config.replica_id, reason=reason)
         self.leadership_losses += 1
         self._leading = False
         self.leadership.drop()
@@ -151,6 +161,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             for _, fut in job.probes.values():
                 fut.cancel()
         self.jobs = {}
+        self.history.forget()   # the next leader's owners of these ids must not see them
         if not self.stopping:
             self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
 
@@ -215,9 +226,11 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if stream is not None:
             stream.queue.put_nowait(event)
 
-    def _deliver(self, job: Job, action, world_before) -> None:
+    def _deliver(self, job: Job, action, before: d.JobState) -> None:
         """Carry out a durable action on the job's streams (the journal calls it)."""
         self._log_action(job, action)   # logged when it takes effect (durable, sent), not decided
+        self.metrics.delivered(job, action)
+        self.history.delivered(job, action, before.version)
         if isinstance(action, d.AnnounceWorld):
             for worker_id, event in wire.spliced_worlds(action, job.streams):
                 self.send(job, worker_id, event)
@@ -225,7 +238,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 self.send(job, w, wire.standby_event(action.version, wire.HOT_SPARE))
         elif isinstance(action, (d.AnnouncePending, d.AnnounceAbort)):
             event = wire.notice_event(action)
-            for m in world_before:
+            for m in before.world:
                 self.send(job, m.worker_id, event)
         elif isinstance(action, d.Dropped):
             # (Its attach deadline stays: after a rejoin it is the new session's; a stale one finds
@@ -273,15 +286,18 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             return True
         if self.jobs.get(job_id) is job:
             del self.jobs[job_id]
+            self.history.forget(job_id)
         log.info("job %s: %s", job_id, why)
         return True
 
-    def evict(self, job: Job, worker_id: str, reason: str, count_failure: bool = True) -> int:
+    def evict(self, job: Job, worker_id: str, reason: str, count_failure: bool = True,
+              cause: d.Departure = d.Departure.FAILED) -> int:
         """Evict `worker_id` if it is still registered; returns the change's seq to wait for."""
         w = job.state.workers.get(worker_id)
         if w is not None:
+            self.metrics.failure_signal(job, worker_id)
             self.journal.apply(job, d.Evict(worker_id, f"worker {worker_id} on host {w.host} evicted: "
-                                                       f"{reason}", count_failure))
+                                                       f"{reason}", count_failure, cause))
         return job.seq
 
     # ------------------------------------------------------------------------------- lookups
@@ -389,6 +405,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             f"did not open its watch stream within {self.config.heartbeat_timeout_s:g} s of joining")
         job.wake.set()
         await self.journal.wait_durable(job, seq)
+        self.history.job(job, "worker_joined", worker_id=request.worker_id, host=request.host,
+                         rejoin=previous is not None, detail=f"on host {request.host}")
         return pb.JoinResponse(session_id=sid, world_version=job.state.version,
                                spec=wire.spec_pb(job.state.spec),
                                ring_secret=bytes.fromhex(job.state.ring_secret))
@@ -446,6 +464,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                   idle_deadline=time.time() + self.config.heartbeat_timeout_s)
         self.jobs[job_id] = job
         timers.start(job, self)
+        self.history.job(job, "job_created", min_np=spec.min_np, max_np=spec.max_np,
+                         detail=f"np {spec.min_np}..{spec.max_np}")
         if replacing is not None:
             log.info("job %s: launched again (the previous run %s)", job_id,
                      replacing.state.phase.value)
@@ -499,7 +519,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                     self._stream_gone(job)
                     cur = job.state.workers.get(w.worker_id)
                     if cur is not None and cur.join_seq == w.join_seq:
-                        self.evict(job, w.worker_id, "watch stream broken")
+                        self.evict(job, w.worker_id, "watch stream broken",
+                                   cause=d.Departure.STREAM_BROKEN)
 
     async def Heartbeat(self, request, context):
         await self.require_leader()
@@ -544,6 +565,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     async def Status(self, request, context):
         if request.job_id:
             checks.check_id("job_id", request.job_id)
+        n_events = min(request.events, RECENT_PER_JOB)
         now = time.time()
         if self.is_leader:
             jobs = {j: (job.state, set(job.streams)) for j, job in self.jobs.items()}
@@ -561,7 +583,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if request.job_id and job_id != request.job_id:
                 continue
             state, attached = jobs[job_id]
-            out.jobs.append(wire.job_status(state, attached, now))
+            js = wire.job_status(state, attached, now)
+            js.events.extend(wire.job_event_pb(e) for e in
+                             self.history.recent(job_id, state.credential, n_events))
+            out.jobs.append(js)
         if request.job_id and not out.jobs:
             raise RpcRefusal(grpc.StatusCode.NOT_FOUND, f"unknown job {request.job_id!r}")
         return out
@@ -592,7 +617,8 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
 class RendezvousServer:
     """A running server: `await start()`, then `port`, then `await stop()`."""
 
-    def __init__(self, config: ServerConfig, store: Optional[Store] = None):
+    def __init__(self, config: ServerConfig, store: Optional[Store] = None,
+                 events: Optional[EventLog] = None):
         config.validate()
         self.config = config
         if store is None:
@@ -602,12 +628,15 @@ class RendezvousServer:
             else:
                 store = MemoryStore()
         self.store = store
-        self.service = RendezvousService(config, store)
+        self.history = History(events if events is not None else EventLog(config.events_path))
+        self.service = RendezvousService(config, store, self.history)
         self.server: Optional[aio.Server] = None
         self.port = 0
+        self.metrics_port: Optional[int] = None
 
     async def start(self) -> int:
-        self.server = aio.server(interceptors=[auth.Guard(self.config.accepted_tokens())],
+        self.server = aio.server(interceptors=[self.service.metrics.interceptor(),
+                                               auth.Guard(self.config.accepted_tokens())],
                                  options=server_options(self.config))
         pb_grpc.add_RendezvousServicer_to_server(self.service, self.server)
         addr = f"{self.config.host}:{self.config.port}"
@@ -623,7 +652,13 @@ class RendezvousServer:
             self.config.advertise_address = f"{host}:{self.port}"
             self.service.leadership.identity = (
                 f"{self.config.replica_id}|{self.config.advertise_address}".encode())
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.service.metrics.serve(self.config.metrics_host,
+                                                           self.config.metrics_port)
         await self.server.start()
+        self.history.server("server_started", replica_id=self.config.replica_id,
+                            address=self.config.advertise_address, metrics_port=self.metrics_port,
+                            store="memory" if isinstance(self.store, MemoryStore) else "etcd")
         self.service.start()
         return self.port
 
@@ -639,3 +674,6 @@ class RendezvousServer:
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.store.close()
+        self.service.metrics.stop()
+        self.history.server("server_stopped", replica_id=self.config.replica_id)
+        self.history.close()

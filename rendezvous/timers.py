@@ -42,7 +42,7 @@ async def _run(job: Job, service: "RendezvousService") -> None:
                 if w not in job.streams and service.is_leader:
                     # The server's own doing (failover, restart) as much as the worker's:
                     # not counted against the host.
-                    service.evict(job, w, what, count_failure=False)
+                    service.evict(job, w, what, count_failure=False, cause=d.Departure.NO_WATCH)
         if job.idle_deadline is not None and job.idle_deadline <= now:
             if job.streams or job.state.phase is not d.Phase.FORMING:
                 job.idle_deadline = None

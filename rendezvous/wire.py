@@ -113,6 +113,12 @@ def job_status(state: d.JobState, attached: Container[str], now: float) -> pb.Jo
     return js
 
 
+def job_event_pb(e) -> pb.JobEvent:
+    """A history.RecentEvent as Status carries it."""
+    return pb.JobEvent(time=e.time, event=e.event, world_version=e.world_version,
+                       worker_id=e.worker_id, detail=e.detail)
+
+
 # --------------------------------------------------------------------------------- events
 def world_event(version: int, members: tuple[d.Member, ...], member: d.Member) -> pb.WatchEvent:
     """The world `members` as `member` receives it (its own rank fields filled in)."""

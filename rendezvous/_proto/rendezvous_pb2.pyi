@@ -211,10 +211,26 @@ class ReportSuccessResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "events")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    events: int
+    def __init__(self, job_id: _Optional[str] = ..., events: _Optional[int] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("time", "event", "world_version", "worker_id", "detail")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    event: str
+    world_version: int
+    worker_id: str
+    detail: str
+    def __init__(self, time: _Optional[float] = ..., event: _Optional[str] = ..., world_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
     __slots__ = ("member", "in_world", "attached", "age_s")
@@ -229,7 +245,7 @@ class MemberStatus(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., in_world: _Optional[bool] = ..., attached: _Optional[bool] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "spec", "world_version", "phase", "reason", "members", "blacklisted_hosts")
+    __slots__ = ("job_id", "spec", "world_version", "phase", "reason", "members", "blacklisted_hosts", "events")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +253,7 @@ class JobStatus(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLACKLISTED_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     world_version: int
@@ -244,7 +261,8 @@ class JobStatus(_message.Message):
     reason: str
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     blacklisted_hosts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., world_version: _Optional[int] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., blacklisted_hosts: _Optional[_Iterable[str]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., world_version: _Optional[int] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., blacklisted_hosts: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("leader_id", "jobs")

@@ -1,0 +1,108 @@
+"""What happened on a rendezvous replica: the event log (`serve --events FILE`) and, per job, the last
+few events that Status returns (`elastic-rendezvous status --watch` shows them).
+
+Both are written from the same calls, so the file and the live view never disagree. Membership
+events are recorded when they take effect (durable, sent), as the server logs them. The recent
+events of a job are kept with the credential of the job's owner and Status hands them only to the
+callers that own the job; they are forgotten with the job, and when this replica stops leading (a
+later owner of the same job id must not see them).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from . import checks
+from . import decision as d
+from .events import EventLog
+from .metrics import eviction_cause
+
+if TYPE_CHECKING:
+    from .jobs import Job
+
+RECENT_PER_JOB = 50          # the most Status returns per job
+
+
+@dataclasses.dataclass(frozen=True)
+class RecentEvent:
+    time: float              # Unix seconds
+    event: str               # one of events.EVENTS
+    world_version: int
+    worker_id: str = ""
+    detail: str = ""         # one short line: peer text escaped and cut (checks.shown)
+
+
+def describe(action) -> Optional[tuple[str, str, dict[str, Any], str]]:
+    """(event, worker_id, fields of the log line, detail for Status) of a delivered action; None
+    for actions that are no event of their own (pending changes, aborts)."""
+    if isinstance(action, d.AnnounceWorld):
+        members = [{"worker_id": m.worker_id, "rank": m.rank, "host": m.host}
+                   for m in action.members]
+        return ("world_formed", "", {"size": len(action.members), "members": members,
+                                     "standby": len(action.standby)},
+                f"{len(action.members)} member(s), {len(action.standby)} standby")
+    if isinstance(action, d.Dropped):
+        reason = checks.shown(action.reason)
+        if action.cause is d.Departure.LEFT:
+            return "worker_left", action.worker_id, {"reason": reason}, reason
+        cause = eviction_cause(action.cause)
+        return ("worker_evicted", action.worker_id, {"cause": cause, "reason": reason},
+                f"{cause}: {reason}")
+    if isinstance(action, d.AnnounceFinished):
+        outcome = "succeeded" if action.succeeded else "failed"
+        reason = checks.shown(action.reason)
+        return "job_finished", "", {"outcome": outcome, "reason": reason}, f"{outcome}: {reason}"
+    return None
+
+
+class History:
+    def __init__(self, log: Optional[EventLog] = None, per_job: int = RECENT_PER_JOB):
+        self.log = log if log is not None else EventLog(None)
+        self._per_job = per_job
+        self._recent: dict[str, tuple[str, collections.deque]] = {}   # job id -> (credential, events)
+
+    def server(self, event: str, **fields: Any) -> None:
+        """An event of the replica itself (no job)."""
+        self.log.emit(event, **fields)
+
+    def job(self, job: "Job", event: str, *, worker_id: str = "", detail: str = "",
+            world_version: Optional[int] = None, **fields: Any) -> None:
+        state = job.state
+        version = state.version if world_version is None else world_version
+        if worker_id:
+            fields = {"worker_id": worker_id, **fields}
+        self.log.emit(event, job_id=state.job_id, world_version=version, **fields)
+        kept = self._recent.get(state.job_id)
+        if kept is None or kept[0] != state.credential:   # a new owner starts a new history
+            kept = self._recent[state.job_id] = (state.credential,
+                                                 collections.deque(maxlen=self._per_job))
+        kept[1].append(RecentEvent(time.time(), event, version, worker_id, detail))
+
+    def delivered(self, job: "Job", action, version_before: int) -> None:
+        """A durable action took effect; `version_before`: the job's world version when it was
+        decided (the world a worker left; a new world's event carries its own version)."""
+        described = describe(action)
+        if described is not None:
+            event, worker_id, fields, detail = described
+            version = action.version if isinstance(action, d.AnnounceWorld) else version_before
+            self.job(job, event, worker_id=worker_id, detail=detail, world_version=version,
+                     **fields)
+
+    def recent(self, job_id: str, credential: str, n: int) -> list[RecentEvent]:
+        """The last `n` events of the job, oldest first, if `credential` owns them."""
+        kept = self._recent.get(job_id)
+        if kept is None or kept[0] != credential or n <= 0:
+            return []
+        return list(kept[1])[-n:]
+
+    def forget(self, job_id: Optional[str] = None) -> None:
+        """Drop one job's recent events (None: every job's)."""
+        if job_id is None:
+            self._recent.clear()
+        else:
+            self._recent.pop(job_id, None)
+
+    def close(self) -> None:
+        self.log.close()
