@@ -359,7 +359,8 @@ def parse_snapshot(data: bytes, tokens: Mapping[str, str]) -> Snapshot:
     for kind, row in allreduce.items():
         if not isinstance(row, list) or len(row) != 3:
             raise SnapshotRejected("schema", f"allreduce {kind}: not [calls, bytes, seconds]")
-        rows[kind] = (_number(row[0], f"allreduce {kind} calls", True), _number(row[1], f"allreduce {kind} bytes", True),
+        rows[kind] = (_number(row[0], f"allreduce {kind} calls", True),
+                      _number(row[1], f"allreduce {kind} bytes", True),
                       _number(row[2], f"allreduce {kind} seconds", False))
     hist = doc["hist"]
     if not isinstance(hist, dict) or set(hist) != set(BUCKETS):

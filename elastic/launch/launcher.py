@@ -6,7 +6,10 @@ worker id, respawns the ones killed by a signal (with backoff, --max-restarts pe
 follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
 (exit 0 when it completed and every local worker ended well, see elastic/launch/outcome.py; 1
 with a one-line reason otherwise), and on Ctrl-C/SIGTERM drains every worker before it exits.
-Flags: elastic/launch/config.py.
+Flags: elastic/launch/config.py. With --metrics-port it serves its workers' metrics
+(elastic/launch/metrics.py); with --events it writes one JSON line per event it sees
+(rendezvous/events.py): workers started, exited and respawned, worlds formed, recoveries with
+their durations, graceful leaves, the job's end.
 
 Graceful leave: a worker sent SIGTERM leaves the job at its next commit and exits 0 (the
 runtime's side is elastic.preemption). A worker of the job that exits 0 while the job still
@@ -194,7 +197,8 @@ class Launcher:
             sig_name = signal.Signals(sig).name if sig is not None else None
         except ValueError:
             sig_name = f"signal {sig}"
-        self._event("worker_exited", worker_id=w.worker_id, slot=w.slot, pid=w.pid, rank=self.reporter.rank_of(w.worker_id),
+        self._event("worker_exited", worker_id=w.worker_id, slot=w.slot, pid=w.pid,
+                    rank=self.reporter.rank_of(w.worker_id),
                     code=code if sig is None else None, signal=sig_name, stopped=w.stopping,
                     seconds=round((w.ended_at or time.monotonic()) - w.started_at, 3))
 

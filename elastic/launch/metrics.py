@@ -20,6 +20,7 @@ itself: restarts per slot (``elastic_worker_restarts_total{slot}``) and workers 
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import shutil
@@ -38,6 +39,7 @@ from ..metrics import BUCKETS, ENV_SOCKET, ENV_TOKEN, MAX_SNAPSHOT_BYTES, REJECT
 from ..metrics import Snapshot, SnapshotRejected, parse_snapshot
 
 _CREDS = struct.Struct("3i")   # struct ucred: pid, uid, gid
+_GONE_KEPT = 256
 
 # (metric name, type, help) of each worker series, in the order served.
 WORKER_METRICS = (
@@ -77,6 +79,9 @@ class WorkerMetrics:
     def __init__(self, host: str, port: int):
         self._lock = threading.Lock()
         self._workers: Dict[str, _Slot] = {}
+        # Tokens of workers that exited, the latest few: their last snapshot may still be in the
+        # socket's queue when the launcher reaps them, and that is no forgery.
+        self._gone: "collections.OrderedDict[str, str]" = collections.OrderedDict()
         self.restarts: Dict[int, int] = {}
         self.alive = 0
         self.accepted = 0
@@ -119,8 +124,12 @@ class WorkerMetrics:
     def detach(self, worker_id: str) -> None:
         """The worker exited: its series go, and a snapshot still in flight for it is dropped."""
         with self._lock:
-            if self._workers.pop(worker_id, None) is not None:
+            slot = self._workers.pop(worker_id, None)
+            if slot is not None:
                 self.alive -= 1
+                self._gone[worker_id] = slot.token
+                while len(self._gone) > _GONE_KEPT:
+                    self._gone.popitem(last=False)
 
     def note_restart(self, slot: int) -> None:
         with self._lock:
@@ -143,13 +152,16 @@ class WorkerMetrics:
 
     def take(self, data: bytes, sender: Optional[Tuple[int, int]], truncated: bool = False) -> Optional[str]:
         """Keeps the snapshot in ``data`` from ``sender`` (pid, uid), or counts why not; returns
-        the reason it was dropped (None: taken)."""
+        the reason it was dropped (None: taken; "late": from a worker already reaped, ignored)."""
         with self._lock:
-            tokens = {w: s.token for w, s in self._workers.items()}
+            tokens = {**self._gone, **{w: s.token for w, s in self._workers.items()}}
         try:
             if truncated:
                 raise SnapshotRejected("oversized", f"more than {MAX_SNAPSHOT_BYTES} bytes")
             snap = parse_snapshot(data, tokens)
+            with self._lock:
+                if snap.worker in self._gone and snap.worker not in self._workers:
+                    return "late"   # a worker's last words, after it was reaped: not kept, not a drop
             if sender is None or sender[1] != os.getuid() or not _in_group(sender[0], self._pgid(snap.worker)):
                 raise SnapshotRejected("sender", f"worker {snap.worker}: not sent by its process group")
         except SnapshotRejected as e:

@@ -13,6 +13,7 @@ from typing import Dict, FrozenSet, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic.launch.metrics import WorkerMetrics
 from elastic.metrics import Recorder
 
 from .launch_helpers import wait_until
@@ -155,6 +156,15 @@ def test_forged_oversized_and_garbage_snapshots_are_dropped_and_counted(launch):
     stop(p)
 
 
+def test_help_explains_the_metrics_and_events_flags(launch):
+    p = launch("--help")
+    assert p.wait(30) == 0
+    text = " ".join(" ".join(p.stdout).split())
+    for needle in ("--metrics-port P", "no port per worker", "--metrics-host ADDR", "--events FILE", "worker_exited",
+                   "ELASTIC_METRICS_SOCKET", "ELASTIC_METRICS_TOKEN"):
+        assert needle in text, needle
+
+
 def test_bad_metrics_and_events_flags_are_one_line_errors(launch, tmp_path):
     cases = [
         (["--metrics-port", "70000"], r"--metrics-port 70000 is outside 0\.\.65535"),
@@ -167,7 +177,8 @@ def test_bad_metrics_and_events_flags_are_one_line_errors(launch, tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        cases.append((["--metrics-port", str(taken)], rf"--metrics-port {taken}: 127\.0\.0\.1:{taken} is already in use"))
+        cases.append((["--metrics-port", str(taken)],
+                      rf"--metrics-port {taken}: 127\.0\.0\.1:{taken} is already in use"))
         for args, message in cases:
             p = launch("--np", "1", *args)
             assert p.wait(30) == 2, p.text()
@@ -216,3 +227,24 @@ def test_the_event_log_of_a_kill_and_respawn_holds_exactly_what_happened_in_orde
     assert worlds == sorted(set(worlds))          # each world once, versions growing
     assert by["job_finished"]["exit_code"] == 0 and by["job_finished"]["phase"] == "SUCCEEDED"
     assert by["job_finished"]["recoveries"] == 1
+
+
+def test_the_receiver_takes_a_workers_snapshot_only_from_its_process_group_and_ignores_late_ones():
+    m = WorkerMetrics("127.0.0.1", 0)
+    try:
+        env = m.worker_env("hA-0")
+        m.attach("hA-0", os.getpgid(0))         # this test's own process group stands for the worker's
+        snap = Recorder("hA-0", env["ELASTIC_METRICS_TOKEN"]).snapshot()
+        assert m.take(snap, (os.getpid(), os.getuid() + 1)) == "sender"   # another user
+        assert m.take(snap, None) == "sender"                              # no credentials
+        assert m.take(snap, (os.getpid(), os.getuid())) is None
+        assert set(m.snapshots()) == {"hA-0"}
+        m.detach("hA-0")
+        # Its last snapshot, still queued when it was reaped: neither kept nor counted as a forgery.
+        assert m.take(snap, (os.getpid(), os.getuid())) == "late"
+        assert m.snapshots() == {}
+        assert m.dropped["sender"] == 2 and sum(m.dropped.values()) == 2
+        assert m.accepted == 1 and m.alive == 0
+    finally:
+        m.close()
+    assert not os.path.exists(os.path.dirname(m.socket_path))
