@@ -188,11 +188,12 @@ def test_bad_metrics_and_events_flags_are_one_line_errors(launch, tmp_path):
 
 def test_the_event_log_of_a_kill_and_respawn_holds_exactly_what_happened_in_order(launch, tmp_path):
     events = tmp_path / "events.jsonl"
-    p = launch("--np", "3", "--min-np", "1", "--host", "hA", "--max-restarts", "1", "--events", str(events),
-               LW_STEPS="150")
+    # --min-np is --np: every world has all three (no first world of whoever joined first, no
+    # world of two after the kill), so what happens, and its order, is fixed.
+    p = launch("--np", "3", "--host", "hA", "--max-restarts", "1", "--events", str(events), LW_STEPS="150")
     p.wait_training(3)
     p.kill_worker("hA-1")
-    p.wait_for(r"world \d+: 3 worker\(s\); joined: hA-1-r1", 30)
+    p.wait_for(r"world \d+: 3 worker\(s\); left: hA-1; joined: hA-1-r1", 30)
     assert p.wait(90) == 0, p.text()
     lines = events.read_text().splitlines()
     recs = [json.loads(line) for line in lines]
@@ -210,16 +211,13 @@ def test_the_event_log_of_a_kill_and_respawn_holds_exactly_what_happened_in_orde
         return (e,)
 
     got = [key(r) for r in recs]
-    respawn = got.index(("worker_respawned", "hA-1-r1"))
-    rest = got[:respawn] + got[respawn + 1:]
-    finish = sorted(rest[-4:-1])   # the three last workers end in any order
-    assert rest[:-4] == [("worker_started", "hA-0"), ("worker_started", "hA-1"), ("worker_started", "hA-2"),
-                         ("world_formed", 3), ("worker_exited", "hA-1", "SIGKILL"),
-                         ("world_formed", 2), ("recovery",), ("world_formed", 3)], got
-    assert finish == [("worker_exited", "hA-0", 0), ("worker_exited", "hA-1-r1", 0), ("worker_exited", "hA-2", 0)]
-    assert rest[-1] == ("job_finished",)
-    # The respawn comes after the kill and before the world it joins.
-    assert got.index(("worker_exited", "hA-1", "SIGKILL")) < respawn < len(got) - 5
+    assert got[:-4] == [("worker_started", "hA-0"), ("worker_started", "hA-1"), ("worker_started", "hA-2"),
+                        ("world_formed", 3), ("worker_exited", "hA-1", "SIGKILL"), ("worker_respawned", "hA-1-r1"),
+                        ("world_formed", 3), ("recovery",)], got
+    # The three last workers end in any order, then the job.
+    assert sorted(got[-4:-1]) == [("worker_exited", "hA-0", 0), ("worker_exited", "hA-1-r1", 0),
+                                  ("worker_exited", "hA-2", 0)], got
+    assert got[-1] == ("job_finished",)
     by = {r["event"]: r for r in recs}
     assert 0 < by["recovery"]["seconds"] < 30 and "hA-1 killed by SIGKILL" in by["recovery"]["after"]
     assert by["worker_respawned"]["replaces"] == "hA-1" and by["worker_respawned"]["slot"] == 1
@@ -248,3 +246,33 @@ def test_the_receiver_takes_a_workers_snapshot_only_from_its_process_group_and_i
     finally:
         m.close()
     assert not os.path.exists(os.path.dirname(m.socket_path))
+
+
+def test_a_graceful_leave_is_logged_as_preempted_and_counted_as_no_recovery(launch, tmp_path):
+    events = tmp_path / "events.jsonl"
+    p = launch("--np", "3", "--min-np", "2", "--host", "hA", "--metrics-port", "0", "--events", str(events),
+               LW_STEPS="100000")
+    port = metrics_port(p)
+    p.wait_training(3)
+    p.kill_worker("hA-2", signal.SIGTERM)
+    p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2", 30)
+
+    def shrunk():
+        s = scrape(port)
+        return s if workers_in(s) == {"hA-0", "hA-1"} and \
+            all(value(s, "elastic_world_size", worker=w) == 2 for w in ("hA-0", "hA-1")) else None
+
+    s = wait_until(shrunk, 30, "the survivors to report the world of 2")
+    for w in ("hA-0", "hA-1"):
+        assert value(s, "elastic_recoveries_total", worker=w) == 0      # a clean leave keeps the state
+        assert value(s, "elastic_sync_seconds_count", worker=w) == 2    # the first world's sync, and this one's
+    assert value(s, "elastic_worker_restarts_total", slot="2") is None
+    stop(p)
+    recs = [json.loads(line) for line in events.read_text().splitlines()]
+    names = [(r["event"], r.get("worker_id")) for r in recs]
+    assert names.index(("worker_exited", "hA-2")) < names.index(("preempted", "hA-2"))
+    left = next(r for r in recs if r["event"] == "worker_exited" and r["worker_id"] == "hA-2")
+    assert left["code"] == 0 and left["signal"] is None
+    assert [r["size"] for r in recs if r["event"] == "world_formed"] == [3, 2]
+    assert not any(r["event"] in ("recovery", "worker_respawned") for r in recs)
+    assert recs[-1]["event"] == "job_finished" and recs[-1]["exit_code"] == 128 + signal.SIGTERM
