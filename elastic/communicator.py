@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import _native
+from . import _native, metrics
 from .errors import ElasticError, SettingsMismatchError
 from .ops import ReduceOp
 
@@ -326,7 +327,9 @@ class Communicator:
 
     # ------------------------------------------------------------------ collectives
     def allreduce_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
+        started = time.perf_counter()
         self._native.allreduce_(_native_array(t, "allreduce_"), int(ReduceOp(op)))
+        metrics.allreduce_done(self, t, started)
         return t
 
     def allreduce(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
@@ -336,6 +339,7 @@ class Communicator:
     def allreduce_async_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Handle:
         work = self._native.allreduce_async_(_native_array(t, "allreduce_async_"), int(ReduceOp(op)))
         handle = Handle(self, work, t)
+        metrics.allreduce_started(self, t)
         if len(self._inflight) >= 4096:
             self._inflight = {k: h for k, h in self._inflight.items() if not h.done()}
         self._inflight[id(handle)] = handle
@@ -344,8 +348,10 @@ class Communicator:
     def synchronize(self, handle: Handle) -> Any:
         if handle._comm is not self:
             raise ValueError("synchronize: the handle belongs to another communicator")
+        started = time.perf_counter()
         try:
             self._native.wait(handle._work)
+            metrics.allreduce_waited(self, handle.tensor, started)
         finally:
             self._inflight.pop(id(handle), None)
         return handle.tensor

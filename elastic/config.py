@@ -17,6 +17,7 @@
 | ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
+| ``ELASTIC_METRICS_SOCKET`` / ``ELASTIC_METRICS_TOKEN`` | where to push this worker's metrics, and its token (``elastic-run --metrics-port`` sets both, see ``elastic.metrics``) | no metrics |
 
 The ring secret is not configured: the rendezvous server makes a random one per job and hands it
 to each worker it admits (``RendezvousClient.ring_secret``).
@@ -32,6 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 from rendezvous.client import channel_credentials, is_loopback, parse_addresses, read_token_file
 from rendezvous.client import DEFAULT_MAX_NP
 
+from . import metrics
 from .communicator import CommConfig
 
 TLS_VARIABLES = ("ELASTIC_TLS_CA", "ELASTIC_TLS_CERT", "ELASTIC_TLS_KEY")
@@ -54,6 +56,8 @@ class WorkerConfig:
     world_timeout: float = 600.0
     reset_limit: int = 0
     preempt_grace: float = 30.0
+    metrics_socket: Optional[str] = None    # elastic-run --metrics-port: push metrics there
+    metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
 
     @classmethod
@@ -72,6 +76,7 @@ class WorkerConfig:
             token = read_token_file(token_file, "ELASTIC_TOKEN_FILE")
         tls_ca, tls_cert, tls_key = (env.get(name) or None for name in TLS_VARIABLES)
         channel_credentials(tls_ca, tls_cert, tls_key, names=TLS_VARIABLES)  # unreadable: fail now
+        metrics_socket, metrics_token = metrics.config_from_env(env)
         ring_host = ring_host_for(env.get("ELASTIC_RING_HOST", ""), rendezvous, _host_address)
 
         def number(name: str, kind, default):
@@ -102,6 +107,8 @@ class WorkerConfig:
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),
             preempt_grace=number("ELASTIC_PREEMPT_GRACE", float, 30.0),
+            metrics_socket=metrics_socket,
+            metrics_token=metrics_token,
             comm=CommConfig.from_env(env),
         )
         if env.get("ELASTIC_FORM_TIMEOUT", "") == "":

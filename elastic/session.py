@@ -40,7 +40,7 @@ import numpy as np
 from rendezvous.client import Ended, JobSpec, RendezvousClient, WorldInfo
 from rendezvous.client import RendezvousRPCError as _ClientError
 
-from . import preemption, reaction
+from . import metrics, preemption, reaction
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
 from .config import WorkerConfig
@@ -89,6 +89,7 @@ class Session:
             raise RendezvousError(f"cannot join job {self.config.job_id!r} at {','.join(self.config.rendezvous)}: "
                                   f"{e}") from None
         self._pump.start()
+        metrics.start(self.config.metrics_socket, self.config.metrics_token, self.config.worker_id)
 
     def shutdown(self, success: Optional[bool]) -> None:
         """Ends this worker's part: report success, or leave cleanly, and release everything."""
@@ -117,6 +118,7 @@ class Session:
         self._pump.join(timeout=5)
         self.listener.close()
         self.leave.finish()
+        metrics.stop()
 
     def depart(self) -> Preempted:
         """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
@@ -247,6 +249,7 @@ class Session:
             self._view = reaction.holding(self._view, world.version, formed=True)
             if self._view.aborted_version >= world.version:
                 comm.abort(f"world version {world.version} was aborted while forming")
+        metrics.world_formed(world.version, world.rank, world.size)
         return comm
 
     def report_failure(self, err: WorkerLostError) -> None:
@@ -305,12 +308,14 @@ class Session:
                     current = self.world.version if self.world is not None else 0
                     failed_version = max(e.world_version, current)
                     log.warning("%s; restoring commit %d", e, state.commit_step)
+                    metrics.failure(state)
                     state.restore()
                     self.report_failure(e)
                     min_version = failed_version + 1
                 except HandshakeError as e:
                     # An authenticated neighbour is at another world version: ours is stale.
                     log.warning("%s", e)
+                    metrics.failure(state)
                     state.restore()
                     min_version = (self.world.version if self.world is not None else 0) + 1
                 except MembershipChanged as e:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from . import checkpoint, serialization, session
+from . import checkpoint, metrics, serialization, session
 
 log = logging.getLogger("elastic")
 
@@ -125,7 +125,8 @@ class State:
         An attribute the sync format cannot carry (a function, a class instance, a set …)
         raises ``TypeError`` naming it, before anything is copied: the last commit stays.
         """
-        session.commit(self)
+        with metrics.timed(self, "commit"):
+            session.commit(self)
 
     def restore(self) -> None:
         """Rolls the live state back to the last commit (no-op before the first)."""
@@ -138,7 +139,8 @@ class State:
 
     def sync(self) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""
-        session.sync(self)
+        with metrics.timed(self, "sync"):
+            session.sync(self)
 
     # -- snapshots, as the session's step protocol takes and loads them
     def take_snapshot(self) -> None:

@@ -63,6 +63,8 @@ environment given to every worker (on top of this launcher's own, which is inher
   ELASTIC_TLS_CA           --tls-ca, when given (also ELASTIC_TLS_CERT, ELASTIC_TLS_KEY)
   ELASTIC_LOCAL_SLOT       this worker's slot on this host (0..np-1); stable across respawns
   ELASTIC_RESTART_COUNT    how many times this slot was started before (0 the first time)
+  ELASTIC_METRICS_SOCKET   with --metrics-port: the Unix socket (in a 0700 directory) it pushes
+                           its metrics to; ELASTIC_METRICS_TOKEN its own random token (never inherited)
   PYTHONUNBUFFERED=1       so output reaches the launcher line by line
 Variables already set pass through, e.g. ELASTIC_RING_HOST (the address the ring listens on),
 ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_WORLD_TIMEOUT, ELASTIC_RESET_LIMIT; ELASTIC_TOKEN and
@@ -104,6 +106,9 @@ class LaunchConfig:
     stop_timeout: float
     connect_timeout: float
     preempt_grace: float
+    metrics_port: Optional[int] = None      # serve the workers' metrics on /metrics of this port (0: a free one)
+    metrics_host: str = "127.0.0.1"
+    events: Optional[str] = None            # append one JSON line per launcher event to this file
     # The token this launcher sends to --rendezvous servers (--token-file, else ELASTIC_TOKEN, else
     # ELASTIC_TOKEN_FILE, as the workers read them); None with the embedded server, which makes its own.
     token: Optional[str] = dataclasses.field(default=None, repr=False)
@@ -177,6 +182,19 @@ def parser() -> argparse.ArgumentParser:
                    help="a worker sent SIGTERM (by this launcher draining, or by the platform) leaves the job "
                         "at its next commit; one that reaches none within S seconds ends as a failure. "
                         "Passed to workers as ELASTIC_PREEMPT_GRACE (default: %(default)g)")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="serve Prometheus metrics of this host's workers (steps, allreduce by transport, commit, "
+                        "sync, recoveries, world version; labels rank and worker) and of this launcher (restarts "
+                        "per slot, workers alive) on http://--metrics-host:P/metrics; 0 picks a free port, "
+                        "printed at start. The workers push to this launcher: no port per worker "
+                        "(default: no metrics, and the workers record none)")
+    p.add_argument("--metrics-host", metavar="ADDR",
+                   help="address the --metrics-port endpoint listens on (default: 127.0.0.1; 0.0.0.0 for a "
+                        "Prometheus on another machine)")
+    p.add_argument("--events", metavar="FILE",
+                   help="append one JSON line per event to FILE (worker_started, worker_exited, "
+                        "worker_respawned, world_formed, recovery, preempted, job_finished), with job_id, "
+                        "world_version and timestamps, for log shippers (see rendezvous/events.py)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     return p
 
@@ -265,6 +283,8 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
             check_can_listen(EMBEDDED_HOST, a.port, "--port")
         except ValueError as e:
             raise UsageError(str(e)) from None
+    metrics_host = _metrics_endpoint(a, rendezvous)
+    events = _events_file(a.events)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
                         min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
                         max_restarts=a.max_restarts, elastic_timeout=a.elastic_timeout, port=a.port,
@@ -272,9 +292,54 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                         stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout,
-                        preempt_grace=a.preempt_grace, token=token,
+                        preempt_grace=a.preempt_grace, metrics_port=a.metrics_port, metrics_host=metrics_host,
+                        events=events, token=token,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
                                                   if env.get(k)))
+
+
+def _metrics_endpoint(a: argparse.Namespace, rendezvous: Tuple[str, ...]) -> str:
+    """--metrics-host, checked with --metrics-port: the address can be listened on, the port is free."""
+    host = a.metrics_host or "127.0.0.1"
+    if a.metrics_port is None:
+        if a.metrics_host is not None:
+            raise UsageError("--metrics-host needs --metrics-port")
+        return host
+    if not 0 <= a.metrics_port < 65536:
+        raise UsageError(f"--metrics-port {a.metrics_port} is outside 0..65535")
+    if not rendezvous and a.metrics_port and a.metrics_port == a.port:
+        raise UsageError(f"--metrics-port {a.metrics_port} is also --port, the embedded rendezvous server's")
+    try:
+        check_can_listen(host, a.metrics_port, "--metrics-port")
+        if a.metrics_port == 0:   # a free port is always there; the address must still be ours
+            check_can_listen(host, _free_port_on(host), "--metrics-host")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return host
+
+
+def _free_port_on(host: str) -> int:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    except OSError as e:
+        raise ValueError(f"--metrics-host {host}: cannot listen there: {e.strerror}") from None
+
+
+def _events_file(path: Optional[str]) -> Optional[str]:
+    """--events FILE as an absolute path, checked now: appendable (created if missing)."""
+    if path is None:
+        return None
+    if not path or os.path.isdir(path):
+        raise UsageError(f"--events {path!r}: give a file to append to, not a directory")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    except OSError as e:
+        raise UsageError(f"--events {path}: cannot open for appending: {e.strerror}") from None
+    os.close(fd)
+    return os.path.abspath(path)
 
 
 def _token(token_file: Optional[str], env: Mapping[str, str]) -> Optional[str]:

@@ -6,7 +6,10 @@ worker id, respawns the ones killed by a signal (with backoff, --max-restarts pe
 follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
 (exit 0 when it completed and every local worker ended well, see elastic/launch/outcome.py; 1
 with a one-line reason otherwise), and on Ctrl-C/SIGTERM drains every worker before it exits.
-Flags: elastic/launch/config.py.
+Flags: elastic/launch/config.py. With --metrics-port it serves its workers' metrics
+(elastic/launch/metrics.py); with --events it writes one JSON line per event it sees
+(rendezvous/events.py): workers started, exited and respawned, worlds formed, recoveries with
+their durations, graceful leaves, the job's end.
 
 Graceful leave: a worker sent SIGTERM leaves the job at its next commit and exits 0 (the
 runtime's side is elastic.preemption). A worker of the job that exits 0 while the job still
@@ -30,11 +33,14 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from rendezvous.client import JobStatusInfo, StatusClient, StatusError, channel_credentials, is_loopback
+from rendezvous.events import EventLog
 
 from ..config import TLS_VARIABLES
+from ..metrics import ENV_SOCKET, ENV_TOKEN
 from .config import LaunchConfig, UsageError, parse
 from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
 from .embedded import EmbeddedServer, EmbeddedServerFailed
+from .metrics import WorkerMetrics
 from .outcome import WorkerEnd, completion_failure
 from .procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
 from .report import Reporter
@@ -77,6 +83,9 @@ class Launcher:
         self.discovery: Optional[DiscoveryPoller] = None
         self._last_hosts: Optional[Dict[str, int]] = None
         self._addresses: Sequence[str] = cfg.rendezvous
+        self.events = EventLog(None)                # --events, opened in _run
+        self.metrics: Optional[WorkerMetrics] = None   # --metrics-port, started in _run
+        self._exits_noted: set = set()              # worker ids whose worker_exited is written
 
     # ------------------------------------------------------------------ entry
     def run(self) -> int:
@@ -84,7 +93,7 @@ class Launcher:
             signal.signal(sig, self._on_signal)
         try:
             code = self._run()
-            self._shutdown()
+            self._shutdown(code, "completed")
             return code
         except Interrupted as e:
             name = signal.Signals(e.signum).name
@@ -93,19 +102,20 @@ class Launcher:
                           f"(SIGKILL after --preempt-grace {self.cfg.preempt_grace:g} s + --stop-timeout "
                           f"{self.cfg.stop_timeout:g} s)")
             left = self._drain(alive, name)
-            self._shutdown()
             if alive and left == len(alive) and not self.cfg.embedded:
+                self._shutdown(0, f"every worker left gracefully on {name}")
                 self.out.note(f"every worker left job {self.cfg.job_id} gracefully on {name}; it goes on without "
                               f"host {self.cfg.host}")
                 return 0
+            self._shutdown(128 + e.signum, f"stopped by {name}")
             self.out.note(f"stopped by {name}")
             return 128 + e.signum
         except LaunchFailed as e:
-            self._shutdown()
+            self._shutdown(1, str(e))
             self.out.note(f"error: {e}")
             return 1
         except BaseException:
-            self._shutdown()   # a bug here must not leave workers behind; the traceback follows
+            self._shutdown(None, "launcher error")   # a bug here must not leave workers behind; the traceback follows
             raise
 
     def _on_signal(self, signum, frame) -> None:
@@ -132,12 +142,14 @@ class Launcher:
                     continue
                 pending.remove(w)
                 w.handled = True
+                self._note_exit(w, code)
                 rank = self.reporter.rank_of(w.worker_id)
                 self.ends.append(WorkerEnd(w.worker_id, rank, code, stopped=True, left=code == 0))
                 if code == 0:
                     left += 1
                     w.left = True
                     self.reporter.note_left(w.worker_id)
+                    self._event("preempted", worker_id=w.worker_id, slot=w.slot, why=f"{why} to elastic-run")
                     self.out.note(f"{self._label(w)} left (preempted: {why} to elastic-run)")
                 else:
                     self.out.note(f"{self._label(w)} {describe_exit(code)} while draining")
@@ -152,16 +164,59 @@ class Launcher:
             time.sleep(POLL_S)
         return left
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, code: Optional[int], reason: str) -> None:
         stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals_seen > 1)
+        for w in self.all_workers:
+            self._note_exit(w, w.proc.returncode)
         if self.server is not None:
             self.server.stop()
         if self.status is not None:
             self.status.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        view = self.view
+        self._event("job_finished", exit_code=code, reason=reason,
+                    phase=view.phase if view is not None else None,
+                    recoveries=len(self.reporter.recoveries))
+        self.events.close()
+
+    def _event(self, event: str, **fields) -> None:
+        view = self.view
+        self.events.emit(event, job_id=self.cfg.job_id, world_version=view.world_version if view is not None else None,
+                         host=self.cfg.host, **fields)
+
+    def _note_exit(self, w: Worker, code: Optional[int]) -> None:
+        """A worker process ended: its worker_exited event (once), and its metrics series go."""
+        if w.worker_id in self._exits_noted:
+            return
+        self._exits_noted.add(w.worker_id)
+        if self.metrics is not None:
+            self.metrics.detach(w.worker_id)
+        sig = signal_of(code) if code is not None else None
+        try:
+            sig_name = signal.Signals(sig).name if sig is not None else None
+        except ValueError:
+            sig_name = f"signal {sig}"
+        self._event("worker_exited", worker_id=w.worker_id, slot=w.slot, pid=w.pid,
+                    rank=self.reporter.rank_of(w.worker_id),
+                    code=code if sig is None else None, signal=sig_name, stopped=w.stopping,
+                    seconds=round((w.ended_at or time.monotonic()) - w.started_at, 3))
 
     # ------------------------------------------------------------------ main loop
     def _run(self) -> int:
         cfg = self.cfg
+        try:
+            self.events = EventLog(cfg.events)
+        except ValueError as e:   # checked at parse time; the directory may have gone since
+            raise LaunchFailed(str(e)) from None
+        if cfg.metrics_port is not None:
+            try:
+                self.metrics = WorkerMetrics(cfg.metrics_host, cfg.metrics_port)
+            except OSError as e:
+                raise LaunchFailed(f"--metrics-port {cfg.metrics_port}: cannot serve metrics on "
+                                   f"{cfg.metrics_host}: {e.strerror or e}") from None
+            self.out.note(f"metrics of this host's workers on http://{_url_host(cfg.metrics_host)}:{self.metrics.port}"
+                          "/metrics")
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
                                          lambda line: self.out.line("err", None, line.encode()))
@@ -255,11 +310,14 @@ class Launcher:
             "ELASTIC_MIN_NP": str(self.min_np), "ELASTIC_MAX_NP": str(self.max_np),
             "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
             "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n), **self._credential_env(),
-        }, drop=_CREDENTIAL_VARIABLES)
+            **(self.metrics.worker_env(worker_id) if self.metrics is not None else {}),
+        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES)
         try:
             w = Worker(slot, n, worker_id, cfg.command, env, self.out)
         except OSError as e:
             raise LaunchFailed(f"cannot start {cfg.command[0]!r}: {e.strerror}") from None
+        if self.metrics is not None:
+            self.metrics.attach(worker_id, w.pid)
         self.workers[slot] = w
         self.all_workers.append(w)
         self.reporter.note_start(worker_id, time.monotonic())
@@ -291,6 +349,8 @@ class Launcher:
         if started:
             self.out.note(f"started {len(started)} worker(s): "
                           + ", ".join(f"{w.worker_id} (pid {w.pid})" for w in started))
+        for w in started:
+            self._event("worker_started", worker_id=w.worker_id, slot=w.slot, pid=w.pid, restart=w.restart)
         for slot, w in self.workers.items():
             if slot >= self.target and w.alive and not w.stopping:
                 self.out.note(f"draining {self._label(w)}: discovery gives this host {self.target} slot(s); "
@@ -321,10 +381,13 @@ class Launcher:
         cfg = self.cfg
         what = describe_exit(code)
         rank = self.reporter.rank_of(w.worker_id)
+        self._note_exit(w, code)
         if code == 0 and (w.stopping or (self.reporter.was_member(w.worker_id) and not self._job_over())):
             # It exited 0 while the job runs: it left gracefully (SIGTERM, elastic.request_leave()).
             w.left = True
             self.reporter.note_left(w.worker_id)
+            self._event("preempted", worker_id=w.worker_id, slot=slot,
+                        why="drained by discovery" if w.stopping else "left the job")
             self.out.note(f"{self._label(w)} left (" + (f"drained: discovery gives this host {self.target} slot(s)"
                                                          if w.stopping else "preempted") + "); not respawned")
         if w.stopping or w.left or code == 0:
@@ -364,7 +427,12 @@ class Launcher:
                 del self.respawn_at[slot]
                 if self.view is not None and self.view.terminal:
                     continue
+                replaces = self.workers[slot].worker_id if slot in self.workers else None
                 w = self._spawn(slot)
+                if self.metrics is not None:
+                    self.metrics.note_restart(slot)
+                self._event("worker_respawned", worker_id=w.worker_id, slot=slot, pid=w.pid, restart=w.restart,
+                            replaces=replaces)
                 self.out.note(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
 
     # ------------------------------------------------------------------ the job
@@ -389,9 +457,12 @@ class Launcher:
             return None  # workers ride through a server restart on their own; so does the launcher
         if view is None:
             return None
+        before = self.reporter.last.world_version if self.reporter.last is not None else 0
+        recoveries = len(self.reporter.recoveries)
         for msg in self.reporter.update(view, now):
             self.out.note(msg)
         self.view = view
+        self._job_events(view, before, recoveries)
         if view.phase == "FAILED":
             self._wait_local_exit(FAILED_GRACE_S)
             more = f" (last failure on this host: {self.last_failure})" if self.last_failure else ""
@@ -410,6 +481,15 @@ class Launcher:
             self.out.note(f"job {cfg.job_id} completed" + self._recovery_summary())
             return 0
         return None
+
+    def _job_events(self, view: JobStatusInfo, version_before: int, recoveries_before: int) -> None:
+        """world_formed and recovery events for what the last Status answer showed."""
+        if view.world_version > 0 and view.world_version != version_before:
+            ranked = sorted((m.rank, m.worker_id) for m in view.members if m.rank is not None)
+            self._event("world_formed", size=len(ranked), workers=[w for _, w in ranked[:MAX_EVENT_WORKERS]],
+                        phase=view.phase)
+        for took in self.reporter.recoveries[recoveries_before:]:
+            self._event("recovery", seconds=round(took, 3), after=self.reporter.failure_what)
 
     def _local_end(self) -> Optional[int]:
         """The end decided by the local workers alone (all done, or all gone for good)."""
@@ -482,6 +562,14 @@ def _strip_job(reason: str, job_id: str) -> str:
 
 # Replaced in every worker's environment by what _credential_env gives (if anything).
 _CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
+# Never inherited: only this launcher's own --metrics-port socket (a worker of an elastic-run
+# started by a worker must not push to the outer launcher).
+_METRICS_VARIABLES = (ENV_SOCKET, ENV_TOKEN)
+MAX_EVENT_WORKERS = 64   # a world_formed line names at most this many workers (size says how many)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
