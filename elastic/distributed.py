@@ -22,10 +22,14 @@ all ranks, joiners included, start from the same buckets and rebuild together.
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import logging
 import os
+import pickle
 import queue
 import threading
+import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
@@ -49,12 +53,16 @@ DEFAULT_GROUP_ENV = "ELASTIC_DEFAULT_GROUP"
 # (wrapping as torch's own integer arithmetic does), complex numbers as pairs of reals.
 _NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8}
 _WIDEN = {torch.int8, torch.int16, torch.uint16, torch.uint32}
-_MAX_ALLTOALL_BYTES = 1 << 40
+_MAX_ALLTOALL_BYTES = 1 << 36   # every rank holds the whole exchange
 
 
 def _ring_op(op: Any, dtype: torch.dtype, what: str) -> ReduceOp:
     """The ring's reduce op for a torch ``ReduceOp`` on ``dtype``; NotImplementedError names the rest."""
     kind = op
+    if dtype.is_complex and kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        raise NotImplementedError(f"{what}: {getattr(kind, 'op', kind)} on {dtype} (complex numbers have no order)")
+    if dtype == torch.bool and kind == dist.ReduceOp.SUM:
+        return Max   # a sum of bools is their logical or (gloo's answer); uint8 would wrap at 256 ranks
     if kind == dist.ReduceOp.SUM:
         return Sum
     if kind == dist.ReduceOp.AVG:
@@ -139,7 +147,8 @@ class _Contiguous:
 
     def done(self) -> None:
         if self.work is not self.t:
-            self.t.copy_(self.work)
+            with torch.no_grad():   # a view of a Parameter takes the result in place, as with gloo
+                self.t.copy_(self.work)
 
 
 class ElasticProcessGroup(dist.ProcessGroup):
@@ -295,9 +304,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
         what = "reduce_scatter_tensor"
         comm = self._ring(what)
         _check_cpu(input, what)
-        if input.numel() != output.numel() * comm.size:
-            raise ValueError(f"{what}: input has {input.numel()} elements, expected output's {output.numel()} "
-                             f"x world size {comm.size}")
+        if input.numel() != output.numel() * comm.size or input.dtype != output.dtype:
+            raise ValueError(f"{what}: input has {input.numel()} x {input.dtype}, expected the output's "
+                             f"{output.numel()} x {output.dtype} times world size {comm.size}")
         op = _reduce_op(opts)
         flat = input.detach().reshape(-1).clone()
         self._allreduce_one(comm, flat, op, what)
@@ -419,17 +428,33 @@ class ElasticProcessGroup(dist.ProcessGroup):
         c.done()
         return _Done([out])
 
-    def _alltoall_bytes(self, comm, what: str, send: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def _alltoall_bytes(self, comm, what: str, send: Sequence[torch.Tensor],
+                        expect: Sequence[int]) -> List[torch.Tensor]:
         """Rank j gets ``send[j]`` of every rank: what each sends is gathered by all (the ring has
-        no point-to-point; correct, at world-size times the bytes of a direct exchange)."""
+        no point-to-point; correct, at world-size times the bytes of a direct exchange, and every
+        rank holds the whole exchange for a moment). ``expect[src]``: the bytes this rank's
+        outputs hold for ``src``."""
         counts = torch.tensor([s.numel() for s in send], dtype=torch.int64)
         every = torch.empty(comm.size * comm.size, dtype=torch.int64)
         self._run(what, comm._native.allgather_, counts, every, [counts.numel() * 8] * comm.size)
         table = every.view(comm.size, comm.size).tolist()
-        # Counts from peers size this rank's buffers: checked before anything is allocated.
-        if any(c < 0 for row in table for c in row) or sum(map(sum, table)) > _MAX_ALLTOALL_BYTES:
-            raise ValueError(f"{what}: the ranks' send counts {table} are negative or over "
-                             f"{_MAX_ALLTOALL_BYTES} bytes in all")
+        # What the senders announce must be what this rank's outputs hold, and the whole within
+        # bounds, before anything is allocated. Every rank says whether it agrees, so all of them
+        # raise together instead of the others waiting in the exchange for one that gave up.
+        column = [table[src][comm.rank] for src in range(comm.size)]
+        total = sum(map(sum, table))
+        ok = column == list(expect) and all(c >= 0 for row in table for c in row) and total <= _MAX_ALLTOALL_BYTES
+        verdicts = torch.empty(comm.size, dtype=torch.int64)
+        self._run(what, comm._native.allgather_, torch.tensor([int(ok)], dtype=torch.int64), verdicts,
+                  [8] * comm.size)
+        if not ok:
+            raise ValueError(f"{what}: rank {comm.rank} expects {list(expect)} bytes from the ranks and they send "
+                             f"{column} (all ranks: {total} bytes, at most {_MAX_ALLTOALL_BYTES}); every rank "
+                             "must pass matching split sizes")
+        refused = [r for r, v in enumerate(verdicts.tolist()) if v != 1]
+        if refused:
+            raise ValueError(f"{what}: rank(s) {refused} found the split sizes the ranks passed inconsistent "
+                             "(their error says how)")
         mine = torch.cat([s.reshape(-1) for s in send]) if send else torch.empty(0, dtype=torch.uint8)
         flat = self._gather_bytes(comm, what, mine, [sum(row) for row in table])
         got, at = [], 0
@@ -444,11 +469,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
         comm = self._ring(what)
         if len(input_tensors) != comm.size or len(output_tensors) != comm.size:
             raise ValueError(f"{what}: expected {comm.size} input and output tensors (one per rank)")
-        got = self._alltoall_bytes(comm, what, [_bytes(_check_cpu(i, what).contiguous()) for i in input_tensors])
-        for src, (o, data) in enumerate(zip(output_tensors, got)):
-            if o.numel() * o.element_size() != data.numel():
-                raise ValueError(f"{what}: rank {src} sent {data.numel()} bytes, output {src} holds "
-                                 f"{o.numel() * o.element_size()}")
+        got = self._alltoall_bytes(comm, what, [_bytes(_check_cpu(i, what).contiguous()) for i in input_tensors],
+                                   [_check_cpu(o, what).numel() * o.element_size() for o in output_tensors])
+        for o, data in zip(output_tensors, got):
             c = _Contiguous(o)
             _bytes(c.work).copy_(data)
             c.done()
@@ -471,11 +494,15 @@ class ElasticProcessGroup(dist.ProcessGroup):
         for n in splits_in:
             send.append(data[at:at + n * row])
             at += n * row
-        got = self._alltoall_bytes(comm, what, send)
+        if output.dim() == 0 or output.dtype != input.dtype:
+            raise ValueError(f"{what}: the output needs at least one dimension and the input's dtype {input.dtype}")
+        splits_out = list(output_split_sizes) or [output.shape[0] // comm.size] * comm.size
+        if len(splits_out) != comm.size or sum(splits_out) != output.shape[0]:
+            raise ValueError(f"{what}: output split sizes {splits_out} do not divide {output.shape[0]} rows "
+                             f"among {comm.size} ranks")
+        out_row = (output.numel() // max(output.shape[0], 1)) * output.element_size()
+        got = self._alltoall_bytes(comm, what, send, [n * out_row for n in splits_out])
         flat = torch.cat(got) if got else torch.empty(0, dtype=torch.uint8)
-        if flat.numel() != output.numel() * output.element_size():
-            raise ValueError(f"{what}: received {flat.numel()} bytes, the output holds "
-                             f"{output.numel() * output.element_size()}")
         c = _Contiguous(output)
         _bytes(c.work).copy_(flat)
         c.done()
@@ -527,6 +554,22 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self._unsupported("merge_remote_group")
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """What torch's ``*_object`` collectives unpickle with while the elastic group exists: plain
+    data only (containers, numbers, strings, bytes). Nothing a peer sends may name a class or a
+    function to call: that is how a pickle runs code."""
+
+    _SAFE = {("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range")} | \
+        {("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._SAFE:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"torch.distributed *_object collectives on the elastic ring carry plain data only; a peer's object "
+            f"names {module[:60]}.{name[:60]}, which is refused (elastic.broadcast_object carries tensors too)")
+
+
 _group_lock = threading.Lock()
 _group: Optional[ElasticProcessGroup] = None
 
@@ -537,7 +580,11 @@ def process_group() -> ElasticProcessGroup:
     with _group_lock:
         if _group is None:
             _group = ElasticProcessGroup()
-        return _group
+            # torch's object collectives unpickle what peers send; from now on, plain data only.
+            c10d._unpickler = _PlainUnpickler
+        pg = _group
+    _register(pg)
+    return pg
 
 
 def pending_failure() -> Optional[WorkerLostError]:
@@ -546,7 +593,48 @@ def pending_failure() -> Optional[WorkerLostError]:
     return g.pending_failure() if g is not None else None
 
 
-# ---------------------------------------------------------------------- the default group
+# ---------------------------------------------------------------------- torch's tables
+class _NoStore(dist.Store):
+    """The elastic group's entry where torch keeps a group's key-value store: it has none (the
+    rendezvous decides membership), so whatever asks for one gets a clear error, not a store
+    that is local to this process and silently wrong."""
+
+    def _none(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the elastic group has no torch.distributed key-value store (membership is the "
+                                  "rendezvous server's)")
+
+    set = get = add = wait = compare_set = delete_key = num_keys = check = set_timeout = _none
+
+
+def _no_subgroups(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("torch.distributed.new_group / DeviceMesh: subgroups of the elastic group are not "
+                              "supported (the world changes with every re-form)")
+
+
+# new_group() on the default group makes a group of its backend: this one refuses, by name.
+if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
+    dist.Backend.register_backend(BACKEND, _no_subgroups, devices=["cpu"])
+
+
+def _register(pg: ElasticProcessGroup) -> None:
+    """Enters the group in torch.distributed's tables (its name, its ranks for the current world),
+    so calls that pass ``group=`` (rooted ones look ranks up there) work whether or not it is the
+    default group. Again after every sync: the world's size changes, and a script's
+    ``destroy_process_group()`` empties the tables."""
+    world = c10d._world
+    if pg not in world.pg_map:
+        world.pg_map[pg] = (BACKEND, _NoStore())
+        world.pg_names[pg] = GROUP_NAME
+        world.pg_backend_config[pg] = f"cpu:{BACKEND}"
+        world.pg_to_tag[pg] = f"ptd:{GROUP_NAME}"
+        for tag in (f"ptd:{GROUP_NAME}", ""):
+            if pg not in world.tags_to_pg.setdefault(tag, []):
+                world.tags_to_pg[tag].append(pg)
+    world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
+    if world.default_pg is pg:
+        torch._C._distributed_c10d._set_global_rank(pg.rank())
+
+
 def _registered() -> bool:
     return _group is not None and c10d._world.default_pg is _group
 
@@ -556,48 +644,47 @@ def install_default_group() -> bool:
 
     Skipped when ``ELASTIC_DEFAULT_GROUP=0`` or when the script initialized a default group
     itself (that one is left alone and does not follow re-forms; a warning says so). Returns
-    whether the elastic group is the default group now.
+    whether the elastic group is the default group now. torch's tables are private: if they
+    change shape, this logs why and training goes on without the default group.
     """
     if os.environ.get(DEFAULT_GROUP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     if _registered():
-        _update_ranks()
+        _register(_group)
         return True
     if dist.is_initialized():
         log.warning("torch.distributed's default group was initialized by the script (backend %s): elastic.run "
                     "leaves it, and dist.* calls on it do not survive failures; pass "
                     "group=elastic.process_group(), or drop init_process_group()", dist.get_backend())
         return False
-    pg = process_group()
-    world = c10d._world
-    world.pg_map[pg] = (BACKEND, None)
-    world.pg_names[pg] = GROUP_NAME
-    world.pg_backend_config[pg] = f"cpu:{BACKEND}"
-    world.pg_to_tag[pg] = f"ptd:{GROUP_NAME}"
-    world.tags_to_pg.setdefault(f"ptd:{GROUP_NAME}", []).append(pg)
-    world.tags_to_pg.setdefault("", []).append(pg)
     try:
-        pg._set_group_name(GROUP_NAME)
-    except RuntimeError:   # named already (installed before, then destroyed)
-        pass
-    try:
-        c10d._register_process_group(GROUP_NAME, pg)
-    except RuntimeError:
-        pass
-    c10d._update_default_pg(pg)
-    _update_ranks()
+        pg = process_group()
+        for name_it in (lambda: pg._set_group_name(GROUP_NAME), lambda: c10d._register_process_group(GROUP_NAME, pg)):
+            try:
+                name_it()
+            except RuntimeError:   # named already (installed before, then destroyed)
+                pass
+        c10d._update_default_pg(pg)
+        _register(pg)
+    except Exception as e:  # noqa: BLE001 (torch internals; the ring itself is unaffected)
+        log.warning("could not make the elastic ring torch.distributed's default group (%s: %s); dist.* calls "
+                    "need group=elastic.process_group()", type(e).__name__, e)
+        return False
     return True
 
 
-def _update_ranks() -> None:
-    """torch's table of the default group's ranks, for the current world's size."""
-    if _registered():
-        c10d._world.pg_group_ranks[_group] = {i: i for i in range(_group.size())}
-        torch._C._distributed_c10d._set_global_rank(_group.rank())
-
-
 # ---------------------------------------------------------------------- DDP
-_ddps: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+# Every live DistributedDataParallel, in the order they were made: the same order on every rank
+# (the same script makes them), which the broadcasts at sync rely on.
+_ddps: "List[weakref.ref]" = []
+_ddps_lock = threading.Lock()
+
+
+def _live_ddps() -> "List[DistributedDataParallel]":
+    with _ddps_lock:
+        live = [(r, r()) for r in _ddps]
+        _ddps[:] = [r for r, d in live if d is not None]
+        return [d for _, d in live if d is not None]
 
 
 class _Completions:
@@ -669,11 +756,22 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """
 
     def __init__(self, module: torch.nn.Module, **kwargs: Any) -> None:
-        for taken in ("process_group", "init_sync", "mixed_precision", "device_mesh"):
-            if kwargs.get(taken) is not None:
-                raise ValueError(f"elastic.DistributedDataParallel: {taken}= is not supported "
-                                 "(the process group is the elastic ring's; state is synced by elastic.run)")
-            kwargs.pop(taken, None)
+        refused = {
+            "process_group": "the process group is the elastic ring's",
+            "device_mesh": "the process group is the elastic ring's",
+            "init_sync": "parameters and buffers are synced by elastic.run at every sync",
+            "mixed_precision": "its comm hook would replace the ring's",
+            "delay_all_reduce_named_params": "it broadcasts at construction, before any ring exists",
+        }
+        for name, why in refused.items():
+            value = kwargs.pop(name, None)
+            if value not in (None, False, []):
+                raise ValueError(f"elastic.DistributedDataParallel: {name}= is not supported ({why})")
+        dynamo = getattr(getattr(torch, "_dynamo", None), "config", None)
+        if getattr(dynamo, "optimize_ddp", None) == "python_reducer":
+            raise NotImplementedError("elastic.DistributedDataParallel: torch._dynamo.config.optimize_ddp="
+                                      "'python_reducer' (compiled autograd) needs functional collectives, which "
+                                      "the elastic group does not have; keep the default ('ddp_optimizer')")
         for p in module.parameters():
             if p.device.type != "cpu":
                 raise NotImplementedError("elastic.DistributedDataParallel: the elastic ring moves CPU tensors; "
@@ -682,9 +780,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             raise NotImplementedError("elastic.DistributedDataParallel: device_ids= needs a GPU data plane, "
                                       "which the elastic ring does not have yet")
         super().__init__(module, process_group=process_group(), init_sync=False, **kwargs)
-        self._elastic_static_graph = bool(kwargs.get("static_graph", False))
         dist._register_comm_hook(self.reducer, None, _allreduce_hook)
-        _ddps.add(self)
+        with _ddps_lock:
+            _ddps.append(weakref.ref(self))
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         raise NotImplementedError("elastic.DistributedDataParallel runs the elastic ring's allreduce as its "
@@ -696,12 +794,17 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.reducer._remove_autograd_hooks()
         parameters, expect_sparse_gradient = self._build_params_for_reducer()
         mapping = self._build_debug_param_to_name_mapping(parameters)
-        self._ddp_init_helper(parameters, expect_sparse_gradient, mapping, self._elastic_static_graph)
+        static = bool(self.static_graph)   # given to the constructor, or _set_static_graph() later
+        self._ddp_init_helper(parameters, expect_sparse_gradient, mapping, static)
         dist._register_comm_hook(self.reducer, None, _allreduce_hook)
         self._has_rebuilt_buckets = False
-        if self._elastic_static_graph:
-            self.reducer._set_static_graph()
-            self.logger._set_static_graph()
+        if static:
+            # torch's own switch, so the new reducer's first iteration is a static graph's first
+            # (it would otherwise skip the delayed allreduce, leaving each rank its own gradients).
+            self.static_graph = False
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # its find_unused_parameters note, said at construction
+                self._set_static_graph()
 
     def _elastic_broadcast(self, root: int) -> None:
         tensors = [p.detach() for _, p in self.module.named_parameters()
@@ -713,22 +816,67 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
 
 def _covered(state: Any, ddp: DistributedDataParallel) -> bool:
-    model = getattr(state, "__dict__", {}).get("model")
-    return model is ddp or model is ddp.module
+    """Whether the state carries this DDP's module (as its model or any attribute)."""
+    held = getattr(state, "__dict__", {}).values()
+    return any(v is ddp or v is ddp.module for v in held)
+
+
+def _signature(ddps: Sequence[DistributedDataParallel]) -> int:
+    """A number every rank must agree on before the DDPs outside the state are broadcast: how
+    many, and each one's tensors (sizes, dtypes), in order."""
+    h = hashlib.sha256()
+    for ddp in ddps:
+        h.update(b"ddp")
+        for t in list(ddp.module.parameters()) + list(ddp.module.buffers()):
+            h.update(f"{t.numel()}:{t.dtype};".encode())
+    return int.from_bytes(h.digest()[:7], "little")
 
 
 def after_sync(state: Any, root: int) -> None:
     """Called on every rank at the end of each sync (``elastic.session.sync``): the ring is new
-    or kept, the state is everyone's. Each DDP's module gets the root's parameters and buffers
-    (unless the state carried them already) and a fresh reducer; the default group's ranks follow."""
-    group = _group
-    if group is not None:
-        group.clear_failure()
-    _update_ranks()
-    for ddp in list(_ddps):
-        if not _covered(state, ddp):
-            ddp._elastic_broadcast(root)
+    or kept, the state is everyone's. Each DDP's module the state does not carry gets the root's
+    parameters and buffers, and every DDP a fresh reducer; torch's tables follow the new world.
+
+    One 16-byte allgather first checks that every rank has the same DDPs outside the state: a
+    DDP one rank made and another did not would otherwise take another module's weights."""
+    group = process_group()
+    group.clear_failure()
+    _register(group)
+    ddps = _live_ddps()
+    outside = [d for d in ddps if not _covered(state, d)]
+    if outside:
+        gc.collect()   # a DDP dropped since (built in an earlier attempt) must not count on this rank only
+        ddps = _live_ddps()
+        outside = [d for d in ddps if not _covered(state, d)]
+    comm = session.ring()
+    mine = torch.tensor([len(outside), _signature(outside)], dtype=torch.int64)
+    every = torch.empty(2 * comm.size, dtype=torch.int64)
+    comm._native.allgather_(mine, every, [16] * comm.size)
+    rows = every.view(comm.size, 2).tolist()
+    if any(row != rows[0] for row in rows):
+        raise ValueError("elastic.DistributedDataParallel: the ranks hold different DDP modules outside the state "
+                         f"(count and shape signature by rank: {rows}); make the same DDPs, in the same order, on "
+                         "every worker, or hold their modules in the State")
+    for ddp in outside:
+        ddp._elastic_broadcast(root)
+    for ddp in ddps:
         ddp._elastic_reset()
+
+
+def _not_compiled(fn):
+    """Keeps torch.compile from tracing into the ring (DDP's reducer calls the group's broadcast
+    from inside a compiled forward when it rebuilds its buckets)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+for _name in ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
+              "reduce_scatter_tensor_coalesced", "broadcast", "allgather", "allgather_coalesced", "_allgather_base",
+              "allgather_into_tensor_coalesced", "gather", "scatter", "alltoall", "alltoall_base",
+              "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+              "reduce_scatter_single_coalesced", "all_to_all_single", "barrier", "rank", "size"):
+    setattr(ElasticProcessGroup, _name, _not_compiled(getattr(ElasticProcessGroup, _name)))
+_allreduce_hook = _not_compiled(_allreduce_hook)
 
 
 __all__ = ["DistributedDataParallel", "ElasticProcessGroup", "process_group", "install_default_group",

@@ -558,7 +558,7 @@ def sync(state) -> None:
     s = _session
     if s is not None:
         s.record_commit(step)
-    torch_group = sys.modules.get(f"{__package__}.distributed")
+    torch_group = _torch_distributed()
     if torch_group is not None:   # DDP modules and the default group follow the new world
         torch_group.after_sync(state, root)
 

@@ -12,6 +12,9 @@ Knobs (environment):
                    after some gradient buckets are already in flight
   JOB_DIST         1: every step also checks dist.* on the default group against the world
   JOB_METRIC       1: every step a torchmetrics SumMetric of (rank + 1) is computed over the world
+  JOB_STATIC       1: static_graph=True
+  JOB_OUTSIDE      1: the state holds no module; a second DDP of the same shape trains beside the
+                   first, and elastic.run must sync both itself, each from its own kind
   JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more (a joiner
                    has time to arrive; the count is state, so every rank stops at the same step)
 
@@ -45,6 +48,8 @@ STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0"))
 KILL = os.environ.get("JOB_KILL", "")
 CHECK_DIST = os.environ.get("JOB_DIST") == "1"
 METRIC = os.environ.get("JOB_METRIC") == "1"
+STATIC = os.environ.get("JOB_STATIC") == "1"
+OUTSIDE = os.environ.get("JOB_OUTSIDE") == "1"
 UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
 LR = 2.0 ** -4
 
@@ -111,10 +116,22 @@ def check_dist() -> dict:
 def main() -> None:
     torch.set_num_threads(1)
     net = build()
-    model = elastic.DistributedDataParallel(net, bucket_cap_mb=BUCKET_MB,
+    model = elastic.DistributedDataParallel(net, bucket_cap_mb=BUCKET_MB, static_graph=STATIC,
                                             find_unused_parameters=(MODEL == "unused"))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    state = elastic.TorchState(model=net, optimizer=opt, step=0, big=0)
+    twin = twin_model = None
+    if OUTSIDE:
+        # Same shapes as net: if the ranks synced the two in different orders, they would swap
+        # weights without any error.
+        twin = build()
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(-1)
+        twin_model = elastic.DistributedDataParallel(twin, bucket_cap_mb=BUCKET_MB)
+        opt = torch.optim.SGD(list(model.parameters()) + list(twin_model.parameters()), lr=LR)
+        state = elastic.TorchState(optimizer=opt, step=0, big=0)
+    else:
+        state = elastic.TorchState(model=net, optimizer=opt, step=0, big=0)
     metric = None
     if METRIC:
         import torchmetrics
@@ -150,9 +167,11 @@ def main() -> None:
                 with ctx:
                     x, y = batch(state.step, rank, micro)
                     torch.nn.functional.mse_loss(model(x, rank=rank), y).backward()
+                    if twin_model is not None:
+                        torch.nn.functional.mse_loss(twin_model(x, rank=rank), -y).backward()
             opt.step()
             rec = {"step": state.step, "version": elastic.world_version(), "size": elastic.size(), "rank": rank,
-                   "digest": digest(net)}
+                   "digest": digest(net) + (digest(twin) if twin is not None else "")}
             if CHECK_DIST:
                 rec["dist"] = check_dist()
             if metric is not None:
@@ -173,7 +192,7 @@ def main() -> None:
         state.commit()
 
     train(state)
-    result = {"digest": digest(net), "version": elastic.world_version(), "size": elastic.size(),
+    result = {"digest": digest(net) + (digest(twin) if twin is not None else ""), "version": elastic.world_version(), "size": elastic.size(),
               "rank": elastic.rank(), "dist_initialized": dist.is_initialized(),
               "params": {n: t.detach().double().reshape(-1).tolist()
                          for n, t in list(net.named_parameters()) + list(net.named_buffers())}}

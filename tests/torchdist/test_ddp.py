@@ -68,6 +68,7 @@ CASES = {
     "find_unused_parameters": dict(JOB_MODEL="unused"),
     "no_sync accumulation": dict(JOB_MODEL="mlp", JOB_ACCUM="3"),
     "buffers": dict(JOB_MODEL="bn"),
+    "static_graph": dict(JOB_MODEL="mlp", JOB_STATIC="1"),
 }
 
 
@@ -126,11 +127,22 @@ def test_sigkill_mid_backward_survivors_restore_and_go_on_with_identical_replica
             assert len(set(digests.values())) == 1, f"replicas differ at step {step}: {digests}"
 
 
-def test_a_joiner_gets_the_state_and_every_rank_reduces_the_same_buckets(ddp_job):
+JOINS = {
+    "plain": {},
+    # A fresh reducer of a static graph must run its first iteration's delayed allreduce again.
+    "static_graph": dict(JOB_STATIC="1"),
+    # Two DDPs of equal shapes the state does not hold: synced by elastic.run, in one order.
+    "two DDPs outside the state": dict(JOB_OUTSIDE="1"),
+}
+
+
+@pytest.mark.parametrize("case", list(JOINS))
+def test_a_joiner_gets_the_state_and_every_rank_reduces_the_same_buckets(ddp_job, case):
     # Survivors have rebuilt their buckets (in gradient-ready order) long before the joiner
     # arrives; if they kept them, the first step of the new world would reduce different
     # parameters in the same slots and the replicas would part at once.
-    job = ddp_job(min_np=2, JOB_STEPS="12", JOB_COMMIT_EVERY="2", JOB_STEP_SLEEP="0.05", JOB_UNTIL_SIZE="3")
+    job = ddp_job(min_np=2, JOB_STEPS="12", JOB_COMMIT_EVERY="2", JOB_STEP_SLEEP="0.05", JOB_UNTIL_SIZE="3",
+                  **JOINS[case])
     for w in ("w0", "w1"):
         job.start(w)
     job.wait_step(8, ["w0", "w1"], timeout=90)

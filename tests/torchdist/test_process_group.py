@@ -188,3 +188,94 @@ def test_elastic_default_group_0_opts_out():
         session.use_ring(comm)
         return distributed.install_default_group(), dist.is_initialized()
     assert run_world(2, fn) == [(False, False)] * 2
+
+
+def _rooted_ops_with_group_argument(rank: int, size: int):
+    # Opted out of the default group: every call names the group, rooted ones too (torch looks
+    # their ranks up in its tables).
+    pg = elastic.process_group()
+    got = {"is_initialized": dist.is_initialized()}
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=size - 1, group=pg)
+    got["broadcast"] = b.item() == size - 1
+    r = torch.tensor([rank + 1.0])
+    dist.reduce(r, dst=0, group=pg)
+    got["reduce"] = rank != 0 or r.item() == size * (size + 1) / 2
+    outs = [torch.empty(1) for _ in range(size)] if rank == 0 else None
+    dist.gather(torch.tensor([float(rank)]), outs, dst=0, group=pg)
+    got["gather"] = rank != 0 or [o.item() for o in outs] == [float(i) for i in range(size)]
+    got["rank"] = (pg.rank(), pg.size()) == (rank, size)
+    return got
+
+
+def test_group_argument_works_for_rooted_ops_without_the_default_group():
+    def fn(comm):
+        os.environ[distributed.DEFAULT_GROUP_ENV] = "0"
+        session.use_ring(comm)
+        assert not distributed.install_default_group()
+        return _rooted_ops_with_group_argument(comm.rank, comm.size)
+    for got in run_world(3, fn):
+        assert got == {"is_initialized": False, "broadcast": True, "reduce": True, "gather": True, "rank": True}
+
+
+def _objects_and_subgroups(rank: int, size: int):
+    import datetime
+    got = {}
+    objs = [None] * size
+    dist.all_gather_object(objs, {"rank": rank, "plain": [1, 2.5, "x", b"y", None, (True,)]})
+    got["plain"] = objs == [{"rank": r, "plain": [1, 2.5, "x", b"y", None, (True,)]} for r in range(size)]
+    # A class named in a pickle is how a peer would run code here: refused on every receiver.
+    try:
+        dist.all_gather_object(objs, datetime.date(2026, 12, 1))
+        got["class"] = "unpickled"
+    except Exception as e:
+        got["class"] = type(e).__name__ + (": names datetime.date" if "datetime.date" in str(e) else str(e))
+    try:
+        dist.new_group([0, 1])
+        got["new_group"] = "made"
+    except NotImplementedError as e:
+        got["new_group"] = "new_group" in str(e)
+    flags = torch.tensor([True, False])
+    dist.all_reduce(flags)
+    got["bool sum is or"] = flags.tolist() == [True, False]
+    return got
+
+
+def test_object_collectives_carry_plain_data_only_and_subgroups_are_refused():
+    for got in run_world(2, _on_default_group(_objects_and_subgroups)):
+        assert got == {"plain": True, "class": "UnpicklingError: names datetime.date", "new_group": True,
+                       "bool sum is or": True}
+
+
+def _mismatched_split(rank: int, size: int):
+    # Rank 0 expects one row from rank 1, which sends it two: every rank raises, none hangs.
+    send = torch.arange(4.0).view(4, 1)
+    out = torch.empty(4 if rank else 3, 1)
+    splits_out = [2, 2] if rank else [2, 1]
+    try:
+        dist.all_to_all_single(out, send, output_split_sizes=splits_out, input_split_sizes=[2, 2])
+        return "returned"
+    except ValueError as e:
+        return "rank 0 expects" in str(e) if rank == 0 else "rank(s) [0]" in str(e)
+
+
+def test_all_to_all_with_split_sizes_that_disagree_raises_on_every_rank():
+    assert run_world(2, _on_default_group(_mismatched_split), timeout=60) == [True, True]
+
+
+def _compiled_ddp(rank: int, size: int):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = torch.compile(elastic.DistributedDataParallel(net), backend="aot_eager")
+    grads = []
+    for step in range(3):   # the second iteration rebuilds DDP's buckets, inside the compiled forward
+        net.zero_grad()
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        model(torch.randn(5, 4, generator=g)).sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]).tolist())
+    return grads
+
+
+def test_torch_compile_of_a_ddp_model_trains_with_averaged_gradients():
+    a, b = run_world(2, _on_default_group(_compiled_ddp), timeout=240)
+    assert a == b
