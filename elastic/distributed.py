@@ -15,9 +15,12 @@ function as that ``WorkerLostError``.
 
 DDP rebuilds its gradient buckets in its second iteration, in the order gradients became ready,
 and broadcasts rank 0's order. After a re-form a joiner's DDP is new and a survivor's has
-rebuilt: the first iteration would reduce different parameters in the same bucket slots, silently.
-So at every sync every ``DistributedDataParallel`` builds a fresh reducer (``after_sync``), and
-all ranks, joiners included, start from the same buckets and rebuild together.
+rebuilt: the first iteration would reduce different parameters in the same bucket slots, and the
+joiner's rebuild broadcast would meet the others' allreduce. So at every sync every
+``DistributedDataParallel`` builds a fresh reducer (``after_sync``), and all ranks, joiners
+included, start from the same buckets and rebuild together. torch's object collectives
+(``all_gather_object`` …) unpickle what peers send: once the group exists they do so with a
+loader that refuses every class and function a pickle names.
 """
 
 from __future__ import annotations
