@@ -16,14 +16,15 @@ SGD with momentum, DDP's default buckets, one torch thread per worker) on --work
                restore the last commit and go on without the killed worker; elastic-run
                respawns it, and it joins at a commit.
 
-For each, first a fault-free run of --fault-free-seconds, then the fault run: from the job's
-first step, every --every seconds for --duration seconds one worker process chosen at random
-(--seed) among those training is sent SIGKILL (when the previous fault has not recovered by
-then, the next one waits for it). Every worker appends a line per step and per commit to a
+For each, a fault-free run of --fault-free-seconds before the fault runs and another after
+them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
+and the fault run: from the job's first step, every --every seconds for --duration seconds
+one worker process chosen at random (--seed) among those training is sent SIGKILL (when the
+previous fault has not recovered by then, the next one waits for it). Every worker appends a line per step and per commit to a
 file (bench/_goodput_worker.py); all figures come from those timestamps:
 
-  fault-free steps/s   steps completed in the fault-free run / its length (checkpoint or
-                       commit cost included).
+  fault-free steps/s   steps completed in a fault-free run / its length (checkpoint or
+                       commit cost included); the mean of the run before and the one after.
   useful steps/s       steps that count toward the final model: the last step committed (or
                        checkpointed) by the end of the fault run / --duration. The ratio to
                        fault-free is the goodput.
@@ -35,6 +36,10 @@ file (bench/_goodput_worker.py); all figures come from those timestamps:
                        victim.
   steps redone         the highest step reached before the fault minus the step the next world
                        restarted from (what was trained since the last commit or checkpoint).
+  steps/s by world     in the fault run, the rate while the world had all --workers and while
+                       it had fewer (between two steps of one world; the pauses of re-forms,
+                       restarts and joins are left out): shows how much of the useful rate
+                       comes from a smaller world's faster steps.
 
 The elastic runs set ELASTIC_FUSION_THRESHOLD=1 unless it is set (as bench/ddp.py does);
 the torchrun runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set: without it,
@@ -195,6 +200,21 @@ def steps_redone(events: List[Event], fault: Fault, recovery: Event) -> int:
     return max(0, reached - (recovery.step - 1))
 
 
+def rate_by_size(events: List[Event]) -> Dict[int, float]:
+    """Steps/s of the job by world size: over the gaps between consecutive steps of one world
+    (each step counted once, when its first worker logged it), so pauses between worlds drop out."""
+    first: Dict[Tuple[int, int], Event] = {}
+    for e in events:
+        if e.ev == "step" and ((e.gen, e.step) not in first or e.t < first[(e.gen, e.step)].t):
+            first[(e.gen, e.step)] = e
+    gaps: Dict[int, List[float]] = {}
+    for (gen, step), e in first.items():
+        prev = first.get((gen, step - 1))
+        if prev is not None and e.t > prev.t:
+            gaps.setdefault(e.size, []).append(e.t - prev.t)
+    return {size: len(g) / sum(g) for size, g in gaps.items() if sum(g) > 0}
+
+
 def newest_gen(events: List[Event]) -> int:
     return max((e.gen for e in events if e.ev == "step"), default=0)
 
@@ -209,6 +229,7 @@ class RunResult:
     faults: List[Fault] = field(default_factory=list)
     recoveries: List[float] = field(default_factory=list)
     redone: List[int] = field(default_factory=list)
+    by_size: Dict[int, float] = field(default_factory=dict)
     processes: int = 0
     error: str = ""
 
@@ -219,6 +240,7 @@ def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, w
         result.rate = step_rate(events, t0, t_end)
         return result
     result.final = final_commit(events, t_end)
+    result.by_size = rate_by_size([e for e in events if e.t <= t_end])
     result.samples = useful_samples(events, result.final, t_end)
     for f in result.faults:
         rec = recovered_at(events, f)
@@ -255,11 +277,10 @@ def alive_worker(pid: int, tag: str) -> bool:
 class Run:
     """One launch of the job, with or without faults; ``close()`` leaves no process behind."""
 
-    def __init__(self, launcher: str, args, out: str, with_faults: bool):
+    def __init__(self, launcher: str, args, out: str, with_faults: bool, label: str):
         self.launcher, self.args, self.with_faults = launcher, args, with_faults
         self.seconds = args.duration if with_faults else args.fault_free_seconds
-        kind = "faults" if with_faults else "fault-free"
-        self.run_dir = os.path.join(out, f"{launcher}-{kind}")
+        self.run_dir = os.path.join(out, f"{launcher}-{label}")
         os.makedirs(self.run_dir)
         self.logs = EventLogs(self.run_dir)
         self.rng = random.Random(args.seed)
@@ -274,7 +295,7 @@ class Run:
         else:
             env.setdefault(TORCH_STORE_ENV, "1")
         self.launch = Launch(command(launcher, args, self.run_dir, restarts), env, self.tag,
-                             os.path.join(out, f"{launcher}-{kind}.log"), cwd=REPO)
+                             os.path.join(out, f"{launcher}-{label}.log"), cwd=REPO)
 
     def planned_faults(self) -> int:
         if not self.with_faults:
@@ -348,13 +369,17 @@ class Run:
         self.launch.close(grace=0)
 
 
-def one(launcher: str, args, out: str, with_faults: bool) -> RunResult:
+def one(launcher: str, args, out: str, label: str) -> RunResult:
+    with_faults = label == "faults"
     kind = (f"a SIGKILL every {args.every:g} s for {args.duration:g} s" if with_faults
-            else f"fault-free for {args.fault_free_seconds:g} s")
-    print(f"# {launcher}, {kind} ...", flush=True)
-    run = Run(launcher, args, out, with_faults)
+            else f"fault-free ({label.split('-')[-1]}) for {args.fault_free_seconds:g} s")
+    print(f"# {launcher}, {kind}, load average {load()} ...", flush=True)
+    run = Run(launcher, args, out, with_faults, label)
     try:
-        return run.run()
+        result = run.run()
+        if not with_faults:
+            print(f"  {launcher}: {result.rate:.2f} steps/s", flush=True)
+        return result
     finally:
         run.close()
         if run.logs.bad_lines:
@@ -368,8 +393,10 @@ def dist_cell(xs, fmt: str) -> str:
     return f"{format(statistics.median(xs), fmt)} (max {format(max(xs), fmt)})"
 
 
-def table(args, free: Dict[str, RunResult], faulty: Dict[str, RunResult]) -> List[str]:
+def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
+          faulty: Dict[str, RunResult]) -> List[str]:
     rows: List[Tuple[str, List[str]]] = []
+    rate = {k: (before[k].rate + after[k].rate) / 2 for k in args.launchers}
 
     def row(name, fn):
         rows.append((name, [fn(launcher) for launcher in args.launchers]))
@@ -378,14 +405,22 @@ def table(args, free: Dict[str, RunResult], faulty: Dict[str, RunResult]) -> Lis
         return faulty[launcher].final / faulty[launcher].seconds
 
     def samples_ratio(launcher):
-        ff = free[launcher].rate * args.workers * BATCH
+        ff = rate[launcher] * args.workers * BATCH
         got = faulty[launcher].samples / faulty[launcher].seconds
         return f"{got:.0f} ({got / ff:.2f} of fault-free {ff:.0f})"
 
-    row("fault-free steps/s", lambda k: f"{free[k].rate:.2f}")
+    def by_size(launcher):
+        r = faulty[launcher].by_size
+        full = f"{r[args.workers]:.2f}" if args.workers in r else "-"
+        fewer = [f"{r[n]:.2f} ({n})" for n in sorted(r, reverse=True) if n < args.workers]
+        return f"{full} / " + (", ".join(fewer) if fewer else "-")
+
+    row("fault-free steps/s (run before / after)",
+        lambda k: f"{rate[k]:.2f} ({before[k].rate:.2f} / {after[k].rate:.2f})")
     row(f"useful steps/s, SIGKILL every {args.every:g} s for {args.duration:g} s", lambda k: f"{useful(k):.2f}")
-    row("useful / fault-free (target for elastic-run: >= 0.9)", lambda k: f"{useful(k) / free[k].rate:.2f}")
+    row("useful / fault-free (target for elastic-run: >= 0.9)", lambda k: f"{useful(k) / rate[k]:.2f}")
     row("useful samples/s", samples_ratio)
+    row(f"fault run steps/s: {args.workers} workers / fewer", by_size)
     row("faults injected (recovered)", lambda k: f"{len(faulty[k].faults)} ({len(faulty[k].recoveries)})")
     row("recovery per fault, s: median (max)", lambda k: dist_cell(faulty[k].recoveries, ".2f"))
     row("steps redone per fault: median (max)", lambda k: dist_cell(faulty[k].redone, ".0f"))
@@ -450,8 +485,9 @@ def main(argv=None) -> int:
     print(f"# goodput: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
           f"commit/checkpoint every {args.commit_every} steps; run directory {out}", flush=True)
     try:
-        free = {k: one(k, args, out, False) for k in args.launchers}
-        faulty = {k: one(k, args, out, True) for k in args.launchers}
+        before = {k: one(k, args, out, "fault-free-before") for k in args.launchers}
+        faulty = {k: one(k, args, out, "faults") for k in args.launchers}
+        after = {k: one(k, args, out, "fault-free-after") for k in args.launchers}
     except KeyboardInterrupt:
         print("# interrupted: every process of the run was stopped", flush=True)
         return 130
@@ -460,9 +496,9 @@ def main(argv=None) -> int:
             shutil.rmtree(out, ignore_errors=True)
     print(f"# load average {load()} at end")
     print()
-    for line in table(args, free, faulty):
+    for line in table(args, before, after, faulty):
         print(line)
-    errors = [f"{r.launcher}: {r.error}" for r in (*free.values(), *faulty.values()) if r.error]
+    errors = [f"{r.launcher}: {r.error}" for r in (*before.values(), *faulty.values(), *after.values()) if r.error]
     for e in errors:
         print(f"# stopped early: {e}")
     return 0
