@@ -20,8 +20,9 @@ For each, a fault-free run of --fault-free-seconds before the fault runs and ano
 them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
 and the fault run: from the job's first step, every --every seconds for --duration seconds
 one worker process chosen at random (--seed) among those training is sent SIGKILL (when the
-previous fault has not recovered by then, the next one waits for it). Every worker appends a line per step and per commit to a
-file (bench/_goodput_worker.py); all figures come from those timestamps:
+previous fault has not recovered by then, the next one waits for it). Every worker appends
+a line per step and per commit to a file (bench/_goodput_worker.py); all figures come from
+those timestamps:
 
   fault-free steps/s   steps completed in a fault-free run / its length (checkpoint or
                        commit cost included); the mean of the run before and the one after.
@@ -30,7 +31,7 @@ file (bench/_goodput_worker.py); all figures come from those timestamps:
                        fault-free is the goodput.
   useful samples/s     the same, counting each useful step's samples (32 x the world size it
                        ran in): a world of 3 after a fault does 3/4 of the samples per step
-                       and, on a machine with fewer cores than workers, more steps per second.
+                       (and, on a machine with fewer cores than workers, can step faster).
   recovery per fault   from the SIGKILL to the first step completed in the next world (a new
                        world version, or torchrun's next restart) by a process other than the
                        victim.
@@ -44,6 +45,7 @@ file (bench/_goodput_worker.py); all figures come from those timestamps:
 The elastic runs set ELASTIC_FUSION_THRESHOLD=1 unless it is set (as bench/ddp.py does);
 the torchrun runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set: without it,
 torchrun's restarts fail here (see TORCH_STORE_ENV below).
+
 The launchers start in sessions of their own; at the end, on an error and on Ctrl-C every
 process of a run is SIGKILLed (found by a tag in its environment), and workers end themselves
 at a deadline in any case. Nothing is asserted: the numbers are printed, noisy on a machine
