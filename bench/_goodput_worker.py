@@ -1,0 +1,152 @@
+"""One worker of bench/goodput.py: the same DDP training loop under torchrun or elastic-run, logging every step.
+
+    torchrun --standalone --nproc-per-node 4 --max-restarts 9 bench/_goodput_worker.py --launcher torchrun \
+        --run-dir DIR --checkpoint DIR/ckpt.pt
+    elastic-run --np 4 --min-np 2 -- python bench/_goodput_worker.py --launcher elastic --run-dir DIR
+
+The model, batch and optimizer are bench/_ddp_worker.py's (~9M-parameter MLP, 32 samples per
+rank and step, SGD with momentum, DDP's default buckets, one torch thread). Steps are numbered
+globally from 1 and trained until the process is killed (the driver ends every run; the
+BENCH_DEADLINE watchdog ends a worker it lost track of).
+
+  torchrun   as torchrun's documentation advises for fault tolerance: rank 0 saves model,
+             optimizer and step to --checkpoint every --commit-every steps (a temporary file,
+             then a rename, so a kill mid-write leaves the previous one); every start loads it
+             when it exists. Any failure makes torchrun restart every worker.
+  elastic    elastic.DistributedDataParallel inside @elastic.run with state.commit() every
+             --commit-every steps; a failure costs the survivors a restore of the last commit.
+
+Every worker writes its pid to DIR/pids/PID and appends JSON lines to DIR/events-PID.jsonl:
+{"ev": "step"|"commit", "step", "t" (time.time()), "gen" (elastic: the world version;
+torchrun: TORCHELASTIC_RESTART_COUNT), "size", "pid"}. "commit" is logged once the commit
+is held: after state.commit() returned, after the checkpoint's rename.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from _ddp_worker import BATCH, build_model  # bench/ is this script's directory
+
+
+class Events:
+    """This process's event log; a line reaches the kernel at once, so a SIGKILL loses none."""
+
+    def __init__(self, run_dir: str):
+        self.pid = os.getpid()
+        os.makedirs(os.path.join(run_dir, "pids"), exist_ok=True)
+        with open(os.path.join(run_dir, "pids", str(self.pid)), "w") as f:
+            f.write(str(self.pid))
+        self._f = open(os.path.join(run_dir, f"events-{self.pid}.jsonl"), "a", buffering=1)
+
+    def log(self, ev: str, step: int, gen: int, size: int) -> None:
+        self._f.write(json.dumps({"ev": ev, "step": step, "t": time.time(), "gen": gen, "size": size,
+                                  "pid": self.pid}) + "\n")
+
+
+def watchdog() -> None:
+    """Exit at BENCH_DEADLINE (seconds since the epoch) whatever happens: no orphan trains on."""
+    deadline = float(os.environ.get("BENCH_DEADLINE", "0") or 0)
+    if deadline <= 0:
+        return
+
+    def run():
+        while time.time() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.time())))
+        os._exit(3)
+
+    threading.Thread(target=run, name="bench-deadline", daemon=True).start()
+
+
+def make_step(model, opt):
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(number: int, rank: int) -> None:
+        g = torch.Generator().manual_seed(number * 1000 + rank)   # step n's batch, wherever it is redone
+        x, y = torch.randn(BATCH, 1024, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def torchrun_worker(args, events: Events) -> None:
+    dist.init_process_group("gloo")
+    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    net = build_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    done = 0
+    if os.path.exists(args.checkpoint):
+        ckpt = torch.load(args.checkpoint, weights_only=True)   # tensors and numbers only: nothing unpickled
+        net.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        done = int(ckpt["step"])
+    model = torch.nn.parallel.DistributedDataParallel(net)   # broadcasts rank 0's parameters
+    step = make_step(model, opt)
+    while True:
+        done += 1
+        step(done, rank)
+        events.log("step", done, gen, size)
+        if done % args.commit_every == 0 and rank == 0:
+            tmp = args.checkpoint + ".tmp"
+            torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "step": done}, tmp)
+            os.replace(tmp, args.checkpoint)
+            events.log("commit", done, gen, size)
+
+
+def elastic_worker(args, events: Events) -> None:
+    import elastic
+
+    net = build_model()
+    model = elastic.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = elastic.TorchState(model=net, optimizer=opt, step=0)
+    step = make_step(model, opt)
+
+    @elastic.run
+    def train(state):
+        gen, rank, size = elastic.world_version(), dist.get_rank(), dist.get_world_size()
+        while True:
+            step(state.step + 1, rank)
+            state.step += 1
+            events.log("step", state.step, gen, size)
+            if state.step % args.commit_every == 0:
+                state.commit()
+                events.log("commit", state.step, gen, size)
+
+    train(state)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--launcher", choices=("torchrun", "elastic"), required=True,
+                   help="which launcher runs this worker: torchrun (gloo DDP, checkpoints) or elastic (elastic-run)")
+    p.add_argument("--run-dir", required=True, help="directory for the pid files and event logs")
+    p.add_argument("--commit-every", type=int, default=10,
+                   help="steps between checkpoints (torchrun) or commits (elastic) (default 10)")
+    p.add_argument("--checkpoint", default="", help="torchrun: the checkpoint file (saved by rank 0, loaded at start)")
+    args = p.parse_args()
+    if args.commit_every < 1:
+        p.error("--commit-every must be at least 1")
+    if args.launcher == "torchrun" and not args.checkpoint:
+        p.error("--launcher torchrun needs --checkpoint")
+    torch.set_num_threads(1)
+    watchdog()
+    events = Events(args.run_dir)
+    if args.launcher == "torchrun":
+        torchrun_worker(args, events)
+    else:
+        elastic_worker(args, events)
+
+
+if __name__ == "__main__":
+    main()

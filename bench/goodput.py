@@ -1,0 +1,510 @@
+"""Goodput under faults: the same DDP job under torchrun and elastic-run, one worker SIGKILLed every F s.
+
+    python bench/goodput.py                       # 4 workers, a SIGKILL every 20 s for 120 s
+    python bench/goodput.py --quick               # every 10 s for 40 s
+    python bench/goodput.py --every 30 --duration 300 --commit-every 20 --seed 3
+
+Both runs train bench/_goodput_worker.py (~9M-parameter MLP, 32 samples per rank and step,
+SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers:
+
+  torchrun     torchrun --standalone (c10d rendezvous) --nproc-per-node W --max-restarts R;
+               torch DDP over gloo; rank 0 checkpoints model, optimizer and step to disk every
+               --commit-every steps, and every (re)start loads the checkpoint, as torchrun's
+               documentation advises. A failure restarts every worker (torchrun's design).
+  elastic-run  elastic-run --np W --min-np 2 --max-restarts R; elastic.DistributedDataParallel
+               in @elastic.run with state.commit() every --commit-every steps. The survivors
+               restore the last commit and go on without the killed worker; elastic-run
+               respawns it, and it joins at a commit.
+
+For each, a fault-free run of --fault-free-seconds before the fault runs and another after
+them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
+and the fault run: from the job's first step, every --every seconds for --duration seconds
+one worker process chosen at random (--seed) among those training is sent SIGKILL (when the
+previous fault has not recovered by then, the next one waits for it). Every worker appends
+a line per step and per commit to a file (bench/_goodput_worker.py); all figures come from
+those timestamps:
+
+  fault-free steps/s   steps completed in a fault-free run / its length (checkpoint or
+                       commit cost included); the mean of the run before and the one after.
+  useful steps/s       steps that count toward the final model: the last step committed (or
+                       checkpointed) by the end of the fault run / --duration. The ratio to
+                       fault-free is the goodput.
+  useful samples/s     the same, counting each useful step's samples (32 x the world size it
+                       ran in): a world of 3 after a fault does 3/4 of the samples per step
+                       (and, on a machine with fewer cores than workers, can step faster).
+  recovery per fault   from the SIGKILL to the first step completed in the next world (a new
+                       world version, or torchrun's next restart) by a process other than the
+                       victim.
+  steps redone         the highest step reached before the fault minus the step the next world
+                       restarted from (what was trained since the last commit or checkpoint).
+  steps/s by world     in the fault run, the rate while the world had all --workers and while
+                       it had fewer (between two steps of one world; the pauses of re-forms,
+                       restarts and joins are left out): shows how much of the useful rate
+                       comes from a smaller world's faster steps.
+
+The elastic runs set ELASTIC_FUSION_THRESHOLD=1 unless it is set (as bench/ddp.py does);
+the torchrun runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set: without it,
+torchrun's restarts fail here (see TORCH_STORE_ENV below).
+
+The launchers start in sessions of their own; at the end, on an error and on Ctrl-C every
+process of a run is SIGKILLed (found by a tag in its environment), and workers end themselves
+at a deadline in any case. Nothing is asserted: the numbers are printed, noisy on a machine
+shared with other work (the load average is printed with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _launch import TAG_ENV, Launch, new_tag  # noqa: E402  (bench/ is this script's directory)
+
+WORKER = os.path.join(REPO, "bench", "_goodput_worker.py")
+BIN = os.path.dirname(sys.executable)   # torchrun and elastic-run of this environment
+BATCH = 32                              # samples per rank and step (bench/_ddp_worker.py)
+MAX_LINE = 4096                         # an event line longer than this is not one of ours
+LAUNCHERS = ("torchrun", "elastic-run")
+# Off for the elastic runs unless the caller set it: with DDP's comm hook the core's fusion of
+# async allreduces depends on timing and ranks can fuse differently (see bench/ddp.py).
+FUSION_ENV = "ELASTIC_FUSION_THRESHOLD"
+# torchrun's c10d rendezvous shares its TCPStore with the workers by default, and a restarted
+# worker group then reads the previous group's gloo addresses from it: every restart fails in
+# connectFullMesh ("Connection refused"; pytorch/pytorch#135712). Its documented opt-out is set
+# for the torchrun runs unless the caller set it, so that torchrun can restart at all.
+TORCH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+# ---------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Event:
+    ev: str      # "step" or "commit"
+    step: int
+    t: float
+    gen: int     # world version (elastic) or restart count (torchrun)
+    size: int
+    pid: int
+
+
+def parse_event(line: str) -> Optional[Event]:
+    """One line of a worker's event log, or None when it is not a well-formed event."""
+    if len(line) > MAX_LINE:
+        return None
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or d.get("ev") not in ("step", "commit"):
+        return None
+    try:
+        e = Event(d["ev"], d["step"], d["t"], d["gen"], d["size"], d["pid"])
+    except KeyError:
+        return None
+    ints = (e.step, e.gen, e.size, e.pid)
+    if not all(type(v) is int for v in ints) or type(e.t) not in (int, float) or not math.isfinite(e.t):
+        return None
+    if e.step < 1 or e.gen < 0 or e.size < 1 or e.pid < 1:
+        return None
+    return e
+
+
+class EventLogs:
+    """Every worker's event log in a run directory, read incrementally (whole lines only)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self._offsets: Dict[str, int] = {}
+        self._partial: Dict[str, bytes] = {}
+        self.events: List[Event] = []
+        self.bad_lines = 0
+
+    def poll(self) -> List[Event]:
+        for name in sorted(os.listdir(self.run_dir)):
+            if not (name.startswith("events-") and name.endswith(".jsonl")):
+                continue
+            path = os.path.join(self.run_dir, name)
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(name, 0))
+                data = self._partial.get(name, b"") + f.read(16 << 20)
+                self._offsets[name] = f.tell()
+            *lines, rest = data.split(b"\n")
+            self._partial[name] = rest[:MAX_LINE + 1]
+            for raw in lines:
+                e = parse_event(raw.decode(errors="replace"))
+                if e is None:
+                    self.bad_lines += 1
+                else:
+                    self.events.append(e)
+        return self.events
+
+
+# ---------------------------------------------------------------------- figures (pure)
+@dataclass
+class Fault:
+    t: float        # when the SIGKILL was sent (time.time())
+    pid: int        # the victim
+    gen: int        # the newest world / restart any worker had stepped in at that time
+
+
+def first_step(events: List[Event]) -> Optional[float]:
+    times = [e.t for e in events if e.ev == "step"]
+    return min(times) if times else None
+
+
+def step_rate(events: List[Event], t0: float, t_end: float) -> float:
+    """Steps per second over (t0, t_end]: progress of the step counter (no faults in the run)."""
+    steps = [e.step for e in events if e.ev == "step" and e.t <= t_end]
+    at_start = [e.step for e in events if e.ev == "step" and e.t <= t0]
+    if not steps or t_end <= t0:
+        return float("nan")
+    return (max(steps) - max(at_start, default=0)) / (t_end - t0)
+
+
+def final_commit(events: List[Event], t_end: float) -> int:
+    """The last step committed (or checkpointed) by ``t_end``: what the final model holds."""
+    return max((e.step for e in events if e.ev == "commit" and e.t <= t_end), default=0)
+
+
+def useful_samples(events: List[Event], final: int, t_end: float) -> int:
+    """Samples in the steps 1..final that the final model holds: each step's last run before
+    ``t_end`` (the one its successors built on), at the world size it ran in."""
+    last: Dict[int, Event] = {}
+    for e in events:
+        if e.ev == "step" and e.step <= final and e.t <= t_end:
+            if e.step not in last or e.t > last[e.step].t:
+                last[e.step] = e
+    return sum(e.size * BATCH for e in last.values())
+
+
+def recovered_at(events: List[Event], fault: Fault) -> Optional[Event]:
+    """The first step another process completed in a world newer than the fault's."""
+    after = [e for e in events if e.ev == "step" and e.pid != fault.pid and e.gen > fault.gen and e.t > fault.t]
+    return min(after, key=lambda e: e.t) if after else None
+
+
+def steps_redone(events: List[Event], fault: Fault, recovery: Event) -> int:
+    """Highest step reached in the fault's world (or before) minus the step the next world restarted from."""
+    reached = max((e.step for e in events if e.ev == "step" and e.gen <= fault.gen and e.t <= recovery.t),
+                  default=0)
+    return max(0, reached - (recovery.step - 1))
+
+
+def rate_by_size(events: List[Event]) -> Dict[int, float]:
+    """Steps/s of the job by world size: over the gaps between consecutive steps of one world
+    (each step counted once, when its first worker logged it), so pauses between worlds drop out."""
+    first: Dict[Tuple[int, int], Event] = {}
+    for e in events:
+        if e.ev == "step" and ((e.gen, e.step) not in first or e.t < first[(e.gen, e.step)].t):
+            first[(e.gen, e.step)] = e
+    gaps: Dict[int, List[float]] = {}
+    for (gen, step), e in first.items():
+        prev = first.get((gen, step - 1))
+        if prev is not None and e.t > prev.t:
+            gaps.setdefault(e.size, []).append(e.t - prev.t)
+    return {size: len(g) / sum(g) for size, g in gaps.items() if sum(g) > 0}
+
+
+def newest_gen(events: List[Event]) -> int:
+    return max((e.gen for e in events if e.ev == "step"), default=0)
+
+
+@dataclass
+class RunResult:
+    launcher: str
+    seconds: float
+    rate: float = float("nan")          # fault-free runs: steps/s
+    final: int = 0                      # fault runs: last committed step
+    samples: int = 0
+    faults: List[Fault] = field(default_factory=list)
+    recoveries: List[float] = field(default_factory=list)
+    redone: List[int] = field(default_factory=list)
+    by_size: Dict[int, float] = field(default_factory=dict)
+    processes: int = 0
+    error: str = ""
+
+
+def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, with_faults: bool) -> RunResult:
+    result.processes = len({e.pid for e in events})
+    if not with_faults:
+        result.rate = step_rate(events, t0, t_end)
+        return result
+    result.final = final_commit(events, t_end)
+    result.by_size = rate_by_size([e for e in events if e.t <= t_end])
+    result.samples = useful_samples(events, result.final, t_end)
+    for f in result.faults:
+        rec = recovered_at(events, f)
+        if rec is None:
+            continue
+        result.recoveries.append(rec.t - f.t)
+        result.redone.append(steps_redone(events, f, rec))
+    return result
+
+
+# ---------------------------------------------------------------------- runs
+def command(launcher: str, args, run_dir: str, restarts: int) -> List[str]:
+    common = ["--run-dir", run_dir, "--commit-every", str(args.commit_every)]
+    if launcher == "torchrun":
+        return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(args.workers),
+                "--max-restarts", str(restarts), WORKER, "--launcher", "torchrun",
+                "--checkpoint", os.path.join(run_dir, "checkpoint.pt"), *common]
+    return [os.path.join(BIN, "elastic-run"), "--np", str(args.workers), "--min-np", "2",
+            "--max-restarts", str(restarts), "--", sys.executable, WORKER, "--launcher", "elastic", *common]
+
+
+def alive_worker(pid: int, tag: str) -> bool:
+    """``pid`` still runs and is one of this run's processes (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read(1 << 20).split(b"\0")
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return f"{TAG_ENV}={tag}".encode() in env and state not in (b"Z", b"X")
+
+
+class Run:
+    """One launch of the job, with or without faults; ``close()`` leaves no process behind."""
+
+    def __init__(self, launcher: str, args, out: str, with_faults: bool, label: str):
+        self.launcher, self.args, self.with_faults = launcher, args, with_faults
+        self.seconds = args.duration if with_faults else args.fault_free_seconds
+        self.run_dir = os.path.join(out, f"{launcher}-{label}")
+        os.makedirs(self.run_dir)
+        self.logs = EventLogs(self.run_dir)
+        self.rng = random.Random(args.seed)
+        self.tag = new_tag("bench-goodput")
+        restarts = self.planned_faults() + 3
+        # Workers end themselves at this deadline even if everything else here failed.
+        deadline = time.time() + args.start_timeout + self.seconds + args.recovery_timeout + 30
+        env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_DEADLINE=f"{deadline:.3f}",
+                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if launcher == "elastic-run":
+            env.setdefault(FUSION_ENV, "1")
+        else:
+            env.setdefault(TORCH_STORE_ENV, "1")
+        self.launch = Launch(command(launcher, args, self.run_dir, restarts), env, self.tag,
+                             os.path.join(out, f"{launcher}-{label}.log"), cwd=REPO)
+
+    def planned_faults(self) -> int:
+        if not self.with_faults:
+            return 0
+        return max(0, math.ceil(self.args.duration / self.args.every) - 1)
+
+    def check_launcher(self) -> None:
+        code = self.launch.proc.poll()
+        if code is not None:
+            tail = "\n".join(self.launch.output().splitlines()[-15:])
+            raise RuntimeError(f"{self.launcher} exited with status {code} during the run:\n{tail}")
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        """Polls ``predicate`` (the event logs re-read first) until truthy, within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.logs.poll()
+            value = predicate()
+            if value:
+                return value
+            self.check_launcher()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.launcher}: no {what} within {timeout:g} s")
+            time.sleep(0.05)
+
+    def sleep_until(self, t: float) -> None:
+        """Until wall-clock time ``t``, watching that the launcher still runs."""
+        while time.time() < t:
+            self.check_launcher()
+            time.sleep(min(0.1, max(0.0, t - time.time())))
+
+    def victims(self) -> List[int]:
+        """Worker processes that run and have stepped in the newest world."""
+        gen = newest_gen(self.logs.events)
+        stepping = {e.pid for e in self.logs.events if e.ev == "step" and e.gen == gen}
+        return sorted(p for p in stepping if alive_worker(p, self.tag))
+
+    def inject(self, n: int, result: RunResult) -> None:
+        """One SIGKILL, and the wait for its recovery (so one fault at a time)."""
+        pids = self.wait_for(self.victims, self.args.recovery_timeout, "worker stepping to kill")
+        victim = self.rng.choice(pids)
+        fault = Fault(time.time(), victim, newest_gen(self.logs.events))
+        os.kill(victim, signal.SIGKILL)
+        result.faults.append(fault)
+        rec = self.wait_for(lambda: recovered_at(self.logs.events, fault), self.args.recovery_timeout,
+                            f"recovery from fault {n}")
+        print(f"  {self.launcher}: fault {n} at +{fault.t - self.t0:5.1f} s: SIGKILL pid {victim} -> "
+              f"stepping again in {rec.t - fault.t:6.2f} s, from step {rec.step} "
+              f"({steps_redone(self.logs.events, fault, rec)} redone)", flush=True)
+
+    def run(self) -> RunResult:
+        result = RunResult(self.launcher, self.seconds)
+        self.t0 = self.wait_for(lambda: first_step(self.logs.events), self.args.start_timeout, "first step")
+        t_end = self.t0 + self.seconds
+        try:
+            for n in range(1, self.planned_faults() + 1):
+                self.sleep_until(max(self.t0 + n * self.args.every, time.time()))
+                if time.time() >= t_end:
+                    break
+                self.inject(n, result)
+            self.sleep_until(t_end)
+        except (TimeoutError, RuntimeError) as e:
+            result.error = str(e)
+            print(f"  {self.launcher}: {e}", flush=True)
+            t_end = min(t_end, time.time())
+        # Let the last lines before t_end reach the files, then read them all.
+        self.logs.poll()
+        return summarize(result, self.logs.events, self.t0, t_end, self.with_faults)
+
+    def close(self) -> None:
+        self.launch.close(grace=0)
+
+
+def one(launcher: str, args, out: str, label: str) -> RunResult:
+    with_faults = label == "faults"
+    kind = (f"a SIGKILL every {args.every:g} s for {args.duration:g} s" if with_faults
+            else f"fault-free ({label.split('-')[-1]}) for {args.fault_free_seconds:g} s")
+    print(f"# {launcher}, {kind}, load average {load()} ...", flush=True)
+    run = Run(launcher, args, out, with_faults, label)
+    try:
+        result = run.run()
+        if not with_faults:
+            print(f"  {launcher}: {result.rate:.2f} steps/s", flush=True)
+        return result
+    finally:
+        run.close()
+        if run.logs.bad_lines:
+            print(f"  {launcher}: {run.logs.bad_lines} malformed event line(s) ignored", flush=True)
+
+
+# ---------------------------------------------------------------------- table
+def dist_cell(xs, fmt: str) -> str:
+    if not xs:
+        return "-"
+    return f"{format(statistics.median(xs), fmt)} (max {format(max(xs), fmt)})"
+
+
+def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
+          faulty: Dict[str, RunResult]) -> List[str]:
+    rows: List[Tuple[str, List[str]]] = []
+    rate = {k: (before[k].rate + after[k].rate) / 2 for k in args.launchers}
+
+    def row(name, fn):
+        rows.append((name, [fn(launcher) for launcher in args.launchers]))
+
+    def useful(launcher):
+        return faulty[launcher].final / faulty[launcher].seconds
+
+    def samples_ratio(launcher):
+        ff = rate[launcher] * args.workers * BATCH
+        got = faulty[launcher].samples / faulty[launcher].seconds
+        return f"{got:.0f} ({got / ff:.2f} of fault-free {ff:.0f})"
+
+    def by_size(launcher):
+        r = faulty[launcher].by_size
+        full = f"{r[args.workers]:.2f}" if args.workers in r else "-"
+        fewer = [f"{r[n]:.2f} ({n})" for n in sorted(r, reverse=True) if n < args.workers]
+        return f"{full} / " + (", ".join(fewer) if fewer else "-")
+
+    row("fault-free steps/s (run before / after)",
+        lambda k: f"{rate[k]:.2f} ({before[k].rate:.2f} / {after[k].rate:.2f})")
+    row(f"useful steps/s, SIGKILL every {args.every:g} s for {args.duration:g} s", lambda k: f"{useful(k):.2f}")
+    row("useful / fault-free (target for elastic-run: >= 0.9)", lambda k: f"{useful(k) / rate[k]:.2f}")
+    row("useful samples/s", samples_ratio)
+    row(f"fault run steps/s: {args.workers} workers / fewer", by_size)
+    row("faults injected (recovered)", lambda k: f"{len(faulty[k].faults)} ({len(faulty[k].recoveries)})")
+    row("recovery per fault, s: median (max)", lambda k: dist_cell(faulty[k].recoveries, ".2f"))
+    row("steps redone per fault: median (max)", lambda k: dist_cell(faulty[k].redone, ".0f"))
+    row("final committed step", lambda k: str(faulty[k].final))
+    row("worker processes started", lambda k: str(faulty[k].processes))
+    titles = {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)"}
+    lines = [f"| {args.workers} workers, commit/checkpoint every {args.commit_every} steps | "
+             + " | ".join(titles[k] for k in args.launchers) + " |",
+             "| --- |" + " --- |" * len(args.launchers)]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    return lines
+
+
+def load() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4, help="workers in the job (default 4)")
+    ap.add_argument("--every", type=float, default=None, help="seconds between SIGKILLs, F (default 20; --quick 10)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="seconds of the fault run from its first step, T (default 120; --quick 40)")
+    ap.add_argument("--fault-free-seconds", type=float, default=None,
+                    help="length of each fault-free run (default 40; --quick 20)")
+    ap.add_argument("--quick", action="store_true", help="shorter defaults: F=10, T=40, fault-free runs of 20 s")
+    ap.add_argument("--commit-every", type=int, default=10,
+                    help="steps between torchrun's checkpoints and elastic-run's commits (default 10)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the choice of victims (default 0)")
+    ap.add_argument("--start-timeout", type=float, default=180,
+                    help="seconds a job may take to its first step (default 180)")
+    ap.add_argument("--recovery-timeout", type=float, default=120,
+                    help="give up on a run when a fault is not recovered within this many seconds (default 120)")
+    ap.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS),
+                    help="which launchers to run (default: both)")
+    ap.add_argument("--keep", action="store_true", help="keep the run directory (event logs, launcher logs)")
+    args = ap.parse_args(argv)
+    defaults = (10.0, 40.0, 20.0) if args.quick else (20.0, 120.0, 40.0)
+    for name, default in zip(("every", "duration", "fault_free_seconds"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.workers < 3:
+        ap.error("--workers must be at least 3 (elastic-run runs with --min-np 2 while a worker is respawned)")
+    for name in ("every", "duration", "fault_free_seconds", "start_timeout", "recovery_timeout"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v:g}")
+    if args.commit_every < 1:
+        ap.error("--commit-every must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: every run's finally takes its processes down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    out = tempfile.mkdtemp(prefix="bench-goodput-")
+    print(f"# goodput: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
+          f"commit/checkpoint every {args.commit_every} steps; run directory {out}", flush=True)
+    try:
+        before = {k: one(k, args, out, "fault-free-before") for k in args.launchers}
+        faulty = {k: one(k, args, out, "faults") for k in args.launchers}
+        after = {k: one(k, args, out, "fault-free-after") for k in args.launchers}
+    except KeyboardInterrupt:
+        print("# interrupted: every process of the run was stopped", flush=True)
+        return 130
+    finally:
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    print(f"# load average {load()} at end")
+    print()
+    for line in table(args, before, after, faulty):
+        print(line)
+    errors = [f"{r.launcher}: {r.error}" for r in (*before.values(), *faulty.values(), *after.values()) if r.error]
+    for e in errors:
+        print(f"# stopped early: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
