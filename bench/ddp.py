@@ -19,8 +19,7 @@ from elsewhere on the machine falls on all of them alike. Each worker runs --war
 steps, then --rounds rounds of --steps steps between barriers; the table shows the median
 steps/s over every round of every repeat, and the slowest and fastest round. The ratio is
 ours/gloo, against the issue's targets (>= 1.0x over TCP, >= 1.3x with shared memory).
-The elastic runs set ELASTIC_FUSION_THRESHOLD=1 (no fusion of DDP's buckets in the core;
-see FUSION_ENV below) unless it is set already. Launcher start-up (process spawn,
+Launcher start-up (process spawn,
 rendezvous, ring or gloo set-up) is not timed. Nothing is asserted: on a machine shared with
 other work the numbers are noisy; the load average at start and end is printed with them.
 """
@@ -45,13 +44,6 @@ WORKER = os.path.join(REPO, "bench", "_ddp_worker.py")
 BIN = os.path.dirname(sys.executable)   # torchrun and elastic-run of this environment
 CONFIGS = ("gloo", "shm", "tcp")
 TARGETS = {"shm": 1.3, "tcp": 1.0}
-# The core fuses consecutive async allreduces until something waits; DDP's comm hook waits on
-# each bucket from a completion thread, so whether two buckets fuse depends on timing, ranks
-# can fuse differently, and the ring fails the step ("is in a different collective"). DDP
-# buckets already, so fusion is turned off for the elastic runs unless the caller set it.
-FUSION_ENV = "ELASTIC_FUSION_THRESHOLD"
-
-
 def command(config: str, n: int, args) -> list:
     timing = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds)]
     if config == "gloo":
@@ -67,8 +59,6 @@ def launch(config: str, n: int, args, out: str) -> dict:
     env.pop("ELASTIC_TRANSPORT", None)
     if config == "tcp":
         env["ELASTIC_TRANSPORT"] = "tcp"
-    if config != "gloo":
-        env.setdefault(FUSION_ENV, "1")
     log = os.path.join(out, f"{config}-{n}-{time.monotonic_ns()}.log")
     run = Launch(command(config, n, args), env, new_tag("bench-ddp"), log, cwd=REPO)
     try:

@@ -42,8 +42,7 @@ those timestamps:
                        restarts and joins are left out): shows how much of the useful rate
                        comes from a smaller world's faster steps.
 
-The elastic runs set ELASTIC_FUSION_THRESHOLD=1 unless it is set (as bench/ddp.py does);
-the torchrun runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set: without it,
+The torchrun runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set: without it,
 torchrun's restarts fail here (see TORCH_STORE_ENV below).
 
 The launchers start in sessions of their own; at the end, on an error and on Ctrl-C every
@@ -78,9 +77,6 @@ BIN = os.path.dirname(sys.executable)   # torchrun and elastic-run of this envir
 BATCH = 32                              # samples per rank and step (bench/_ddp_worker.py)
 MAX_LINE = 4096                         # an event line longer than this is not one of ours
 LAUNCHERS = ("torchrun", "elastic-run")
-# Off for the elastic runs unless the caller set it: with DDP's comm hook the core's fusion of
-# async allreduces depends on timing and ranks can fuse differently (see bench/ddp.py).
-FUSION_ENV = "ELASTIC_FUSION_THRESHOLD"
 # torchrun's c10d rendezvous shares its TCPStore with the workers by default, and a restarted
 # worker group then reads the previous group's gloo addresses from it: every restart fails in
 # connectFullMesh ("Connection refused"; pytorch/pytorch#135712). Its documented opt-out is set
@@ -292,9 +288,7 @@ class Run:
         deadline = time.time() + args.start_timeout + self.seconds + args.recovery_timeout + 30
         env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_DEADLINE=f"{deadline:.3f}",
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if launcher == "elastic-run":
-            env.setdefault(FUSION_ENV, "1")
-        else:
+        if launcher == "torchrun":
             env.setdefault(TORCH_STORE_ENV, "1")
         self.launch = Launch(command(launcher, args, self.run_dir, restarts), env, self.tag,
                              os.path.join(out, f"{launcher}-{label}.log"), cwd=REPO)
