@@ -37,7 +37,6 @@ import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d

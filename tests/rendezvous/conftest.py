@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from rdzv_helpers import ServerThread, server_config
+from rdzv_helpers import ServerThread, WorkerProc, server_config
 from rendezvous.etcd_process import EtcdProcess
 from rendezvous.store import EtcdStore, MemoryStore
 
@@ -83,3 +83,17 @@ def serve(make_store):
         losses = s.service.leadership_losses
         s.stop()
         assert losses == 0, "the only replica must never lose leadership (clients would hide it)"
+
+
+@pytest.fixture
+def workers():
+    """workers(*args, **kw) -> a running WorkerProc (tests/rendezvous/worker_proc.py); all are killed after."""
+    procs = []
+
+    def start(*args, **kw):
+        p = WorkerProc(*args, **kw)
+        procs.append(p)
+        return p
+    yield start
+    for p in procs:
+        p.kill()

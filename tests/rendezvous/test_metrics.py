@@ -11,7 +11,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rdzv_helpers import (ServerProc, ServerThread, WorkerProc, make_client, server_config, unique,
+from rdzv_helpers import (ServerProc, ServerThread, make_client, server_config, unique,
                           wait_until, wait_world_of)
 from rendezvous import decision as d
 from rendezvous.metrics import EVICTION_CAUSES, eviction_cause, job_counts
@@ -81,19 +81,6 @@ def test_job_counts_split_workers_into_members_standby_and_pending(world, regist
 
 
 # ----------------------------------------------------------------------------------- real jobs
-@pytest.fixture
-def workers():
-    procs = []
-
-    def start(*args, **kw):
-        p = WorkerProc(*args, **kw)
-        procs.append(p)
-        return p
-    yield start
-    for p in procs:
-        p.kill()
-
-
 def test_sigkilled_worker_is_counted_by_cause_with_one_recovery_and_a_newer_world(etcd, workers):
     s = ServerThread(server_config(metrics_port=0), lambda: EtcdStore([etcd.endpoint]))
     try:

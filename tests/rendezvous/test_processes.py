@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import (ServerProc, ServerThread, StallProxy, WorkerProc, make_client,
+from rdzv_helpers import (ServerProc, ServerThread, StallProxy, make_client,
                           server_config, unique, wait_until, wait_world_of)
 from rendezvous.proto import pb, pb_grpc
 from rendezvous.client import Abort, Ended, JobSpec, WorldInfo
@@ -32,19 +32,6 @@ def etcd_server(etcd):
     yield start
     for s in started:
         s.stop()
-
-
-@pytest.fixture
-def workers():
-    procs = []
-
-    def start(*args, **kw):
-        p = WorkerProc(*args, **kw)
-        procs.append(p)
-        return p
-    yield start
-    for p in procs:
-        p.kill()
 
 
 # A crashed worker is evicted and the next world announced within 0.3 s, settle window (0.2 s

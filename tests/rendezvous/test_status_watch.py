@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rdzv_helpers import REPO, ServerProc, WorkerProc, child_env, unique, wait_until
+from rdzv_helpers import REPO, ServerProc, child_env, unique, wait_until
 from rendezvous.client import JobEventInfo, JobStatusInfo, MemberStatusInfo, StatusInfo
 from rendezvous.status_view import fit, format_age, format_status, frame, safe
 
@@ -65,19 +65,6 @@ def server(tmp_path):
     s = ServerProc(tmp_path, "--insecure", "--heartbeat-timeout", "2")
     yield s
     s.kill()
-
-
-@pytest.fixture
-def workers():
-    procs = []
-
-    def start(*args, **kw):
-        p = WorkerProc(*args, **kw)
-        procs.append(p)
-        return p
-    yield start
-    for p in procs:
-        p.kill()
 
 
 def _status_cmd(address, *args):

@@ -1,28 +1,14 @@
 import pytest
 
-from tests.rendezvous.rdzv_helpers import ServerProc
-from tests.runtime.jobs import Job
+from tests.runtime.conftest import job_factory, server  # noqa: F401  (the runtime tests' server and jobs)
 
 from . import JOB_SCRIPT
 
 
 @pytest.fixture
-def server(tmp_path):
-    srv = ServerProc(tmp_path, "--insecure", "--heartbeat-timeout", "2", "--settle", "0.2")
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture
-def ddp_job(tmp_path, server):
-    jobs = []
-
+def ddp_job(job_factory):  # noqa: F811
+    """ddp_job(**kw) -> a Job of tests/torchdist/ddp_job.py workers against the test's server."""
     def make(**kw):
         kw.setdefault("script", JOB_SCRIPT)
-        job = Job(tmp_path, server.address, **kw)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
+        return job_factory(**kw)
+    return make
