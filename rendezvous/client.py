@@ -769,10 +769,11 @@ class StatusClient:
             return StatusInfo(resp.leader_id, tuple(_job_status(j) for j in resp.jobs))
         raise StatusError(failures)
 
-    def job(self, job_id: str, timeout_s: float = 2.0) -> Optional[JobStatusInfo]:
-        """The job's status; None if the servers do not know it (yet). Raises StatusError."""
+    def job(self, job_id: str, timeout_s: float = 2.0, events: int = 0) -> Optional[JobStatusInfo]:
+        """The job's status (with up to ``events`` recent events); None if the servers do not
+        know it (yet). Raises StatusError."""
         try:
-            answer = self.status(job_id, timeout_s)
+            answer = self.status(job_id, timeout_s, events=events)
         except StatusError as e:
             if e.code == grpc.StatusCode.NOT_FOUND:
                 return None

@@ -49,6 +49,7 @@ POLL_S = 0.05            # reap workers / check signals
 STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
 SUCCESS_GRACE_S = 30.0   # after the job succeeded, how long local workers may take to exit
 FAILED_GRACE_S = 5.0     # after the job failed, how long local workers may take to exit on their own
+RECENT_EVENTS = 16       # job events each status poll asks for (who left cleanly, on any host)
 
 
 class LaunchFailed(RuntimeError):
@@ -442,7 +443,9 @@ class Launcher:
 
     def _status_now(self) -> Optional[JobStatusInfo]:
         try:
-            view = self.status.job(self.cfg.job_id, timeout_s=2.0)
+            # A few recent events: the server's word on who left cleanly and who was evicted
+            # (a member gone from the world is no failure when it left).
+            view = self.status.job(self.cfg.job_id, timeout_s=2.0, events=RECENT_EVENTS)
         except StatusError:
             return self.view
         return view if view is not None else self.view
@@ -452,7 +455,7 @@ class Launcher:
         if self.server is not None and not self.server.alive():
             raise LaunchFailed(f"the embedded rendezvous server exited with status {self.server.proc.returncode}")
         try:
-            view = self.status.job(cfg.job_id, timeout_s=1.0)
+            view = self.status.job(cfg.job_id, timeout_s=1.0, events=RECENT_EVENTS)
         except StatusError:
             return None  # workers ride through a server restart on their own; so does the launcher
         if view is None:

@@ -59,6 +59,9 @@ class Reporter:
 
     def update(self, view: JobStatusInfo, now: float) -> List[str]:
         msgs: List[str] = []
+        for ev in view.events:   # the server's word: these left cleanly, whichever host they ran on
+            if ev.event == "worker_left" and ev.worker_id:
+                self.note_left(ev.worker_id)
         for m in view.members:
             if view.world_version >= self._ranks.get(m.worker_id, (-1, None))[0]:
                 self._ranks[m.worker_id] = (view.world_version, m.rank)

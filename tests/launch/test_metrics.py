@@ -274,5 +274,6 @@ def test_a_graceful_leave_is_logged_as_preempted_and_counted_as_no_recovery(laun
     left = next(r for r in recs if r["event"] == "worker_exited" and r["worker_id"] == "hA-2")
     assert left["code"] == 0 and left["signal"] is None
     assert [r["size"] for r in recs if r["event"] == "world_formed"] == [3, 2]
-    assert not any(r["event"] in ("recovery", "worker_respawned") for r in recs)
+    assert not any(r["event"] in ("recovery", "worker_respawned") for r in recs), \
+        [(r["event"], r.get("worker_id"), r.get("after")) for r in recs]
     assert recs[-1]["event"] == "job_finished" and recs[-1]["exit_code"] == 128 + signal.SIGTERM

@@ -6,7 +6,9 @@ from elastic.launch.discovery import DiscoveryError, local_slots, parse_hosts
 from elastic.launch.outcome import WorkerEnd, completion_failure
 from elastic.launch.procs import describe_exit, exception_line, signal_of
 from elastic.launch.report import Reporter
-from rendezvous.client import JobStatusInfo, MemberStatusInfo
+import dataclasses
+
+from rendezvous.client import JobEventInfo, JobStatusInfo, MemberStatusInfo
 
 
 def view(version, ranked, standby=(), phase="RUNNING", min_np=1):
@@ -51,6 +53,21 @@ def test_a_local_worker_that_left_gracefully_is_no_failure_whichever_is_seen_fir
         r.update(view(1, ["a"]), 5.0)
     assert r.update(view(2, ["a"]), 5.5) == ["world 2: 1 worker(s); left: b"]
     assert r.recoveries == []
+
+
+@pytest.mark.parametrize("event,reported", [
+    ("worker_left", "world 2: 1 worker(s); left: b"),
+    ("worker_evicted", "world 2: 1 worker(s); left: b; recovered 0.50 s after b left the world"),
+])
+def test_the_servers_events_tell_a_leave_from_a_failure_before_any_exit_is_seen(event, reported):
+    # b runs on another host, or its process has not exited yet when the next world comes:
+    # only the server's event says whether it left or failed.
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    gone = dataclasses.replace(view(1, ["a"]), events=(JobEventInfo(4.9, event, 1, "b"),))
+    r.update(gone, 5.0)
+    assert r.update(dataclasses.replace(view(2, ["a"]), events=gone.events), 5.5) == [reported]
+    assert len(r.recoveries) == (event == "worker_evicted")
 
 
 def test_a_join_is_reported_with_the_time_since_the_worker_started_and_no_recovery():
