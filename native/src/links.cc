@@ -172,9 +172,27 @@ std::vector<WatchFd> Links::connections() const {
           {recv_->peer().fd, recv_->peer().rank, recv_->peer().name}};
 }
 
-void Links::check_alive(const OpInfo& op) { check_watched(connections(), nullptr, ctx_, op); }
+void Links::check_alive(const OpInfo& op) {
+  try {
+    check_watched(connections(), nullptr, ctx_, op);
+  } catch (CommError& e) {
+    if (e.kind != ErrorKind::Aborted && e.kind != ErrorKind::Invalid && abort_->fired())
+      link_failure(ctx_, ErrorKind::Aborted, op, -1, "communicator aborted");
+    throw;
+  }
+}
 
 void Links::run(Plan& plan, const OpInfo& op) {
+  try {
+    run_plan(plan, op);
+  } catch (CommError& e) {
+    if (e.kind != ErrorKind::Aborted && e.kind != ErrorKind::Invalid && abort_->fired())
+      link_failure(ctx_, ErrorKind::Aborted, op, -1, "communicator aborted");
+    throw;
+  }
+}
+
+void Links::run_plan(Plan& plan, const OpInfo& op) {
   RunState s{plan, op, ctx_, plan.num_sends(), plan.num_recvs()};
   send_->start(s);
   recv_->start(s);

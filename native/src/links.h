@@ -158,6 +158,8 @@ class Links {
         double timeout_s);
   // Runs the plan to the end: fails (CommError) when no byte moved for the timeout, on
   // abort, when a neighbour's connection ends or a segment does not match.
+  // After this rank's own abort() every failure is reported as Aborted: abort() shuts the
+  // sockets down, and a send or receive that meets that end first would blame a neighbour.
   void run(Plan& plan, const OpInfo& op);
   // Shuts the connections down so neighbours fail fast: how one failure reaches every rank.
   // The poison byte once on both, then shutdown() (not close(): safe while another thread
@@ -171,7 +173,12 @@ class Links {
   // What the next run() watches besides its own connections (at most kMaxWatch); cleared by the caller.
   void watch(std::vector<WatchFd> w) { watch_ = std::move(w); }
   const LinkContext& context() const { return ctx_; }
-  // Outside run(): throws op's CommError if a neighbour on this ring gave up or died.
+ private:
+  void run_plan(Plan& plan, const OpInfo& op);
+
+ public:
+  // Outside run(): throws op's CommError if a neighbour on this ring gave up or died (Aborted
+  // after this rank's own abort(), as run()).
   void check_alive(const OpInfo& op);
 
  private:
