@@ -227,7 +227,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
         except RendezvousError as e:
             raise RendezvousError(f"torch.distributed {what} on the elastic group: {e}") from None
 
-    def _run(self, what: str, fn, *args):
+    def _run(self, fn, *args):
+        """``fn(*args)``, keeping the ring failure it raises for ``pending_failure``."""
         try:
             return fn(*args)
         except WorkerLostError as e:
@@ -242,16 +243,16 @@ class ElasticProcessGroup(dist.ProcessGroup):
         x = c.work.detach()
         if x.dtype == torch.bool:
             wide = x.to(torch.uint8)
-            self._run(what, comm.allreduce_, wide, ring_op)
+            self._run(comm.allreduce_, wide, ring_op)
             x.copy_(wide.to(torch.bool))
         elif x.dtype.is_complex:
-            self._run(what, comm.allreduce_, torch.view_as_real(x), ring_op)
+            self._run(comm.allreduce_, torch.view_as_real(x), ring_op)
         elif x.dtype in _WIDEN:
             wide = x.to(torch.int64)
-            self._run(what, comm.allreduce_, wide, ring_op)
+            self._run(comm.allreduce_, wide, ring_op)
             x.copy_(wide.to(x.dtype))
         elif x.dtype in _NATIVE:
-            self._run(what, comm.allreduce_, x, ring_op)
+            self._run(comm.allreduce_, x, ring_op)
         else:
             raise NotImplementedError(f"{what}: dtype {x.dtype} is not supported by the elastic ring")
         c.done()
@@ -334,7 +335,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             _check_cpu(t, what)
             c = _Contiguous(t)
             if c.work.numel():
-                self._run(what, comm.broadcast_, _bytes(c.work), root)
+                self._run(comm.broadcast_, _bytes(c.work), root)
             c.done()
         return _Done(tensors)
 
@@ -345,7 +346,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         if mine.numel() != sizes[comm.rank]:
             raise ValueError(f"{what}: this rank's input has {mine.numel()} bytes, its output slot {sizes[comm.rank]}")
         out = torch.empty(sum(sizes), dtype=torch.uint8)
-        self._run(what, comm._native.allgather_, mine, out, list(sizes))
+        self._run(comm._native.allgather_, mine, out, list(sizes))
         return out
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -424,7 +425,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
                     raise ValueError(f"{what}: input {r} has another size than the output")
                 buf[r * n:(r + 1) * n].copy_(_bytes(i.contiguous()))
         if buf.numel():
-            self._run(what, comm.broadcast_, buf, root)
+            self._run(comm.broadcast_, buf, root)
         c = _Contiguous(out)
         _bytes(c.work).copy_(buf[comm.rank * n:(comm.rank + 1) * n])
         c.done()
@@ -438,7 +439,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         outputs hold for ``src``."""
         counts = torch.tensor([s.numel() for s in send], dtype=torch.int64)
         every = torch.empty(comm.size * comm.size, dtype=torch.int64)
-        self._run(what, comm._native.allgather_, counts, every, [counts.numel() * 8] * comm.size)
+        self._run(comm._native.allgather_, counts, every, [counts.numel() * 8] * comm.size)
         table = every.view(comm.size, comm.size).tolist()
         # What the senders announce must be what this rank's outputs hold, and the whole within
         # bounds, before anything is allocated. Every rank says whether it agrees, so all of them
@@ -447,7 +448,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         total = sum(map(sum, table))
         ok = column == list(expect) and all(c >= 0 for row in table for c in row) and total <= _MAX_ALLTOALL_BYTES
         verdicts = torch.empty(comm.size, dtype=torch.int64)
-        self._run(what, comm._native.allgather_, torch.tensor([int(ok)], dtype=torch.int64), verdicts,
+        self._run(comm._native.allgather_, torch.tensor([int(ok)], dtype=torch.int64), verdicts,
                   [8] * comm.size)
         if not ok:
             raise ValueError(f"{what}: rank {comm.rank} expects {list(expect)} bytes from the ranks and they send "
@@ -528,7 +529,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         comm = self._ring("barrier")
-        self._run("barrier", comm.barrier)
+        self._run(comm.barrier)
         return _Done()
 
     # ------------------------------------------------------------------ what the ring has not

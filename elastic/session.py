@@ -30,7 +30,6 @@ an error saying the job has finished.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Tuple
@@ -362,7 +361,7 @@ def _call(func: Callable, state, args: tuple, kwargs: dict) -> Any:
     except (WorkerLostError, MembershipChanged, HandshakeError, RendezvousError):
         raise
     except Exception as e:
-        torch_group = sys.modules.get(f"{__package__}.distributed")
+        torch_group = _torch_distributed()
         lost = torch_group.pending_failure() if torch_group is not None else None
         if lost is None:
             raise

@@ -40,7 +40,6 @@ Who may do what (beyond auth.py's rules on tokens and sessions):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from typing import Optional
