@@ -21,18 +21,15 @@ import time
 import torch
 import torch.distributed as dist
 
+import elastic_overhead  # this script's folder is first on sys.path: bench/
+
 BATCH = 32
 
 
 def build_model() -> torch.nn.Module:
     """The MLP of bench/elastic_overhead.py: ~9M parameters, large enough that the gradient
     allreduce (~36 MB a step) is a real part of the step on a CPU."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
-        torch.nn.Linear(4096, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 512), torch.nn.ReLU(),
-        torch.nn.Linear(512, 10))
+    return elastic_overhead.build_model(torch)
 
 
 def batch(rank: int):

@@ -18,7 +18,7 @@ The launches are interleaved (gloo, shm, tcp for each size, --repeats times) so 
 from elsewhere on the machine falls on all of them alike. Each worker runs --warmup untimed
 steps, then --rounds rounds of --steps steps between barriers; the table shows the median
 steps/s over every round of every repeat, and the slowest and fastest round. The ratio is
-ours/gloo, against the issue's targets (>= 1.0x over TCP, >= 1.3x with shared memory).
+ours/gloo, against the targets (>= 1.0x over TCP, >= 1.3x with shared memory).
 Launcher start-up (process spawn,
 rendezvous, ring or gloo set-up) is not timed. Nothing is asserted: on a machine shared with
 other work the numbers are noisy; the load average at start and end is printed with them.

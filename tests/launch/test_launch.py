@@ -16,6 +16,16 @@ LINEAR = os.path.join(REPO, "examples", "train_linear.py")
 CNN = os.path.join(REPO, "examples", "train_cnn.py")
 
 
+def discovery_script(tmp_path, listing: str):
+    """A host-discovery script that prints the hosts file; the test rewrites the file to change it."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(listing)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    return hosts, script
+
+
 def last_line(p) -> str:
     return p.stderr[-1] if p.stderr else ""
 
@@ -181,11 +191,7 @@ def test_help_documents_the_flags_and_the_worker_environment(launch):
 
 
 def test_discovery_script_sets_the_slots_of_this_host(launch, tmp_path):
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("hD:2\nother-host:4\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
+    hosts, script = discovery_script(tmp_path, "hD:2\nother-host:4\n")
     p = launch("--host", "hD", "--host-discovery-script", str(script), "--discovery-interval", "0.2",
                LW_STEPS="200")
     p.wait_for(r"discovery: 2 slot\(s\) on this host \(hD\); other hosts, not started by this launcher "
@@ -316,11 +322,7 @@ def test_sigterm_to_one_of_two_launchers_drains_its_workers_and_the_job_goes_on(
 
 
 def test_a_slot_the_discovery_script_takes_away_is_drained_without_a_restore(launch, tmp_path):
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("hD:3\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
+    hosts, script = discovery_script(tmp_path, "hD:3\n")
     p = launch("--host", "hD", "--host-discovery-script", str(script), "--discovery-interval", "0.2",
                "--min-np", "2", LW_STEPS="200")
     p.wait_training(3)
