@@ -15,6 +15,7 @@ pass, so nothing a peer sent can smuggle a newline or a non-JSON value into the 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import math
@@ -86,10 +87,14 @@ class EventLog:
         if path:
             # Append: a restarted daemon continues the same log. Opened now, so a bad path is a
             # startup error naming it, not a silent loss later.
+            # Not through a symbolic link: in a shared directory someone else's link would
+            # have these lines appended to whatever file it names.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o640)
+                fd = os.open(path, flags, 0o640)
             except OSError as e:
-                raise ValueError(f"--events {path}: cannot open for appending: {e.strerror}") from None
+                why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+                raise ValueError(f"--events {path}: cannot open for appending: {why}") from None
             self._file = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
 
     @property

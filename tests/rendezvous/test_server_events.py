@@ -10,7 +10,7 @@ import pytest
 from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config, unique, wait_until
 from rendezvous import decision as d
 from rendezvous.client import JobSpec, StatusClient
-from rendezvous.events import EVENTS
+from rendezvous.events import EVENTS, EventLog
 from rendezvous.history import RECENT_PER_JOB, describe
 from rendezvous.store import MemoryStore
 
@@ -162,6 +162,17 @@ def test_serve_with_an_events_file_it_cannot_open_says_so_in_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         f"elastic-rendezvous: --events {path}: cannot open for appending: No such file or directory"]
+
+
+def test_an_events_path_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    # In a shared directory another user's link would get these lines appended to its target.
+    target = tmp_path / "someone-elses-file"
+    target.write_text("theirs\n")
+    link = tmp_path / "events.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(ValueError, match=r"--events .*events.jsonl: cannot open for appending: it is a symbolic link"):
+        EventLog(str(link))
+    assert target.read_text() == "theirs\n"
 
 
 def test_a_served_process_writes_its_start_and_graceful_stop(tmp_path):
