@@ -36,6 +36,9 @@ class Communicator {
   void broadcast(void* buf, size_t bytes, int root);
   // out holds every rank's block, in rank order; in is this rank's block (may alias its place in out).
   void allgather(const void* in, void* out, const std::vector<uint64_t>& bytes_per_rank);
+  // in holds one block per rank, in rank order, of counts[r] elements each; out (counts[rank]
+  // elements) gets this rank's block reduced over every rank. in is left as it was.
+  void reduce_scatter(const void* in, void* out, const std::vector<uint64_t>& counts, DType dtype, ReduceOp op);
   void barrier();
 
   int rank() const { return rank_; }
@@ -77,6 +80,7 @@ class Communicator {
   std::atomic<uint32_t> seq_{0};
   std::vector<char> scratch_;
   std::vector<char> leader_scratch_;  // the leaders' phase runs on its own thread
+  std::vector<char> work_;            // reduce_scatter's copy of its input, reused across calls
 
   std::atomic<bool> failed_{false};
   std::mutex err_mu_;
