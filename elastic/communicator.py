@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from . import _native, metrics
-from .errors import ElasticError, SettingsMismatchError
+from .errors import BadPeerError, ElasticError, SettingsMismatchError
 from .ops import ReduceOp
 
 Listener = _native.Listener
@@ -416,6 +416,30 @@ class Communicator:
                              f"{counts[self.rank]}")
         self._native.reduce_scatter_(inp, out, counts, int(ReduceOp(op)))
         return output
+
+    def shift(self, input: Any, max_bytes: Optional[int] = None) -> Any:
+        """One step round the ring: sends ``input``'s bytes to the next rank (``rank + 1``,
+        wrapping) and returns the previous rank's bytes (a flat uint8 tensor, or array for a
+        numpy input). Sizes may differ by rank: each sender announces its size first (8 bytes
+        round the ring), so a receiver allocates exactly that, never more than ``max_bytes``.
+        A previous rank announcing more (or a negative size) is that peer's failure: the ring
+        is aborted, so no rank waits on it, and this rank raises ``BadPeerError`` naming it.
+        Any dtype: bytes are moved, never read."""
+        inp = _as_bytes(_native_array(input, "shift", read_only=True))
+        mine = np.array([_numel(inp)], dtype=np.int64)
+        theirs = np.empty(1, dtype=np.int64)
+        self._native.shift_(mine, theirs)
+        n = int(theirs[0])
+        prev = (self.rank - 1) % self.size
+        if n < 0 or (max_bytes is not None and n > max_bytes):
+            why = f"rank {prev} announced {n} bytes for a shift, more than the {max_bytes} this rank takes"
+            self.abort(why)
+            raise BadPeerError(f"shift in world version {self.world_version}: {why}", op="shift",
+                               world_version=self.world_version, rank=self.rank, peer=prev,
+                               kind=ErrorKind.BadPeer)
+        out = np.empty(n, dtype=np.uint8) if isinstance(inp, np.ndarray) else _torch().empty(n, dtype=_torch().uint8)
+        self._native.shift_(inp, out)
+        return out
 
     def _counts(self, what: str, counts: Optional[Sequence[int]], total: int) -> list:
         """Per-rank element counts: given (each a non-negative int, summing to ``total``) or

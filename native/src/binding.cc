@@ -349,6 +349,19 @@ NB_MODULE(_native, m) {
              s.e()->run([&] { c->reduce_scatter(bi.ptr, bo.ptr, counts, bi.dtype, rop); });
            },
            nb::arg("input").noconvert(), nb::arg("output").noconvert(), nb::arg("counts"), nb::arg("op"))
+      .def("shift_",
+           [](PyComm& s, Array in, Array out) {
+             Buffer bi = to_buffer(in, "shift input");
+             Buffer bo = to_buffer(out, "shift output");
+             size_t sb = bi.count * dtype_size(bi.dtype), rb = bo.count * dtype_size(bo.dtype);
+             const char *si = static_cast<const char*>(bi.ptr), *ro = static_cast<const char*>(bo.ptr);
+             if (sb && rb && si < ro + rb && ro < si + sb)
+               throw nb::value_error("shift: the input and the output overlap");
+             nb::gil_scoped_release nogil;
+             auto c = s.c();
+             s.e()->run([&] { c->shift(bi.ptr, sb, bo.ptr, rb); });
+           },
+           nb::arg("input").noconvert(), nb::arg("output").noconvert())
       .def("barrier",
            [](PyComm& s) {
              auto c = s.c();

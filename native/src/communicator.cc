@@ -390,6 +390,26 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
   });
 }
 
+void Communicator::shift(const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+  guarded("shift", [&] {
+    if (size() == 1) {
+      if (send_bytes != recv_bytes)
+        throw CommError(ErrorKind::Invalid, "shift in a world of one: this rank sends " + std::to_string(send_bytes) +
+                                                " bytes to itself and expects " + std::to_string(recv_bytes));
+      if (send_bytes) std::memmove(recv, send, send_bytes);
+      return;
+    }
+    // The tag does not name the sizes (they differ by link); each segment's size is checked.
+    OpInfo info = make_op("shift", op_tag({7}), std::to_string(send_bytes) + " bytes to rank " +
+                                                    std::to_string((rank_ + 1) % size()) + ", " +
+                                                    std::to_string(recv_bytes) + " from rank " +
+                                                    std::to_string((rank_ + size() - 1) % size()));
+    ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
+                   cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
 void Communicator::barrier() {
   guarded("barrier", [&] {
     const int n = size();

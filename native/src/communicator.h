@@ -39,6 +39,10 @@ class Communicator {
   // in holds one block per rank, in rank order, of counts[r] elements each; out (counts[rank]
   // elements) gets this rank's block reduced over every rank. in is left as it was.
   void reduce_scatter(const void* in, void* out, const std::vector<uint64_t>& counts, DType dtype, ReduceOp op);
+  // Sends send_bytes of `send` to the next rank and receives recv_bytes from the previous
+  // rank into `recv` (which must not overlap `send`). Each rank's recv_bytes must be its
+  // previous rank's send_bytes, or both fail with a mismatch.
+  void shift(const void* send, size_t send_bytes, void* recv, size_t recv_bytes);
   void barrier();
 
   int rank() const { return rank_; }

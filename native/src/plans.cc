@@ -156,6 +156,22 @@ Span AllgatherPlan::recv_span(size_t i) {
   return segment(buf_, blocks_, mod(long(r_) - long(i / k_) - 1, n_), i % k_, seg_);
 }
 
+// ---------------------------------------------------------------- ShiftPlan
+
+ShiftPlan::ShiftPlan(const char* send, size_t send_bytes, char* recv, size_t recv_bytes, size_t seg_bytes)
+    : send_(const_cast<char*>(send)), send_bytes_(send_bytes), recv_(recv), recv_bytes_(recv_bytes),
+      seg_(std::max<size_t>(1, seg_bytes)) {}
+
+Span ShiftPlan::send_span(size_t i) {
+  size_t lo = std::min(send_bytes_, i * seg_), hi = std::min(send_bytes_, (i + 1) * seg_);
+  return {send_ + lo, hi - lo};
+}
+
+Span ShiftPlan::recv_span(size_t i) {
+  size_t lo = std::min(recv_bytes_, i * seg_), hi = std::min(recv_bytes_, (i + 1) * seg_);
+  return {recv_ + lo, hi - lo};
+}
+
 // ---------------------------------------------------------------- BroadcastPlan
 
 BroadcastPlan::BroadcastPlan(char* buf, size_t bytes, int rank, int n, int root, size_t seg_bytes)

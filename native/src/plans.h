@@ -106,6 +106,26 @@ class AllgatherPlan : public Plan {
   size_t seg_, k_;
 };
 
+// One step round the ring: this rank's bytes go to the next rank while the previous rank's
+// arrive (a commit's copy for a buddy, say). The two sizes may differ; each must be what
+// the other end of its link says, or the segments do not match.
+class ShiftPlan : public Plan {
+ public:
+  ShiftPlan(const char* send, size_t send_bytes, char* recv, size_t recv_bytes, size_t seg_bytes);
+  size_t num_sends() const override { return segments_for_(send_bytes_); }
+  size_t num_recvs() const override { return segments_for_(recv_bytes_); }
+  ptrdiff_t send_after(size_t) const override { return -1; }
+  Span send_span(size_t i) override;
+  Span recv_span(size_t i) override;
+
+ private:
+  size_t segments_for_(size_t bytes) const { return bytes == 0 ? 1 : (bytes + seg_ - 1) / seg_; }
+  char* send_;
+  size_t send_bytes_;
+  char* recv_;
+  size_t recv_bytes_, seg_;
+};
+
 // Pipelined chain from the root around the ring; the root's predecessor only receives.
 class BroadcastPlan : public Plan {
  public:

@@ -3,6 +3,7 @@ the input left as it was, on TCP and shared memory."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,3 +116,42 @@ def test_ranks_passing_different_counts_fail_with_a_mismatch_not_wrong_numbers()
     results = run_world(2, _mismatched_counts)
     assert {kind for kind, _ in results} <= {"mismatch", "lost"}
     assert "mismatch" in {kind for kind, _ in results}, results
+
+
+def _shift_sizes(comm):
+    got = {}
+    for name, size_of in (("uneven", lambda r: 1000 * r + 7), ("empty", lambda r: 0),
+                          ("some empty", lambda r: 0 if r % 2 else 5_000_003), ("large", lambda r: 3 << 20)):
+        mine = torch.full((size_of(comm.rank),), comm.rank + 1, dtype=torch.uint8)
+        out = comm.shift(mine)
+        prev = (comm.rank - 1) % comm.size
+        got[name] = out.numel() == size_of(prev) and bool((out == prev + 1).all())
+    arr = comm.shift(np.arange(comm.rank + 3, dtype=np.float64))
+    got["numpy"] = isinstance(arr, np.ndarray) and arr.view(np.float64).tolist() == list(
+        range((comm.rank - 1) % comm.size + 3))
+    return got
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_shift_hands_each_rank_the_previous_rank_bytes_whatever_their_sizes(n, transport):
+    for rank, got in enumerate(run_world(n, _shift_sizes, transport=transport)):
+        assert all(got.values()), f"rank {rank}: {got}"
+
+
+def _oversized_shift(comm):
+    mine = torch.zeros(10_000 if comm.rank == 1 else 10, dtype=torch.uint8)
+    try:
+        comm.shift(mine, max_bytes=100)
+        comm.barrier()   # a sender whose bytes fit in the socket's buffers learns it here
+    except elastic.BadPeerError as e:
+        return "bad peer", e.peer_rank
+    except elastic.WorkerLostError as e:
+        return "lost", e.peer_rank
+    return "none", None
+
+
+def test_a_shift_larger_than_the_receiver_takes_is_the_sender_failure():
+    results = run_world(3, _oversized_shift)
+    assert results[2] == ("bad peer", 1), results   # rank 2 receives from rank 1, which sends too much
+    assert [kind for kind, _ in results[:2]] == ["lost", "lost"], results
