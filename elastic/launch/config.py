@@ -46,14 +46,15 @@ when the job failed or a worker failed after it completed (the first such worker
 2 for bad flags; 3 when the job failed because its world stayed below --min-np for
 --elastic-timeout (a batch script may requeue it); 128+N when stopped by signal N. A worker that
 exits 0 while the job runs has left it (preempted: SIGTERM, elastic.request_leave()): it is
-reported, not respawned, and counts as a success. On SIGTERM/SIGINT this launcher drains its workers the same way (SIGTERM to each,
-SIGKILL after --preempt-grace plus --stop-timeout) and exits 0 when every one left gracefully and
-the job goes on elsewhere (with --rendezvous); so does a slot the discovery script takes away.
+reported, not respawned, and counts as a success. On SIGTERM/SIGINT this launcher drains its
+workers the same way (SIGTERM to each, SIGKILL after --preempt-grace plus --stop-timeout) and
+exits 0 when every one left gracefully and the job goes on elsewhere (with --rendezvous); so does
+a slot the discovery script takes away.
 
 Under Slurm (inside `srun --ntasks-per-node=1 elastic-run ...`: SLURM_JOB_ID and SLURM_STEP_ID
 set) the job id defaults to SLURM_JOB_ID, the host to SLURMD_NODENAME, --np to the GPUs Slurm gives
-the node (SLURM_GPUS_ON_NODE) else the job's --ntasks-per-node, and --min-np to --np times the
-step's nodes. Without --rendezvous, the elastic-run of the job's first node (the batch host) runs
+the node (SLURM_GPUS_ON_NODE) else SLURM_NTASKS_PER_NODE, and --min-np to --np times the step's
+nodes. Without --rendezvous, the elastic-run of the job's first node (the batch host) runs
 the embedded server on its cluster address (ELASTIC_RING_HOST, else its host name's) and announces
 it, with its token, in --rendezvous-dir; the other nodes join it. The batch host is then a single
 point of failure, as for the batch script itself: give --rendezvous (elastic-rendezvous serve

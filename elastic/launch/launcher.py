@@ -234,7 +234,8 @@ class Launcher:
                           "/metrics")
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
-                                         lambda line: self.out.line("err", None, line.encode()), host=cfg.embedded_host)
+                                         lambda line: self.out.line("err", None, line.encode()),
+                                         host=cfg.embedded_host)
             try:
                 self._addresses = (self.server.wait_ready(cancelled=lambda: self.signum is not None),)
             except EmbeddedServerFailed as e:
@@ -256,7 +257,8 @@ class Launcher:
             self.out.note("note: the embedded rendezvous server has no TLS: its token and the job's ring secret cross "
                           "the cluster network in clear text (for TLS, run elastic-rendezvous serve --tls-cert and "
                           "give --rendezvous and --tls-ca)")
-        elif token and credentials is None and not cfg.slurm_role and not all(is_loopback(a.rpartition(":")[0]) for a in self._addresses):
+        elif (token and credentials is None and not cfg.slurm_role
+              and not all(is_loopback(a.rpartition(":")[0]) for a in self._addresses)):
             self.out.note(f"warning: the rendezvous token goes to {','.join(self._addresses)} in clear text; "
                           "give --tls-ca (servers started with --tls-cert)")
         self.status = StatusClient(self._addresses, token, credentials)
@@ -300,7 +302,7 @@ class Launcher:
         try:
             if cfg.slurm_role == "head":
                 self.announcement = Announcement(cfg.announce_dir, self._addresses[0], self._token,
-                                                 alive=lambda address, token: server_answers(address, token))
+                                                 alive=server_answers)
                 self.out.note(f"announced it to the job's other nodes in {cfg.announce_dir}")
                 return
             self.out.note(f"waiting for the batch host {cfg.slurm.head} to announce the rendezvous server in "

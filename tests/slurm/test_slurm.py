@@ -68,7 +68,8 @@ def ranks_in_first_world(text):
 # ---------------------------------------------------------------------- the example script, as users run it
 def test_the_example_sbatch_trains_on_three_nodes_with_a_hot_spare_on_standby(slurm, tmp_path):
     job = slurm.sbatch(EXAMPLE, "--chdir", REPO, f"--output={tmp_path}/example.out", "--time=10",
-                       args=("--epochs", "3", "--step-sleep", "0.01"), **job_env(tmp_path, CHECKPOINTS=str(tmp_path / "ckpt")))
+                       args=("--epochs", "3", "--step-sleep", "0.01"),
+                       **job_env(tmp_path, CHECKPOINTS=str(tmp_path / "ckpt")))
     wait_output(tmp_path, "example", r"world version 1: training on 3 worker\(s\)")
     # While it runs, Slurm sees what an admin expects: one step, one task (an elastic-run) per
     # node, and the workers inside the step (so scancel and the job's end reach them).
