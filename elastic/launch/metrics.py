@@ -32,9 +32,11 @@ import threading
 import time
 from typing import Dict, Iterator, Optional, Tuple
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from rendezvous.metrics_http import MetricsServer
 
 from ..metrics import BUCKETS, ENV_SOCKET, ENV_TOKEN, MAX_SNAPSHOT_BYTES, REJECT_REASONS, TRANSPORTS
 from ..metrics import Snapshot, SnapshotRejected, parse_snapshot
@@ -98,12 +100,12 @@ class WorkerMetrics:
             self._sock.settimeout(0.2)
             registry = CollectorRegistry(auto_describe=False)
             registry.register(_Collector(self))
-            self._http, self._http_thread = start_http_server(port, addr=host, registry=registry)
+            self._http = MetricsServer(registry, host, port, name="elastic-run-metrics-http")
         except BaseException:
             self._sock.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
-        self.port = self._http.server_port
+        self.port = self._http.port
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="elastic-run-metrics", daemon=True)
         self._thread.start()
@@ -200,8 +202,7 @@ class WorkerMetrics:
 
     def close(self) -> None:
         self._stop.set()
-        self._http.shutdown()
-        self._http.server_close()
+        self._http.close()
         self._thread.join(2.0)
         self._sock.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -356,3 +356,38 @@ def test_the_receiver_survives_any_datagram_and_counts_every_one():
         assert r.m.accepted == before + 1
     finally:
         r.close()
+
+
+def _soft_open_files_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_a_flood_of_idle_metrics_connections_from_another_user_changes_nothing_for_the_job(launch):
+    from tests.flood import Flood, connections_from, open_descriptors, other_user
+
+    other_user()   # skipped (with its reason) unless root
+    # The usual limits of a login (1,024 soft): the launcher raises its own soft limit at start.
+    p = launch("--np", "2", "--host", "hA", "--max-restarts", "1", "--metrics-port", "0",
+               prefix=["prlimit", "--nofile=1024:4096", "--"], LW_STEPS="600", LW_SLEEP="0.05")
+    port = metrics_port(p)
+    p.wait_training(2)
+    raised = _soft_open_files_limit(p.proc.pid)
+    flood = Flood("127.0.0.1", port, n=1100)
+    try:
+        # At full strength: the launcher closes what is beyond its cap (or, without a cap, holds them all).
+        wait_until(lambda: flood.reopened >= 100 or open_descriptors(p.proc.pid) >= 1000, 90,
+                   "the flood to saturate the metrics port")
+        held = connections_from(flood.uid, port)
+        fds = open_descriptors(p.proc.pid)
+        p.kill_worker("hA-1")
+        p.wait_for(r"world \d+: 2 worker\(s\);.* joined: hA-1-r1", 60)
+        flood.wait_rounds(2)
+        assert p.wait(180) == 0, p.text()
+    finally:
+        flood.stop()
+    assert fds < 200, f"the launcher held {fds} descriptors under the flood ({held} connections held)"
+    assert flood.reopened > 0, "the launcher closed idle connections beyond its cap"
+    assert "Too many open files" not in p.text()
+    assert raised == 4096, "the launcher raised its soft limit on open files to the hard limit"
