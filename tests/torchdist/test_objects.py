@@ -92,7 +92,8 @@ def _every_object_collective(rank: int, size: int):
     value = {"rank": rank, "t": torch.arange(3) * rank, "a": np.full(2, rank), "s": "é", "b": b"\x00"}
     objs = [None] * size
     dist.all_gather_object(objs, value)
-    got["all_gather"] = [o["rank"] for o in objs] == list(range(size)) and torch.equal(objs[2]["t"], torch.arange(3) * 2)
+    got["all_gather"] = ([o["rank"] for o in objs] == list(range(size))
+                         and torch.equal(objs[2]["t"], torch.arange(3) * 2) and objs[1]["s"] == "é")
     gathered = [None] * size if rank == 1 else None
     dist.gather_object(value, gathered, dst=1)
     got["gather"] = [o["rank"] for o in gathered] == list(range(size)) if rank == 1 else gathered is None
