@@ -166,7 +166,7 @@ def sync_maybe_dying():
     if DIE_IN == "sync" and syncs["n"] - 1 == DIE_AT:
         # Die between the allgather of commit steps and the broadcast of the state.
         comm = elastic.collectives.current_communicator()
-        comm.allgather(torch.tensor([state.commit_step]))
+        comm.allgather_equal(torch.tensor([state.commit_step]))
         os.kill(os.getpid(), signal.SIGKILL)
     _sync()
 
