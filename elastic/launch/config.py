@@ -17,9 +17,8 @@ import shutil
 import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from rendezvous import __version__
+from rendezvous import __version__, files
 from rendezvous.client import DEFAULT_MAX_NP, channel_credentials, parse_addresses, read_token_file
-
 from rendezvous.ports import check_can_listen
 
 from ..config import TLS_VARIABLES, _host_address as host_address
@@ -391,16 +390,16 @@ def _free_port_on(host: str) -> int:
 
 
 def _events_file(path: Optional[str]) -> Optional[str]:
-    """--events FILE as an absolute path, checked now: appendable (created if missing)."""
+    """--events FILE as an absolute path, checked now (appendable, no symbolic link); the check
+    creates nothing: the event log opens it when the launcher starts."""
     if path is None:
         return None
     if not path or os.path.isdir(path):
         raise UsageError(f"--events {path!r}: give a file to append to, not a directory")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        files.check_log(path)
     except OSError as e:
-        raise UsageError(f"--events {path}: cannot open for appending: {e.strerror}") from None
-    os.close(fd)
+        raise UsageError(f"--events {path}: cannot open for appending: {files.reason(e)}") from None
     return os.path.abspath(path)
 
 

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Callable
 
+from rendezvous import files
+
 from .procs import with_parent_death_signal
 
 
@@ -42,9 +44,7 @@ class EmbeddedServer:
         self.token_file = os.path.join(self._dir, "token")
         self.token = secrets.token_urlsafe(32)
         try:
-            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.token + "\n")
+            files.replace(self.token_file, (self.token + "\n").encode(), mode=0o600)
             # No blacklisting: on one machine the only host would be refused after three respawns.
             self.proc = subprocess.Popen(
                 with_parent_death_signal([sys.executable, "-m", "rendezvous", "serve", "--token-file",

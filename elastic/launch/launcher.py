@@ -42,7 +42,8 @@ from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
 from .embedded import EmbeddedServer, EmbeddedServerFailed
 from .metrics import WorkerMetrics
 from .outcome import WorkerEnd, completion_failure
-from .procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
+from .procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all,
+                    worker_env)
 from .report import Reporter
 from .slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
 
@@ -625,6 +626,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"elastic-run: error: {e} (see elastic-run --help)", file=sys.stderr)
         return 2
+    raise_open_files_limit()
     out, err = stdout_streams()
     return Launcher(cfg, Output(out, err)).run()
 
