@@ -443,9 +443,7 @@ class Communicator:
         if n < 0 or (max_bytes is not None and n > max_bytes):
             why = f"rank {prev} announced {n} bytes for a shift, more than the {max_bytes} this rank takes"
             self.abort(why)
-            raise BadPeerError(f"shift in world version {self.world_version}: {why}", op="shift",
-                               world_version=self.world_version, rank=self.rank, peer=prev,
-                               kind=ErrorKind.BadPeer)
+            raise self._blame(why, "shift", prev)
         out = np.empty(n, dtype=np.uint8) if isinstance(inp, np.ndarray) else _torch().empty(n, dtype=_torch().uint8)
         self._native.shift_(inp, out)
         return out
