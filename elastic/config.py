@@ -10,7 +10,8 @@
 | ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
 | ``ELASTIC_TLS_CA`` | connect to the rendezvous with TLS, trusting this CA (PEM) | plaintext |
 | ``ELASTIC_TLS_CERT`` / ``ELASTIC_TLS_KEY`` | client certificate and key (servers with ``--tls-client-ca``) | none |
-| ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits (first worker's win) | 1 / 1024 |
+| ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits this worker insists on: a running job with others refuses it | unset: the job's, whenever it joins |
+| ``ELASTIC_MIN_NP_IF_NEW`` / ``ELASTIC_MAX_NP_IF_NEW`` | the limits of a job this worker's join creates, where the two above are unset | 1 / 1024 |
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 |
@@ -50,8 +51,10 @@ class WorkerConfig:
     tls_ca: Optional[str] = None            # PEM paths; no CA: plaintext to the rendezvous
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
-    min_np: int = 1
-    max_np: int = DEFAULT_MAX_NP
+    min_np: int = 0                         # 0: none of its own, the job's (see rendezvous.decision.join_spec)
+    max_np: int = 0
+    min_np_if_new: int = 1                  # the limits of a job this worker's join creates, where
+    max_np_if_new: int = DEFAULT_MAX_NP     # min_np / max_np leave them to the job
     elastic_timeout: float = 0.0
     world_timeout: float = 600.0
     reset_limit: int = 0
@@ -101,8 +104,10 @@ class WorkerConfig:
             tls_ca=tls_ca,
             tls_cert=tls_cert,
             tls_key=tls_key,
-            min_np=number("ELASTIC_MIN_NP", int, 1),
-            max_np=number("ELASTIC_MAX_NP", int, DEFAULT_MAX_NP),
+            min_np=number("ELASTIC_MIN_NP", int, 0),
+            max_np=number("ELASTIC_MAX_NP", int, 0),
+            min_np_if_new=number("ELASTIC_MIN_NP_IF_NEW", int, 1),
+            max_np_if_new=number("ELASTIC_MAX_NP_IF_NEW", int, DEFAULT_MAX_NP),
             elastic_timeout=number("ELASTIC_ELASTIC_TIMEOUT", float, 0.0),
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),
@@ -118,13 +123,23 @@ class WorkerConfig:
             cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, form_timeout=cfg.world_timeout))
         if not cfg.preempt_grace > 0:
             raise ValueError(f"ELASTIC_PREEMPT_GRACE={cfg.preempt_grace:g} must be positive (seconds)")
-        if cfg.min_np < 1 or cfg.max_np < cfg.min_np:
-            raise ValueError(f"need 1 <= ELASTIC_MIN_NP <= ELASTIC_MAX_NP, got {cfg.min_np} and {cfg.max_np}")
+        check_limits(cfg)
         return cfg
 
     def channel_credentials(self):
         """TLS credentials for the rendezvous channel (None: plaintext)."""
         return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, names=TLS_VARIABLES)
+
+
+def check_limits(cfg: WorkerConfig) -> None:
+    """The size limits can hold: those given (ELASTIC_MIN_NP, ELASTIC_MAX_NP; unset is the job's)
+    and, should this worker create the job, the ones it would create it with."""
+    if cfg.min_np and cfg.max_np and cfg.max_np < cfg.min_np:
+        raise ValueError(f"need ELASTIC_MIN_NP <= ELASTIC_MAX_NP, got {cfg.min_np} and {cfg.max_np}")
+    lo, hi = cfg.min_np or cfg.min_np_if_new, cfg.max_np or cfg.max_np_if_new
+    if lo < 1 or hi < lo:
+        raise ValueError(f"need 1 <= min-np <= max-np for a job this worker creates, got {lo} and {hi} "
+                         "(ELASTIC_MIN_NP or ELASTIC_MIN_NP_IF_NEW, ELASTIC_MAX_NP or ELASTIC_MAX_NP_IF_NEW)")
 
 
 def ring_host_for(explicit: str, rendezvous: Sequence[str], resolve: Callable[[], Tuple[str, str]]) -> str:

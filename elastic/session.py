@@ -67,7 +67,8 @@ class Session:
             list(config.rendezvous), job_id=config.job_id, worker_id=config.worker_id, host=config.host,
             ring_address=self.listener.address, token=config.token,
             credentials=config.channel_credentials(),
-            spec=JobSpec(min_np=config.min_np, max_np=config.max_np, elastic_timeout_s=config.elastic_timeout))
+            spec=JobSpec(min_np=config.min_np, max_np=config.max_np, elastic_timeout_s=config.elastic_timeout),
+            spec_if_new=JobSpec(min_np=config.min_np_if_new, max_np=config.max_np_if_new))
         self._cond = threading.Condition()
         self._view = reaction.View()
         self.comm: Optional[Communicator] = None   # the ring of `self.world`, formed or forming
@@ -265,7 +266,8 @@ class Session:
         suspect = world.members[err.peer_rank].worker_id
         try:
             evicted = self.client.report_failure(suspect, world.version, reason=str(err)[:1000],
-                                                 unusable_address=isinstance(err, BadPeerError))
+                                                 unusable_address=isinstance(err, BadPeerError),
+                                                 timed_out=err.kind == ErrorKind.Timeout)
             log.info("reported %s (world %d): %s", suspect, world.version,
                      "evicted" if evicted else "still alive")
         except _ClientError as e:

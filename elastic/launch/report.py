@@ -31,6 +31,7 @@ class Reporter:
         self.starts: Dict[str, float] = {}
         self.recoveries: List[float] = []      # seconds from a failure to the next world, as reported
         self.world: set = set()                # members of the last world reported
+        self._broken: set = set()              # world versions whose ring_broken event was noted
         # worker id -> (world version, rank or None on standby), as the latest answer naming it
         # said; kept after it is gone from Status, so its failure is still reported with its rank.
         self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}
@@ -59,9 +60,15 @@ class Reporter:
 
     def update(self, view: JobStatusInfo, now: float) -> List[str]:
         msgs: List[str] = []
+        current = self.last.world_version if self.last is not None else None
         for ev in view.events:   # the server's word: these left cleanly, whichever host they ran on
             if ev.event == "worker_left" and ev.worker_id:
                 self.note_left(ev.worker_id)
+            elif ev.event == "ring_broken" and ev.world_version == current and current not in self._broken:
+                # Every member alive, the ring broken all the same (a collective timed out on a
+                # busy peer): the next world re-forms the same members, after a restore.
+                self._broken.add(current)
+                self.note_failure(ev.detail, now)
         for m in view.members:
             if view.world_version >= self._ranks.get(m.worker_id, (-1, None))[0]:
                 self._ranks[m.worker_id] = (view.world_version, m.rank)

@@ -55,6 +55,18 @@ def test_a_local_worker_that_left_gracefully_is_no_failure_whichever_is_seen_fir
     assert r.recoveries == []
 
 
+def test_a_world_re_formed_with_every_member_alive_says_why_and_counts_as_a_recovery():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    broken = JobEventInfo(40.0, "ring_broken", 1, "a", "collective timeout waiting on rank 0 (a), every member alive")
+    assert r.update(dataclasses.replace(view(1, ["a", "b"]), events=(broken,)), 40.2) == []
+    # Seen again in the next answers (the last events come with every one): one failure, noted once.
+    assert r.update(dataclasses.replace(view(2, ["a", "b"]), events=(broken,)), 40.5) == [
+        "world 2: 2 worker(s); recovered 0.30 s after collective timeout waiting on rank 0 (a), every member alive"]
+    assert r.update(dataclasses.replace(view(3, ["a", "b"]), events=(broken,)), 50.0) == ["world 3: 2 worker(s)"]
+    assert r.recoveries == [pytest.approx(0.3)]
+
+
 @pytest.mark.parametrize("event,reported", [
     ("worker_left", "world 2: 1 worker(s); left: b"),
     ("worker_evicted", "world 2: 1 worker(s); left: b; recovered 0.50 s after b left the world"),
