@@ -21,8 +21,10 @@ from rendezvous.client import DEFAULT_MAX_NP, channel_credentials, parse_address
 
 from rendezvous.ports import check_can_listen
 
+from ..communicator import CommConfig
 from ..config import TLS_VARIABLES
 from .embedded import EMBEDDED_HOST
+from .torchrun_flags import ALIASES, add_torchrun_flags
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -55,8 +57,10 @@ environment given to every worker (on top of this launcher's own, which is inher
   ELASTIC_JOB_ID           the job id (--job-id)
   ELASTIC_WORKER_ID        unique worker id: HOST-SLOT, HOST-SLOT-rN after the N-th respawn
   ELASTIC_HOST             this host's name (--host); ranks of one host are contiguous
-  ELASTIC_MIN_NP           --min-np (the first worker of a job fixes it)
-  ELASTIC_MAX_NP           --max-np (the first worker of a job fixes it)
+  ELASTIC_MIN_NP           --min-np, when given (a running job with another one refuses the worker)
+  ELASTIC_MAX_NP           --max-np, when given; without them the workers take the job's limits
+  ELASTIC_MIN_NP_IF_NEW    --min-np (default --np) and --max-np (default 1024): the limits of the job
+  ELASTIC_MAX_NP_IF_NEW    if a worker's join creates it (the first join of a job fixes them)
   ELASTIC_ELASTIC_TIMEOUT  --elastic-timeout: seconds the job may stay below min-np
   ELASTIC_PREEMPT_GRACE    --preempt-grace: seconds a worker told to leave may take to reach a commit
   ELASTIC_TOKEN_FILE       --token-file, or the embedded server's random token (a 0600 file)
@@ -106,6 +110,7 @@ class LaunchConfig:
     stop_timeout: float
     connect_timeout: float
     preempt_grace: float
+    collective_timeout: Optional[float] = None   # ELASTIC_COLLECTIVE_TIMEOUT for the workers (None: theirs)
     metrics_port: Optional[int] = None      # serve the workers' metrics on /metrics of this port (0: a free one)
     metrics_host: str = "127.0.0.1"
     events: Optional[str] = None            # append one JSON line per launcher event to this file
@@ -130,17 +135,18 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elastic-run", description=DESCRIPTION, epilog=EPILOG,
                 usage="elastic-run --np N [options] -- COMMAND [ARGS...]",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--np", type=int, metavar="N",
+    p.add_argument("--np", *ALIASES["--np"], dest="np", type=int, metavar="N",
                    help="workers to run on this host (default: 1, or the slots the discovery script "
-                        "gives this host)")
+                        "gives this host); torchrun's --nproc-per-node is the same")
     p.add_argument("--min-np", type=int, metavar="N",
                    help="the job waits while it has fewer than N workers, and fails after "
-                        "--elastic-timeout (default: --np, as horovodrun, so the first world has them all; "
-                        "at most --np without --rendezvous; with --rendezvous, the running job's)")
+                        "--elastic-timeout (default: the job's, whenever this launcher's workers join; a job "
+                        "they create gets --np, as horovodrun, so the first world has them all. At most --np "
+                        "without --rendezvous)")
     p.add_argument("--max-np", type=int, metavar="N",
-                   help=f"workers beyond N wait on standby (default: {DEFAULT_MAX_NP}; with --rendezvous, "
-                        "the running job's)")
-    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help=f"workers beyond N wait on standby (default: the job's; a job this launcher's workers "
+                        f"create gets {DEFAULT_MAX_NP})")
+    p.add_argument("--max-restarts", *ALIASES["--max-restarts"], dest="max_restarts", type=int, default=3, metavar="N",
                    help="respawn a worker killed by a signal at most N times per slot, with backoff "
                         "(0: never; default: %(default)s)")
     p.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
@@ -195,6 +201,15 @@ def parser() -> argparse.ArgumentParser:
                    help="append one JSON line per event to FILE (worker_started, worker_exited, "
                         "worker_respawned, world_formed, recovery, preempted, job_finished), with job_id, "
                         "world_version and timestamps, for log shippers (see rendezvous/events.py)")
+    p.add_argument("--collective-timeout", type=float, metavar="S",
+                   help="seconds a worker may stay in one collective (an allreduce, DDP's gradient buckets, "
+                        "the check at a commit) before it fails and the world re-forms (restoring the last "
+                        "commit): set it above the longest time one rank works alone (evaluation, saving) and "
+                        "the longest transfer. Hung, stopped or partitioned workers are found by the rendezvous "
+                        "heartbeat within seconds whatever it is. Passed to workers as "
+                        "ELASTIC_COLLECTIVE_TIMEOUT (default: $ELASTIC_COLLECTIVE_TIMEOUT, else "
+                        f"{CommConfig().timeout:g}, torch's gloo default)")
+    add_torchrun_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     return p
 
@@ -283,6 +298,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
             check_can_listen(EMBEDDED_HOST, a.port, "--port")
         except ValueError as e:
             raise UsageError(str(e)) from None
+    collective_timeout = _collective_timeout(a.collective_timeout)
     metrics_host = _metrics_endpoint(a, rendezvous)
     events = _events_file(a.events)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
@@ -292,10 +308,22 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                         stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout,
-                        preempt_grace=a.preempt_grace, metrics_port=a.metrics_port, metrics_host=metrics_host,
+                        preempt_grace=a.preempt_grace, collective_timeout=collective_timeout,
+                        metrics_port=a.metrics_port, metrics_host=metrics_host,
                         events=events, token=token,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
                                                   if env.get(k)))
+
+
+def _collective_timeout(seconds: Optional[float]) -> Optional[float]:
+    """--collective-timeout, checked where the setting is defined (elastic.CommConfig)."""
+    if seconds is None:
+        return None
+    try:
+        CommConfig(timeout=seconds)
+    except ValueError as e:
+        raise UsageError(f"--collective-timeout {seconds:g}: {e}") from None
+    return seconds
 
 
 def _metrics_endpoint(a: argparse.Namespace, rendezvous: Tuple[str, ...]) -> str:

@@ -32,7 +32,10 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from rendezvous.client import JobStatusInfo, StatusClient, StatusError, channel_credentials, is_loopback
+import grpc
+
+from rendezvous.client import (JobStatusInfo, StatusClient, StatusError, StatusFailure, channel_credentials,
+                               is_loopback)
 from rendezvous.events import EventLog
 
 from ..config import TLS_VARIABLES
@@ -281,6 +284,9 @@ class Launcher:
                                               cancelled=lambda: self.signum is not None)
         except StatusError as e:
             self._check_signal()
+            refused = e.refused()
+            if refused is not None:
+                raise LaunchFailed(refusal_line(refused, cfg)) from None
             raise LaunchFailed(f"cannot reach the rendezvous server at {where}: {e}") from None
         if view is None:
             return
@@ -308,11 +314,12 @@ class Launcher:
         env = worker_env(os.environ, {
             "ELASTIC_RENDEZVOUS": ",".join(self._addresses), "ELASTIC_JOB_ID": cfg.job_id,
             "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
-            "ELASTIC_MIN_NP": str(self.min_np), "ELASTIC_MAX_NP": str(self.max_np),
+            **self._limits_env(),
+            **({"ELASTIC_COLLECTIVE_TIMEOUT": f"{cfg.collective_timeout:g}"} if cfg.collective_timeout else {}),
             "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
             "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n), **self._credential_env(),
             **(self.metrics.worker_env(worker_id) if self.metrics is not None else {}),
-        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES)
+        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES + _LIMIT_VARIABLES)
         try:
             w = Worker(slot, n, worker_id, cfg.command, env, self.out)
         except OSError as e:
@@ -323,6 +330,19 @@ class Launcher:
         self.all_workers.append(w)
         self.reporter.note_start(worker_id, time.monotonic())
         return w
+
+    def _limits_env(self) -> Dict[str, str]:
+        """The job size limits its workers join with: the --min-np/--max-np given, as limits they
+        insist on; the others left to the job (whenever its workers join: a job another launcher
+        created meanwhile keeps its own), with this launcher's defaults (--min-np = --np) for a
+        job its worker's join creates."""
+        cfg = self.cfg
+        env = {"ELASTIC_MIN_NP_IF_NEW": str(cfg.min_np), "ELASTIC_MAX_NP_IF_NEW": str(cfg.max_np)}
+        if cfg.min_np_given:
+            env["ELASTIC_MIN_NP"] = str(cfg.min_np)
+        if cfg.max_np_given:
+            env["ELASTIC_MAX_NP"] = str(cfg.max_np)
+        return env
 
     def _credential_env(self) -> Dict[str, str]:
         """How workers authenticate, in place of those variables in the launcher's environment:
@@ -420,7 +440,15 @@ class Launcher:
                               + (" used up)" if cfg.max_restarts else ")"))
             return
         err = w.last_error_line()
-        raise LaunchFailed(f"{label} {what}" + (f": {err}" if err else "") + f"; job {cfg.job_id} stopped")
+        raise LaunchFailed(f"{label} {what}" + (f": {err}" if err else "") + "; " + self._giving_up())
+
+    def _giving_up(self) -> str:
+        """What ending this launcher on a worker's error means for the job: with the embedded
+        server the job stops with it; with --rendezvous only this host's part does."""
+        if self.cfg.embedded:
+            return f"job {self.cfg.job_id} stopped"
+        return (f"elastic-run on host {self.cfg.host} gave up and stopped its workers; job {self.cfg.job_id} "
+                f"is not stopped by it (it goes on while its other workers keep it at min-np)")
 
     def _respawn_due(self, now: float) -> None:
         for slot, at in list(self.respawn_at.items()):
@@ -558,6 +586,19 @@ class Launcher:
         self._scale()
 
 
+def refusal_line(refused: StatusFailure, cfg: LaunchConfig) -> str:
+    """Why a server that answered turned this launcher away, and the fix (it did answer: no
+    "cannot reach")."""
+    code = refused.code.name
+    if refused.code is grpc.StatusCode.UNAUTHENTICATED:
+        fix = ("give the token file the server was started with: --token-file F (workers get it as "
+               "ELASTIC_TOKEN_FILE)" if cfg.token is None else
+               "the token given (--token-file, ELASTIC_TOKEN or ELASTIC_TOKEN_FILE) is not one in the server's "
+               "--token-file")
+        return f"the rendezvous server at {refused.address} refused the token ({code}): {fix}"
+    return f"the rendezvous server at {refused.address} refused this launcher's credentials ({code})"
+
+
 def _strip_job(reason: str, job_id: str) -> str:
     prefix = f"job {job_id}: "
     return reason[len(prefix):] if reason.startswith(prefix) else reason
@@ -565,6 +606,9 @@ def _strip_job(reason: str, job_id: str) -> str:
 
 # Replaced in every worker's environment by what _credential_env gives (if anything).
 _CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
+# Set from --min-np/--max-np only: a variable left in the launcher's environment must not pin a
+# limit the flags leave to the job.
+_LIMIT_VARIABLES = ("ELASTIC_MIN_NP", "ELASTIC_MAX_NP", "ELASTIC_MIN_NP_IF_NEW", "ELASTIC_MAX_NP_IF_NEW")
 # Never inherited: only this launcher's own --metrics-port socket (a worker of an elastic-run
 # started by a worker must not push to the outer launcher).
 _METRICS_VARIABLES = (ENV_SOCKET, ENV_TOKEN)

@@ -1,0 +1,148 @@
+"""What a torchrun user meets first, with real launchers, a real rendezvous server and real
+workers: hosts joining one job in any order, errors that name the fix, the worker
+environment torchrun scripts and libraries read."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import pytest
+
+from rendezvous.client import StatusClient
+from tests.rendezvous.rdzv_helpers import ServerProc
+from tests.waiting import wait_until
+
+from .launch_helpers import WORKER
+
+TOKEN = "tok-" + "x" * 28
+
+
+@pytest.fixture
+def server(tmp_path):
+    """`elastic-rendezvous serve --token-file F` (in-memory store), as a second host's launcher
+    would find it; yields (server, token file)."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    s = ServerProc(tmp_path, "--token-file", str(token), "--settle", "0.2")
+    yield s, str(token)
+    s.kill()
+
+
+def _last(p) -> str:
+    return p.stderr[-1] if p.stderr else ""
+
+
+def test_a_later_launcher_without_min_np_takes_the_job_limits_whenever_its_worker_joins(launch, server, tmp_path):
+    srv, token = server
+    go = tmp_path / "hostB-may-join"
+    args = ("--rendezvous", srv.address, "--job-id", "exp7", "--token-file", token)
+    # Host B's launcher starts first: no job yet, so its own default would be --min-np = --np = 1 ...
+    b = launch("--np", "1", "--host", "hostB", *args, LW_STEPS="30", LW_JOIN_AFTER=str(go))
+    b.wait_for(r"^\[hostB-0\] start$", 30, stream="out")   # its launcher checked the job and started it
+    a = launch("--np", "1", "--min-np", "2", "--host", "hostA", *args, LW_STEPS="30")
+    # ... but its worker joins after host A's created the job with min-np 2: it takes the job's.
+    with StatusClient([srv.address], token=TOKEN) as status:
+        job = wait_until(lambda: status.job("exp7"), 30, "host A's worker to create job exp7")
+        assert (job.min_np, job.max_np) == (2, 1024)
+    go.touch()
+    assert b.wait(90) == 0, b.text()
+    assert a.wait(90) == 0, a.text()
+    for p in (a, b):
+        p.wait_for(r"world \d+: 2 worker\(s\)", 1)
+        assert _last(p).startswith("elastic-run: job exp7 completed"), p.text()
+    a.wait_no_leftovers()
+    b.wait_no_leftovers()
+
+
+def test_a_launcher_of_a_shared_job_that_gives_up_says_it_gave_up_and_the_job_goes_on(launch, server):
+    srv, token = server
+    args = ("--rendezvous", srv.address, "--job-id", "exp8", "--token-file", token)
+    a = launch("--np", "2", "--min-np", "2", "--host", "hostA", *args, LW_STEPS="200")
+    a.wait_training(2)
+    b = launch("--np", "1", "--host", "hostB", *args, LW_STEPS="200", LW_RAISE_ON="hostB-0:3")
+    assert b.wait(60) == 1, b.text()
+    assert re.fullmatch(r"elastic-run: error: worker hostB-0 \(rank \d\) exited with status 1: ValueError: "
+                        r"deterministic user error at step \d+; elastic-run on host hostB gave up and stopped its "
+                        r"workers; job exp8 is not stopped by it \(it goes on while its other workers keep it at "
+                        r"min-np\)", _last(b)), b.text()
+    assert "job exp8 stopped" not in b.text()
+    # And it does go on: host A's workers finish it.
+    assert a.wait(90) == 0, a.text()
+    assert _last(a).startswith("elastic-run: job exp8 completed"), a.text()
+    a.wait_no_leftovers()
+    b.wait_no_leftovers()
+
+
+@pytest.mark.parametrize("flag", ["--nproc-per-node", "--nproc_per_node"])
+def test_torchruns_nproc_per_node_is_np(launch, flag):
+    p = launch(flag, "2", "--host", "hA", LW_STEPS="6")
+    assert p.wait(90) == 0, p.text()
+    p.wait_for(r"^elastic-run: world 1: 2 worker\(s\)", 1)
+    assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[hA-0] done", "[hA-1] done"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--nnodes", "2"), "--nnodes is torchrun's flag: elastic-run counts workers, not nodes: run one elastic-run "
+                        "per host with the same --rendezvous and --job-id, and give the job's size in workers with "
+                        "--min-np/--max-np"),
+    (("--rdzv-endpoint", "10.0.0.1:29400"), "--rdzv-endpoint is torchrun's flag: use --rendezvous "
+                                            "HOST:PORT[,HOST:PORT...] (elastic-rendezvous serve on that port)"),
+    (("--rdzv_id", "exp7"), "--rdzv_id is torchrun's flag: use --job-id ID"),
+    (("--standalone",), "--standalone is torchrun's flag: elastic-run without --rendezvous is standalone already "
+                        "(an embedded rendezvous server on 127.0.0.1): drop the flag"),
+    (("--node_rank", "0"), "--node_rank is torchrun's flag: ranks come from the rendezvous (they change as "
+                           "workers come and go): run one elastic-run per host with a distinct --host instead"),
+])
+def test_torchrun_flags_without_a_counterpart_say_in_one_line_what_to_use(launch, args, says):
+    p = launch("--np", "1", *args)
+    assert p.wait(30) == 2, p.text()
+    assert p.stderr == [f"elastic-run: error: {says} (see elastic-run --help)"], p.text()
+    assert p.stdout == [] and not p.leftovers()
+
+
+def test_a_torchrun_flag_of_the_worker_command_is_the_commands(launch):
+    # After the command starts, a flag is the script's, whatever torchrun calls it.
+    p = launch("--np", "1", "--host", "hA", command=[sys.executable, WORKER, "--nnodes", "2"], LW_STEPS="2")
+    assert p.wait(60) == 0, p.text()
+
+
+@pytest.mark.parametrize("given", ["wrong", None])
+def test_a_refused_token_says_the_server_refused_it_not_that_it_cannot_be_reached(launch, server, tmp_path, given):
+    srv, _ = server
+    args = ["--rendezvous", srv.address, "--job-id", "exp9"]
+    if given:
+        wrong = tmp_path / "wrong-token"
+        wrong.write_text("not-the-token\n")
+        args += ["--token-file", str(wrong)]
+    p = launch("--np", "1", "--host", "hA", *args, ELASTIC_TOKEN="", ELASTIC_TOKEN_FILE="")
+    started = time.monotonic()
+    assert p.wait(30) == 1, p.text()
+    assert time.monotonic() - started < 8, "a refusal is an answer: no retrying until --connect-timeout (10 s)"
+    fix = ("the token given (--token-file, ELASTIC_TOKEN or ELASTIC_TOKEN_FILE) is not one in the server's "
+           "--token-file" if given else
+           "give the token file the server was started with: --token-file F (workers get it as ELASTIC_TOKEN_FILE)")
+    assert p.stderr == [f"elastic-run: error: the rendezvous server at {srv.address} refused the token "
+                        f"(UNAUTHENTICATED): {fix}"], p.text()
+    p.wait_no_leftovers()
+
+
+def test_a_rank_working_alone_for_less_than_the_collective_timeout_costs_no_restore(launch):
+    p = launch("--np", "2", "--host", "hA", "--collective-timeout", "8", LW_STEPS="20", LW_PAUSE="0:6:3")
+    assert p.wait(90) == 0, p.text()
+    p.wait_for(r"^\[hA-\d\] working alone for 3 s$", 1)
+    assert not any("restoring commit" in line for line in p.stderr), p.text()
+    assert _last(p) == "elastic-run: job default completed", p.text()
+
+
+def test_a_world_re_formed_by_a_collective_timeout_says_so_with_every_member_alive(launch):
+    p = launch("--np", "2", "--host", "hA", "--collective-timeout", "2", LW_STEPS="20", LW_PAUSE="0:6:5")
+    assert p.wait(90) == 0, p.text()
+    # The worker waiting on rank 0 restores, and the launcher says why the world re-formed.
+    p.wait_for(r"^\[hA-\d\] .*not finished 2 s after this rank entered it \(the collective timeout", 1)
+    p.wait_for(r"^elastic-run: world 2: 2 worker\(s\); recovered [0-9.]+ s after collective timeout waiting on "
+               r"rank 0 \(hA-\d\), every member alive$", 1)
+    assert re.fullmatch(r"elastic-run: job default completed \(1 recovery\(ies\), [0-9.]+-[0-9.]+ s each\)",
+                        _last(p)), p.text()
