@@ -4,6 +4,7 @@ environment torchrun scripts and libraries read."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -14,7 +15,7 @@ from rendezvous.client import StatusClient
 from tests.rendezvous.rdzv_helpers import ServerProc
 from tests.waiting import wait_until
 
-from .launch_helpers import WORKER
+from .launch_helpers import REPO, WORKER
 
 TOKEN = "tok-" + "x" * 28
 
@@ -146,3 +147,20 @@ def test_a_world_re_formed_by_a_collective_timeout_says_so_with_every_member_ali
                r"rank 0 \(hA-\d\), every member alive$", 1)
     assert re.fullmatch(r"elastic-run: job default completed \(1 recovery\(ies\), [0-9.]+-[0-9.]+ s each\)",
                         _last(p)), p.text()
+
+
+EPOCH_JOB = os.path.join(REPO, "tests", "launch", "epoch_job.py")
+
+
+def test_a_restore_after_the_end_of_epoch_commit_runs_each_epoch_once_with_its_whole_length(launch):
+    # Rank 0 works alone after epoch 0's end-of-epoch commit; rank 1's next collective times
+    # out, and both restore that commit: they must go on with epoch 1, not enter epoch 0 again
+    # with no batch (its per-epoch line printed twice, "0 samples").
+    p = launch("--np", "2", "--host", "hA", "--collective-timeout", "2", command=[sys.executable, EPOCH_JOB],
+               EJ_PAUSE="0:4")
+    assert p.wait(120) == 0, p.text()
+    p.wait_for(r"recovered [0-9.]+ s after collective timeout waiting on rank 0", 1)
+    for w in ("hA-0", "hA-1"):
+        lines = [l for l in p.stdout if l.startswith(f"[{w}] epoch ")]
+        assert lines == [f"[{w}] epoch {e}: 40 samples in all, len(loader) 5, on 2 worker(s)" for e in range(3)], \
+            p.text()
