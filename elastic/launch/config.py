@@ -24,7 +24,7 @@ from rendezvous.ports import check_can_listen
 from ..communicator import CommConfig
 from ..config import TLS_VARIABLES
 from .embedded import EMBEDDED_HOST
-from .torchrun_flags import ALIASES, add_torchrun_flags
+from .torchrun_flags import add_torchrun_flags
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -135,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elastic-run", description=DESCRIPTION, epilog=EPILOG,
                 usage="elastic-run --np N [options] -- COMMAND [ARGS...]",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--np", *ALIASES["--np"], dest="np", type=int, metavar="N",
+    p.add_argument("--np", type=int, metavar="N",
                    help="workers to run on this host (default: 1, or the slots the discovery script "
                         "gives this host); torchrun's --nproc-per-node is the same")
     p.add_argument("--min-np", type=int, metavar="N",
@@ -146,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-np", type=int, metavar="N",
                    help=f"workers beyond N wait on standby (default: the job's; a job this launcher's workers "
                         f"create gets {DEFAULT_MAX_NP})")
-    p.add_argument("--max-restarts", *ALIASES["--max-restarts"], dest="max_restarts", type=int, default=3, metavar="N",
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="respawn a worker killed by a signal at most N times per slot, with backoff "
                         "(0: never; default: %(default)s)")
     p.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",

@@ -47,6 +47,7 @@ from .metrics import WorkerMetrics
 from .outcome import WorkerEnd, completion_failure
 from .procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
 from .report import Reporter
+from .signals import StopSignals
 
 POLL_S = 0.05            # reap workers / check signals
 STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
@@ -82,7 +83,7 @@ class Launcher:
         self.reporter = Reporter(time.monotonic())
         self.last_failure = ""
         self.signum: Optional[int] = None
-        self.signals_seen = 0
+        self.signals = StopSignals()
         self.min_np, self.max_np = cfg.min_np, cfg.max_np
         self.discovery: Optional[DiscoveryPoller] = None
         self._last_hosts: Optional[Dict[str, int]] = None
@@ -104,7 +105,7 @@ class Launcher:
             alive = [w for w in self.all_workers if w.alive]
             self.out.note(f"{name}: draining {len(alive)} worker(s): each leaves the job at its next commit "
                           f"(SIGKILL after --preempt-grace {self.cfg.preempt_grace:g} s + --stop-timeout "
-                          f"{self.cfg.stop_timeout:g} s)")
+                          f"{self.cfg.stop_timeout:g} s; Ctrl-C again kills them at once)")
             left = self._drain(alive, name)
             if alive and left == len(alive) and not self.cfg.embedded:
                 self._shutdown(0, f"every worker left gracefully on {name}")
@@ -123,9 +124,14 @@ class Launcher:
             raise
 
     def _on_signal(self, signum, frame) -> None:
-        self.signals_seen += 1
+        self.signals.record(signum, time.monotonic())
         if self.signum is None:
             self.signum = signum
+
+    def _tell_echo(self) -> None:
+        line = self.signals.echo_line(signal.Signals(self.signum).name if self.signum else "signal")
+        if line:
+            self.out.note(line)
 
     def _check_signal(self) -> None:
         if self.signum is not None:
@@ -159,25 +165,33 @@ class Launcher:
                     self.out.note(f"{self._label(w)} {describe_exit(code)} while draining")
             if not pending:
                 break
-            if time.monotonic() >= deadline or self.signals_seen > 1:
+            self._tell_echo()
+            if time.monotonic() >= deadline or self.signals.hurry:
                 for w in pending:
                     self.out.note(f"{self._label(w)} did not leave" + (" within the grace; killing it"
-                                  if self.signals_seen <= 1 else "; killing it (signalled again)"))
+                                  if not self.signals.hurry else "; killing it (signalled again)"))
                     w.signal_group(signal.SIGKILL)
                 break
             time.sleep(POLL_S)
         return left
 
     def _shutdown(self, code: Optional[int], reason: str) -> None:
-        stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals_seen > 1)
-        for w in self.all_workers:
-            self._note_exit(w, w.proc.returncode)
-        if self.server is not None:
-            self.server.stop()
-        if self.status is not None:
-            self.status.close()
-        if self.metrics is not None:
-            self.metrics.close()
+        # Every step runs whatever failed before it: the embedded server's directory (its token)
+        # and the metrics socket's must go on every way out.
+        try:
+            stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals.hurry)
+            for w in self.all_workers:
+                self._note_exit(w, w.proc.returncode)
+        finally:
+            try:
+                if self.server is not None:
+                    self.server.stop()
+            finally:
+                if self.status is not None:
+                    self.status.close()
+                if self.metrics is not None:
+                    self.metrics.close()
+        self._tell_echo()
         view = self.view
         self._event("job_finished", exit_code=code, reason=reason,
                     phase=view.phase if view is not None else None,

@@ -58,7 +58,13 @@ class _Instead(argparse.Action):
 
 
 def add_torchrun_flags(p: argparse.ArgumentParser) -> None:
-    """Registers torchrun's flags that elastic-run lacks, each failing with what to use instead.
-    (The aliases are given where elastic-run's own flags are defined, from ALIASES.)"""
+    """Registers torchrun's spellings of elastic-run's flags (hidden: errors and --help name
+    elastic-run's own) and torchrun's flags that elastic-run lacks, each failing with what to
+    use instead. Call it after elastic-run's own flags are defined."""
+    for flag, aliases in ALIASES.items():
+        own = next(a for a in p._actions if flag in a.option_strings)
+        for alias in aliases:
+            p.add_argument(alias, dest=own.dest, type=own.type, metavar=own.metavar,
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for flag, hint in INSTEAD.items():
         p.add_argument(*spellings(flag), action=_Instead, hint=hint, dest=f"torchrun_{flag[2:]}")

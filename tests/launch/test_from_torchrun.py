@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 
@@ -164,3 +165,64 @@ def test_a_restore_after_the_end_of_epoch_commit_runs_each_epoch_once_with_its_w
         lines = [l for l in p.stdout if l.startswith(f"[{w}] epoch ")]
         assert lines == [f"[{w}] epoch {e}: 40 samples in all, len(loader) 5, on 2 worker(s)" for e in range(3)], \
             p.text()
+
+
+def test_a_second_sigint_within_milliseconds_is_the_same_request_and_said_so(launch):
+    # GNU timeout and some schedulers forward the signal the launcher got already: one leave.
+    p = launch("--np", "2", "--host", "hA", LW_STEPS="100000")
+    p.wait_training(2)
+    os.kill(p.proc.pid, signal.SIGINT)
+    # The repeat comes once the first was handled (two before that are one to Python anyway).
+    p.wait_for(r"^elastic-run: SIGINT: draining 2 worker\(s\)", 10)
+    os.kill(p.proc.pid, signal.SIGINT)
+    assert p.wait(60) == 128 + signal.SIGINT, p.text()
+    for w in ("hA-0", "hA-1"):
+        p.wait_for(rf"^elastic-run: worker {w}( \(rank \d\))? left \(preempted: SIGINT to elastic-run\)$", 1)
+    p.wait_for(r"^elastic-run: a second signal 0\.\d{3} s after the SIGINT was taken for the same request \(a "
+               r"wrapper such as GNU timeout forwarding it\); Ctrl-C again \(a second or more after the first\) kills "
+               r"the workers at once$", 1)
+    assert "signalled again" not in p.text()
+    p.wait_no_leftovers()
+
+
+def test_a_second_sigint_a_second_later_kills_at_once(launch):
+    # Steps of 20 s: a worker asked to leave reaches no commit before the second Ctrl-C.
+    p = launch("--np", "1", "--host", "hA", LW_STEPS="100000", LW_SLEEP="20")
+    p.wait_for(r"^\[hA-0\] step 1 size 1$", 60, stream="out")
+    os.kill(p.proc.pid, signal.SIGINT)
+    p.wait_for(r"^elastic-run: SIGINT: draining 1 worker\(s\): .*Ctrl-C again kills them at once\)$", 10)
+    time.sleep(1.2)   # a person's second Ctrl-C, past the window for echoes (fault injection)
+    os.kill(p.proc.pid, signal.SIGINT)
+    assert p.wait(30) == 128 + signal.SIGINT, p.text()
+    p.wait_for(r"^elastic-run: worker hA-0 \(rank 0\) did not leave; killing it \(signalled again\)$", 1)
+    p.wait_no_leftovers()
+
+
+def _token_dir(p) -> str:
+    return p.wait_for(r"its token is in (\S+)/token \(readable by this user only\)", 60).group(1)
+
+
+@pytest.mark.parametrize("how, args, env, code", [
+    ("a Python error while the job runs", ("--np", "2"), {"LW_RAISE_AT": "3"}, 1),
+    ("a Python error as the first world forms", ("--np", "2"), {"LW_RAISE_AT": "0"}, 1),
+    ("an error exit after the job completed", ("--np", "2"), {"LW_EXIT_AFTER_RUN": "hA-1:3"}, 1),
+    ("a worker error after the job completed", ("--np", "2"), {"LW_RAISE_AFTER_RUN": "hA-0"}, 1),
+    ("the job failing below min-np", ("--np", "2", "--max-restarts", "0", "--elastic-timeout", "2"),
+     {"LW_STEPS": "100000", "KILL": "hA-1"}, 1),
+    ("a SIGTERM to the launcher", ("--np", "2"), {"LW_STEPS": "100000", "SIGNAL": "TERM"}, 128 + signal.SIGTERM),
+])
+def test_every_way_a_run_ends_removes_the_directory_holding_the_token(launch, how, args, env, code):
+    env = dict(env)
+    kill, sig = env.pop("KILL", None), env.pop("SIGNAL", None)
+    p = launch(*args, "--host", "hA", **env)
+    token_dir = _token_dir(p)
+    assert os.path.isfile(os.path.join(token_dir, "token"))
+    if kill or sig:
+        p.wait_training(2)
+        if kill:
+            p.kill_worker(kill)
+        else:
+            os.kill(p.proc.pid, getattr(signal, f"SIG{sig}"))
+    assert p.wait(90) == code, f"{how}:\n{p.text()}"
+    assert not os.path.exists(token_dir), f"{how} left {token_dir}"
+    p.wait_no_leftovers()

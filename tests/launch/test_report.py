@@ -182,3 +182,22 @@ def test_a_signal_after_the_job_completed_is_a_failure_too():
 def test_a_worker_still_running_when_the_launcher_stops_waiting_is_a_failure():
     assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, None)) == (
         "worker b (rank 1) was still running 30 s after job job completed (stopped)")
+
+
+@pytest.mark.parametrize("times, hurry, echo_after", [
+    ([0.0], False, None),
+    ([0.0, 0.004], False, 0.004),            # a wrapper forwarding the same Ctrl-C
+    ([0.0, 0.004, 0.5], False, 0.004),
+    ([0.0, 1.0], True, None),                # a person's second Ctrl-C
+    ([0.0, 0.01, 2.5], True, 0.01),
+])
+def test_a_repeat_signal_within_a_second_is_an_echo_of_the_first(times, hurry, echo_after):
+    from elastic.launch.signals import StopSignals
+
+    s = StopSignals()
+    for t in times:
+        s.record(2, 100.0 + t)
+    assert s.hurry is hurry
+    assert s.echo_after == (pytest.approx(echo_after) if echo_after is not None else None)
+    line = s.echo_line("SIGINT")
+    assert (line is not None) is (echo_after is not None) and s.echo_line("SIGINT") is None
