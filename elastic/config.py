@@ -18,6 +18,7 @@
 | ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
+| ``ELASTIC_LOG_LEVEL`` | log the runtime's lines at this level without the script configuring logging (``elastic.logs``) | unset: Python's defaults |
 | ``ELASTIC_METRICS_SOCKET`` / ``ELASTIC_METRICS_TOKEN`` | where to push this worker's metrics, and its token (``elastic-run --metrics-port`` sets both, see ``elastic.metrics``) | no metrics |
 
 The ring secret is not configured: the rendezvous server makes a random one per job and hands it
@@ -59,6 +60,7 @@ class WorkerConfig:
     world_timeout: float = 600.0
     reset_limit: int = 0
     preempt_grace: float = 30.0
+    log_level: Optional[str] = None         # ELASTIC_LOG_LEVEL: install the "elastic" log handler (elastic.logs)
     metrics_socket: Optional[str] = None    # elastic-run --metrics-port: push metrics there
     metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
@@ -112,6 +114,7 @@ class WorkerConfig:
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),
             preempt_grace=number("ELASTIC_PREEMPT_GRACE", float, 30.0),
+            log_level=_log_level(env.get("ELASTIC_LOG_LEVEL", "")),
             metrics_socket=metrics_socket,
             metrics_token=metrics_token,
             comm=CommConfig.from_env(env),
@@ -129,6 +132,15 @@ class WorkerConfig:
     def channel_credentials(self):
         """TLS credentials for the rendezvous channel (None: plaintext)."""
         return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, names=TLS_VARIABLES)
+
+
+def _log_level(raw: str) -> Optional[str]:
+    level = raw.strip().upper()
+    if not level:
+        return None
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"ELASTIC_LOG_LEVEL={raw!r}: use debug, info, warning or error")
+    return level
 
 
 def check_limits(cfg: WorkerConfig) -> None:

@@ -39,7 +39,7 @@ import numpy as np
 from rendezvous.client import Ended, JobSpec, RendezvousClient, WorldInfo
 from rendezvous.client import RendezvousRPCError as _ClientError
 
-from . import metrics, preemption, reaction
+from . import logs, metrics, preemption, reaction, world_env
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
 from .config import WorkerConfig
@@ -250,6 +250,7 @@ class Session:
             if self._view.aborted_version >= world.version:
                 comm.abort(f"world version {world.version} was aborted while forming")
         metrics.world_formed(world.version, world.rank, world.size)
+        world_env.publish(world.rank, world.size)
         return comm
 
     def report_failure(self, err: WorkerLostError) -> None:
@@ -390,7 +391,9 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session
     with _lock:
         s = _session
         if s is None:
-            s = Session(config or WorkerConfig.from_env())
+            config = config or WorkerConfig.from_env()
+            logs.install(config.log_level)   # before the first line (standby) is logged
+            s = Session(config)
             s.start()
             _session, _last = s, None
     if form and s.world is None:

@@ -576,6 +576,22 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
     return state, actions
 
 
+def standby_reason(state: JobState, worker_id: str, now: float) -> str:
+    """Why a registered worker is not in the world, and what it waits for (its Standby notice)."""
+    if not state.world:
+        return "no world formed yet"
+    worker = state.workers.get(worker_id)
+    record = state.hosts.get(worker.host) if worker is not None else None
+    if record is not None and record.blacklisted_until > now:
+        return (f"host {worker.host} is blacklisted for {record.blacklisted_until - now:.0f} s more after "
+                f"repeated failures")
+    if len(state.world) >= state.spec.max_np:
+        return (f"beyond max_np={state.spec.max_np}: a hot spare, it takes the place of the next member that "
+                f"fails or leaves")
+    return (f"joins world {state.version + 1} at the next commit of world {state.version} "
+            f"({len(state.world)} of max_np={state.spec.max_np} in it)")
+
+
 def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
     """The next world's members in rank order (see the module docstring for the rules)."""
     chosen = eligible(state, now)[:state.spec.max_np]

@@ -233,8 +233,9 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if isinstance(action, d.AnnounceWorld):
             for worker_id, event in wire.spliced_worlds(action, job.streams):
                 self.send(job, worker_id, event)
+            now = time.time()
             for w in action.standby:
-                self.send(job, w, wire.standby_event(action.version, wire.HOT_SPARE))
+                self.send(job, w, wire.standby_event(action.version, d.standby_reason(job.state, w, now)))
         elif isinstance(action, (d.AnnouncePending, d.AnnounceAbort)):
             event = wire.notice_event(action)
             for m in before.world:
@@ -497,7 +498,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
         # write fails and another replica takes over); later changes follow through the outbox.
         state = job.durable_state if job.durable_state is not None else job.state
-        for event in wire.snapshot(state, w.worker_id):
+        for event in wire.snapshot(state, w.worker_id, time.time()):
             await context.write(event)
         if state.phase in d.TERMINAL:
             job.streams.pop(w.worker_id, None)

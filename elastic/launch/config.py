@@ -111,6 +111,8 @@ class LaunchConfig:
     connect_timeout: float
     preempt_grace: float
     collective_timeout: Optional[float] = None   # ELASTIC_COLLECTIVE_TIMEOUT for the workers (None: theirs)
+    log_level: str = "INFO"                 # ELASTIC_LOG_LEVEL for the workers; above INFO: a quiet launcher
+    omp_num_threads: Optional[str] = "1"    # OMP_NUM_THREADS for the workers (None: the environment's)
     metrics_port: Optional[int] = None      # serve the workers' metrics on /metrics of this port (0: a free one)
     metrics_host: str = "127.0.0.1"
     events: Optional[str] = None            # append one JSON line per launcher event to this file
@@ -209,12 +211,20 @@ def parser() -> argparse.ArgumentParser:
                         "heartbeat within seconds whatever it is. Passed to workers as "
                         "ELASTIC_COLLECTIVE_TIMEOUT (default: $ELASTIC_COLLECTIVE_TIMEOUT, else "
                         f"{CommConfig().timeout:g}, torch's gloo default)")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
+                       help="what the workers' elastic runtime logs (ELASTIC_LOG_LEVEL: rank of each world, standby, "
+                            "recoveries) and, above info, fewer lines of this launcher's own (default: %(default)s). "
+                            "A worker script that configures logging itself (logging.basicConfig ...) keeps its own")
+    level.add_argument("--quiet", action="store_true",
+                       help="--log-level warning: only failures, recoveries, leaves and the end are printed")
     add_torchrun_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     return p
 
 
 TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _tls(a: argparse.Namespace, embedded: bool, env: Mapping[str, str]) -> Tuple[Optional[str], ...]:
@@ -309,6 +319,8 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                         stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout,
                         preempt_grace=a.preempt_grace, collective_timeout=collective_timeout,
+                        log_level="WARNING" if a.quiet else a.log_level.upper(),
+                        omp_num_threads=None if env.get("OMP_NUM_THREADS") or np_ == 1 else "1",
                         metrics_port=a.metrics_port, metrics_host=metrics_host,
                         events=events, token=token,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")

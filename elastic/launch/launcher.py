@@ -233,7 +233,7 @@ class Launcher:
             except OSError as e:
                 raise LaunchFailed(f"--metrics-port {cfg.metrics_port}: cannot serve metrics on "
                                    f"{cfg.metrics_host}: {e.strerror or e}") from None
-            self.out.note(f"metrics of this host's workers on http://{_url_host(cfg.metrics_host)}:{self.metrics.port}"
+            self.out.info(f"metrics of this host's workers on http://{_url_host(cfg.metrics_host)}:{self.metrics.port}"
                           "/metrics")
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
@@ -243,10 +243,10 @@ class Launcher:
             except EmbeddedServerFailed as e:
                 raise LaunchFailed(str(e)) from None
             self._check_signal()
-            self.out.note(f"rendezvous server for job {cfg.job_id} on {self._addresses[0]} (embedded)")
+            self.out.info(f"rendezvous server for job {cfg.job_id} on {self._addresses[0]} (embedded)")
             # A path, not the token: the file is this user's alone (another launcher of the same
             # user may join with --rendezvous ADDRESS --token-file PATH).
-            self.out.note(f"its token is in {self.server.token_file} (readable by this user only)")
+            self.out.info(f"its token is in {self.server.token_file} (readable by this user only)")
         token = self.server.token if self.server is not None else cfg.token
         try:
             credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
@@ -255,6 +255,10 @@ class Launcher:
         if token and credentials is None and not all(is_loopback(a.rpartition(":")[0]) for a in self._addresses):
             self.out.note(f"warning: the rendezvous token goes to {','.join(self._addresses)} in clear text; "
                           "give --tls-ca (servers started with --tls-cert)")
+        if cfg.omp_num_threads is not None:
+            self.out.info(f"OMP_NUM_THREADS={cfg.omp_num_threads} for every worker, as torchrun sets it (each of "
+                          "several workers on a host would otherwise start a thread per core); set OMP_NUM_THREADS "
+                          "to choose")
         self.status = StatusClient(self._addresses, token, credentials)
         self._check_job()
         if cfg.host_discovery_script:
@@ -316,7 +320,7 @@ class Launcher:
         self.min_np, self.max_np = view.min_np, view.max_np
         self.reporter.last = view   # report changes from here on, not the job's history
         self.reporter.world = set(view.ranks())
-        self.out.note(f"joining job {cfg.job_id} at world {view.world_version} ({len(view.ranks())} worker(s), "
+        self.out.info(f"joining job {cfg.job_id} at world {view.world_version} ({len(view.ranks())} worker(s), "
                       f"phase {view.phase})")
 
     # ------------------------------------------------------------------ workers
@@ -330,10 +334,11 @@ class Launcher:
             "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
             **self._limits_env(),
             **({"ELASTIC_COLLECTIVE_TIMEOUT": f"{cfg.collective_timeout:g}"} if cfg.collective_timeout else {}),
+            **self._torchrun_env(slot), "ELASTIC_LOG_LEVEL": cfg.log_level,
             "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
             "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n), **self._credential_env(),
             **(self.metrics.worker_env(worker_id) if self.metrics is not None else {}),
-        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES + _LIMIT_VARIABLES)
+        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES + _LIMIT_VARIABLES + _TORCHRUN_VARIABLES)
         try:
             w = Worker(slot, n, worker_id, cfg.command, env, self.out)
         except OSError as e:
@@ -344,6 +349,18 @@ class Launcher:
         self.all_workers.append(w)
         self.reporter.note_start(worker_id, time.monotonic())
         return w
+
+    def _torchrun_env(self, slot: int) -> Dict[str, str]:
+        """The variables torchrun sets that stay true across re-forms: LOCAL_RANK is the worker's
+        slot on this host (0..slots-1, its own for the process's life and its respawns': what
+        device selection needs), LOCAL_WORLD_SIZE the slots of this host; OMP_NUM_THREADS=1
+        unless the environment has one, as torchrun. RANK and WORLD_SIZE change with every
+        world: the runtime sets them in the worker's own environment as each world forms
+        (elastic.world_env); MASTER_ADDR/MASTER_PORT are not set: there is no master."""
+        env = {"LOCAL_RANK": str(slot), "LOCAL_WORLD_SIZE": str(max(self.target, slot + 1))}
+        if self.cfg.omp_num_threads is not None:
+            env["OMP_NUM_THREADS"] = self.cfg.omp_num_threads
+        return env
 
     def _limits_env(self) -> Dict[str, str]:
         """The job size limits its workers join with: the --min-np/--max-np given, as limits they
@@ -382,7 +399,7 @@ class Launcher:
                 continue
             started.append(self._spawn(slot))
         if started:
-            self.out.note(f"started {len(started)} worker(s): "
+            self.out.info(f"started {len(started)} worker(s): "
                           + ", ".join(f"{w.worker_id} (pid {w.pid})" for w in started))
         for w in started:
             self._event("worker_started", worker_id=w.worker_id, slot=w.slot, pid=w.pid, restart=w.restart)
@@ -476,7 +493,7 @@ class Launcher:
                     self.metrics.note_restart(slot)
                 self._event("worker_respawned", worker_id=w.worker_id, slot=slot, pid=w.pid, restart=w.restart,
                             replaces=replaces)
-                self.out.note(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
+                self.out.info(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
 
     # ------------------------------------------------------------------ the job
     def _job_over(self) -> bool:
@@ -505,7 +522,7 @@ class Launcher:
         before = self.reporter.last.world_version if self.reporter.last is not None else 0
         recoveries = len(self.reporter.recoveries)
         for msg in self.reporter.update(view, now):
-            self.out.note(msg)
+            (self.out.note if msg.notable else self.out.info)(msg)
         self.view = view
         self._job_events(view, before, recoveries)
         if view.phase == "FAILED":
@@ -587,7 +604,7 @@ class Launcher:
         slots = min(local_slots(hosts, self._names()), self.max_np)
         if hosts != self._last_hosts:
             others = {h: s for h, s in hosts.items() if h not in self._names()}
-            self.out.note(f"discovery: {slots} slot(s) on this host ({self.cfg.host})"
+            self.out.info(f"discovery: {slots} slot(s) on this host ({self.cfg.host})"
                           + ("; other hosts, not started by this launcher (run elastic-run --rendezvous there): "
                              + ", ".join(f"{h}:{s}" for h, s in sorted(others.items())) if others else ""))
             self._last_hosts = hosts
@@ -620,6 +637,9 @@ def _strip_job(reason: str, job_id: str) -> str:
 
 # Replaced in every worker's environment by what _credential_env gives (if anything).
 _CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
+# torchrun's variables: LOCAL_* are set for each worker; RANK and WORLD_SIZE inherited from this
+# launcher's environment would be false (the runtime sets them as worlds form).
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 # Set from --min-np/--max-np only: a variable left in the launcher's environment must not pin a
 # limit the flags leave to the job.
 _LIMIT_VARIABLES = ("ELASTIC_MIN_NP", "ELASTIC_MAX_NP", "ELASTIC_MIN_NP_IF_NEW", "ELASTIC_MAX_NP_IF_NEW")
@@ -640,5 +660,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"elastic-run: error: {e} (see elastic-run --help)", file=sys.stderr)
         return 2
     out, err = stdout_streams()
-    return Launcher(cfg, Output(out, err)).run()
+    return Launcher(cfg, Output(out, err, quiet=cfg.log_level not in ("DEBUG", "INFO"))).run()
 

@@ -3,7 +3,8 @@
 Each epoch: set_epoch, the batches (an allreduce each, record_batch), a per-epoch line on every
 rank ("epoch E: S samples in all, len(loader) B, on N worker(s)"), then the end-of-epoch commit.
 Knobs (environment): EJ_EPOCHS (3); EJ_PAUSE=EPOCH:SECONDS rank 0 works alone for SECONDS after
-that epoch's end-of-epoch commit, once per process (an evaluation, a checkpoint).
+that epoch's end-of-epoch commit, once per process (an evaluation, a checkpoint); EJ_LOADER_WORKERS
+the DataLoader's num_workers (0). It does not configure logging: what it logs is the runtime's doing.
 """
 
 import os
@@ -20,7 +21,8 @@ paused = False
 
 dataset = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32))
 sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=0)
-loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
+loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler,
+                                     num_workers=int(os.environ.get("EJ_LOADER_WORKERS", "0")))
 state = elastic.TorchState(sampler=sampler, epoch=0, batch=0)
 
 

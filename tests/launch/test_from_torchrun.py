@@ -226,3 +226,70 @@ def test_every_way_a_run_ends_removes_the_directory_holding_the_token(launch, ho
     assert p.wait(90) == code, f"{how}:\n{p.text()}"
     assert not os.path.exists(token_dir), f"{how} left {token_dir}"
     p.wait_no_leftovers()
+
+
+def test_torchrun_variables_that_stay_true_across_worlds_are_set_and_rank_follows_each_world(launch):
+    p = launch("--np", "2", "--min-np", "1", "--host", "hA", "--max-restarts", "1", LW_STEPS="150", LW_PRINT_ENV="1",
+               OMP_NUM_THREADS="", RANK="7", WORLD_SIZE="9")
+    p.wait_training(2)
+    p.kill_worker("hA-1")
+    p.wait_for(r"world \d+: 2 worker\(s\); joined: hA-1-r1", 60)
+    assert p.wait(90) == 0, p.text()
+    # At start: the slot (the respawn keeps its slot), the host's slots, OMP as torchrun; no rank yet.
+    for w, slot in (("hA-0", 0), ("hA-1", 1), ("hA-1-r1", 1)):
+        p.wait_for(rf"^\[{w}\] env RANK=- WORLD_SIZE=- LOCAL_RANK={slot} LOCAL_WORLD_SIZE=2 OMP_NUM_THREADS=1 "
+                   rf"MASTER_ADDR=-$", 1)
+    # In every world RANK and WORLD_SIZE are that world's.
+    worlds = re.findall(r"^\[\S+\] world env rank (\d) size (\d) RANK=(\S+) WORLD_SIZE=(\S+) ", "\n".join(p.stdout),
+                        re.M)
+    assert len(worlds) >= 5 and all((r, n) == (rr, nn) for r, n, rr, nn in worlds), p.text()
+    assert {n for _, n, _, _ in worlds} == {"1", "2"}, worlds
+    p.wait_for(r"^elastic-run: OMP_NUM_THREADS=1 for every worker, as torchrun sets it", 1)
+    # The respawn waits on standby for the next commit, and says so (it is no hot spare).
+    p.wait_for(r"^\[hA-1-r1\] INFO elastic: worker hA-1-r1 on standby: joins world \d+ at the next commit of world "
+               r"\d+ \(1 of max_np=1024 in it\)$", 1)
+
+
+def test_an_omp_num_threads_of_the_users_own_is_kept(launch):
+    p = launch("--np", "2", "--host", "hA", LW_STEPS="4", LW_PRINT_ENV="1", OMP_NUM_THREADS="3")
+    assert p.wait(60) == 0, p.text()
+    assert sum(1 for l in p.stdout if " OMP_NUM_THREADS=3 " in l and l.split()[1] == "env") == 2, p.text()
+    assert "OMP_NUM_THREADS=1" not in p.text()
+
+
+
+def test_grpcs_own_lines_do_not_reach_the_user_and_the_runtimes_do_without_basicconfig(launch):
+    # DataLoader workers fork while gRPC's threads run (fork_posix.cc used to say so at every fork).
+    p = launch("--np", "2", "--host", "hA", command=[sys.executable, EPOCH_JOB], EJ_LOADER_WORKERS="2")
+    assert p.wait(120) == 0, p.text()
+    assert not any(".cc:" in l for l in p.stderr), p.text()
+    # The script configures no logging: the launcher asked the runtime for its INFO lines.
+    p.wait_for(r"^\[hA-\d\] INFO elastic: worker hA-\d is rank 0 of 2 in world version 1", 1)
+
+
+def test_a_worker_cut_off_and_back_prints_no_grpc_line(launch):
+    # Stopped past the heartbeat timeout, it is evicted; woken, its channel meets the server's GOAWAY.
+    p = launch("--np", "3", "--min-np", "2", "--host", "hA", LW_STEPS="400")
+    p.wait_training(3)
+    p.kill_worker("hA-2", signal.SIGSTOP)
+    p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2", 30)
+    p.kill_worker("hA-2", signal.SIGCONT)
+    p.wait_for(r"world \d+: 3 worker\(s\); joined: hA-2", 60)
+    assert p.wait(120) == 0, p.text()
+    assert not any("chttp2_transport" in l or ".cc:" in l for l in p.stderr), p.text()
+
+
+def test_quiet_prints_only_what_went_wrong_and_the_end(launch):
+    p = launch("--np", "2", "--host", "hA", "--quiet", command=[sys.executable, EPOCH_JOB])
+    assert p.wait(120) == 0, p.text()
+    assert p.stderr == ["elastic-run: job default completed"], p.text()
+
+
+def test_a_job_waiting_for_a_late_host_says_so(launch, server):
+    srv, token = server
+    args = ("--rendezvous", srv.address, "--job-id", "exp10", "--token-file", token)
+    a = launch("--np", "1", "--min-np", "2", "--host", "hostA", *args, LW_STEPS="6")
+    a.wait_for(r"^elastic-run: waiting for 1 more worker: 1 of min-np 2 joined, 1\d s \(the job fails after 600 s "
+               r"below min-np\)$", 40)
+    b = launch("--np", "1", "--host", "hostB", *args, LW_STEPS="6")
+    assert a.wait(90) == 0 and b.wait(90) == 0, a.text() + b.text()

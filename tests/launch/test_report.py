@@ -201,3 +201,26 @@ def test_a_repeat_signal_within_a_second_is_an_echo_of_the_first(times, hurry, e
     assert s.echo_after == (pytest.approx(echo_after) if echo_after is not None else None)
     line = s.echo_line("SIGINT")
     assert (line is not None) is (echo_after is not None) and s.echo_line("SIGINT") is None
+
+
+def test_a_job_waiting_for_late_workers_says_how_many_every_ten_seconds():
+    r = Reporter(now=0.0)
+    one = dataclasses.replace(view(0, [], standby=["a"], phase="FORMING", min_np=2))
+    assert r.update(one, 1.0) == []
+    assert r.update(one, 10.9) == []
+    assert r.update(one, 11.0) == ["waiting for 1 more worker: 1 of min-np 2 joined, 10 s (the job fails after "
+                                   "600 s below min-np)"]
+    assert r.update(one, 15.0) == []
+    lines = r.update(one, 21.0)
+    assert lines == ["waiting for 1 more worker: 1 of min-np 2 joined, 20 s (the job fails after 600 s below "
+                     "min-np)"] and not lines[0].notable
+    # Enough workers: a world forms and the waiting lines stop.
+    assert r.update(view(1, ["a", "b"], min_np=2), 22.0) == ["world 1: 2 worker(s), formed 22.00 s after launch"]
+    assert r.update(view(1, ["a", "b"], min_np=2), 40.0) == []
+
+
+def test_routine_lines_are_not_notable_and_failures_are():
+    r = Reporter(now=0.0)
+    assert not any(line.notable for line in r.update(view(1, ["a", "b"]), 1.0))
+    r.note_failure("b killed by SIGKILL", 2.0)
+    assert all(line.notable for line in r.update(view(2, ["a"]), 2.5))

@@ -6,6 +6,8 @@ LW_RAISE_AFTER_RUN=WORKER that worker raises RuntimeError after the job complete
 LW_EXIT_AFTER_RUN=WORKER:CODE that worker exits with CODE after the job completed;
 LW_RAISE_ON=WORKER:SIZE that worker raises ValueError at its first step in a world of SIZE;
 LW_PAUSE=RANK:STEP:SECONDS the worker of that rank works alone for SECONDS after STEP (once);
+LW_PRINT_ENV=1 prints torchrun's variables at start ("env ...") and at the first step of each
+world ("world env ...");
 LW_JOIN_AFTER=PATH joins the job only once PATH exists (a test orders joins of two launchers).
 Prints "start" first (before any world), "step S size N" after every step, "done" at the end,
 then what the worker sees after elastic.run returned: "result R", "after rank R size N
@@ -34,6 +36,9 @@ paused = False   # this process paused already (not state: a restore must not pa
 with open(os.path.join(OUT, f"pid-{WORKER}.txt"), "w") as f:
     f.write(str(os.getpid()))
 print("start", flush=True)
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "MASTER_ADDR")
+if os.environ.get("LW_PRINT_ENV"):
+    print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in TORCHRUN_VARS), flush=True)
 if os.environ.get("LW_JOIN_AFTER"):
     deadline = time.monotonic() + 60
     while not os.path.exists(os.environ["LW_JOIN_AFTER"]):
@@ -46,6 +51,9 @@ state = elastic.ObjectState(step=0, total=0.0)
 
 @elastic.run
 def train(state):
+    if os.environ.get("LW_PRINT_ENV"):
+        print(f"world env rank {elastic.rank()} size {elastic.size()} "
+              + " ".join(f"{k}={os.environ.get(k, '-')}" for k in TORCHRUN_VARS), flush=True)
     while state.step < STEPS:
         if state.step == RAISE_AT or (RAISE_ON == WORKER and str(elastic.size()) == RAISE_SIZE):
             raise ValueError(f"deterministic user error at step {state.step}")

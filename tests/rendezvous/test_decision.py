@@ -6,9 +6,9 @@ import pytest
 from dataclasses import replace
 
 from rendezvous.decision import (AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld, Attach,
-                                 DecisionConfig, Dropped, Evict, Join, JobSpec, Leave, Phase, Progress,
+                                 DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave, Phase, Progress,
                                  Refusal, Rejected, SpecConflict, Success, Tick,
-                                 decide, from_json, join_spec, new_job, next_deadline, to_json)
+                                 decide, from_json, join_spec, new_job, next_deadline, standby_reason, to_json)
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
                      cooldown_max_s=35.0)
@@ -440,3 +440,17 @@ def test_a_join_naming_other_limits_than_the_running_job_is_refused(asked, named
     got = join_spec("exp7", asked, JobSpec(1, 1024, 0.0), JobSpec(2, 1024, 600.0))
     assert got == SpecConflict(f"job exp7 has min_np=2 max_np=1024; this join asks for {named} (leave a "
                                f"limit unset to take the job's)")
+
+
+# ------------------------------------------------------------------ what a standby worker is told
+def test_a_standby_worker_is_told_what_it_waits_for():
+    s = formed([("a", "h1"), ("b", "h1")], min_np=1, max_np=4)
+    s, _ = run(s, [(2.0, Join("c", "h2", "h2:1"))])
+    assert standby_reason(s, "c", 2.0) == "joins world 2 at the next commit of world 1 (2 of max_np=4 in it)"
+    full = formed([("a", "h1"), ("b", "h1")], min_np=1, max_np=2)
+    full, _ = run(full, [(2.0, Join("c", "h2", "h2:1"))])
+    assert standby_reason(full, "c", 2.0) == ("beyond max_np=2: a hot spare, it takes the place of the next "
+                                              "member that fails or leaves")
+    assert standby_reason(job(), "a", 0.0) == "no world formed yet"
+    cooling = replace(s, hosts={**s.hosts, "h2": HostRecord(blacklistings=1, blacklisted_until=32.0)})
+    assert standby_reason(cooling, "c", 2.0) == "host h2 is blacklisted for 30 s more after repeated failures"
