@@ -69,7 +69,14 @@ environment given to every worker (on top of this launcher's own, which is inher
   ELASTIC_RESTART_COUNT    how many times this slot was started before (0 the first time)
   ELASTIC_METRICS_SOCKET   with --metrics-port: the Unix socket (in a 0700 directory) it pushes
                            its metrics to; ELASTIC_METRICS_TOKEN its own random token (never inherited)
-  PYTHONUNBUFFERED=1       so output reaches the launcher line by line
+  ELASTIC_LOG_LEVEL        --log-level (--quiet: warning): the runtime logs its lines at this level
+  ELASTIC_COLLECTIVE_TIMEOUT  --collective-timeout, when given
+  LOCAL_RANK               torchrun's: the worker's slot on this host (stable across respawns)
+  LOCAL_WORLD_SIZE         torchrun's: the slots of this host. RANK and WORLD_SIZE change with every
+                           world: the runtime sets them in the worker's environment as each forms
+  OMP_NUM_THREADS=1        as torchrun, unless set already or --np is 1
+  PYTHONUNBUFFERED=1       so output reaches the launcher line by line (unless set)
+  GRPC_VERBOSITY=ERROR, GRPC_ENABLE_FORK_SUPPORT=0   unless set: none of gRPC's own INFO lines
 Variables already set pass through, e.g. ELASTIC_RING_HOST (the address the ring listens on),
 ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_WORLD_TIMEOUT, ELASTIC_RESET_LIMIT; ELASTIC_TOKEN and
 ELASTIC_TOKEN_FILE too, unless --token-file or the embedded server gives the token. With
