@@ -127,11 +127,19 @@ Neighbour::Neighbour(int fd, int rank, const std::string& address)
     : fd(fd), rank(rank), name(rank_name(rank, address)) {}
 
 void Neighbour::closed(const RunState& s) {
+  // An ended connection with a pending error (reset, or the kernel gave up on it) says why.
+  int err = 0;
+  socklen_t len = sizeof(err);
+  if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0) broke(s, err);
   lost(s.ctx, s.op, poisoned || take_poison(fd), rank, name, "connection to " + name + " closed (peer exited or failed)");
 }
 
 void Neighbour::broke(const RunState& s, int err) {
-  lost(s.ctx, s.op, poisoned || take_poison(fd), rank, name, "connection to " + name + " lost: " + std::strerror(err));
+  std::string why = std::strerror(err);
+  if (err == ETIMEDOUT)
+    why += " (nothing sent on it was acknowledged for " + std::to_string(kDeadLinkMs / 1000) +
+           " s: the link between the two is down)";
+  lost(s.ctx, s.op, poisoned || take_poison(fd), rank, name, "connection to " + name + " lost: " + why);
 }
 
 End::~End() {
