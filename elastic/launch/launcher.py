@@ -255,10 +255,6 @@ class Launcher:
         if token and credentials is None and not all(is_loopback(a.rpartition(":")[0]) for a in self._addresses):
             self.out.note(f"warning: the rendezvous token goes to {','.join(self._addresses)} in clear text; "
                           "give --tls-ca (servers started with --tls-cert)")
-        if cfg.omp_num_threads is not None:
-            self.out.info(f"OMP_NUM_THREADS={cfg.omp_num_threads} for every worker, as torchrun sets it (each of "
-                          "several workers on a host would otherwise start a thread per core); set OMP_NUM_THREADS "
-                          "to choose")
         self.status = StatusClient(self._addresses, token, credentials)
         self._check_job()
         if cfg.host_discovery_script:
@@ -268,6 +264,10 @@ class Launcher:
                 raise LaunchFailed(f"--host-discovery-script: {e}") from None
             self.discovery = DiscoveryPoller(cfg.host_discovery_script, cfg.discovery_interval, self.out.note)
             self.discovery.start()
+        if cfg.omp_num_threads is not None:
+            self.out.info(f"OMP_NUM_THREADS={cfg.omp_num_threads} for every worker, as torchrun sets it (each of "
+                          "several workers on a host would otherwise start a thread per core); set OMP_NUM_THREADS "
+                          "to choose")
         self._scale()
         next_status = 0.0
         while True:

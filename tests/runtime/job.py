@@ -270,7 +270,9 @@ def train(state):
             if elastic.allreduce(stop, elastic.Max).item():
                 break
     log["final_size"] = elastic.size()
-    log["epochs"] = state.epoch + 1
+    # Epochs done: the loop's last, or all of them when a restore or sync landed on the last
+    # end-of-epoch commit (a finished epoch is committed as the next, so the loop had none left).
+    log["epochs"] = min(state.epoch + 1, EPOCHS)
 
 
 try:
