@@ -190,9 +190,10 @@ held = {"commit": -1, "step": 0}
 
 
 def state_digest():
-    """SHA-256 of everything the state holds, bit for bit (dtypes, shapes, bytes, key order)."""
-    return bits_digest([model.state_dict(), opt.state_dict(), sampler.state_dict(), state.epoch, state.batch,
-                        state.step, state.commit_step])
+    """SHA-256 of everything the state holds as a commit or a sync takes it (state.live(): model,
+    optimizer, sampler, attributes; a finished epoch as the next), bit for bit (dtypes, shapes,
+    bytes, key order)."""
+    return bits_digest([state.live(), state.commit_step])
 
 
 def logged_sync():
