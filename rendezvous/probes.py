@@ -114,7 +114,7 @@ class FailureReports:
                     return pb.ReportFailureResponse(evicted=True, detail="suspect lost its stream")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    await self._ring_broken(job, reporter.worker_id, request.world_version, why)
+                    await self._ring_broken(job, reporter.worker_id, request, why)
                     return pb.ReportFailureResponse(
                         evicted=False, detail=f"{suspect} did not answer the probe but its "
                                               f"connection stayed alive (keepalive) for "
@@ -130,7 +130,7 @@ class FailureReports:
                 finally:
                     ended.cancel()
                 if fut.done() and not fut.cancelled():
-                    await self._ring_broken(job, reporter.worker_id, request.world_version, why)
+                    await self._ring_broken(job, reporter.worker_id, request, why)
                     return pb.ReportFailureResponse(evicted=False,
                                                     detail=f"{suspect} answered a probe; world "
                                                            f"{request.world_version} re-formed")
@@ -149,10 +149,18 @@ class FailureReports:
                 return
             await self.service.require_leader()
 
-    async def _ring_broken(self, job: Job, reporter_id: str, version: int, why: str) -> None:
+    async def _ring_broken(self, job: Job, reporter_id: str, request, why: str) -> None:
         # Nobody is evicted, but the reporter's ring is broken: without a new version every
         # member would wait for a world that never comes.
+        version, suspect = request.world_version, request.suspect_worker_id
+        member = job.state.member(suspect)
         self.service.metrics.failure_signal(job)
         seq, _ = self.service.journal.apply(job, d.RingBroken(
             reporter_id, version, f"ring of world {version} broken, every member alive ({why})"))
         await self.service.journal.wait_durable(job, seq)
+        who = f"rank {member.rank} ({suspect})" if member is not None else suspect
+        cause = "collective timeout" if request.timed_out else "broken ring link"
+        # Ids and a kind only: the reporter's own words stay in the abort notice and the log.
+        self.service.history.job(job, "ring_broken", worker_id=suspect, world_version=version,
+                                 reporter=reporter_id, cause=cause.replace(" ", "_"),
+                                 detail=f"{cause} waiting on {who}, every member alive")
