@@ -245,9 +245,14 @@ void Links::run_plan(Plan& plan, const OpInfo& op) {
 
 void Links::sleep(RunState& s, Clock::time_point deadline) {
   pollfd fds[3 + kMaxWatch];
+  // An end with nothing more to move in this operation is left out (a negative fd): poll()
+  // reports POLLHUP and POLLERR even for no events, and a neighbour that finished its part
+  // and closed (reset by a doorbell it never read) is no failure of an operation that needs
+  // nothing more from it. Were it gone too early, the end that still waits on it says so.
+  const short send_events = send_->events(s), recv_events = recv_->events(s);
   fds[0] = {abort_->fd(), POLLIN, 0};
-  fds[1] = {send_->peer().fd, send_->events(s), 0};
-  fds[2] = {recv_->peer().fd, recv_->events(s), 0};
+  fds[1] = {send_events ? send_->peer().fd : -1, send_events, 0};
+  fds[2] = {recv_events ? recv_->peer().fd : -1, recv_events, 0};
   int ms = poll_ms_until(deadline);
   if (ms == 0) {
     const Neighbour& waited = s.received < s.nrecv ? recv_->peer() : send_->peer();
@@ -266,8 +271,8 @@ void Links::sleep(RunState& s, Clock::time_point deadline) {
   if (r > 0 && nw) check_watched(watch_, fds + 3, ctx_, s.op);
   // The receiving end first: it only takes note (a poison byte that must be read before the
   // stream's end is seen), while the sending end may fail the operation.
-  recv_->polled(fds[2].revents, s);
-  send_->polled(fds[1].revents, s);
+  if (recv_events) recv_->polled(fds[2].revents, s);
+  if (send_events) send_->polled(fds[1].revents, s);
 }
 
 }  // namespace ering

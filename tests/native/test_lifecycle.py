@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 import pytest
 
 import elastic
 
-from .harness import TRANSPORTS, World, mixed_hosts
+from .harness import TRANSPORTS, World, mixed_hosts, run_world
 
 CYCLES = 1000
 
@@ -78,3 +79,21 @@ def test_a_thousand_form_abort_cycles_leak_nothing(transport):
         assert fds_end - fds_50 <= 2, f"rank {rank}: {fds_end - fds_50} file descriptors leaked"
         assert threads_end == threads_50, f"rank {rank}: {threads_end - threads_50} threads leaked"
         assert rss_end - rss_50 < 8, f"rank {rank}: RSS grew {rss_end - rss_50:.1f} MiB over {CYCLES - 50} cycles"
+
+
+def _root_closes_while_the_chain_finishes(comm):
+    # Rank 0, the root, is done once its bytes are handed on, and closes (its process exits);
+    # rank 2 is already waiting in the same broadcast for rank 1, which comes late. Rank 0's
+    # close is not a failure of an operation that needs nothing more from it.
+    buf = np.full(1024, comm.rank, dtype=np.float32)
+    if comm.rank == 1:
+        time.sleep(1.0)
+    comm.broadcast_(buf, root_rank=0)
+    return buf.tolist() == [0.0] * 1024
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS + ["mixed"])
+def test_a_rank_that_finished_and_closed_does_not_fail_neighbours_still_in_the_collective(transport):
+    if transport == "mixed":
+        transport = mixed_hosts(3)
+    assert run_world(3, _root_closes_while_the_chain_finishes, transport=transport, timeout=60) == [True] * 3
