@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 import grpc  # noqa: E402
 from grpc import aio  # noqa: E402
 
-from rendezvous.proto import pb, pb_grpc  # noqa: E402
+from rendezvous.wire import pb, pb_grpc  # noqa: E402
 from rendezvous.client import channel_options  # noqa: E402
 from rendezvous.etcd_process import EtcdProcess  # noqa: E402
 

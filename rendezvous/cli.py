@@ -13,7 +13,7 @@ from . import status_view
 from .client import (StatusClient, StatusError, channel_credentials, parse_addresses,
                      read_token_file, read_token_list)
 from .config import ServerConfig, default
-from .events import EventLog
+from .event_log import EventLog
 from .history import RECENT_PER_JOB
 from .ports import check_can_listen
 from .status_view import format_status

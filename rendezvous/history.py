@@ -14,13 +14,13 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import checks
+from . import peer_text
 from . import decision as d
-from .events import EventLog
+from .event_log import EventLog
 from .metrics import eviction_cause
 
 if TYPE_CHECKING:
-    from .jobs import Job
+    from .job_record import Job
 
 RECENT_PER_JOB = 50          # the most Status returns per job
 
@@ -31,7 +31,7 @@ class RecentEvent:
     event: str               # one of events.EVENTS
     world_version: int
     worker_id: str = ""
-    detail: str = ""         # one short line: peer text escaped and cut (checks.shown)
+    detail: str = ""         # one short line: peer text escaped and cut (peer_text.shown)
 
 
 def describe(action) -> Optional[tuple[str, str, dict[str, Any], str]]:
@@ -44,7 +44,7 @@ def describe(action) -> Optional[tuple[str, str, dict[str, Any], str]]:
                                      "standby": len(action.standby)},
                 f"{len(action.members)} member(s), {len(action.standby)} standby")
     if isinstance(action, d.Dropped):
-        reason = checks.shown(action.reason)
+        reason = peer_text.shown(action.reason)
         if action.cause is d.Departure.LEFT:
             return "worker_left", action.worker_id, {"reason": reason}, reason
         cause = eviction_cause(action.cause)
@@ -52,7 +52,7 @@ def describe(action) -> Optional[tuple[str, str, dict[str, Any], str]]:
                 f"{cause}: {reason}")
     if isinstance(action, d.AnnounceFinished):
         outcome = "succeeded" if action.succeeded else "failed"
-        reason = checks.shown(action.reason)
+        reason = peer_text.shown(action.reason)
         return "job_finished", "", {"outcome": outcome, "reason": reason}, f"{outcome}: {reason}"
     return None
 

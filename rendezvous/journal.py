@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import grpc
 
 from . import decision as d
-from .jobs import Job
+from .job_record import Job
 from .leader import Leadership
 from .store import Store, StoreError
 from .wire import RpcRefusal

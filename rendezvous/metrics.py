@@ -29,7 +29,7 @@ from . import decision as d
 from .store import Store, StoreError
 
 if TYPE_CHECKING:
-    from .jobs import Job
+    from .job_record import Job
     from .server import RendezvousService
 
 P = "elastic_rendezvous_"

@@ -11,7 +11,7 @@
 * Only a report that does evict counts against the suspect's host, and not when the suspect never
   reattached after a leader change (the server's doing as much as the host's).
 * Only members of the world a report names may report; the reason they give is shown escaped and
-  shortened (checks.shown).
+  shortened (peer_text.shown).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from . import checks
+from . import peer_text
 from . import decision as d
 from ._proto import rendezvous_pb2 as pb
-from .jobs import Job
+from .job_record import Job
 from .wire import RpcRefusal
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class FailureReports:
                                                                   f"world {state.version} (already "
                                                                   f"evicted or left)")
         target = state.workers[suspect]
-        why = f"reported by {reporter.worker_id}: {checks.shown(request.reason) or 'unreachable'}"
+        why = f"reported by {reporter.worker_id}: {peer_text.shown(request.reason) or 'unreachable'}"
 
         def same_suspect() -> bool:
             cur = job.state.workers.get(suspect)

@@ -5,7 +5,7 @@ an event; `decision.decide` returns the next state and actions; the journal (jou
 state to the store and only then are the actions sent on the workers' Watch streams. Because every
 announced world is durable before anyone sees it, a restarted server or a new leader reloads the same
 worlds and changes nothing; workers simply reattach their sessions. Tokens, credentials and session ids
-are auth.py's, the protobuf forms wire.py's, the time-driven changes timers.py's, the judging of
+are auth.py's, the protobuf forms wire.py's, the time-driven changes job_timer.py's, the judging of
 failure reports probes.py's, what is counted (Prometheus) metrics.py's and what is recorded (the
 event log, each job's recent events for Status) history.py's: each is a one-line hook here.
 
@@ -47,14 +47,14 @@ from typing import Optional
 import grpc
 from grpc import aio
 
-from . import auth, checks, timers, wire
+from . import auth, job_timer, request_checks, wire
 from . import decision as d
 from ._proto import rendezvous_pb2 as pb
 from ._proto import rendezvous_pb2_grpc as pb_grpc
 from .config import ServerConfig
-from .events import EventLog
+from .event_log import EventLog
 from .history import RECENT_PER_JOB, History
-from .jobs import END, Job, Stream
+from .job_record import END, Job, Stream
 from .journal import Journal
 from .leader import Leadership
 from .metrics import ServerMetrics
@@ -90,7 +90,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.reports = FailureReports(self)
         # Name lookups of ring addresses get threads of their own: a slow resolver must not hold
         # the default executor, where the store's calls (and the leader's lease refresh) run.
-        self._resolver = checks.Resolver()
+        self._resolver = request_checks.Resolver()
 
     # ----------------------------------------------------------------------------- leadership
     @property
@@ -134,7 +134,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 job.attach_deadline = {w: (grace, what) for w in state.workers}
                 job.idle_deadline = grace
             self.jobs[state.job_id] = job
-            timers.start(job, self)
+            job_timer.start(job, self)
         self._leading = True
         self.leading_since = time.monotonic()
         self.metrics.elected()
@@ -334,14 +334,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     # ---------------------------------------------------------------------------------- RPCs
     async def Join(self, request, context):
         await self.require_leader()
-        checks.check_id("job_id", request.job_id)
-        checks.check_id("worker_id", request.worker_id)
-        checks.check_host(request.host)
-        checks.check_step(request.committed_step)
+        request_checks.check_id("job_id", request.job_id)
+        request_checks.check_id("worker_id", request.worker_id)
+        request_checks.check_host(request.host)
+        request_checks.check_step(request.committed_step)
         spec = request.spec
         timeout = spec.elastic_timeout_s
         if timeout != timeout or timeout < 0 or timeout > 7 * 86400:  # NaN or out of range
-            raise checks.bad("spec.elastic_timeout_s", timeout, "0..604800 (0: server default)")
+            raise request_checks.bad("spec.elastic_timeout_s", timeout, "0..604800 (0: server default)")
         previous = None   # (run, secret) of the session this worker says it had
         if request.session_id:
             parsed = auth.parse_session(request.session_id)
@@ -355,7 +355,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if job is not None and not auth.owns(job.state, caller):
             raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED,
                               f"job {request.job_id} belongs to another token: this one cannot join it")
-        await checks.check_ring_address(request.ring_address, self._resolver, caller)
+        await request_checks.check_ring_address(request.ring_address, self._resolver, caller)
         if job is not None and job.closing:
             raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, f"job {request.job_id} is being removed or "
                                                            f"replaced; retry")
@@ -452,7 +452,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         except RpcRefusal:
             if replacing is not None and self.jobs.get(job_id) is replacing:
                 replacing.closing = False
-                timers.start(replacing, self)   # it is still the job: it must still be forgotten
+                job_timer.start(replacing, self)   # it is still the job: it must still be forgotten
             raise
         if rev is None:  # only the leader creates jobs: someone else leads, or wrote it
             self._lost_leadership(f"fenced create of job {job_id} refused")
@@ -462,7 +462,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         job = Job(state=state, revision=rev, durable_state=state,
                   idle_deadline=time.time() + self.config.heartbeat_timeout_s)
         self.jobs[job_id] = job
-        timers.start(job, self)
+        job_timer.start(job, self)
         self.history.job(job, "job_created", min_np=spec.min_np, max_np=spec.max_np,
                          detail=f"np {spec.min_np}..{spec.max_np}")
         if replacing is not None:
@@ -523,7 +523,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def Heartbeat(self, request, context):
         await self.require_leader()
-        checks.check_step(request.committed_step)
+        request_checks.check_step(request.committed_step)
         job, w = self._session(request.session_id)
         if request.probe_nonce:
             probed, fut = job.probes.get(request.probe_nonce, (None, None))
@@ -544,10 +544,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def ReportFailure(self, request, context):
         await self.require_leader()
-        checks.check_id("suspect_worker_id", request.suspect_worker_id)
-        if len(request.reason) > checks.MAX_REASON:
-            raise checks.bad("reason", f"<{len(request.reason)} chars>",
-                             f"at most {checks.MAX_REASON} chars")
+        request_checks.check_id("suspect_worker_id", request.suspect_worker_id)
+        if len(request.reason) > request_checks.MAX_REASON:
+            raise request_checks.bad("reason", f"<{len(request.reason)} chars>",
+                             f"at most {request_checks.MAX_REASON} chars")
         job, reporter = self._session(request.session_id)
         return await self.reports.judge(job, reporter, request)
 
@@ -563,7 +563,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def Status(self, request, context):
         if request.job_id:
-            checks.check_id("job_id", request.job_id)
+            request_checks.check_id("job_id", request.job_id)
         n_events = min(request.events, RECENT_PER_JOB)
         now = time.time()
         if self.is_leader:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
-from .checks import shown
+from .peer_text import shown
 from .client import StatusError, StatusInfo
 
 HOME, CLEAR_LINE, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"

@@ -12,6 +12,7 @@ import grpc
 
 from . import decision as d
 from ._proto import rendezvous_pb2 as pb
+from ._proto import rendezvous_pb2_grpc as pb_grpc  # noqa: F401  (for tools that speak the wire)
 
 LEADER_KEY = "leader"                  # UNAVAILABLE from a follower: HOST:PORT of the leader
 JOB_OUTCOME_KEY = "elastic-job-outcome"  # a refusal because the job is over: how it ended

@@ -194,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--events", metavar="FILE",
                    help="append one JSON line per event to FILE (worker_started, worker_exited, "
                         "worker_respawned, world_formed, recovery, preempted, job_finished), with job_id, "
-                        "world_version and timestamps, for log shippers (see rendezvous/events.py)")
+                        "world_version and timestamps, for log shippers (see rendezvous/event_log.py)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     return p
 

@@ -8,7 +8,7 @@ follows the job through the Status RPC: it reports worlds and recoveries, ends w
 with a one-line reason otherwise), and on Ctrl-C/SIGTERM drains every worker before it exits.
 Flags: elastic/launch/config.py. With --metrics-port it serves its workers' metrics
 (elastic/launch/metrics.py); with --events it writes one JSON line per event it sees
-(rendezvous/events.py): workers started, exited and respawned, worlds formed, recoveries with
+(rendezvous/event_log.py): workers started, exited and respawned, worlds formed, recoveries with
 their durations, graceful leaves, the job's end.
 
 Graceful leave: a worker sent SIGTERM leaves the job at its next commit and exits 0 (the
@@ -33,7 +33,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from rendezvous.client import JobStatusInfo, StatusClient, StatusError, channel_credentials, is_loopback
-from rendezvous.events import EventLog
+from rendezvous.event_log import EventLog
 
 from ..config import TLS_VARIABLES
 from ..metrics import ENV_SOCKET, ENV_TOKEN

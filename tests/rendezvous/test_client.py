@@ -96,7 +96,7 @@ def _events(client, until, timeout_s=5.0):
 
 def _attached(server, job):
     import grpc as _grpc
-    from rendezvous.proto import pb, pb_grpc
+    from rendezvous.wire import pb, pb_grpc
     with _grpc.insecure_channel(server.address) as ch:
         st = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
     return [(m.member.worker_id, m.attached) for m in st.members]
@@ -119,7 +119,7 @@ def test_rejoin_delivers_nothing_from_the_replaced_session(server, trial):
 
 
 def test_world_with_same_version_but_other_members_is_a_new_event():
-    from rendezvous.proto import pb
+    from rendezvous.wire import pb
 
     c = make_client("127.0.0.1:1", "a", job_id="j")
 
@@ -225,7 +225,7 @@ def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server):
     """The worker was evicted while its stream was away (stopped, say) and the job ended meanwhile:
     reattaching, it learns how the job ended from the refusal, typed."""
     from rendezvous import decision as d
-    from rendezvous.jobs import END
+    from rendezvous.job_record import END
 
     job = unique("job")
     a, b = (make_client(server.address, w, job_id=job) for w in "ab")

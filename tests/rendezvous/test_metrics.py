@@ -15,7 +15,7 @@ from rdzv_helpers import (ServerProc, ServerThread, make_client, server_config, 
                           wait_until, wait_world_of)
 from rendezvous import decision as d
 from rendezvous.metrics import EVICTION_CAUSES, eviction_cause, job_counts
-from rendezvous.proto import pb, pb_grpc
+from rendezvous.wire import pb, pb_grpc
 from rendezvous.store import EtcdStore, MemoryStore, StoreError
 
 

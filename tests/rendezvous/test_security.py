@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdzv_helpers import ServerThread, server_config
-from rendezvous.proto import pb, pb_grpc
+from rendezvous.wire import pb, pb_grpc
 from rendezvous.store import MemoryStore
 
 TOKEN = "s3cret-token"
@@ -491,7 +491,7 @@ def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub,
     import threading
     import time
 
-    from rendezvous import checks
+    from rendezvous import request_checks
     release = threading.Event()
     real = socket.getaddrinfo
 
@@ -501,7 +501,7 @@ def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub,
             raise socket.gaierror(socket.EAI_NONAME, "released")
         return real(host, *a, **kw)
 
-    monkeypatch.setattr(checks.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(request_checks.socket, "getaddrinfo", getaddrinfo)
     try:
         codes = []
         for i in range(6):   # more than the pool has threads, all from the other tenant
@@ -515,6 +515,6 @@ def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub,
         started = time.monotonic()
         code, details = code_of(stub.Join, req, timeout=10, metadata=AUTH)
         assert code == grpc.StatusCode.OK, details
-        assert time.monotonic() - started < checks.RESOLVE_TIMEOUT_S + 0.5
+        assert time.monotonic() - started < request_checks.RESOLVE_TIMEOUT_S + 0.5
     finally:
         release.set()

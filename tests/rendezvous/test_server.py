@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from rdzv_helpers import make_client, unique, wait_until, wait_world_of
-from rendezvous.proto import pb, pb_grpc
+from rendezvous.wire import pb, pb_grpc
 from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousRPCError, Standby,
                                WorldInfo)
 
@@ -192,7 +192,7 @@ def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve
 
 async def _detach(s, job, worker):
     """Forget a worker's stream without evicting it (what a new leader starts with)."""
-    from rendezvous.jobs import END
+    from rendezvous.job_record import END
     stream = s.service.jobs[job].streams.pop(worker)
     stream.closed_by_server = True
     stream.queue.put_nowait(END)

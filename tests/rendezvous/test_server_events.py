@@ -10,7 +10,7 @@ import pytest
 from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config, unique, wait_until
 from rendezvous import decision as d
 from rendezvous.client import JobSpec, StatusClient
-from rendezvous.events import EVENTS, EventLog
+from rendezvous.event_log import EVENTS, EventLog
 from rendezvous.history import RECENT_PER_JOB, describe
 from rendezvous.store import MemoryStore
 
@@ -194,7 +194,7 @@ def test_a_served_process_writes_its_start_and_graceful_stop(tmp_path):
 
 def test_recent_events_go_only_to_the_owner_they_were_recorded_for():
     from rendezvous.history import History
-    from rendezvous.jobs import Job
+    from rendezvous.job_record import Job
 
     h = History()
     mine = Job(state=d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-a"), revision=1)

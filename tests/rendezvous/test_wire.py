@@ -9,7 +9,7 @@ import pytest
 
 from rendezvous import decision as d
 from rendezvous import wire
-from rendezvous.proto import pb
+from rendezvous.wire import pb
 
 OUTCOME = wire.JOB_OUTCOME_KEY
 

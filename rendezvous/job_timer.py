@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from . import decision as d
-from .jobs import Job
+from .job_record import Job
 
 if TYPE_CHECKING:
     from .server import RendezvousService
