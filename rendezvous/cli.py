@@ -10,8 +10,8 @@ import sys
 from typing import Optional, Sequence
 
 from . import status_view
-from .client import (StatusClient, StatusError, channel_credentials, parse_addresses,
-                     read_token_file, read_token_list)
+from .channel import channel_credentials, parse_addresses, read_token_file, read_token_list
+from .status_client import StatusClient, StatusError
 from .config import ServerConfig, default
 from .event_log import EventLog
 from .history import RECENT_PER_JOB

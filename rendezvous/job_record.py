@@ -17,7 +17,7 @@ END = object()
 @dataclass
 class Stream:
     """One open Watch: the handler writes what is queued (WatchEvents, serialized ones, END, or a
-    wire.RpcRefusal to fail the call with)."""
+    server_wire.RpcRefusal to fail the call with)."""
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     closed_by_server: bool = False

@@ -21,7 +21,7 @@ from . import decision as d
 from .job_record import Job
 from .leader import Leadership
 from .store import Store, StoreError
-from .wire import RpcRefusal
+from .server_wire import RpcRefusal
 
 log = logging.getLogger("rendezvous.server")
 

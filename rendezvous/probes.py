@@ -26,7 +26,7 @@ from . import peer_text
 from . import decision as d
 from ._proto import rendezvous_pb2 as pb
 from .job_record import Job
-from .wire import RpcRefusal
+from .server_wire import RpcRefusal
 
 if TYPE_CHECKING:
     from .server import RendezvousService

@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from .wire import RpcRefusal
+from .server_wire import RpcRefusal
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 HOST_RE = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")

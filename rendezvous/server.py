@@ -5,7 +5,7 @@ an event; `decision.decide` returns the next state and actions; the journal (jou
 state to the store and only then are the actions sent on the workers' Watch streams. Because every
 announced world is durable before anyone sees it, a restarted server or a new leader reloads the same
 worlds and changes nothing; workers simply reattach their sessions. Tokens, credentials and session ids
-are auth.py's, the protobuf forms wire.py's, the time-driven changes job_timer.py's, the judging of
+are auth.py's, the protobuf forms wire.py's and server_wire.py's, the time-driven changes job_timer.py's, the judging of
 failure reports probes.py's, what is counted (Prometheus) metrics.py's and what is recorded (the
 event log, each job's recent events for Status) history.py's: each is a one-line hook here.
 
@@ -47,10 +47,8 @@ from typing import Optional
 import grpc
 from grpc import aio
 
-from . import auth, job_timer, request_checks, wire
+from . import auth, job_timer, request_checks, server_wire, wire
 from . import decision as d
-from ._proto import rendezvous_pb2 as pb
-from ._proto import rendezvous_pb2_grpc as pb_grpc
 from .config import ServerConfig
 from .event_log import EventLog
 from .history import RECENT_PER_JOB, History
@@ -60,7 +58,8 @@ from .leader import Leadership
 from .metrics import ServerMetrics
 from .probes import FailureReports
 from .store import MemoryStore, Store, StoreError
-from .wire import RpcRefusal
+from .wire import pb, pb_grpc
+from .server_wire import RpcRefusal
 
 log = logging.getLogger("rendezvous.server")
 
@@ -231,12 +230,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.metrics.delivered(job, action)
         self.history.delivered(job, action, before.version)
         if isinstance(action, d.AnnounceWorld):
-            for worker_id, event in wire.spliced_worlds(action, job.streams):
+            for worker_id, event in server_wire.spliced_worlds(action, job.streams):
                 self.send(job, worker_id, event)
             for w in action.standby:
-                self.send(job, w, wire.standby_event(action.version, wire.HOT_SPARE))
+                self.send(job, w, server_wire.standby_event(action.version, server_wire.HOT_SPARE))
         elif isinstance(action, (d.AnnouncePending, d.AnnounceAbort)):
-            event = wire.notice_event(action)
+            event = server_wire.notice_event(action)
             for m in before.world:
                 self.send(job, m.worker_id, event)
         elif isinstance(action, d.Dropped):
@@ -249,7 +248,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                                     f"session ended: {action.reason}"))
                 self._stream_gone(job)
         elif isinstance(action, d.AnnounceFinished):
-            event = wire.finished_event(action.succeeded, action.reason)
+            event = server_wire.finished_event(action.succeeded, action.reason)
             for stream in job.streams.values():
                 stream.closed_by_server = True
                 stream.queue.put_nowait(event)
@@ -325,7 +324,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if job.state.phase in d.TERMINAL:
                 raise RpcRefusal(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"job {job_id} finished ({job.state.phase.value}: {job.state.reason})",
-                                  finished=wire.outcome(job.state.phase))
+                                  finished=server_wire.outcome(job.state.phase))
             raise RpcRefusal(grpc.StatusCode.NOT_FOUND,
                               f"job {job_id}: not a current session of worker {worker_id} (evicted, "
                               f"left, rejoined, or never issued): join again")
@@ -396,8 +395,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                                       proof=proof))
         for a in actions:
             if isinstance(a, d.Rejected):
-                raise wire.refusal(a, f"job {request.job_id}: worker {request.worker_id} refused: "
-                                      f"{a.reason}", job.state.phase)
+                raise server_wire.refusal(a, f"job {request.job_id}: worker {request.worker_id} "
+                                             f"refused: {a.reason}", job.state.phase)
         # It must open its Watch within the heartbeat timeout; until then it is kept out of worlds.
         job.attach_deadline[request.worker_id] = (
             time.time() + self.config.heartbeat_timeout_s,
@@ -496,7 +495,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
         # write fails and another replica takes over); later changes follow through the outbox.
         state = job.durable_state if job.durable_state is not None else job.state
-        for event in wire.snapshot(state, w.worker_id):
+        for event in server_wire.snapshot(state, w.worker_id):
             await context.write(event)
         if state.phase in d.TERMINAL:
             job.streams.pop(w.worker_id, None)
@@ -557,7 +556,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         seq, actions = self.journal.apply(job, d.Success(w.worker_id, request.world_version))
         for a in actions:
             if isinstance(a, d.Rejected):
-                raise wire.refusal(a, a.reason, job.state.phase)
+                raise server_wire.refusal(a, a.reason, job.state.phase)
         await self.journal.wait_durable(job, seq)
         return pb.ReportSuccessResponse()
 
@@ -582,8 +581,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if request.job_id and job_id != request.job_id:
                 continue
             state, attached = jobs[job_id]
-            js = wire.job_status(state, attached, now)
-            js.events.extend(wire.job_event_pb(e) for e in
+            js = server_wire.job_status(state, attached, now)
+            js.events.extend(server_wire.job_event_pb(e) for e in
                              self.history.recent(job_id, state.credential, n_events))
             out.jobs.append(js)
         if request.job_id and not out.jobs:

@@ -4,7 +4,7 @@ Everything the launcher decides from the command line and its environment (the t
 files it falls back to) is read once, here, into ``LaunchConfig``, and passed down; bad input
 raises ``UsageError`` with a one-line message (printed without a traceback by ``elastic.launch``).
 HOST:PORT lists and token files are read by the same functions every client of the service uses
-(rendezvous.client).
+(rendezvous.channel).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import shutil
 import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from rendezvous.client import DEFAULT_MAX_NP, channel_credentials, parse_addresses, read_token_file
+from rendezvous.channel import channel_credentials, parse_addresses, read_token_file
+from rendezvous.membership import DEFAULT_MAX_NP
 
 from rendezvous.ports import check_can_listen
 

@@ -19,7 +19,7 @@ SIGKILL to its process group after --preempt-grace plus --stop-timeout; a launch
 --rendezvous whose workers all left on its SIGTERM exits 0: the job goes on elsewhere.
 
 Everything it learns about the job (worlds, ranks, the end) comes from Status answers, through the
-same public client `elastic-rendezvous status` uses (rendezvous.client.StatusClient); nothing a
+same public client `elastic-rendezvous status` uses (rendezvous.status_client.StatusClient); nothing a
 worker prints decides anything.
 """
 
@@ -32,7 +32,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from rendezvous.client import JobStatusInfo, StatusClient, StatusError, channel_credentials, is_loopback
+from rendezvous.channel import channel_credentials, is_loopback
+from rendezvous.status_client import JobStatusInfo, StatusClient, StatusError
 from rendezvous.event_log import EventLog
 
 from ..config import TLS_VARIABLES

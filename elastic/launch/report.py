@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from rendezvous.client import JobStatusInfo
+from rendezvous.status_client import JobStatusInfo
 
 
 def _ids(workers) -> str:

@@ -9,7 +9,9 @@ import pytest
 
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.cli import main
-from rendezvous.client import Ended, JobSpec, RendezvousRPCError
+from rendezvous.channel import RendezvousRPCError
+from rendezvous.membership import JobSpec
+from rendezvous.watch_events import Ended
 from rendezvous.etcd_process import free_port
 from rendezvous.store import MemoryStore
 
@@ -104,7 +106,7 @@ def _attached(server, job):
 
 @pytest.mark.parametrize("trial", range(3))
 def test_rejoin_delivers_nothing_from_the_replaced_session(server, trial):
-    from rendezvous.client import Ended, WorldInfo
+    from rendezvous.watch_events import Ended, WorldInfo
 
     job = unique("job")
     c = make_client(server.address, "a", job_id=job)

@@ -120,7 +120,7 @@ def test_sigkilled_worker_is_counted_by_cause_with_one_recovery_and_a_newer_worl
 
 
 def test_a_standby_failing_starts_no_recovery_clock():
-    from rendezvous.client import JobSpec
+    from rendezvous.membership import JobSpec
 
     s = ServerThread(server_config(metrics_port=0), MemoryStore)
     try:

@@ -10,8 +10,9 @@ import pytest
 
 from rdzv_helpers import make_client, unique, wait_until, wait_world_of
 from rendezvous.wire import pb, pb_grpc
-from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousRPCError, Standby,
-                               WorldInfo)
+from rendezvous.channel import RendezvousRPCError
+from rendezvous.membership import JobSpec
+from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 
 
 def next_of(client, kind, timeout_s=5.0):
@@ -287,7 +288,7 @@ async def _evict(s, job, worker):
 
 def test_status_lists_jobs_members_and_ranks(serve):
     from rendezvous.cli import format_status
-    from rendezvous.client import StatusClient
+    from rendezvous.status_client import StatusClient
 
     s = serve()
     job = unique("job")

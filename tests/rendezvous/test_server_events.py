@@ -9,7 +9,8 @@ import pytest
 
 from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config, unique, wait_until
 from rendezvous import decision as d
-from rendezvous.client import JobSpec, StatusClient
+from rendezvous.membership import JobSpec
+from rendezvous.status_client import StatusClient
 from rendezvous.event_log import EVENTS, EventLog
 from rendezvous.history import RECENT_PER_JOB, describe
 from rendezvous.store import MemoryStore
