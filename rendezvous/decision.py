@@ -177,6 +177,24 @@ class Departure(str, enum.Enum):
     REJOINED = "REJOINED"                  # it joined again: the old session is replaced
     FAILED = "FAILED"                      # any other failure
 
+    @property
+    def eviction(self) -> Optional[str]:
+        """The `cause` label of elastic_rendezvous_evictions_total (and of the event log's
+        worker_evicted) a session that ended this way has; None: no eviction (a clean leave)."""
+        return _EVICTION_LABELS[self]
+
+
+# One table, so the README's list of causes, the event log and the tests cannot drift from it.
+_EVICTION_LABELS: dict[Departure, Optional[str]] = {
+    Departure.LEFT: None,
+    Departure.STREAM_BROKEN: "stream_broken",       # crash (EOF/RST) or missed keepalive acks
+    Departure.NO_WATCH: "no_watch",                 # never opened / reopened its Watch in time
+    Departure.REPORTED: "report",                   # a peer's report, and it had no stream
+    Departure.UNUSABLE_ADDRESS: "unusable_address",  # a peer's report: its ring address is dead
+    Departure.REJOINED: "session_replaced",         # joined again: its old session ended
+    Departure.FAILED: "other",
+}
+
 
 @dataclass(frozen=True)
 class Evict:

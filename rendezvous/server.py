@@ -4,10 +4,14 @@ Shape: every job's membership lives in a `decision.JobState` value. An RPC or a 
 an event; `decision.decide` returns the next state and actions; the journal (journal.py) writes the
 state to the store and only then are the actions sent on the workers' Watch streams. Because every
 announced world is durable before anyone sees it, a restarted server or a new leader reloads the same
-worlds and changes nothing; workers simply reattach their sessions. Tokens, credentials and session ids
-are auth.py's, the protobuf forms wire.py's and server_wire.py's, the time-driven changes job_timer.py's, the judging of
-failure reports probes.py's, what is counted (Prometheus) metrics.py's and what is recorded (the
-event log, each job's recent events for Status) history.py's: each is a one-line hook here.
+worlds and changes nothing; workers simply reattach their sessions.
+
+The rest lives beside it, each part given plain functions rather than this service: tokens,
+credentials and session ids are auth.py's; the protobuf forms wire.py's and server_wire.py's; what
+a delivered action is (for the log, the event log, the counters and its recipients) description.py's;
+each job's Watch and idle deadlines and its recovery clock liveness.py's; the time-driven changes
+job_timer.py's; the judging of failure reports probes.py's; what is counted (Prometheus)
+metrics.py's and what is recorded (the event log, each job's recent events for Status) history.py's.
 
 Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
 * A crashed worker's stream breaks at once (socket EOF/RST) and the grpc.aio handler is cancelled: we
@@ -47,19 +51,22 @@ from typing import Optional
 import grpc
 from grpc import aio
 
-from . import auth, job_timer, request_checks, server_wire, wire
+from . import auth, request_checks, server_wire, wire
 from . import decision as d
 from .config import ServerConfig
+from .description import Audience, describe
 from .event_log import EventLog
 from .history import RECENT_PER_JOB, History
 from .job_record import END, Job, Stream
+from .job_timer import JobTimers
 from .journal import Journal
 from .leader import Leadership
+from .liveness import Liveness
 from .metrics import ServerMetrics
 from .probes import FailureReports
+from .server_wire import RpcRefusal
 from .store import MemoryStore, Store, StoreError
 from .wire import pb, pb_grpc
-from .server_wire import RpcRefusal
 
 log = logging.getLogger("rendezvous.server")
 
@@ -69,7 +76,9 @@ RECONNECT_ALLOWANCE_S = 2.0   # client backoff tops out at 1 s (x1.5 jitter) plu
 class RendezvousService(pb_grpc.RendezvousServicer):
     def __init__(self, config: ServerConfig, store: Store, history: Optional[History] = None):
         self.config = config
-        self.metrics = ServerMetrics(self)
+        self.metrics = ServerMetrics(job_states=lambda: [j.state for j in list(self.jobs.values())],
+                                     is_leader=lambda: self.is_leader,
+                                     leadership_losses=lambda: self.leadership_losses)
         self.history = history if history is not None else History()
         store = self.metrics.metered(store)   # every store call the service makes is timed
         self.store = store
@@ -86,7 +95,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.stopping = False
         self._campaign: Optional[asyncio.Task] = None
         self._creating: dict[str, asyncio.Task] = {}
-        self.reports = FailureReports(self)
+        self.reports = FailureReports(config.heartbeat_timeout_s,
+                                      leading_since=lambda: self.leading_since,
+                                      require_leader=self.require_leader, evict=self.evict,
+                                      send=self.send, apply=self.journal.apply,
+                                      wait_durable=self.journal.wait_durable)
+        self.timers = JobTimers(self.journal.config, retention_s=config.finished_job_retention_s,
+                                is_leader=lambda: self.is_leader, evict=self.evict,
+                                retire=self.retire, apply=self.journal.apply)
         # Name lookups of ring addresses get threads of their own: a slow resolver must not hold
         # the default executor, where the store's calls (and the leader's lease refresh) run.
         self._resolver = request_checks.Resolver()
@@ -124,16 +140,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
             return
         window = self.reattach_window_s()
-        grace = time.time() + window
+        now, timeout = time.time(), self.config.heartbeat_timeout_s
         self.jobs = {}
         for state, revision in stored:
-            job = Job(state=state, revision=revision, durable_state=state)
-            if state.phase not in d.TERMINAL:
-                what = f"did not reattach within {window:g} s of a leader change"
-                job.attach_deadline = {w: (grace, what) for w in state.workers}
-                job.idle_deadline = grace
+            liveness = (Liveness(timeout) if state.phase in d.TERMINAL else
+                        Liveness.after_leader_change(timeout, state.workers, now, window))
+            job = Job(state=state, revision=revision, liveness=liveness, durable_state=state)
             self.jobs[state.job_id] = job
-            job_timer.start(job, self)
+            self.timers.start(job)
         self._leading = True
         self.leading_since = time.monotonic()
         self.metrics.elected()
@@ -204,42 +218,30 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                               leader=hint)
 
     # -------------------------------------------------------------------------- state changes
-    def _log_action(self, job: Job, a) -> None:
-        jid = job.state.job_id
-        if isinstance(a, d.AnnounceWorld):
-            log.info("job %s: world %d announced: %d member(s), %d standby", jid, a.version,
-                     len(a.members), len(a.standby))
-        elif isinstance(a, d.AnnounceAbort):
-            log.info("job %s: abort world %d: %s", jid, a.version, a.reason)
-        elif isinstance(a, d.AnnouncePending):
-            log.info("job %s: change pending for world %d: %s", jid, a.version, a.reason)
-        elif isinstance(a, d.Dropped):
-            log.info("job %s: worker %s dropped: %s", jid, a.worker_id, a.reason)
-        elif isinstance(a, d.AnnounceFinished):
-            log.info("job %s: finished (%s): %s", jid, "succeeded" if a.succeeded else "failed",
-                     a.reason)
-
     def send(self, job: Job, worker_id: str, event) -> None:
         stream = job.streams.get(worker_id)
         if stream is not None:
             stream.queue.put_nowait(event)
 
-    def _deliver(self, job: Job, action, before: d.JobState) -> None:
-        """Carry out a durable action on the job's streams (the journal calls it)."""
-        self._log_action(job, action)   # logged when it takes effect (durable, sent), not decided
-        self.metrics.delivered(job, action)
-        self.history.delivered(job, action, before.version)
-        if isinstance(action, d.AnnounceWorld):
+    def _deliver(self, job: Job, action: d.Action, before: d.JobState) -> None:
+        """Carry out a durable action (the journal calls it): logged, counted and recorded when it
+        takes effect (durable, sent), not when decided; then sent to those its description names."""
+        what = describe(action, before.version)
+        log.info("job %s: %s", job.state.job_id, what.summary)
+        recovery_s = job.liveness.world_announced(time.monotonic()) if what.world_announced else None
+        self.metrics.delivered(what, recovery_s)
+        self.history.delivered(job.state, what)
+        if what.audience is Audience.NEW_WORLD:
             for worker_id, event in server_wire.spliced_worlds(action, job.streams):
                 self.send(job, worker_id, event)
             for w in action.standby:
                 self.send(job, w, server_wire.standby_event(action.version, server_wire.HOT_SPARE))
-        elif isinstance(action, (d.AnnouncePending, d.AnnounceAbort)):
+        elif what.audience is Audience.WORLD_BEFORE:
             event = server_wire.notice_event(action)
             for m in before.world:
                 self.send(job, m.worker_id, event)
-        elif isinstance(action, d.Dropped):
-            # (Its attach deadline stays: after a rejoin it is the new session's; a stale one finds
+        elif what.audience is Audience.DROPPED:
+            # (Its Watch deadline stays: after a rejoin it is the new session's; a stale one finds
             # nobody to evict.)
             stream = job.streams.pop(action.worker_id, None)
             if stream is not None:
@@ -247,7 +249,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 stream.queue.put_nowait(RpcRefusal(grpc.StatusCode.NOT_FOUND,
                                                     f"session ended: {action.reason}"))
                 self._stream_gone(job)
-        elif isinstance(action, d.AnnounceFinished):
+        elif what.audience is Audience.EVERYONE:
             event = server_wire.finished_event(action.succeeded, action.reason)
             for stream in job.streams.values():
                 stream.closed_by_server = True
@@ -256,10 +258,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             job.streams.clear()
 
     def _stream_gone(self, job: Job) -> None:
-        """A stream left `job.streams`: the last one going starts the idle clock of a job that has
-        no world yet."""
-        if not job.streams and job.idle_deadline is None:
-            job.idle_deadline = time.time() + self.config.heartbeat_timeout_s
+        """A stream left `job.streams`: the last one going starts the idle clock."""
+        if not job.streams and job.liveness.streams_gone(time.time()):
             job.wake.set()
 
     async def retire(self, job: Job, why: str) -> bool:
@@ -293,7 +293,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         """Evict `worker_id` if it is still registered; returns the change's seq to wait for."""
         w = job.state.workers.get(worker_id)
         if w is not None:
-            self.metrics.failure_signal(job, worker_id)
+            job.liveness.failure_signal(time.monotonic(), job.state, worker_id)
             self.journal.apply(job, d.Evict(worker_id, f"worker {worker_id} on host {w.host} evicted: "
                                                        f"{reason}", count_failure, cause))
         return job.seq
@@ -398,13 +398,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 raise server_wire.refusal(a, f"job {request.job_id}: worker {request.worker_id} "
                                              f"refused: {a.reason}", job.state.phase)
         # It must open its Watch within the heartbeat timeout; until then it is kept out of worlds.
-        job.attach_deadline[request.worker_id] = (
-            time.time() + self.config.heartbeat_timeout_s,
-            f"did not open its watch stream within {self.config.heartbeat_timeout_s:g} s of joining")
+        job.liveness.joined(request.worker_id, time.time())
         job.wake.set()
         await self.journal.wait_durable(job, seq)
-        self.history.job(job, "worker_joined", worker_id=request.worker_id, host=request.host,
-                         rejoin=previous is not None, detail=f"on host {request.host}")
+        self.history.job(job.state, "worker_joined", worker_id=request.worker_id,
+                         host=request.host, rejoin=previous is not None,
+                         detail=f"on host {request.host}")
         return pb.JoinResponse(session_id=sid, world_version=job.state.version,
                                spec=wire.spec_pb(job.state.spec),
                                ring_secret=bytes.fromhex(job.state.ring_secret))
@@ -451,7 +450,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         except RpcRefusal:
             if replacing is not None and self.jobs.get(job_id) is replacing:
                 replacing.closing = False
-                job_timer.start(replacing, self)   # it is still the job: it must still be forgotten
+                self.timers.start(replacing)   # it is still the job: it must still be forgotten
             raise
         if rev is None:  # only the leader creates jobs: someone else leads, or wrote it
             self._lost_leadership(f"fenced create of job {job_id} refused")
@@ -459,10 +458,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if not self.is_leader:
             await self.require_leader()
         job = Job(state=state, revision=rev, durable_state=state,
-                  idle_deadline=time.time() + self.config.heartbeat_timeout_s)
+                  liveness=Liveness.of_new_job(self.config.heartbeat_timeout_s, time.time()))
         self.jobs[job_id] = job
-        job_timer.start(job, self)
-        self.history.job(job, "job_created", min_np=spec.min_np, max_np=spec.max_np,
+        self.timers.start(job)
+        self.history.job(job.state, "job_created", min_np=spec.min_np, max_np=spec.max_np,
                          detail=f"np {spec.min_np}..{spec.max_np}")
         if replacing is not None:
             log.info("job %s: launched again (the previous run %s)", job_id,
@@ -484,8 +483,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def _watch(self, job: Job, w: d.Worker, request, context, stream: Stream) -> None:
         job.streams[w.worker_id] = stream
-        job.attach_deadline.pop(w.worker_id, None)
-        job.idle_deadline = None
+        job.liveness.watch_opened(w.worker_id)
         job.attached.set()               # wakes reports waiting for this worker to reattach
         job.attached = asyncio.Event()
         if not w.attached:
