@@ -86,7 +86,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.leadership = Leadership(store, f"{config.etcd_prefix}/leader",
                                      f"{config.replica_id}|{config.advertise_address}",
                                      config.leader_ttl_s, self._lost_leadership)
-        self.journal = Journal(store, config.etcd_prefix, self.leadership, config.decision(),
+        self.journal = Journal(store, config.etcd_prefix, config.decision(),
+                               fence=lambda: self.leadership.fence,
                                is_leader=lambda: self.is_leader, on_fenced=self._lost_leadership,
                                deliver=self._deliver)
         self._leading = False
