@@ -310,7 +310,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                                            f"replaced; retry")
         return job
 
-    def _session(self, sid: str) -> tuple[Job, d.Worker]:
+    def _by_session(self, sid: str) -> tuple[Job, d.Worker]:
+        """The job and the worker whose current session `sid` is; refuses any other id."""
         parsed = auth.parse_session(sid)
         if parsed is None:
             # Not echoed: it may be a real session id, mangled.
@@ -471,7 +472,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def Watch(self, request, context):
         await self.require_leader()
-        job, w = self._session(request.session_id)
+        job, w = self._by_session(request.session_id)
         old = job.streams.get(w.worker_id)
         if old is not None:  # the worker reconnected before we noticed the old stream break
             old.closed_by_server = True
@@ -522,7 +523,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     async def Heartbeat(self, request, context):
         await self.require_leader()
         request_checks.check_step(request.committed_step)
-        job, w = self._session(request.session_id)
+        job, w = self._by_session(request.session_id)
         if request.probe_nonce:
             probed, fut = job.probes.get(request.probe_nonce, (None, None))
             # Only the probed worker's own session proves it alive: another member answering
@@ -535,7 +536,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def Leave(self, request, context):
         await self.require_leader()
-        job, w = self._session(request.session_id)
+        job, w = self._by_session(request.session_id)
         seq, _ = self.journal.apply(job, d.Leave(w.worker_id))
         await self.journal.wait_durable(job, seq)
         return pb.LeaveResponse()
@@ -546,12 +547,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if len(request.reason) > request_checks.MAX_REASON:
             raise request_checks.bad("reason", f"<{len(request.reason)} chars>",
                              f"at most {request_checks.MAX_REASON} chars")
-        job, reporter = self._session(request.session_id)
+        job, reporter = self._by_session(request.session_id)
         return await self.reports.judge(job, reporter, request)
 
     async def ReportSuccess(self, request, context):
         await self.require_leader()
-        job, w = self._session(request.session_id)
+        job, w = self._by_session(request.session_id)
         seq, actions = self.journal.apply(job, d.Success(w.worker_id, request.world_version))
         for a in actions:
             if isinstance(a, d.Rejected):

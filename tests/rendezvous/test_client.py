@@ -162,13 +162,13 @@ def test_internal_errors_are_not_retried_and_leave_still_closes(client):
     try:
         c = client(s.address, "a", job_id=unique("job"))
         c.join()
-        c.wait_world(timeout_s=5.0)   # its Watch is open: from now on only our calls reach _session
+        c.wait_world(timeout_s=5.0)   # its Watch is open: only our calls reach _by_session now
         calls = []
 
         def broken(sid):    # a server bug: the RPC answers INTERNAL
             calls.append(sid)
             raise RuntimeError("bug")
-        s.service._session = broken
+        s.service._by_session = broken
         with pytest.raises(RendezvousRPCError) as e:
             c.heartbeat(committed_step=1, timeout_s=3.0)
         assert e.value.code == grpc.StatusCode.INTERNAL and len(calls) == 1
