@@ -35,7 +35,7 @@ from .session import (cross_rank, cross_size, init, local_rank, local_size, rank
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
-__version__ = "0.1.0"
+from rendezvous import __version__  # the distribution's version, from its metadata
 
 
 def __getattr__(name):

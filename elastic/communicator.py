@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from . import _native, metrics
-from .errors import ElasticError, SettingsMismatchError
+from .errors import BadPeerError, ElasticError, SettingsMismatchError
 from .ops import ReduceOp
 
 Listener = _native.Listener
@@ -133,6 +133,21 @@ def _native_array(t: Any, what: str, *, read_only: bool = False):
                              "wrap it in torch.no_grad() or pass tensor.detach()")
         return t.detach()
     raise TypeError(f"{what}: expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
+
+
+def _numel(a: Any) -> int:
+    return int(a.size) if isinstance(a, np.ndarray) else a.numel()
+
+
+def _itemsize(a: Any) -> int:
+    return a.itemsize if isinstance(a, np.ndarray) else a.element_size()
+
+
+def _as_bytes(a: Any) -> Any:
+    """A flat uint8 view of a contiguous array or tensor (what a byte-moving collective takes)."""
+    if isinstance(a, np.ndarray):
+        return a.reshape(-1).view(np.uint8)
+    return a.reshape(-1).view(_torch().uint8)
 
 
 def _torch():
@@ -366,6 +381,78 @@ class Communicator:
 
     def barrier(self) -> None:
         self._native.barrier()
+
+    def allgather_into_(self, output: Any, input: Any, counts: Optional[Sequence[int]] = None) -> Any:
+        """Ring allgather into ``output``: every rank's ``input``, flattened, in rank order.
+
+        ``counts`` gives each rank's number of elements (default: ``output`` holds ``size``
+        equal blocks). ``input`` and ``output`` are contiguous, of one dtype (any dtype: the
+        bytes are moved, never read). Returns ``output``."""
+        out = _native_array(output, "allgather_into_")
+        inp = _native_array(input, "allgather_into_", read_only=True)
+        esize = _itemsize(out)
+        if _itemsize(inp) != esize or str(inp.dtype) != str(out.dtype):
+            raise ValueError(f"allgather_into_: input dtype {inp.dtype} differs from the output's {out.dtype}")
+        counts = self._counts("allgather_into_", counts, _numel(out))
+        if _numel(inp) != counts[self.rank]:
+            raise ValueError(f"allgather_into_: rank {self.rank}'s input has {_numel(inp)} elements, its block "
+                             f"{counts[self.rank]}")
+        self._native.allgather_(_as_bytes(inp), _as_bytes(out), [c * esize for c in counts])
+        return output
+
+    def reduce_scatter_(self, output: Any, input: Any, op: ReduceOp = ReduceOp.Sum,
+                        counts: Optional[Sequence[int]] = None) -> Any:
+        """Ring reduce-scatter: ``input`` holds one block per rank in rank order (``counts``
+        elements each; default ``size`` equal blocks); ``output`` gets this rank's block reduced
+        over every rank. Each rank sends (size-1)/size of ``input``, the least any algorithm can.
+        ``input`` is not changed. Returns ``output``."""
+        out = _native_array(output, "reduce_scatter_")
+        inp = _native_array(input, "reduce_scatter_", read_only=True)
+        if str(inp.dtype) != str(out.dtype):
+            raise ValueError(f"reduce_scatter_: input dtype {inp.dtype} differs from the output's {out.dtype}")
+        counts = self._counts("reduce_scatter_", counts, _numel(inp))
+        if _numel(out) != counts[self.rank]:
+            raise ValueError(f"reduce_scatter_: rank {self.rank}'s output has {_numel(out)} elements, its block "
+                             f"{counts[self.rank]}")
+        self._native.reduce_scatter_(inp, out, counts, int(ReduceOp(op)))
+        return output
+
+    def shift(self, input: Any, max_bytes: Optional[int] = None) -> Any:
+        """One step round the ring: sends ``input``'s bytes to the next rank (``rank + 1``,
+        wrapping) and returns the previous rank's bytes (a flat uint8 tensor, or array for a
+        numpy input). Sizes may differ by rank: each sender announces its size first (8 bytes
+        round the ring), so a receiver allocates exactly that, never more than ``max_bytes``.
+        A previous rank announcing more (or a negative size) is that peer's failure: the ring
+        is aborted, so no rank waits on it, and this rank raises ``BadPeerError`` naming it.
+        Any dtype: bytes are moved, never read."""
+        inp = _as_bytes(_native_array(input, "shift", read_only=True))
+        mine = np.array([_numel(inp)], dtype=np.int64)
+        theirs = np.empty(1, dtype=np.int64)
+        self._native.shift_(mine, theirs)
+        n = int(theirs[0])
+        prev = (self.rank - 1) % self.size
+        if n < 0 or (max_bytes is not None and n > max_bytes):
+            why = f"rank {prev} announced {n} bytes for a shift, more than the {max_bytes} this rank takes"
+            self.abort(why)
+            raise BadPeerError(f"shift in world version {self.world_version}: {why}", op="shift",
+                               world_version=self.world_version, rank=self.rank, peer=prev,
+                               kind=ErrorKind.BadPeer)
+        out = np.empty(n, dtype=np.uint8) if isinstance(inp, np.ndarray) else _torch().empty(n, dtype=_torch().uint8)
+        self._native.shift_(inp, out)
+        return out
+
+    def _counts(self, what: str, counts: Optional[Sequence[int]], total: int) -> list:
+        """Per-rank element counts: given (each a non-negative int, summing to ``total``) or
+        ``size`` equal blocks of ``total``."""
+        if counts is None:
+            if total % self.size:
+                raise ValueError(f"{what}: {total} elements do not split into {self.size} equal blocks; pass counts")
+            return [total // self.size] * self.size
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or any(c < 0 for c in counts) or sum(counts) != total:
+            raise ValueError(f"{what}: counts {counts[:8]}{'…' if len(counts) > 8 else ''} must be {self.size} "
+                             f"non-negative numbers summing to {total}")
+        return counts
 
     def allgather(self, t: Any) -> Any:
         """Concatenates every rank's ``t`` along dimension 0 (its length may differ per rank)."""

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from . import status_view
+from . import __version__, status_view
 from .channel import channel_credentials, parse_addresses, read_token_file, read_token_list
 from .status_client import StatusClient, StatusError
 from .config import ServerConfig, default
@@ -37,6 +37,8 @@ ranks, evictions) and keeps all state in etcd so a restart or failover changes n
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-rendezvous", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print elastic-rendezvous's version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="{serve,status}")
     # No abbreviated flags: `--etcd-password X` must not pass for `--etcd-password-file X`.
     s = sub.add_parser("serve", help="run the rendezvous daemon", allow_abbrev=False,
@@ -209,7 +211,7 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str], events: EventLog) 
         loop.add_signal_handler(sig, stop.set)
     if server.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, server.metrics_port)
-    log.info("serving on %s:%d (%s store, %s, %s)", cfg.host, port,
+    log.info("elastic-rendezvous %s serving on %s:%d (%s store, %s, %s)", __version__, cfg.host, port,
              "etcd " + ",".join(cfg.etcd_endpoints) if cfg.etcd_endpoints else "in-memory",
              "token auth" if cfg.accepted_tokens() else "insecure",
              ("TLS, client certificates required" if cfg.tls_client_ca else "TLS")

@@ -17,6 +17,7 @@ import shutil
 import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
+from rendezvous import __version__
 from rendezvous.channel import channel_credentials, parse_addresses, read_token_file
 from rendezvous.membership import DEFAULT_MAX_NP
 
@@ -196,6 +197,8 @@ def parser() -> argparse.ArgumentParser:
                    help="append one JSON line per event to FILE (worker_started, worker_exited, "
                         "worker_respawned, world_formed, recovery, preempted, job_finished), with job_id, "
                         "world_version and timestamps, for log shippers (see rendezvous/event_log.py)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print elastic-run's version and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     return p
 

@@ -329,6 +329,39 @@ NB_MODULE(_native, m) {
              s.e()->run([&] { c->allgather(bi.ptr, bo.ptr, bytes_per_rank); });
            },
            nb::arg("input").noconvert(), nb::arg("output").noconvert(), nb::arg("bytes_per_rank"))
+      .def("reduce_scatter_",
+           [](PyComm& s, Array in, Array out, std::vector<uint64_t> counts, int op) {
+             Buffer bi = to_buffer(in, "reduce_scatter input");
+             Buffer bo = to_buffer(out, "reduce_scatter output");
+             ReduceOp rop = to_op(op);
+             if (bi.dtype != bo.dtype) throw nb::value_error("reduce_scatter: input and output dtypes differ");
+             uint64_t total = 0;
+             for (auto v : counts) {
+               if (v > bi.count) throw nb::value_error("reduce_scatter: a per-rank count exceeds the input");
+               total += v;
+             }
+             if (total != bi.count)
+               throw nb::value_error("reduce_scatter: the input does not hold the sum of the per-rank counts");
+             nb::gil_scoped_release nogil;
+             auto c = s.c();
+             if (counts.size() == size_t(c->size()) && bo.count != counts[c->rank()])
+               throw CommError(ErrorKind::Invalid, "reduce_scatter: the output does not hold this rank's count");
+             s.e()->run([&] { c->reduce_scatter(bi.ptr, bo.ptr, counts, bi.dtype, rop); });
+           },
+           nb::arg("input").noconvert(), nb::arg("output").noconvert(), nb::arg("counts"), nb::arg("op"))
+      .def("shift_",
+           [](PyComm& s, Array in, Array out) {
+             Buffer bi = to_buffer(in, "shift input");
+             Buffer bo = to_buffer(out, "shift output");
+             size_t sb = bi.count * dtype_size(bi.dtype), rb = bo.count * dtype_size(bo.dtype);
+             const char *si = static_cast<const char*>(bi.ptr), *ro = static_cast<const char*>(bo.ptr);
+             if (sb && rb && si < ro + rb && ro < si + sb)
+               throw nb::value_error("shift: the input and the output overlap");
+             nb::gil_scoped_release nogil;
+             auto c = s.c();
+             s.e()->run([&] { c->shift(bi.ptr, sb, bo.ptr, rb); });
+           },
+           nb::arg("input").noconvert(), nb::arg("output").noconvert())
       .def("barrier",
            [](PyComm& s) {
              auto c = s.c();

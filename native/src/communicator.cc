@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 
@@ -336,6 +337,75 @@ void Communicator::allgather(const void* in, void* out, const std::vector<uint64
     if (n == 1) return;
     OpInfo info = make_op("allgather", h, std::to_string(at) + " bytes in all");
     AllgatherPlan plan(static_cast<char*>(out), b, rank_, n, cfg_.segment_bytes);
+    links_->run(plan, info);
+  });
+}
+
+void Communicator::reduce_scatter(const void* in, void* out, const std::vector<uint64_t>& counts, DType dtype,
+                                  ReduceOp op) {
+  const int n = size();
+  if (int(counts.size()) != n)
+    throw CommError(ErrorKind::Invalid, "reduce_scatter needs one count per rank: got " +
+                                            std::to_string(counts.size()) + " for a world of size " + std::to_string(n));
+  guarded("reduce_scatter", [&] {
+    const size_t esize = dtype_size(dtype);
+    size_t total = 0;
+    uint32_t tag = op_tag({6, uint64_t(dtype), uint64_t(op)});
+    for (uint64_t c : counts) {
+      total += c;
+      tag = op_tag({tag, c});
+    }
+    const size_t mine = counts[rank_];
+    size_t before = 0;
+    for (int c = 0; c < rank_; ++c) before += counts[c];
+    if (n == 1) {
+      if (mine) std::memmove(out, in, mine * esize);
+      if (op == ReduceOp::Average) scale_down(out, mine, dtype, 1);
+      return;
+    }
+    if (total == 0) return;
+    // 16-bit sums travel and accumulate as float32 and are rounded once, as in allreduce.
+    const bool wide = (dtype == DType::Float16 || dtype == DType::BFloat16) &&
+                      (op == ReduceOp::Sum || op == ReduceOp::Average);
+    const DType run_dtype = wide ? DType::Float32 : dtype;
+    const size_t run_esize = dtype_size(run_dtype);
+    if (work_.size() < total * run_esize) work_.resize(total * run_esize);
+    if (wide) widen_to_f32(reinterpret_cast<float*>(work_.data()), in, total, dtype);
+    else std::memcpy(work_.data(), in, total * esize);
+    Blocks b;
+    size_t at = 0;
+    for (int c = 0; c < n; ++c) {
+      b.off.push_back(at * run_esize);
+      b.len.push_back(counts[c] * run_esize);
+      b.max_len = std::max<size_t>(b.max_len, counts[c] * run_esize);
+      at += counts[c];
+    }
+    OpInfo info = make_op("reduce_scatter", tag, std::string(dtype_name(dtype)) + ", " + std::to_string(total) +
+                                                     " elements, " + op_name(op));
+    ReduceScatterPlan plan(work_.data(), std::move(b), run_dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
+    links_->run(plan, info);
+    const char* block = work_.data() + before * run_esize;
+    if (wide) narrow_from_f32(out, reinterpret_cast<const float*>(block), mine, dtype);
+    else if (mine) std::memcpy(out, block, mine * esize);
+  });
+}
+
+void Communicator::shift(const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+  guarded("shift", [&] {
+    if (size() == 1) {
+      if (send_bytes != recv_bytes)
+        throw CommError(ErrorKind::Invalid, "shift in a world of one: this rank sends " + std::to_string(send_bytes) +
+                                                " bytes to itself and expects " + std::to_string(recv_bytes));
+      if (send_bytes) std::memmove(recv, send, send_bytes);
+      return;
+    }
+    // The tag does not name the sizes (they differ by link); each segment's size is checked.
+    OpInfo info = make_op("shift", op_tag({7}), std::to_string(send_bytes) + " bytes to rank " +
+                                                    std::to_string((rank_ + 1) % size()) + ", " +
+                                                    std::to_string(recv_bytes) + " from rank " +
+                                                    std::to_string((rank_ + size() - 1) % size()));
+    ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
+                   cfg_.segment_bytes);
     links_->run(plan, info);
   });
 }

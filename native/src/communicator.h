@@ -36,6 +36,13 @@ class Communicator {
   void broadcast(void* buf, size_t bytes, int root);
   // out holds every rank's block, in rank order; in is this rank's block (may alias its place in out).
   void allgather(const void* in, void* out, const std::vector<uint64_t>& bytes_per_rank);
+  // in holds one block per rank, in rank order, of counts[r] elements each; out (counts[rank]
+  // elements) gets this rank's block reduced over every rank. in is left as it was.
+  void reduce_scatter(const void* in, void* out, const std::vector<uint64_t>& counts, DType dtype, ReduceOp op);
+  // Sends send_bytes of `send` to the next rank and receives recv_bytes from the previous
+  // rank into `recv` (which must not overlap `send`). Each rank's recv_bytes must be its
+  // previous rank's send_bytes, or both fail with a mismatch.
+  void shift(const void* send, size_t send_bytes, void* recv, size_t recv_bytes);
   void barrier();
 
   int rank() const { return rank_; }
@@ -77,6 +84,7 @@ class Communicator {
   std::atomic<uint32_t> seq_{0};
   std::vector<char> scratch_;
   std::vector<char> leader_scratch_;  // the leaders' phase runs on its own thread
+  std::vector<char> work_;            // reduce_scatter's copy of its input, reused across calls
 
   std::atomic<bool> failed_{false};
   std::mutex err_mu_;

@@ -98,6 +98,51 @@ size_t AllreducePlan::recv_block(size_t g) const {
   return mod(long(r_) - long(g - (n_ - 1)), n_);
 }
 
+// ---------------------------------------------------------------- ReduceScatterPlan
+
+ReduceScatterPlan::ReduceScatterPlan(char* buf, Blocks blocks, DType dtype, ReduceOp op, int rank, int n,
+                                     size_t seg_bytes, std::vector<char>& scratch)
+    : buf_(buf), blocks_(std::move(blocks)), dtype_(dtype), op_(op), r_(rank), n_(n), esize_(dtype_size(dtype)) {
+  // Segments hold whole elements, so a reduction never straddles two of them.
+  seg_ = std::max(esize_, seg_bytes / esize_ * esize_);
+  k_ = segments_for(blocks_.max_len, seg_);
+  if (scratch.size() < seg_) scratch.resize(seg_);
+  scratch_ = scratch.data();
+}
+
+// Step g sends the block it finished reducing in step g-1 (its own contribution at g = 0),
+// one place further round than the allreduce's reduce-scatter, so the last block each rank
+// completes is its own.
+size_t ReduceScatterPlan::send_block(size_t g) const { return mod(long(r_) - long(g) - 1, n_); }
+size_t ReduceScatterPlan::recv_block(size_t g) const { return mod(long(r_) - long(g) - 2, n_); }
+
+Span ReduceScatterPlan::send_span(size_t i) { return segment(buf_, blocks_, send_block(i / k_), i % k_, seg_); }
+
+Span ReduceScatterPlan::recv_span(size_t i) {
+  Span s = segment(buf_, blocks_, recv_block(i / k_), i % k_, seg_);
+  return {scratch_, s.bytes};
+}
+
+void ReduceScatterPlan::received(size_t i) {
+  size_t g = i / k_;
+  Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
+  reduce_into(s.ptr, scratch_, s.bytes / esize_, dtype_, op_);
+  if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+}
+
+void ReduceScatterPlan::deliver(size_t i, size_t offset, const char* src, size_t n) {
+  Span s = segment(buf_, blocks_, recv_block(i / k_), i % k_, seg_);
+  reduce_into(s.ptr + offset, src, n / esize_, dtype_, op_);
+}
+
+void ReduceScatterPlan::delivered(size_t i) {
+  size_t g = i / k_;
+  if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) {
+    Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
+    scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+  }
+}
+
 // ---------------------------------------------------------------- AllgatherPlan
 
 AllgatherPlan::AllgatherPlan(char* buf, Blocks blocks, int rank, int n, size_t seg_bytes)
@@ -109,6 +154,22 @@ Span AllgatherPlan::send_span(size_t i) { return segment(buf_, blocks_, mod(long
 
 Span AllgatherPlan::recv_span(size_t i) {
   return segment(buf_, blocks_, mod(long(r_) - long(i / k_) - 1, n_), i % k_, seg_);
+}
+
+// ---------------------------------------------------------------- ShiftPlan
+
+ShiftPlan::ShiftPlan(const char* send, size_t send_bytes, char* recv, size_t recv_bytes, size_t seg_bytes)
+    : send_(const_cast<char*>(send)), send_bytes_(send_bytes), recv_(recv), recv_bytes_(recv_bytes),
+      seg_(std::max<size_t>(1, seg_bytes)) {}
+
+Span ShiftPlan::send_span(size_t i) {
+  size_t lo = std::min(send_bytes_, i * seg_), hi = std::min(send_bytes_, (i + 1) * seg_);
+  return {send_ + lo, hi - lo};
+}
+
+Span ShiftPlan::recv_span(size_t i) {
+  size_t lo = std::min(recv_bytes_, i * seg_), hi = std::min(recv_bytes_, (i + 1) * seg_);
+  return {recv_ + lo, hi - lo};
 }
 
 // ---------------------------------------------------------------- BroadcastPlan

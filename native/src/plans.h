@@ -59,6 +59,36 @@ class AllreducePlan : public Plan {
   char* scratch_;
 };
 
+// Ring reduce-scatter of `blocks` of buf (one per rank, in rank order, any sizes): n-1
+// steps, each rank sends (n-1)/n of the buffer. Block b travels b+1 -> b+2 -> ... -> b and
+// is reduced at each hop, so it ends complete on its owner, rank b (Average divides there,
+// once). buf is the work buffer: every block but the owner's holds partial sums afterwards.
+class ReduceScatterPlan : public Plan {
+ public:
+  ReduceScatterPlan(char* buf, Blocks blocks, DType dtype, ReduceOp op, int rank, int n, size_t seg_bytes,
+                    std::vector<char>& scratch);
+  size_t num_sends() const override { return size_t(n_ - 1) * k_; }
+  size_t num_recvs() const override { return num_sends(); }
+  ptrdiff_t send_after(size_t i) const override { return i < k_ ? -1 : ptrdiff_t(i - k_); }
+  Span send_span(size_t i) override;
+  Span recv_span(size_t i) override;
+  void received(size_t i) override;
+  // Shared memory: reduce straight from the transport's memory (same operands, same order).
+  void deliver(size_t i, size_t offset, const char* src, size_t n) override;
+  void delivered(size_t i) override;
+
+ private:
+  size_t send_block(size_t g) const;
+  size_t recv_block(size_t g) const;
+  char* buf_;
+  Blocks blocks_;
+  DType dtype_;
+  ReduceOp op_;
+  int r_, n_;
+  size_t esize_, seg_, k_;
+  char* scratch_;
+};
+
 // Ring allgather of blocks already laid out in rank order in buf.
 class AllgatherPlan : public Plan {
  public:
@@ -74,6 +104,26 @@ class AllgatherPlan : public Plan {
   Blocks blocks_;
   int r_, n_;
   size_t seg_, k_;
+};
+
+// One step round the ring: this rank's bytes go to the next rank while the previous rank's
+// arrive (a commit's copy for a buddy, say). The two sizes may differ; each must be what
+// the other end of its link says, or the segments do not match.
+class ShiftPlan : public Plan {
+ public:
+  ShiftPlan(const char* send, size_t send_bytes, char* recv, size_t recv_bytes, size_t seg_bytes);
+  size_t num_sends() const override { return segments_for_(send_bytes_); }
+  size_t num_recvs() const override { return segments_for_(recv_bytes_); }
+  ptrdiff_t send_after(size_t) const override { return -1; }
+  Span send_span(size_t i) override;
+  Span recv_span(size_t i) override;
+
+ private:
+  size_t segments_for_(size_t bytes) const { return bytes == 0 ? 1 : (bytes + seg_ - 1) / seg_; }
+  char* send_;
+  size_t send_bytes_;
+  char* recv_;
+  size_t recv_bytes_, seg_;
 };
 
 // Pipelined chain from the root around the ring; the root's predecessor only receives.
