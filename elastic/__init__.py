@@ -26,6 +26,7 @@ from .errors import (
     Preempted,
     RendezvousError,
     SettingsMismatchError,
+    SyncRefusedError,
     WorkerLostError,
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
@@ -53,7 +54,7 @@ __all__ = [
     "allgather", "allreduce", "allreduce_", "allreduce_async_", "barrier", "broadcast_", "broadcast_object",
     "synchronize", "CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "BadPeerError",
     "CollectiveMismatchError", "ElasticError", "ElasticTimeout", "HandshakeError", "MembershipChanged",
-    "Preempted", "RendezvousError", "SettingsMismatchError", "WorkerLostError", "Average", "Max",
+    "Preempted", "RendezvousError", "SettingsMismatchError", "SyncRefusedError", "WorkerLostError", "Average", "Max",
     "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank",
     "local_size", "cross_rank", "cross_size", "world_version", "ElasticSampler", "State", "ObjectState",
     "TorchState", "DistributedOptimizer", "DistributedDataParallel", "process_group",

@@ -37,11 +37,12 @@ import os
 import re
 import stat
 import struct
-import tempfile
 import threading
 import time
 import weakref
 from typing import Any, List, Optional, Tuple
+
+from rendezvous import files
 
 from . import serialization
 
@@ -107,14 +108,6 @@ def prepare_directory(directory: str) -> None:
     check_directory(directory)
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash of the machine
-    finally:
-        os.close(fd)
-
-
 def write(directory: str, step: int, state: Any) -> str:
     """Writes ``state`` as the durable commit ``step``, atomically; keeps the newest ``KEEP``
     files and returns the new file's path. ``TypeError`` if the state cannot be carried."""
@@ -124,21 +117,16 @@ def write(directory: str, step: int, state: Any) -> str:
     for chunk in encoded.chunks:
         digest.update(chunk)
     path = os.path.join(directory, file_name(step))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".commit-")  # mode 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            for chunk in encoded.chunks:
-                f.write(chunk)
-            f.write(digest.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic
-        _fsync_directory(directory)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def write_to(f) -> None:
+        f.write(header)
+        for chunk in encoded.chunks:
+            f.write(chunk)
+        f.write(digest.digest())
+
+    # A temporary file in the directory, fsynced, renamed over the name (never through a link
+    # standing there) and the directory fsynced: complete or absent, even after a machine crash.
+    files.replace(path, write_to, mode=0o600, durable=True)
     for _, old in _commits(directory)[KEEP:]:
         try:
             os.unlink(old)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,6 +28,13 @@ Listener = _native.Listener
 ErrorKind = _native.ErrorKind
 
 _MAX_ALLGATHER_NDIM = 12
+# What one allgather may gather in all (every rank holds the whole result), and what one rank's
+# object may take in an object collective; both bound what a peer's announced size makes this
+# rank allocate. Sizes beyond them can only come from a peer that does not follow the protocol.
+MAX_ALLGATHER_BYTES = 1 << 36
+MAX_OBJECT_BYTES = 1 << 30
+# What a rank announces instead of a size when it cannot send its object (all ranks raise).
+CANNOT_CARRY, TOO_LARGE = -1, -2
 
 
 _CORE = _native.CommConfig()  # the core's defaults: each setting's default is written once, in native/src/config.h
@@ -257,7 +264,9 @@ class Communicator:
                 continue
             by_value: dict = {}
             for r, v in enumerate(column):
-                by_value.setdefault(words[v] if isinstance(getattr(self.config, name), str) else v, []).append(r)
+                if isinstance(getattr(self.config, name), str):   # a peer's number: an index only once checked
+                    v = words[v] if 0 <= v < len(words) else f"unknown value {v}"
+                by_value.setdefault(v, []).append(r)
             said = "; ".join(f"{v} on rank(s) {','.join(map(str, rs))}" for v, rs in by_value.items())
             raise SettingsMismatchError(
                 f"ring setting {name} ({CommConfig.env_var(name)}) differs between the ranks of world version "
@@ -434,9 +443,7 @@ class Communicator:
         if n < 0 or (max_bytes is not None and n > max_bytes):
             why = f"rank {prev} announced {n} bytes for a shift, more than the {max_bytes} this rank takes"
             self.abort(why)
-            raise BadPeerError(f"shift in world version {self.world_version}: {why}", op="shift",
-                               world_version=self.world_version, rank=self.rank, peer=prev,
-                               kind=ErrorKind.BadPeer)
+            raise self._blame(why, "shift", prev)
         out = np.empty(n, dtype=np.uint8) if isinstance(inp, np.ndarray) else _torch().empty(n, dtype=_torch().uint8)
         self._native.shift_(inp, out)
         return out
@@ -454,8 +461,37 @@ class Communicator:
                              f"non-negative numbers summing to {total}")
         return counts
 
+    def allgather_equal(self, t: Any) -> Any:
+        """Every rank's ``t`` stacked along a new first dimension. ``t`` has the same shape and
+        dtype on every rank, so no size is taken from a peer: how the runtime exchanges its own
+        small records (commit steps, verdicts, object sizes)."""
+        arr = _native_array(t, "allgather_equal", read_only=True)
+        shape = (self.size,) + tuple(arr.shape)
+        out = np.empty(shape, dtype=arr.dtype) if isinstance(arr, np.ndarray) else _torch().empty(shape,
+                                                                                                  dtype=arr.dtype)
+        nbytes = arr.nbytes if isinstance(arr, np.ndarray) else arr.numel() * arr.element_size()
+        self._native.allgather_(arr, out, [nbytes] * self.size)
+        return out
+
+    def allgather_bytes(self, mine: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
+        """Every rank's bytes in rank order, rank r's ``sizes[r]`` long (``mine`` is this rank's).
+        ``sizes`` must be agreed by every rank (``allgather_equal``) and bounded first: they set
+        what this rank allocates."""
+        out = np.empty(sum(sizes), dtype=np.uint8)
+        self._native.allgather_(_native_array(mine, "allgather_bytes", read_only=True), out, [int(n) for n in sizes])
+        return out
+
+    def _blame(self, message: str, op: str, peer: int) -> BadPeerError:
+        """What rank ``peer`` sent cannot be received: its failure (see ``BadPeerError``)."""
+        return BadPeerError(f"{op} in world version {self.world_version}: {message}", op=op,
+                            world_version=self.world_version, rank=self.rank, peer=peer, kind=ErrorKind.BadPeer)
+
     def allgather(self, t: Any) -> Any:
-        """Concatenates every rank's ``t`` along dimension 0 (its length may differ per rank)."""
+        """Concatenates every rank's ``t`` along dimension 0 (its length may differ per rank).
+
+        The rows each rank announces are checked before anything is allocated: a negative count,
+        or counts that would take more than ``MAX_ALLGATHER_BYTES`` in all, raise
+        ``BadPeerError`` naming the rank (on that rank itself, ``ValueError``)."""
         is_np = isinstance(t, np.ndarray)
         arr = _native_array(t, "allgather", read_only=True)
         shape = tuple(arr.shape)
@@ -479,6 +515,12 @@ class Communicator:
         itemsize = arr.itemsize if is_np else arr.element_size()
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
         counts = [int(metas[r, 0]) for r in range(self.size)]
+        problem = allgather_counts_problem(counts, row_bytes, MAX_ALLGATHER_BYTES)
+        if problem is not None:
+            blamed, why = problem
+            if blamed == self.rank:
+                raise ValueError(f"allgather in world version {self.world_version}: this rank's {why}")
+            raise self._blame(f"rank {blamed} {why}", "allgather", blamed)
         out_shape = (sum(counts),) + shape[1:]
         if is_np:
             out = np.empty(out_shape, dtype=arr.dtype)
@@ -487,46 +529,93 @@ class Communicator:
         self._native.allgather_(arr, out, [c * row_bytes for c in counts])
         return out
 
-    def broadcast_object(self, obj: Any = None, root_rank: int = 0) -> Any:
-        """Returns ``root_rank``'s ``obj`` on every rank (the root gets ``obj`` itself).
+    def broadcast_object(self, obj: Any = None, root_rank: int = 0, *, op: str = "broadcast_object") -> Any:
+        """Returns ``root_rank``'s ``obj`` on every rank (the root gets ``obj`` itself); ``op``
+        names the operation in errors.
 
         ``obj`` travels in ``elastic.serialization``'s format, never pickle, so receiving it runs
         no code. It may be built from None, bool, int, float, complex, str, bytes, list, tuple,
         dict and OrderedDict (keys None, bool, int, float, complex, str or bytes), torch.Tensor,
         numpy.ndarray (bool/int/uint/float/complex dtypes), numpy scalars, torch.Size and
-        torch.dtype, nested at most ``serialization.MAX_DEPTH`` deep; tensors arrive as CPU
-        tensors that own their memory, with ``requires_grad`` False. Anything else (a class
-        instance, a function, a set) raises ``TypeError`` naming its type and where it is, on
-        the root and, without it, on every other rank; bytes that do not decode raise
-        ``ValueError``.
+        torch.dtype, nested at most ``serialization.MAX_DEPTH`` deep, at most
+        ``MAX_OBJECT_BYTES`` (1 GiB) encoded; tensors arrive as CPU tensors that own their
+        memory, with ``requires_grad`` False. Anything else (a class instance, a function, a
+        set) raises ``TypeError`` naming its type and where it is, on the root and, without it,
+        on every other rank (an object too large: ``ValueError``). What the root sends that
+        cannot be received (a size out of bounds, bytes that do not decode) raises
+        ``BadPeerError`` naming the root on the others, before anything is allocated.
         """
-        from . import serialization
-
+        root_rank = int(root_rank)
         if self.rank == root_rank:
-            try:
-                encoded = serialization.encode(obj)
-            except TypeError:
-                # Told before failing, no rank waits for an object that is not coming.
-                self.broadcast_(np.array([-1], dtype=np.int64), root_rank)
-                raise
-            length = np.array([encoded.nbytes], dtype=np.int64)
+            encoded, failure, size = encode_object(obj)
+            length = np.array([size], dtype=np.int64)
         else:
             length = np.zeros(1, dtype=np.int64)
+        # Told before failing, no rank waits for an object that is not coming.
         self.broadcast_(length, root_rank)
-        if length[0] < 0:
-            raise TypeError(f"broadcast_object in world version {self.world_version}: root rank {root_rank}'s "
-                            "object cannot be carried (its own TypeError names the type)")
-        buf = np.empty(int(length[0]), dtype=np.uint8)
+        if self.rank == root_rank and failure is not None:
+            raise failure
+        size = int(length[0])
+        self.raise_for_object_size(size, root_rank, op)
+        buf = np.empty(size, dtype=np.uint8)
         if self.rank == root_rank:
             encoded.copy_into(buf)
         self.broadcast_(buf, root_rank)
         if self.rank == root_rank:
             return obj
+        return self.decode_object(buf, root_rank, op)
+
+    def raise_for_object_size(self, size: int, sender: int, op: str) -> None:
+        """Raises unless ``size``, what rank ``sender`` announced for its object, may be received."""
+        if size == CANNOT_CARRY:
+            raise TypeError(f"{op} in world version {self.world_version}: rank {sender}'s object cannot be carried "
+                            "(its own TypeError names the type)")
+        if size == TOO_LARGE:
+            raise ValueError(f"{op} in world version {self.world_version}: rank {sender}'s object is larger than "
+                             f"{MAX_OBJECT_BYTES} bytes encoded (its own error says how large)")
+        if not 0 <= size <= MAX_OBJECT_BYTES:
+            raise self._blame(f"rank {sender} announced an object of {size} bytes (at most {MAX_OBJECT_BYTES})",
+                              op, sender)
+
+    def decode_object(self, data: Any, sender: int, op: str) -> Any:
+        """The object in ``data``, which rank ``sender`` sent; ``BadPeerError`` naming it if none."""
+        from . import serialization
+
         try:
-            return serialization.loads(buf)
+            return serialization.loads(data)
         except ValueError as e:
-            raise ValueError(f"broadcast_object in world version {self.world_version}: the object root rank "
-                             f"{root_rank} sent is malformed: {e}") from None
+            raise self._blame(f"the object rank {sender} sent is malformed: {e}", op, sender) from None
+
+
+def allgather_counts_problem(counts: Sequence[int], row_bytes: int, limit: int) -> Optional[Tuple[int, str]]:
+    """(rank, why) when the row counts the ranks announced for an allgather cannot be received:
+    the first negative count, or, when they would take more than ``limit`` bytes in all, the
+    rank announcing the most (its rows alone may fit: the gather as a whole does not)."""
+    for r, c in enumerate(counts):
+        if c < 0:
+            return r, f"announced {c} rows"
+    total = sum(c * row_bytes for c in counts)
+    if total <= limit:
+        return None
+    r = max(range(len(counts)), key=lambda i: (counts[i], -i))
+    return r, (f"announced {counts[r]} rows of {row_bytes} bytes; the gather would take {total} bytes, more than "
+               f"{limit}")
+
+
+def encode_object(obj: Any) -> Tuple[Any, Optional[Exception], int]:
+    """(encoded, None, its size) of an object to send, or (None, the error, the sentinel to
+    announce instead of a size: ``CANNOT_CARRY`` or ``TOO_LARGE``)."""
+    from . import serialization
+
+    try:
+        encoded = serialization.encode(obj)
+    except TypeError as e:
+        return None, e, CANNOT_CARRY
+    if encoded.nbytes > MAX_OBJECT_BYTES:
+        return None, ValueError(f"the object is {encoded.nbytes} bytes encoded, more than an object collective "
+                                f"carries ({MAX_OBJECT_BYTES}: elastic.communicator.MAX_OBJECT_BYTES); send large "
+                                "tensors with the tensor collectives"), TOO_LARGE
+    return encoded, None, encoded.nbytes
 
 
 _DTYPE_IDS = {name: i for i, name in enumerate(

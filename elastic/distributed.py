@@ -19,8 +19,8 @@ rebuilt: the first iteration would reduce different parameters in the same bucke
 joiner's rebuild broadcast would meet the others' allreduce. So at every sync every
 ``DistributedDataParallel`` builds a fresh reducer (``after_sync``), and all ranks, joiners
 included, start from the same buckets and rebuild together. torch's object collectives
-(``all_gather_object`` …) unpickle what peers send: once the group exists they do so with a
-loader that refuses every class and function a pickle names.
+(``all_gather_object`` …) pickle; on this group they run in ``elastic.objects`` instead, whose
+format calls nothing a peer names and whose sizes are bounded.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import gc
 import hashlib
 import logging
 import os
-import pickle
 import queue
 import threading
 import warnings
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import session
+from . import objects, session
 from .errors import RendezvousError, WorkerLostError
 from .ops import Average, Max, Min, ReduceOp, Sum
 
@@ -557,22 +556,6 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self._unsupported("merge_remote_group")
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """What torch's ``*_object`` collectives unpickle with while the elastic group exists: plain
-    data only (containers, numbers, strings, bytes). Nothing a peer sends may name a class or a
-    function to call: that is how a pickle runs code."""
-
-    _SAFE = {("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range")} | \
-        {("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._SAFE:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"torch.distributed *_object collectives on the elastic ring carry plain data only; a peer's object "
-            f"names {module[:60]}.{name[:60]}, which is refused (elastic.broadcast_object carries tensors too)")
-
-
 _group_lock = threading.Lock()
 _group: Optional[ElasticProcessGroup] = None
 
@@ -583,8 +566,8 @@ def process_group() -> ElasticProcessGroup:
     with _group_lock:
         if _group is None:
             _group = ElasticProcessGroup()
-            # torch's object collectives unpickle what peers send; from now on, plain data only.
-            c10d._unpickler = _PlainUnpickler
+            # torch's object collectives pickle; on this group they carry elastic.serialization's format.
+            objects.install(lambda: _group, _group._ring)
         pg = _group
     _register(pg)
     return pg

@@ -55,13 +55,30 @@ class WorkerLostError(ElasticError):
 
 
 class BadPeerError(WorkerLostError):
-    """A neighbour cannot be part of a ring: its announced address is unusable (not HOST:PORT,
+    """A peer cannot be part of a ring: its announced address is unusable (not HOST:PORT,
     a wildcard, a name that does not resolve, nothing accepts connections there: ``kind``
-    ``Unreachable``) or what answers there does not prove the job's secret or speak the ring
-    protocol (``BadPeer``; e.g. a refusal without the secret's MAC, whatever it says).
+    ``Unreachable``), what answers there does not prove the job's secret or speak the ring
+    protocol (``BadPeer``; e.g. a refusal without the secret's MAC, whatever it says), or what
+    it sent cannot be received (``BadPeer``: a size or count out of bounds, bytes that do not
+    decode, a sync state that does not fit this worker's, as the majority of the world found).
 
-    It is that peer's failure, not this worker's: ``peer_rank`` names it, ``elastic.run``
-    reports it to the rendezvous, which evicts it, and the healthy workers re-form."""
+    It is that peer's failure, not this worker's: ``peer_rank`` names it (``peer`` too, here
+    not necessarily a neighbour), ``elastic.run`` reports it to the rendezvous, which evicts
+    it, and the healthy workers re-form. Nothing it sent was loaded."""
+
+
+class SyncRefusedError(ElasticError):
+    """The majority of a world refused this worker's part of a sync: the state it sent as the
+    most advanced one did not decode or fit theirs, or (as one of a minority) its own state
+    does not fit the state the others accepted. No later world fixes that, so ``elastic.run``
+    ends this worker with it; the others go on without it. ``world_version``, ``rank`` and
+    ``peer`` (the sync's root) say where; ``refused_by`` lists the ranks that refused."""
+
+    def __init__(self, message: str, *, world_version: int = -1, rank: int = -1, peer: int = -1,
+                 refused_by: tuple = ()):
+        super().__init__(message)
+        self.op, self.world_version, self.rank, self.peer = "sync", world_version, rank, peer
+        self.refused_by = tuple(refused_by)
 
 
 class MembershipChanged(ElasticError):

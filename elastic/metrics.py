@@ -298,7 +298,8 @@ class SnapshotRejected(ValueError):
         self.reason = reason
 
 
-REJECT_REASONS = ("oversized", "not_json", "schema", "unknown_worker", "bad_token", "sender")
+# "error": a datagram the receiver itself failed on (a bug; logged once), still dropped and counted.
+REJECT_REASONS = ("oversized", "not_json", "schema", "unknown_worker", "bad_token", "sender", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +348,8 @@ def parse_snapshot(data: bytes, tokens: Mapping[str, str]) -> Snapshot:
     worker, token = doc["worker"], doc["token"]
     if not isinstance(worker, str) or not isinstance(token, str) or worker not in tokens:
         raise SnapshotRejected("unknown_worker", f"worker {str(worker)[:100]!r} was not started by this launcher")
-    if not hmac.compare_digest(token.encode(), tokens[worker].encode()):
+    # Tokens are hex: anything else (a JSON "\ud800" decodes to a str no codec encodes) is a wrong one.
+    if not token.isascii() or not hmac.compare_digest(token.encode(), tokens[worker].encode()):
         raise SnapshotRejected("bad_token", f"worker {worker!r}: wrong token")
     if not isinstance(doc["final"], bool):
         raise SnapshotRejected("schema", "final is not true or false")

@@ -30,6 +30,17 @@ GRACE_EXPIRED_EXIT = 128 + int(signal.SIGTERM)
 
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+# Slurm signals every process of a job step (scancel --signal, --signal=TERM@T, preemption), the
+# launcher among them, and the launcher passes its SIGTERM on to each worker: one request arrives
+# twice, moments apart. A SIGTERM repeated within this window is that request again.
+REPEAT_WINDOW_S = 2.0
+
+
+def insists(signum: int, first_at: float, now: float) -> bool:
+    """Whether a second ``signum`` (the first arrived at ``first_at``) ends the worker the old way:
+    a second SIGINT always (Ctrl-C twice), a second SIGTERM only after ``REPEAT_WINDOW_S``."""
+    return signum != signal.SIGTERM or now - first_at >= REPEAT_WINDOW_S
+
 
 def _expire(message: str) -> None:
     log.error("%s", message)
@@ -102,19 +113,23 @@ class LeaveRequest:
 
 def install_handlers(request: Callable[[str], None]) -> Optional[Dict[int, object]]:
     """Makes SIGTERM and SIGINT call ``request(signal name)`` (a second one of the same signal does
-    what the replaced handler did: KeyboardInterrupt, or the default action); returns the handlers they replaced,
-    for ``restore_handlers``, or None when this is not the main thread (Python allows signal
-    handlers only there; ``elastic.request_leave()`` still works)."""
+    what the replaced handler did: KeyboardInterrupt, or the default action; see ``insists`` for a
+    SIGTERM delivered twice); returns the handlers they replaced, for ``restore_handlers``, or None
+    when this is not the main thread (Python allows signal handlers only there;
+    ``elastic.request_leave()`` still works)."""
     if threading.current_thread() is not threading.main_thread():
         log.debug("not the main thread: no SIGTERM/SIGINT handlers; use elastic.request_leave()")
         return None
     previous: Dict[int, object] = {}
-    seen = {sig: 0 for sig in LEAVE_SIGNALS}
+    first_at: Dict[int, float] = {}
 
     def on_signal(signum, frame) -> None:
-        seen[signum] += 1
-        if seen[signum] == 1:
+        now = time.monotonic()
+        if signum not in first_at:
+            first_at[signum] = now
             request(signal.Signals(signum).name)
+            return
+        if not insists(signum, first_at[signum], now):
             return
         # The same signal again: the sender insists. Do what it did before graceful leave
         # (KeyboardInterrupt for a second Ctrl-C, the default action for SIGTERM).

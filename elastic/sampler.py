@@ -19,6 +19,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 
+MAX_PARTITION_SIZE = 1 << 20   # world sizes a state may name: partitioning allocates one slot per rank
+
+
 def partition(remaining: Sequence[int], size: int) -> List[np.ndarray]:
     """Splits ``remaining`` into ``size`` equal shards, rank r taking every size-th index from r;
     pads by repeating from the start (fewer than ``size`` repeats)."""
@@ -126,6 +129,25 @@ class ElasticSampler:
     def state_dict(self) -> Dict[str, Any]:
         return {"epoch": self.epoch, "remaining": self.remaining.copy(), "partition_size": self.partition_size,
                 "processed": self.processed, "seed": self.seed, "shuffle": self.shuffle}
+
+    def check_state_dict(self, sd: Any) -> None:
+        """ValueError unless ``sd`` is a state this sampler can load (``TorchState`` asks before
+        loading a synced state: a peer's numbers must not make it index past the dataset or
+        partition over billions of ranks)."""
+        if type(sd) is not dict or not {"epoch", "remaining", "partition_size", "processed"} <= set(sd):
+            raise ValueError("not an ElasticSampler state (epoch, remaining, partition_size, processed)")
+        for k in ("epoch", "partition_size", "processed"):
+            if isinstance(sd[k], bool) or not isinstance(sd[k], (int, np.integer)):
+                raise ValueError(f"ElasticSampler {k} is not an int")
+        remaining = sd["remaining"]
+        if type(remaining) is not np.ndarray or remaining.ndim != 1 or remaining.dtype.kind not in "iu":
+            raise ValueError("ElasticSampler remaining is not a 1-D integer array")
+        if remaining.size > self.dataset_len or (remaining.size and not 0 <= remaining.min() <= remaining.max()
+                                                 < self.dataset_len):
+            raise ValueError(f"ElasticSampler remaining holds indices outside this dataset of {self.dataset_len}")
+        if sd["epoch"] < -1 or sd["processed"] < 0 or not 1 <= sd["partition_size"] <= MAX_PARTITION_SIZE:
+            raise ValueError(f"ElasticSampler epoch {sd['epoch']}, processed {sd['processed']} or partition size "
+                             f"{sd['partition_size']} out of range")
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         self.epoch = int(sd["epoch"])

@@ -33,7 +33,7 @@ import collections
 import copy
 import logging
 import sys
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -172,7 +172,7 @@ class State:
         step, snapshot = _decode_sync(payload, root, world_version)
         try:
             self.check_shape(snapshot)
-        except ValueError as e:
+        except Exception as e:   # whatever a peer's values make the checks raise
             raise ValueError(f"sync in world version {world_version}: the state rank {root} sent does not fit "
                              f"this {type(self).__name__}: {e}") from None
         return step, snapshot
@@ -333,6 +333,76 @@ def _copy_into(old: Any, new: Any) -> Any:
     return copy.deepcopy(new)
 
 
+def _short(key: Any) -> str:
+    return repr(key)[:80]
+
+
+def _describe(v: Any) -> str:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {list(v.shape)}"
+    return f"a {type(v).__name__}"
+
+
+def _check_tensors_fit(got: Any, live: Dict[str, Any], what: str) -> None:
+    """ValueError unless ``got`` has exactly ``live``'s keys and, where ``live`` holds a tensor, a
+    tensor of the same shape and dtype (what ``load_state_dict`` would otherwise fail on, half-way)."""
+    torch = sys.modules.get("torch")
+    missing = [k for k in live if k not in got]
+    extra = [k for k in got if k not in live]
+    if missing or extra:
+        raise ValueError(f"{what} keys differ: missing {[_short(k) for k in missing[:5]]}, unexpected "
+                         f"{[_short(k) for k in extra[:5]]}")
+    for k, v in live.items():
+        if torch is not None and isinstance(v, torch.Tensor):
+            g = got[k]
+            if not isinstance(g, torch.Tensor) or g.shape != v.shape or g.dtype != v.dtype:
+                raise ValueError(f"{what}[{_short(k)}] is {_describe(g)}, this state's is {_describe(v)}")
+
+
+def _check_optimizer_fits(got: Dict[str, Any], live: Dict[str, Any]) -> None:
+    """ValueError unless ``got`` is an optimizer state dict ``load_state_dict`` of the optimizer
+    whose ``state_dict()`` is ``live`` takes without failing, now or at its next step."""
+    torch = sys.modules.get("torch")
+    groups, state = got.get("param_groups"), got.get("state")
+    if type(groups) is not list or not isinstance(state, dict):
+        raise ValueError("'optimizer' is not an optimizer state dict (state, param_groups)")
+    if len(groups) != len(live["param_groups"]):
+        raise ValueError(f"the optimizer has {len(groups)} param groups, this state's {len(live['param_groups'])}")
+    ids: List[Any] = []
+    for i, (g, mine) in enumerate(zip(groups, live["param_groups"])):
+        if not isinstance(g, dict) or type(g.get("params")) is not list or len(g["params"]) != len(mine["params"]):
+            raise ValueError(f"optimizer param group {i} does not hold {len(mine['params'])} parameters as this "
+                             "state's does")
+        if set(g) != set(mine):
+            raise ValueError(f"optimizer param group {i} has the settings {sorted(map(_short, g))[:12]}, this "
+                             f"state's {sorted(map(_short, mine))[:12]}")
+        for k, v in mine.items():
+            if k == "params" or isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)) and (isinstance(g[k], bool) or not isinstance(g[k], (int, float))):
+                raise ValueError(f"optimizer param group {i} setting {_short(k)} is {_describe(g[k])}, not a number")
+            if torch is not None and isinstance(v, torch.Tensor) and (not isinstance(g[k], torch.Tensor)
+                                                                       or g[k].shape != v.shape):
+                raise ValueError(f"optimizer param group {i} setting {_short(k)} is {_describe(g[k])}, this "
+                                 f"state's is {_describe(v)}")
+        ids += g["params"]
+    if any(isinstance(p, bool) or not isinstance(p, int) for p in ids) or len(set(ids)) != len(ids):
+        raise ValueError("the optimizer's parameter ids are not distinct integers")
+    to_live = dict(zip(ids, (p for mine in live["param_groups"] for p in mine["params"])))
+    for pid, st in state.items():
+        if pid not in to_live or not isinstance(st, dict):
+            raise ValueError(f"optimizer state for parameter {_short(pid)}, which no param group holds")
+        mine = live["state"].get(to_live[pid])
+        if mine is None:
+            continue   # no state for it here yet (a newcomer): nothing to compare with
+        for k, v in mine.items():
+            if torch is not None and isinstance(v, torch.Tensor) and k in st and (
+                    not isinstance(st[k], torch.Tensor) or st[k].shape != v.shape):
+                raise ValueError(f"optimizer state {_short(k)} of parameter {pid} is {_describe(st[k])}, this "
+                                 f"state's is {_describe(v)}")
+
+
 class TorchState(ObjectState):
     """Committed model, optimizer and attributes. Attributes with ``state_dict``/``load_state_dict``
     (an ``ElasticSampler``, an lr scheduler) are committed through those; others are deep-copied."""
@@ -360,10 +430,30 @@ class TorchState(ObjectState):
         return view
 
     def check_shape(self, snapshot: Any) -> None:
+        """ValueError unless ``snapshot`` fits this state, checked before anything is loaded: the
+        model's keys, shapes and dtypes are the live model's; the optimizer has the same param
+        groups (sizes and hyperparameter names) and, for every parameter it already has state
+        for, tensors of the same shapes (a newcomer's optimizer, with no state yet, checks the
+        structure only); a handler's state is a dict, checked by its ``check_state_dict`` when it
+        has one (``ElasticSampler`` does)."""
         super().check_shape(snapshot)
         for part in ("model", "optimizer"):
             if part in snapshot and not isinstance(snapshot[part], dict):
                 raise ValueError(f"'{part}' is not a state dict")
+        if self.model is not None:
+            if "model" not in snapshot:
+                raise ValueError("it holds no model state; this TorchState has a model")
+            _check_tensors_fit(snapshot["model"], self.model.state_dict(), "model")
+        if self.optimizer is not None and "optimizer" in snapshot:
+            _check_optimizer_fits(snapshot["optimizer"], self.optimizer.state_dict())
+        handlers = self._handlers()
+        for name, sd in snapshot.get("handlers", {}).items():
+            if name in handlers:
+                if not isinstance(sd, dict):
+                    raise ValueError(f"the state of attribute {name!r} is not a dict")
+                check = getattr(handlers[name], "check_state_dict", None)
+                if callable(check):
+                    check(sd)
 
     def load(self, snapshot: Any) -> None:
         self._check_attribute_names(snapshot)

@@ -2,6 +2,7 @@
 
     elastic-run --np 4 -- python examples/train_linear.py
     elastic-run --np 4 -- python examples/train_linear.py --epochs 40 --step-sleep 0.05   # time to kill one
+    sbatch examples/slurm/train.sbatch        # on a Slurm cluster, with --checkpoint-dir to survive a requeue
 
 The data come from known weights (w_i = i/16, bias 0.5, a little noise), so the script ends by
 printing how far the learned weights are from them. Rank 0 prints the loss of every epoch,
@@ -22,6 +23,8 @@ p.add_argument("--samples", type=int, default=2048)
 p.add_argument("--batch-size", type=int, default=32)
 p.add_argument("--lr", type=float, default=0.05, help="learning rate for one worker; scaled by size()")
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows it for demos)")
+p.add_argument("--checkpoint-dir", help="durable commits there (rank 0 writes every 10th): a job started again "
+                                        "after losing every worker (a requeue) resumes from the last one")
 args = p.parse_args()
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -55,7 +58,7 @@ def scale_lr():
 state.register_reset_callbacks([scale_lr])  # after every world change
 
 
-@elastic.run
+@elastic.run(checkpoint_dir=args.checkpoint_dir)
 def train(state):
     # Called again after every world change, with the state synced from the most advanced worker.
     scale_lr()

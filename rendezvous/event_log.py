@@ -15,7 +15,6 @@ pass, so nothing a peer sent can smuggle a newline or a non-JSON value into the 
 from __future__ import annotations
 
 import datetime
-import errno
 import json
 import logging
 import math
@@ -23,6 +22,8 @@ import os
 import threading
 import time
 from typing import Any, Optional
+
+from . import files
 
 log = logging.getLogger("elastic.events")
 
@@ -89,12 +90,10 @@ class EventLog:
             # startup error naming it, not a silent loss later.
             # Not through a symbolic link: in a shared directory someone else's link would
             # have these lines appended to whatever file it names.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
             try:
-                fd = os.open(path, flags, 0o640)
+                fd = files.open_log(path)
             except OSError as e:
-                why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
-                raise ValueError(f"--events {path}: cannot open for appending: {why}") from None
+                raise ValueError(f"--events {path}: cannot open for appending: {files.reason(e)}") from None
             self._file = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
 
     @property

@@ -21,12 +21,12 @@ from typing import Callable, Iterable, Optional
 
 import grpc
 from grpc import aio
-from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram,
-                               ProcessCollector, start_http_server)
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import decision as d
 from .description import Description
+from .metrics_http import MetricsServer
 from .store import Store, StoreError
 
 P = "elastic_rendezvous_"
@@ -174,13 +174,12 @@ class ServerMetrics:
     # ------------------------------------------------------------------------------ /metrics
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0: a free port) from a daemon thread; returns the port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+        self._http = MetricsServer(self.registry, host, port, name="rendezvous-metrics-http")
+        return self._http.port
 
     def stop(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
 
 

@@ -165,7 +165,7 @@ def test_no_server_helper_imports_the_server():
 
 # What of the rendezvous package a worker may load: its client and what both sides share.
 WORKER_SIDE = {"rendezvous", "rendezvous._proto", "rendezvous._proto.rendezvous_pb2",
-               "rendezvous._proto.rendezvous_pb2_grpc", "rendezvous.channel",
+               "rendezvous._proto.rendezvous_pb2_grpc", "rendezvous.channel", "rendezvous.files",
                "rendezvous.membership", "rendezvous.watch_events", "rendezvous.wire",
                "rendezvous.worker_client"}
 CLIENT_ONLY = {"rendezvous.worker_client", "rendezvous.status_client", "rendezvous.watch_events"}
@@ -189,7 +189,7 @@ def test_the_rendezvous_service_imports_nothing_of_the_training_runtime():
 
 # Files the other half of the package restructuring splits; remove an entry when its file is cut
 # below the limit (the strict xfail below fails as soon as it is).
-LONG_FILES = {"elastic/distributed.py"}
+LONG_FILES = {"elastic/distributed.py", "elastic/session.py"}
 
 
 def _lines(path: str) -> int:

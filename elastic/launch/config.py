@@ -17,14 +17,14 @@ import shutil
 import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from rendezvous import __version__
+from rendezvous import __version__, files
 from rendezvous.channel import channel_credentials, parse_addresses, read_token_file
 from rendezvous.membership import DEFAULT_MAX_NP
-
 from rendezvous.ports import check_can_listen
 
-from ..config import TLS_VARIABLES
+from ..config import TLS_VARIABLES, _host_address as host_address
 from .embedded import EMBEDDED_HOST
+from .slurm import SlurmEnvError, SlurmStep, announcement_dir, check_base_dir, from_slurm_env, serve_host
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -44,11 +44,22 @@ backoff, at most --max-restarts times per slot; a worker that exits with an erro
 Exit status: 0 when the job completed and every worker this launcher started exited 0 (a worker
 killed by a signal while the job ran counts as a recovered failure); 1 with a one-line reason
 when the job failed or a worker failed after it completed (the first such worker is named);
-2 for bad flags; 128+N when stopped by signal N. A worker that exits 0 while the job runs has
-left it (preempted: SIGTERM, elastic.request_leave()): it is reported, not respawned, and counts
-as a success. On SIGTERM/SIGINT this launcher drains its workers the same way (SIGTERM to each,
-SIGKILL after --preempt-grace plus --stop-timeout) and exits 0 when every one left gracefully and
-the job goes on elsewhere (with --rendezvous); so does a slot the discovery script takes away.
+2 for bad flags; 3 when the job failed because its world stayed below --min-np for
+--elastic-timeout (a batch script may requeue it); 128+N when stopped by signal N. A worker that
+exits 0 while the job runs has left it (preempted: SIGTERM, elastic.request_leave()): it is
+reported, not respawned, and counts as a success. On SIGTERM/SIGINT this launcher drains its
+workers the same way (SIGTERM to each, SIGKILL after --preempt-grace plus --stop-timeout) and
+exits 0 when every one left gracefully and the job goes on elsewhere (with --rendezvous); so does
+a slot the discovery script takes away.
+
+Under Slurm (inside `srun --ntasks-per-node=1 elastic-run ...`: SLURM_JOB_ID and SLURM_STEP_ID
+set) the job id defaults to SLURM_JOB_ID, the host to SLURMD_NODENAME, --np to the GPUs Slurm gives
+the node (SLURM_GPUS_ON_NODE) else SLURM_NTASKS_PER_NODE, and --min-np to --np times the step's
+nodes. Without --rendezvous, the elastic-run of the job's first node (the batch host) runs
+the embedded server on its cluster address (ELASTIC_RING_HOST, else its host name's) and announces
+it, with its token, in --rendezvous-dir; the other nodes join it. The batch host is then a single
+point of failure, as for the batch script itself: give --rendezvous (elastic-rendezvous serve
+replicas over etcd) for jobs that must outlive any node.
 """
 
 EPILOG = """\
@@ -111,6 +122,13 @@ class LaunchConfig:
     metrics_port: Optional[int] = None      # serve the workers' metrics on /metrics of this port (0: a free one)
     metrics_host: str = "127.0.0.1"
     events: Optional[str] = None            # append one JSON line per launcher event to this file
+    embedded_host: str = EMBEDDED_HOST      # where the embedded server listens
+    # Under srun (elastic/launch/slurm.py): this launcher's place in the Slurm job; with
+    # announce_dir, the directory where the batch host's launcher announces its embedded server
+    # (slurm_role "head") and the other nodes' launchers find it ("member").
+    slurm: Optional[SlurmStep] = None
+    slurm_role: str = ""                    # "", "head" or "member"
+    announce_dir: Optional[str] = None
     # The token this launcher sends to --rendezvous servers (--token-file, else ELASTIC_TOKEN, else
     # ELASTIC_TOKEN_FILE, as the workers read them); None with the embedded server, which makes its own.
     token: Optional[str] = dataclasses.field(default=None, repr=False)
@@ -120,7 +138,8 @@ class LaunchConfig:
 
     @property
     def embedded(self) -> bool:
-        return not self.rendezvous
+        """This launcher runs the job's rendezvous server."""
+        return not self.rendezvous and self.slurm_role != "member"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,11 +153,12 @@ def parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, metavar="N",
                    help="workers to run on this host (default: 1, or the slots the discovery script "
-                        "gives this host)")
+                        "gives this host; under srun SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE)")
     p.add_argument("--min-np", type=int, metavar="N",
                    help="the job waits while it has fewer than N workers, and fails after "
                         "--elastic-timeout (default: --np, as horovodrun, so the first world has them all; "
-                        "at most --np without --rendezvous; with --rendezvous, the running job's)")
+                        "under srun --np times the step's nodes; at most --np without --rendezvous outside "
+                        "Slurm; with --rendezvous, the running job's)")
     p.add_argument("--max-np", type=int, metavar="N",
                    help=f"workers beyond N wait on standby (default: {DEFAULT_MAX_NP}; with --rendezvous, "
                         "the running job's)")
@@ -152,20 +172,25 @@ def parser() -> argparse.ArgumentParser:
                        help="port of the embedded rendezvous server (default: a free one)")
     where.add_argument("--rendezvous", metavar="HOST:PORT[,HOST:PORT...]",
                        help="join a job on these rendezvous servers instead of starting one")
+    p.add_argument("--rendezvous-dir", metavar="DIR",
+                   help="under srun without --rendezvous: a directory every node of the Slurm job shares, where "
+                        "the batch host's elastic-run announces its embedded server (address, and token in a 0600 "
+                        "file) to the others (default: ~/.elastic-run)")
     p.add_argument("--job-id", metavar="ID",
-                   help="job id, [A-Za-z0-9._-] (default: 'default'; required with --rendezvous)")
+                   help="job id, [A-Za-z0-9._-] (default: SLURM_JOB_ID under srun, else 'default'; required "
+                        "with --rendezvous outside Slurm)")
     p.add_argument("--host", metavar="NAME",
-                   help="this host's name in the job (default: the hostname); give two launchers "
-                        "on one machine different names")
+                   help="this host's name in the job (default: SLURMD_NODENAME under srun, else the hostname); "
+                        "give two launchers on one machine different names")
     p.add_argument("--host-discovery-script", metavar="PATH",
                    help="executable printing 'host[:slots]' lines (horovodrun format), polled: "
                         "the slots listed for THIS host (--host, or localhost) set how many workers "
                         "run here; other hosts are reported, not started (run elastic-run there)")
     p.add_argument("--discovery-interval", type=float, default=1.0, metavar="S",
                    help="seconds between runs of the discovery script (default: %(default)g)")
-    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+    p.add_argument("--connect-timeout", type=float, metavar="S",
                    help="give up when no --rendezvous server answers within S seconds at start "
-                        "(default: %(default)g)")
+                        "(default: 10; under srun, 60 for the batch host's server to be announced)")
     p.add_argument("--token-file", metavar="F",
                    help="token file of the --rendezvous servers, passed to workers as ELASTIC_TOKEN_FILE")
     p.add_argument("--tls-ca", metavar="PEM",
@@ -213,8 +238,7 @@ def _tls(a: argparse.Namespace, embedded: bool, env: Mapping[str, str]) -> Tuple
     if embedded:
         given = [f for f, v in zip(TLS_FLAGS, flags) if v]
         if given:
-            raise UsageError(f"{given[0]} needs --rendezvous: the embedded server listens on "
-                             "127.0.0.1 without TLS")
+            raise UsageError(f"{given[0]} needs --rendezvous: the embedded rendezvous server has no TLS")
         return (None, None, None)
     if not any(flags):
         flags = tuple(env.get(name) or None for name in TLS_VARIABLES)
@@ -238,14 +262,23 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError("no worker command: put it after '--', e.g. elastic-run --np 2 -- python train.py")
     if shutil.which(command[0]) is None:
         raise UsageError(f"worker command {command[0]!r} not found (not an executable, nor on PATH)")
+    try:
+        slurm = from_slurm_env(env)
+        rendezvous = parse_addresses(a.rendezvous, "--rendezvous") if a.rendezvous is not None else ()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    # Under srun in a job of several nodes without --rendezvous, the launchers of the job find each
+    # other: the batch host's serves, the others join it (elastic/launch/slurm.py).
+    role = "" if slurm is None or rendezvous or not slurm.spans_nodes else ("head" if slurm.is_head else "member")
     if a.np is not None and a.np < (0 if a.host_discovery_script else 1):
         raise UsageError(f"--np must be at least 1, got {a.np}")
-    np_ = a.np if a.np is not None else (0 if a.host_discovery_script else 1)
-    min_np = max(1, np_) if a.min_np is None else a.min_np
+    np_ = a.np if a.np is not None else (0 if a.host_discovery_script else
+                                         slurm.workers_per_node if slurm is not None else 1)
+    min_np = max(1, np_) * (slurm.step_nodes if slurm is not None else 1) if a.min_np is None else a.min_np
     max_np = DEFAULT_MAX_NP if a.max_np is None else a.max_np
     if min_np < 1 or max_np < min_np or max_np > 2048:
         raise UsageError(f"need 1 <= --min-np <= --max-np <= 2048, got {min_np} and {max_np}")
-    if min_np > np_ and not a.rendezvous and not a.host_discovery_script:
+    if min_np > np_ and not rendezvous and not role and not a.host_discovery_script:
         # Without --rendezvous the job is this launcher's: at most --np workers at a time (a
         # respawn takes its slot's place), so a first world of --min-np could never form. With
         # --host-discovery-script the slots, up to --max-np, come later: --min-np <= --max-np is the
@@ -259,20 +292,17 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError(f"--elastic-timeout must be in (0, 604800] seconds, got {a.elastic_timeout:g}")
     if not 0 <= a.port < 65536:
         raise UsageError(f"--port {a.port} is outside 0..65535")
-    if a.stop_timeout < 0 or a.discovery_interval <= 0 or a.connect_timeout <= 0:
+    connect_timeout = a.connect_timeout if a.connect_timeout is not None else 60.0 if role == "member" else 10.0
+    if a.stop_timeout < 0 or a.discovery_interval <= 0 or connect_timeout <= 0:
         raise UsageError("--stop-timeout must be >= 0, --discovery-interval and --connect-timeout > 0")
     if not 0 < a.preempt_grace <= 86400:
         raise UsageError(f"--preempt-grace must be in (0, 86400] seconds, got {a.preempt_grace:g}")
-    try:
-        rendezvous = parse_addresses(a.rendezvous, "--rendezvous") if a.rendezvous is not None else ()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if rendezvous and not a.job_id:
+    if rendezvous and not a.job_id and slurm is None:
         raise UsageError("--rendezvous needs --job-id: the job these workers join")
-    job_id = a.job_id or "default"
+    job_id = a.job_id or (slurm.job_id if slurm is not None else "default")
     if not ID_RE.fullmatch(job_id):
         raise UsageError(f"--job-id {job_id!r}: use 1-128 characters of [A-Za-z0-9._-]")
-    host = a.host or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100] or "localhost"
+    host = a.host or _host_name(slurm.node if slurm is not None else socket.gethostname())
     if not ID_RE.fullmatch(host) or len(host) > 100:
         raise UsageError(f"--host {host!r}: use 1-100 characters of [A-Za-z0-9._-]")
     script = a.host_discovery_script
@@ -282,11 +312,15 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
         raise UsageError("--token-file needs --rendezvous: the embedded server makes its own random token")
     token = _token(a.token_file, env) if rendezvous else None
     tls_ca, tls_cert, tls_key = _tls(a, not rendezvous, env)
-    if not rendezvous:
-        try:   # where the embedded server will listen (its own check would name it less well)
-            check_can_listen(EMBEDDED_HOST, a.port, "--port")
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    announce_dir = _announce_dir(a, slurm, role, job_id, env)
+    embedded_host = EMBEDDED_HOST
+    try:
+        if role == "head":
+            embedded_host = serve_host(env.get("ELASTIC_RING_HOST", ""), host_address)
+        if not rendezvous and role != "member":   # where the embedded server will listen
+            check_can_listen(embedded_host, a.port, "--port")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     metrics_host = _metrics_endpoint(a, rendezvous)
     events = _events_file(a.events)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
@@ -295,11 +329,35 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         rendezvous=rendezvous, job_id=job_id, host=host, host_discovery_script=script,
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                        stop_timeout=a.stop_timeout, connect_timeout=a.connect_timeout,
+                        stop_timeout=a.stop_timeout, connect_timeout=connect_timeout,
                         preempt_grace=a.preempt_grace, metrics_port=a.metrics_port, metrics_host=metrics_host,
                         events=events, token=token,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
-                                                  if env.get(k)))
+                                                  if env.get(k)),
+                        embedded_host=embedded_host, slurm=slurm, slurm_role=role, announce_dir=announce_dir)
+
+
+def _host_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name)[:100] or "localhost"
+
+
+def _announce_dir(a: argparse.Namespace, slurm: Optional[SlurmStep], role: str, job_id: str,
+                  env: Mapping[str, str]) -> Optional[str]:
+    """Where the batch host's launcher announces its server (see elastic/launch/slurm.py): a
+    subdirectory of --rendezvous-dir, which the batch host's launcher creates (0700) if needed."""
+    if not role:
+        if a.rendezvous_dir is not None:
+            raise UsageError("--rendezvous-dir is for elastic-run under srun in a Slurm job of several nodes, "
+                             "without --rendezvous")
+        return None
+    base = a.rendezvous_dir or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".elastic-run")
+    base = os.path.abspath(base)
+    try:
+        if role == "head" or os.path.exists(base):
+            check_base_dir(base, create=role == "head")
+    except SlurmEnvError as e:
+        raise UsageError(str(e)) from None
+    return announcement_dir(base, slurm, job_id)
 
 
 def _metrics_endpoint(a: argparse.Namespace, rendezvous: Tuple[str, ...]) -> str:
@@ -333,16 +391,16 @@ def _free_port_on(host: str) -> int:
 
 
 def _events_file(path: Optional[str]) -> Optional[str]:
-    """--events FILE as an absolute path, checked now: appendable (created if missing)."""
+    """--events FILE as an absolute path, checked now (appendable, no symbolic link); the check
+    creates nothing: the event log opens it when the launcher starts."""
     if path is None:
         return None
     if not path or os.path.isdir(path):
         raise UsageError(f"--events {path!r}: give a file to append to, not a directory")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        files.check_log(path)
     except OSError as e:
-        raise UsageError(f"--events {path}: cannot open for appending: {e.strerror}") from None
-    os.close(fd)
+        raise UsageError(f"--events {path}: cannot open for appending: {files.reason(e)}") from None
     return os.path.abspath(path)
 
 

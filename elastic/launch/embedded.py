@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Callable
 
+from rendezvous import files
+
 from .procs import with_parent_death_signal
 
 
@@ -28,32 +30,32 @@ class EmbeddedServerFailed(RuntimeError):
 
 
 class EmbeddedServer:
-    """`python -m rendezvous serve --token-file F` on 127.0.0.1 as a child process of the launcher.
+    """`python -m rendezvous serve --token-file F` on 127.0.0.1 (under srun, on the batch host's
+    cluster address: elastic/launch/slurm.py) as a child process of the launcher.
 
     Other users of this machine reach 127.0.0.1 too: the server wants a random token (256 bits),
     written to `token_file`, mode 0600 in a private (0700) directory that `stop()` removes; only
     this launcher and the workers it points there (ELASTIC_TOKEN_FILE) can read it.
     """
 
-    def __init__(self, port: int, elastic_timeout: float, log_line: Callable[[str], None]):
+    def __init__(self, port: int, elastic_timeout: float, log_line: Callable[[str], None], host: str = EMBEDDED_HOST):
         self._dir = tempfile.mkdtemp(prefix="elastic-run-")   # 0700: only this user gets in
         self._port_file = os.path.join(self._dir, "port")
         self.token_file = os.path.join(self._dir, "token")
         self.token = secrets.token_urlsafe(32)
         try:
-            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.token + "\n")
+            files.replace(self.token_file, (self.token + "\n").encode(), mode=0o600)
             # No blacklisting: on one machine the only host would be refused after three respawns.
             self.proc = subprocess.Popen(
                 with_parent_death_signal([sys.executable, "-m", "rendezvous", "serve", "--token-file",
-                 self.token_file, "--host", EMBEDDED_HOST, "--port", str(port), "--port-file", self._port_file,
+                 self.token_file, "--host", host, "--port", str(port), "--port-file", self._port_file,
                  "--elastic-timeout", f"{elastic_timeout:g}", "--blacklist-after", "1000000000",
                  "--log-level", "WARNING"]),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
+        self._url_host = f"[{host}]" if ":" in host else host
         self._last = ""
         self._reader = threading.Thread(target=self._read, args=(log_line,), daemon=True)
         self._reader.start()
@@ -79,7 +81,7 @@ class EmbeddedServer:
         if cancelled():
             return ""
         with open(self._port_file) as f:
-            self.address = f"{EMBEDDED_HOST}:{int(f.read())}"
+            self.address = f"{self._url_host}:{int(f.read())}"
         return self.address
 
     def alive(self) -> bool:

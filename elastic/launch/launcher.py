@@ -43,8 +43,10 @@ from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
 from .embedded import EmbeddedServer, EmbeddedServerFailed
 from .metrics import WorkerMetrics
 from .outcome import WorkerEnd, completion_failure
-from .procs import Output, Worker, describe_exit, signal_of, stdout_streams, stop_all, worker_env
+from .procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all,
+                    worker_env)
 from .report import Reporter
+from .slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
 
 POLL_S = 0.05            # reap workers / check signals
 STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
@@ -55,6 +57,15 @@ RECENT_EVENTS = 16       # job events each status poll asks for (who left cleanl
 
 class LaunchFailed(RuntimeError):
     """The job (or this launcher's part of it) failed; the message is the one-line reason."""
+
+    exit_code = 1
+
+
+class JobBelowMinNp(LaunchFailed):
+    """The rendezvous failed the job: its world stayed below --min-np for --elastic-timeout (the only
+    way a job fails there). Its own exit status, so that a batch script can requeue the job."""
+
+    exit_code = 3
 
 
 class Interrupted(Exception):
@@ -85,6 +96,8 @@ class Launcher:
         self.discovery: Optional[DiscoveryPoller] = None
         self._last_hosts: Optional[Dict[str, int]] = None
         self._addresses: Sequence[str] = cfg.rendezvous
+        self._token, self._token_file = cfg.token, cfg.token_file   # the embedded server's, once it runs
+        self.announcement: Optional[Announcement] = None            # under srun, on the batch host
         self.events = EventLog(None)                # --events, opened in _run
         self.metrics: Optional[WorkerMetrics] = None   # --metrics-port, started in _run
         self._exits_noted: set = set()              # worker ids whose worker_exited is written
@@ -113,9 +126,9 @@ class Launcher:
             self.out.note(f"stopped by {name}")
             return 128 + e.signum
         except LaunchFailed as e:
-            self._shutdown(1, str(e))
+            self._shutdown(e.exit_code, str(e))
             self.out.note(f"error: {e}")
-            return 1
+            return e.exit_code
         except BaseException:
             self._shutdown(None, "launcher error")   # a bug here must not leave workers behind; the traceback follows
             raise
@@ -170,6 +183,8 @@ class Launcher:
         stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals_seen > 1)
         for w in self.all_workers:
             self._note_exit(w, w.proc.returncode)
+        if self.announcement is not None:
+            self.announcement.withdraw()
         if self.server is not None:
             self.server.stop()
         if self.status is not None:
@@ -221,7 +236,8 @@ class Launcher:
                           "/metrics")
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
-                                         lambda line: self.out.line("err", None, line.encode()))
+                                         lambda line: self.out.line("err", None, line.encode()),
+                                         host=cfg.embedded_host)
             try:
                 self._addresses = (self.server.wait_ready(cancelled=lambda: self.signum is not None),)
             except EmbeddedServerFailed as e:
@@ -231,12 +247,20 @@ class Launcher:
             # A path, not the token: the file is this user's alone (another launcher of the same
             # user may join with --rendezvous ADDRESS --token-file PATH).
             self.out.note(f"its token is in {self.server.token_file} (readable by this user only)")
-        token = self.server.token if self.server is not None else cfg.token
+            self._token, self._token_file = self.server.token, self.server.token_file
+        if cfg.slurm_role:
+            self._slurm_rendezvous()
+        token = self._token
         try:
             credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
         except ValueError as e:   # checked at parse time; a file may have gone since
             raise LaunchFailed(str(e)) from None
-        if token and credentials is None and not all(is_loopback(a.rpartition(":")[0]) for a in self._addresses):
+        if cfg.slurm_role == "head":
+            self.out.note("note: the embedded rendezvous server has no TLS: its token and the job's ring secret cross "
+                          "the cluster network in clear text (for TLS, run elastic-rendezvous serve --tls-cert and "
+                          "give --rendezvous and --tls-ca)")
+        elif (token and credentials is None and not cfg.slurm_role
+              and not all(is_loopback(a.rpartition(":")[0]) for a in self._addresses)):
             self.out.note(f"warning: the rendezvous token goes to {','.join(self._addresses)} in clear text; "
                           "give --tls-ca (servers started with --tls-cert)")
         self.status = StatusClient(self._addresses, token, credentials)
@@ -272,6 +296,27 @@ class Launcher:
             if code is not None:
                 return code
             time.sleep(POLL_S)
+
+    def _slurm_rendezvous(self) -> None:
+        """Under srun without --rendezvous: the batch host's launcher announces its embedded server to
+        the job's other nodes; theirs wait for it and join (elastic/launch/slurm.py)."""
+        cfg = self.cfg
+        try:
+            if cfg.slurm_role == "head":
+                self.announcement = Announcement(cfg.announce_dir, self._addresses[0], self._token,
+                                                 alive=server_answers)
+                self.out.note(f"announced it to the job's other nodes in {cfg.announce_dir}")
+                return
+            self.out.note(f"waiting for the batch host {cfg.slurm.head} to announce the rendezvous server in "
+                          f"{cfg.announce_dir}")
+            found = wait_for_announcement(cfg.announce_dir, cfg.slurm.head, cfg.connect_timeout,
+                                          cancelled=lambda: self.signum is not None)
+        except ValueError as e:
+            raise LaunchFailed(str(e)) from None
+        self._check_signal()
+        self._addresses, self._token = (found[0],), found[1]
+        self._token_file = os.path.join(cfg.announce_dir, TOKEN_FILE)
+        self.out.note(f"rendezvous server for job {cfg.job_id} on {found[0]} (embedded, on {cfg.slurm.head})")
 
     def _check_job(self) -> None:
         """Reachability, and agreement with a job that already exists on the server."""
@@ -330,7 +375,7 @@ class Launcher:
         the embedded server's token file, else --token-file, else the inherited ELASTIC_TOKEN /
         ELASTIC_TOKEN_FILE; the TLS files this launcher uses itself (none for the embedded server)."""
         cfg = self.cfg
-        token_file = self.server.token_file if self.server is not None else cfg.token_file
+        token_file = self._token_file
         if token_file:
             env = {"ELASTIC_TOKEN_FILE": os.path.abspath(token_file)}
         else:
@@ -470,7 +515,7 @@ class Launcher:
         if view.phase == "FAILED":
             self._wait_local_exit(FAILED_GRACE_S)
             more = f" (last failure on this host: {self.last_failure})" if self.last_failure else ""
-            raise LaunchFailed(f"job {cfg.job_id} failed: {_strip_job(view.reason, cfg.job_id)}{more}")
+            raise JobBelowMinNp(f"job {cfg.job_id} failed: {_strip_job(view.reason, cfg.job_id)}{more}")
         if view.phase == "SUCCEEDED":
             self._wait_local_exit(SUCCESS_GRACE_S)
             self._check_signal()
@@ -582,6 +627,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"elastic-run: error: {e} (see elastic-run --help)", file=sys.stderr)
         return 2
+    raise_open_files_limit()
     out, err = stdout_streams()
     return Launcher(cfg, Output(out, err)).run()
 

@@ -21,6 +21,7 @@ itself: restarts per slot (``elastic_worker_restarts_total{slot}``) and workers 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import secrets
 import shutil
@@ -31,12 +32,16 @@ import threading
 import time
 from typing import Dict, Iterator, Optional, Tuple
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from rendezvous.metrics_http import MetricsServer
+
 from ..metrics import BUCKETS, ENV_SOCKET, ENV_TOKEN, MAX_SNAPSHOT_BYTES, REJECT_REASONS, TRANSPORTS
 from ..metrics import Snapshot, SnapshotRejected, parse_snapshot
+
+log = logging.getLogger("elastic.launch")
 
 _CREDS = struct.Struct("3i")   # struct ucred: pid, uid, gid
 _GONE_KEPT = 256
@@ -95,12 +100,12 @@ class WorkerMetrics:
             self._sock.settimeout(0.2)
             registry = CollectorRegistry(auto_describe=False)
             registry.register(_Collector(self))
-            self._http, self._http_thread = start_http_server(port, addr=host, registry=registry)
+            self._http = MetricsServer(registry, host, port, name="elastic-run-metrics-http")
         except BaseException:
             self._sock.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
-        self.port = self._http.server_port
+        self.port = self._http.port
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="elastic-run-metrics", daemon=True)
         self._thread.start()
@@ -148,7 +153,15 @@ class WorkerMetrics:
                     return
                 time.sleep(0.05)   # nothing a sender does should spin this thread
                 continue
-            self.take(data, _sender(ancillary), bool(flags & socket.MSG_TRUNC))
+            try:
+                self.take(data, _sender(ancillary), bool(flags & socket.MSG_TRUNC))
+            except Exception:   # a case parse_snapshot missed: this thread must outlive any datagram
+                with self._lock:
+                    self.dropped["error"] += 1
+                    first = self.dropped["error"] == 1
+                if first:
+                    log.exception("metrics: a datagram on %s could not be checked; dropped (counted as "
+                                  "reason=\"error\", logged once)", self.socket_path)
 
     def take(self, data: bytes, sender: Optional[Tuple[int, int]], truncated: bool = False) -> Optional[str]:
         """Keeps the snapshot in ``data`` from ``sender`` (pid, uid), or counts why not; returns
@@ -189,8 +202,7 @@ class WorkerMetrics:
 
     def close(self) -> None:
         self._stop.set()
-        self._http.shutdown()
-        self._http.server_close()
+        self._http.close()
         self._thread.join(2.0)
         self._sock.close()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -262,8 +274,8 @@ class _Collector(Collector):
         yield GaugeMetricFamily("elastic_workers_alive", "Worker processes of this launcher running now.", value=alive)
         yield CounterMetricFamily("elastic_metrics_snapshots", "Worker snapshots received and kept.", value=accepted)
         d = CounterMetricFamily("elastic_metrics_snapshots_dropped", "Datagrams on the metrics socket that were not "
-                                "taken, by reason (oversized, not_json, schema, unknown_worker, bad_token, sender).",
-                                labels=["reason"])
+                                "taken, by reason (oversized, not_json, schema, unknown_worker, bad_token, sender, "
+                                "error).", labels=["reason"])
         for reason, n in dropped.items():
             d.add_metric([reason], n)
         yield d

@@ -37,6 +37,30 @@ _PDEATHSIG_SHIM = ("import ctypes,os,sys\n"
                    "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
+def raise_open_files_limit() -> Tuple[int, int]:
+    """Raises this process's soft limit on open files to its hard limit (the workers inherit it)
+    and returns (soft, hard) as they are now. Every worker costs the launcher pipes and a
+    process handle, and a soft limit of 1,024 (the usual default) would make a respawn fail
+    with EMFILE long before the hard limit does."""
+    import resource   # POSIX only, as this module
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:   # the kernel still caps descriptors at fs.nr_open
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            return soft, hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft, hard
+
+
 def with_parent_death_signal(command: Sequence[str]) -> List[str]:
     """``command`` wrapped so that it is SIGKILLed when this process dies (Linux; elsewhere as is)."""
     if not sys.platform.startswith("linux"):

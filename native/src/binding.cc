@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <limits>
 #include <memory>
 #include <mutex>
 
@@ -319,7 +320,12 @@ NB_MODULE(_native, m) {
              Buffer bi = to_buffer(in, "allgather input");
              Buffer bo = to_buffer(out, "allgather output");
              uint64_t total = 0;
-             for (auto v : bytes_per_rank) total += v;
+             for (auto v : bytes_per_rank) {
+               // Sizes may come from peers' counts: a sum that wraps must not pass for the output's.
+               if (v > std::numeric_limits<uint64_t>::max() - total)
+                 throw nb::value_error("allgather: the per-rank sizes add up to 2**64 bytes or more");
+               total += v;
+             }
              if (total != bo.count * dtype_size(bo.dtype))
                throw nb::value_error("allgather: output size does not match the sum of per-rank sizes");
              nb::gil_scoped_release nogil;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <limits>
 
 #include "connect.h"
 #include "link_setup.h"
@@ -326,6 +327,8 @@ void Communicator::allgather(const void* in, void* out, const std::vector<uint64
     size_t at = 0;
     uint32_t h = 3;
     for (int c = 0; c < n; ++c) {
+      if (bytes_per_rank[c] > std::numeric_limits<size_t>::max() - at)
+        throw CommError(ErrorKind::Invalid, "allgather: the per-rank sizes add up to 2**64 bytes or more");
       b.off.push_back(at);
       b.len.push_back(bytes_per_rank[c]);
       b.max_len = std::max<size_t>(b.max_len, bytes_per_rank[c]);

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import List, Optional
+from typing import List, Optional, Sequence
 from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +44,9 @@ def processes_with(marker: str) -> List[int]:
 
 
 class LaunchProc:
-    def __init__(self, tmp_path, *launcher_args: str, command: Optional[List[str]] = None, **env: str):
+    def __init__(self, tmp_path, *launcher_args: str, command: Optional[List[str]] = None,
+                 prefix: Sequence[str] = (), **env: str):
+        """``prefix`` runs the launcher under another command (e.g. ``prlimit --nofile=…``)."""
         self.out_dir = str(tmp_path)
         self.marker = uuid.uuid4().hex
         e = dict(os.environ)
@@ -53,7 +55,7 @@ class LaunchProc:
                   "ELASTIC_COLLECTIVE_TIMEOUT": "20"})
         e.update({k: str(v) for k, v in env.items()})
         command = command or [sys.executable, WORKER]
-        self.args = [sys.executable, "-m", "elastic.launch", *launcher_args, "--", *command]
+        self.args = [*prefix, sys.executable, "-m", "elastic.launch", *launcher_args, "--", *command]
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=e, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.stdout: List[str] = []

@@ -277,3 +277,117 @@ def test_a_graceful_leave_is_logged_as_preempted_and_counted_as_no_recovery(laun
     assert not any(r["event"] in ("recovery", "worker_respawned") for r in recs), \
         [(r["event"], r.get("worker_id"), r.get("after")) for r in recs]
     assert recs[-1]["event"] == "job_finished" and recs[-1]["exit_code"] == 128 + signal.SIGTERM
+
+
+class Receiver:
+    """A real WorkerMetrics whose one worker, hA-0, is this test's own process group: datagrams go
+    through its Unix socket and its receiver thread, as a worker's do."""
+
+    def __init__(self):
+        self.m = WorkerMetrics("127.0.0.1", 0)
+        self.token = self.m.worker_env("hA-0")["ELASTIC_METRICS_TOKEN"]
+        self.m.attach("hA-0", os.getpgid(0))
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def seen(self) -> int:
+        with self.m._lock:
+            return self.m.accepted + sum(self.m.dropped.values())
+
+    def send(self, data: bytes) -> None:
+        """Sends one datagram and waits until the receiver has taken or counted it."""
+        before = self.seen()
+        self.sock.sendto(data, self.m.socket_path)
+        wait_until(lambda: self.seen() > before, 5, "the datagram to be taken or counted")
+
+    def close(self) -> None:
+        self.sock.close()
+        self.m.close()
+
+
+def _snapshot_doc(token: str) -> dict:
+    return json.loads(Recorder("hA-0", token).snapshot())
+
+
+def test_a_lone_surrogate_token_is_dropped_as_a_bad_token_and_the_receiver_goes_on():
+    r = Receiver()
+    try:
+        doc = _snapshot_doc(r.token)
+        doc["token"] = "\ud800"
+        r.send(json.dumps(doc).encode())   # ensure_ascii: the datagram says "\ud800"
+        assert b'"token":"\\ud800"' in json.dumps(doc, separators=(",", ":")).encode()
+        assert r.m.dropped["bad_token"] == 1
+        r.send(Recorder("hA-0", r.token).snapshot())
+        assert r.m.accepted == 1 and set(r.m.snapshots()) == {"hA-0"}, "the receiver thread still takes snapshots"
+        assert r.m._thread.is_alive()
+    finally:
+        r.close()
+
+
+def test_the_receiver_survives_any_datagram_and_counts_every_one():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    r = Receiver()
+    good = _snapshot_doc(r.token)
+    text = st.text(st.characters(exclude_categories=()), max_size=20)   # surrogates included
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), text)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
+                          max_leaves=12)
+    # Snapshots with one field replaced by any JSON value, documents of any shape, and raw bytes.
+    mutated = st.tuples(st.sampled_from(sorted(good)), values, st.booleans()).map(
+        lambda f: json.dumps({**good, f[0]: f[1]}, ensure_ascii=f[2]).encode("utf-8", "surrogatepass"))
+    datagrams = st.one_of(mutated, values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=9000))
+    try:
+        sent = {"n": 0}
+
+        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(datagrams)
+        def one(data):
+            before = r.seen()
+            r.send(data)
+            sent["n"] += 1
+            assert r.seen() == before + 1, "each datagram is taken or dropped and counted exactly once"
+
+        one()
+        assert sent["n"] >= 100 and r.m._thread.is_alive()
+        assert r.m.dropped["error"] == 0, "every datagram was judged by parse_snapshot, none escaped it"
+        before = r.m.accepted
+        r.send(Recorder("hA-0", r.token).snapshot())
+        assert r.m.accepted == before + 1
+    finally:
+        r.close()
+
+
+def _soft_open_files_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_a_flood_of_idle_metrics_connections_from_another_user_changes_nothing_for_the_job(launch):
+    from tests.flood import Flood, connections_from, open_descriptors, other_user
+
+    other_user()   # skipped (with its reason) unless root
+    # The usual limits of a login (1,024 soft): the launcher raises its own soft limit at start.
+    p = launch("--np", "2", "--host", "hA", "--max-restarts", "1", "--metrics-port", "0",
+               prefix=["prlimit", "--nofile=1024:4096", "--"], LW_STEPS="600", LW_SLEEP="0.05")
+    port = metrics_port(p)
+    p.wait_training(2)
+    raised = _soft_open_files_limit(p.proc.pid)
+    flood = Flood("127.0.0.1", port, n=1100)
+    try:
+        # At full strength: the launcher closes what is beyond its cap (or, without a cap, holds them all).
+        wait_until(lambda: flood.reopened >= 100 or open_descriptors(p.proc.pid) >= 1000, 90,
+                   "the flood to saturate the metrics port")
+        held = connections_from(flood.uid, port)
+        fds = open_descriptors(p.proc.pid)
+        p.kill_worker("hA-1")
+        p.wait_for(r"world \d+: 2 worker\(s\);.* joined: hA-1-r1", 60)
+        flood.wait_rounds(2)
+        assert p.wait(180) == 0, p.text()
+    finally:
+        flood.stop()
+    assert fds < 200, f"the launcher held {fds} descriptors under the flood ({held} connections held)"
+    assert flood.reopened > 0, "the launcher closed idle connections beyond its cap"
+    assert "Too many open files" not in p.text()
+    assert raised == 4096, "the launcher raised its soft limit on open files to the hard limit"

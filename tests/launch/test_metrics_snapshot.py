@@ -49,6 +49,9 @@ def test_bytes_that_are_not_a_snapshot_are_rejected(data, reason):
     ({"worker": 7}, "unknown_worker", "was not started"),
     ({"token": "guess"}, "bad_token", "wrong token"),
     ({"token": "other"}, "bad_token", "wrong token"),          # another worker's token
+    ({"token": "\ud800"}, "bad_token", "wrong token"),         # a lone surrogate: no codec encodes it
+    ({"token": "t0ken\u00e9"}, "bad_token", "wrong token"),    # not ASCII
+    ({"worker": "\udfff"}, "unknown_worker", "was not started"),
     ({"v": 2}, "schema", "format"),
     ({"extra": 1}, "schema", "extra"),
     ({"steps": -1}, "schema", "steps"),
@@ -83,7 +86,8 @@ def test_a_missing_field_is_rejected():
 
 
 def test_every_reason_a_snapshot_is_rejected_for_is_counted_under_its_own_label():
-    assert set(metrics.REJECT_REASONS) == {"oversized", "not_json", "schema", "unknown_worker", "bad_token", "sender"}
+    assert set(metrics.REJECT_REASONS) == {"oversized", "not_json", "schema", "unknown_worker", "bad_token", "sender",
+                                          "error"}
 
 
 class FakeRing:

@@ -247,3 +247,19 @@ def test_every_collective_fails_fast_when_a_peer_is_killed(name, fn, transport):
             assert msg[1] == "WorkerLostError", msg[2]
             assert msg[5] - killed < 0.5
             assert msg[4]["op"] == name
+
+
+def _allgather_sizes_that_wrap(comm):
+    # Sizes a caller derived from peers' counts, adding up past 2**64: the wrapped sum (0) would
+    # pass for the empty output's, and this rank's 8 bytes would be copied past its end.
+    if comm.rank == 1:
+        return None
+    mine = np.ones(8, dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"per-rank sizes add up to 2\*\*64 bytes or more"):
+        comm._native.allgather_(mine, np.empty(0, dtype=np.uint8), [8, 2 ** 64 - 8])
+    return "refused"
+
+
+def test_allgather_sizes_that_add_up_past_2_64_are_refused_before_any_copy():
+    with World(2, _allgather_sizes_that_wrap) as w:
+        assert w.results(timeout=30) == ["refused", None]

@@ -30,12 +30,12 @@ def child_env():
 class ServerProc:
     """`python -m rendezvous serve …` as a child process; waits until it listens."""
 
-    def __init__(self, tmp_path, *args, port=0, timeout_s=20.0):
+    def __init__(self, tmp_path, *args, port=0, timeout_s=20.0, prefix=()):
         self.port_file = str(tmp_path / f"port-{time.monotonic_ns()}")
         self.log_path = self.port_file + ".log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rendezvous", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [*prefix, sys.executable, "-m", "rendezvous", "serve", "--host", "127.0.0.1", "--port", str(port),
              "--port-file", self.port_file, *args],
             cwd=REPO, env=child_env(), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s

@@ -304,3 +304,39 @@ def test_serve_refuses_a_bad_metrics_port(args, message):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--insecure", *args])
     assert message in str(e.value.code)
+
+
+def test_joins_keep_working_while_another_user_floods_the_metrics_port(tmp_path):
+    from rendezvous.membership import JobSpec
+    from rendezvous.worker_client import RendezvousClient
+    from rendezvous.etcd_process import free_port
+    from tests.flood import Flood, open_descriptors, other_user
+
+    other_user()   # skipped (with its reason) unless root
+    port = free_port()
+    server = ServerProc(tmp_path, "--insecure", "--metrics-port", str(port),
+                        prefix=["prlimit", "--nofile=1024:1024", "--"])
+    flood = None
+    clients = []
+    try:
+        flood = Flood("127.0.0.1", port, n=1100)
+        # At full strength: the server closes what is beyond its cap (or, without a cap, holds them all).
+        wait_until(lambda: flood.reopened >= 100 or open_descriptors(server.proc.pid) >= 1000, 90,
+                   "the flood to saturate the metrics port")
+        fds = open_descriptors(server.proc.pid)
+        spec = JobSpec(min_np=3, max_np=3)
+        clients = [RendezvousClient([server.address], job_id="flooded", worker_id=f"w{i}", host=f"h{i}",
+                                    ring_address=f"127.0.0.1:{5000 + i}", spec=spec) for i in range(3)]
+        for c in clients:
+            c.join()
+        worlds = [c.wait_world(timeout_s=30) for c in clients]
+        assert [w.size for w in worlds] == [3, 3, 3] and len({w.version for w in worlds}) == 1
+        flood.stop()
+        assert value(scrape(port), "elastic_rendezvous_job_members", job_id="flooded") == 3
+        assert fds < 200, f"the server held {fds} descriptors under the flood"
+    finally:
+        for c in clients:
+            c.close()
+        if flood is not None:
+            flood.stop()
+        server.kill()

@@ -12,8 +12,12 @@ proves the sample accounting. Knobs (environment):
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
   JOB_SLOW_DISK  seconds each durable write takes longer (the writer sleeps, then writes the real file)
   JOB_OPTIMIZER  "sgd" (default: SGD with momentum) or "adamw"
-  JOB_EVIL_SYNC  this worker is a hostile sync root: at its first sync it claims the highest
-                 commit step and broadcasts the bytes of this file instead of its state
+  JOB_EVIL_SYNC  this worker is a hostile sync root: at every sync it claims the highest commit
+                 step, and its encode path sends, instead of its state: "size:N" nothing, announced
+                 as N bytes; "bytes:PATH" that file's bytes; "state:wrong-shapes" / "state:wrong-keys"
+                 its state with the model's weight reshaped / a key added (well-formed, does not fit).
+                 When the others refuse it, it stays: alive, in the job, never leaving (only an
+                 eviction removes it)
   JOB_STOP_FILE  end at the first epoch boundary after this file appears (all ranks agree)
   JOB_STOP_BEFORE_FORM  SIGSTOP this process right before it connects its N-th ring (a worker
                  hung while forming; SIGCONT resumes it there, with the world it had then)
@@ -33,12 +37,14 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import torch
 
 import elastic
+import elastic.serialization
 from digest import bits_digest  # this directory: job.py runs as a script
 
 OUT = os.environ["JOB_OUT"]
@@ -125,30 +131,52 @@ _sync = state.sync
 syncs = {"n": 0}
 
 
-def evil_sync():
-    # Claims the most advanced commit, so it is the root, and sends a planted pickle as its state.
-    comm = elastic.collectives.current_communicator()
-    comm.allgather(torch.tensor([10 ** 9]))
-    with open(EVIL_SYNC, "rb") as f:
-        payload = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
-    comm.broadcast_(torch.tensor([payload.numel()]), root_rank=comm.rank)
-    comm.broadcast_(payload, root_rank=comm.rank)
-    try:
-        comm.barrier()  # stays in the world until the others have read it (and failed)
-    finally:
-        os._exit(3)
+class Announcing(elastic.serialization.Encoded):
+    """Bytes to send as the sync state, announced as ``announced`` bytes long."""
+
+    def __init__(self, payload, announced):
+        super().__init__([payload])
+        self.nbytes = announced
+
+
+def evil_encode(step, from_checkpoint):
+    kind, _, arg = EVIL_SYNC.partition(":")
+    if kind == "size":
+        return Announcing(b"", int(arg))
+    if kind == "bytes":
+        with open(arg, "rb") as f:
+            data = f.read()
+        return Announcing(data, len(data))
+    view = state.live()
+    model = dict(view["model"])
+    if arg == "wrong-shapes":
+        model["linear.weight"] = torch.zeros(4, 4)
+    else:
+        model["linear.extra"] = torch.zeros(1)
+    view["model"] = model
+    return elastic.serialization.encode((step, view))
 
 
 def sync_maybe_dying():
     syncs["n"] += 1
     if EVIL_SYNC:
-        evil_sync()
+        # Claims the most advanced commit, so it is the root, and forges what its encode path sends.
+        object.__setattr__(state, "commit_step", 10 ** 9)
+        state.encode_for_sync = evil_encode
     if DIE_IN == "sync" and syncs["n"] - 1 == DIE_AT:
         # Die between the allgather of commit steps and the broadcast of the state.
         comm = elastic.collectives.current_communicator()
-        comm.allgather(torch.tensor([state.commit_step]))
+        comm.allgather_equal(torch.tensor([state.commit_step]))
         os.kill(os.getpid(), signal.SIGKILL)
     _sync()
+
+
+def sync_stubbornly():
+    try:
+        sync_maybe_dying()
+    except elastic.SyncRefusedError as e:
+        event("refused", message=str(e))
+        threading.Event().wait()   # a hostile member does not leave: its session stays, its pump thread answers
 
 
 state.sync = sync_maybe_dying
@@ -198,7 +226,7 @@ def state_digest():
 def logged_sync():
     before = dict(held)
     before_digest = state_digest()
-    sync_maybe_dying()
+    (sync_stubbornly if EVIL_SYNC else sync_maybe_dying)()
     held.update(commit=state.commit_step, step=state.step)
     event("sync", before=before["commit"], before_step=before["step"], commit=state.commit_step, step=state.step,
           v=elastic.world_version(), size=elastic.size(), before_digest=before_digest, digest=state_digest())

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from elastic.preemption import REPEAT_WINDOW_S, insists
 from rendezvous.status_client import StatusClient
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical, check_no_commit_lost
 
@@ -154,6 +155,16 @@ def test_a_finished_request_does_not_expire():
     time_out = time.monotonic() + 0.6
     wait_until(lambda: time.monotonic() > time_out, 2, "past the grace")
     assert expired == []
+
+
+@pytest.mark.parametrize("signum, after, ends", [
+    (15, 0.05, False),                     # Slurm's and the launcher's SIGTERM: one request
+    (15, REPEAT_WINDOW_S - 0.01, False),
+    (15, REPEAT_WINDOW_S, True),            # later, the sender insists
+    (2, 0.05, True),                       # Ctrl-C twice still interrupts at once
+])
+def test_a_repeated_sigterm_within_the_window_is_the_same_request(signum, after, ends):
+    assert insists(signum, 100.0, 100.0 + after) is ends
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 import elastic
 from elastic import checkpoint, collectives, serialization
-from tests.chaos.checks import EPOCHS, check_identical
+from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.native.harness import run_world
 
 from .bait import planted_pickle, planted_torch_save, prove_it_bites
@@ -106,73 +107,124 @@ def test_sync_gives_every_rank_the_most_advanced_model_optimizer_and_sampler_sta
     assert [r[3] for r in results] == [2] * 3
 
 
-def _hostile_sync_root(marker, comm):
+class _Announcing(serialization.Encoded):
+    """What a hostile root's encode path returns: ``payload``, announced as ``announced`` bytes."""
+
+    def __init__(self, payload: bytes, announced: int):
+        super().__init__([payload])
+        self.nbytes = announced
+
+
+def _hostile_root(payload: bytes, announced: int, comm):
+    """Rank 1 claims the most advanced commit and sends ``payload`` as its state, announced as
+    ``announced`` bytes; ranks 0 and 2 are honest. Returns what each raised and whether an honest
+    rank's state changed."""
     collectives.set_communicator(comm)
+    state = build(seed=comm.rank, optimizer="sgd")
+    train(state, 1, seed=comm.rank)   # optimizer state (momentum) the checks can compare with
     if comm.rank == 1:
-        # A member that claims the highest commit and sends a planted pickle as its state.
-        comm.allgather(np.array([10 ** 9], dtype=np.int64))
-        payload = np.frombuffer(planted_torch_save(marker), dtype=np.uint8).copy()
-        comm.broadcast_(np.array([payload.size], dtype=np.int64), root_rank=1)
-        comm.broadcast_(payload, root_rank=1)
-        return None
-    state = build(seed=0, optimizer="sgd")
+        state.commit_step = 10 ** 9
+        state.encode_for_sync = lambda step, from_checkpoint: _Announcing(payload, announced)
     held = digest(state)
-    with pytest.raises(elastic.BadPeerError) as e:   # the root's failure: reported and evicted
+    before = peak_rss_mib()
+    with pytest.raises((elastic.BadPeerError, elastic.SyncRefusedError)) as e:
         state.sync()
-    return str(e.value), e.value.peer_rank, digest(state) == held, os.path.exists(marker)
+    return (type(e.value).__name__, str(e.value), getattr(e.value, "peer_rank", None), digest(state) == held,
+            peak_rss_mib() - before)
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def _check_root_blamed(results, says):
+    kind, message, _, _, _ = results[1]
+    assert kind == "SyncRefusedError" and "refused the state this rank sent" in message, results[1]
+    for kind, message, blamed, unchanged, grown in (results[0], results[2]):
+        assert kind == "BadPeerError" and blamed == 1, (kind, message)
+        assert says in message, message
+        assert unchanged, "a refused sync loads nothing"
+        assert grown < 64, f"peak memory grew by {grown:.0f} MiB"
 
 
 def test_a_planted_pickle_sent_as_sync_state_is_not_unpickled_and_blames_the_root(tmp_path):
     marker = str(tmp_path / "pwned")
-    prove_it_bites(planted_torch_save(marker), marker)
-    results = world(3, _hostile_sync_root, marker)
-    for message, blamed, unchanged, marked in (results[0], results[2]):
-        assert "the state rank 1 sent is malformed" in message and "not elastic.serialization data" in message
-        assert blamed == 1
-        assert unchanged, "a refused sync loads nothing"
-        assert not marked
+    planted = planted_torch_save(marker)
+    prove_it_bites(planted, marker)
+    results = world(3, _hostile_root, planted, len(planted))
+    _check_root_blamed(results, "the state rank 1 sent is malformed")
+    assert "not elastic.serialization data" in results[0][1]
     assert not os.path.exists(marker)
 
 
-def _root_sending_well_formed_data_of_another_shape(payload, comm):
-    collectives.set_communicator(comm)
-    if comm.rank == 1:
-        comm.allgather(np.array([10 ** 9], dtype=np.int64))
-        data = np.frombuffer(payload, dtype=np.uint8).copy()
-        comm.broadcast_(np.array([data.size], dtype=np.int64), root_rank=1)
-        comm.broadcast_(data, root_rank=1)
-        return None
-    state = build(seed=0, optimizer="sgd")
-    held = digest(state)
-    with pytest.raises(elastic.BadPeerError) as e:
-        state.sync()
-    return str(e.value), e.value.peer_rank, digest(state) == held
+@pytest.mark.parametrize("announced", [-1, -7, 1 << 60])
+def test_a_sync_size_out_of_bounds_blames_the_root_before_anything_is_allocated(announced):
+    results = world(3, _hostile_root, b"", announced)
+    says = "could not send its state" if announced == -1 else f"rank 1 announced a state of {announced} bytes"
+    _check_root_blamed(results, says)
 
 
 @pytest.mark.parametrize("value", [(5, 7), (5, {"noattrs": 1}), (5, {"attrs": {}, "model": 3})],
                          ids=["not-a-dict", "no-attrs", "model-not-a-dict"])
 def test_a_sync_state_of_the_wrong_shape_blames_the_root_and_loads_nothing(value):
-    results = world(3, _root_sending_well_formed_data_of_another_shape, serialization.dumps(value))
-    for message, blamed, unchanged in (results[0], results[2]):
-        assert "the state rank 1 sent does not fit this TorchState" in message, message
-        assert blamed == 1 and unchanged
+    payload = serialization.dumps(value)
+    results = world(3, _hostile_root, payload, len(payload))
+    _check_root_blamed(results, "the state rank 1 sent does not fit this TorchState")
+
+
+def _misfits():
+    """States that decode and would load half-way, or break the next step: the model's keys,
+    shapes or dtypes, the optimizer's groups or state, the sampler's indices."""
+    base = build(seed=1, optimizer="sgd")
+    train(base, 1, seed=3)   # momentum buffers exist: the optimizer state has tensors to compare
+    good = base.live()
+    model = dict(good["model"])
+    cases = {}
+    cases["model-key-missing"] = dict(good, model={k: v for k, v in model.items() if k != "0.weight"})
+    cases["model-shape"] = dict(good, model=dict(model, **{"0.weight": torch.zeros(8, 6)}))
+    cases["model-dtype"] = dict(good, model=dict(model, **{"0.bias": model["0.bias"].double()}))
+    opt = good["optimizer"]
+    cases["optimizer-groups"] = dict(good, optimizer=dict(opt, param_groups=opt["param_groups"] * 2))
+    momentum = {k: dict(v) for k, v in opt["state"].items()}
+    momentum[0]["momentum_buffer"] = torch.zeros(1)
+    cases["optimizer-state-shape"] = dict(good, optimizer=dict(opt, state=momentum))
+    sampler = dict(good["handlers"]["sampler"], remaining=np.array([0, 10 ** 9]))
+    cases["sampler-indices"] = dict(good, handlers=dict(good["handlers"], sampler=sampler))
+    return cases
+
+
+MISFITS = ["model-key-missing", "model-shape", "model-dtype", "optimizer-groups", "optimizer-state-shape",
+           "sampler-indices"]
+
+
+def _hostile_root_sending(case, comm):
+    payload = serialization.dumps((10 ** 9, _misfits()[case]))
+    return _hostile_root(payload, len(payload), comm)
+
+
+@pytest.mark.parametrize("case", MISFITS)
+def test_a_sync_state_that_does_not_fit_the_live_state_is_refused_before_anything_is_loaded(case):
+    results = world(3, _hostile_root_sending, case)
+    _check_root_blamed(results, "the state rank 1 sent does not fit this TorchState")
 
 
 def _root_with_an_attribute_it_cannot_send(comm):
     collectives.set_communicator(comm)
     state = elastic.ObjectState(epoch=0)
     state.callback = lambda: None  # set, never committed: the first sync sends the live state
-    with pytest.raises((TypeError, ValueError)) as e:
+    with pytest.raises((TypeError, elastic.BadPeerError)) as e:
         state.sync()
-    return type(e.value).__name__, str(e.value)
+    return type(e.value).__name__, str(e.value), getattr(e.value, "peer_rank", None)
 
 
-def test_a_root_that_cannot_send_its_state_fails_every_rank_at_once_naming_the_attribute():
+def test_a_root_that_cannot_send_its_state_fails_at_once_naming_the_attribute_and_is_blamed_by_the_others():
     results = world(3, _root_with_an_attribute_it_cannot_send)
     assert results[0][0] == "TypeError"
     assert "ObjectState attribute 'callback' of type function cannot be committed" in results[0][1]
-    for kind, message in results[1:]:
-        assert kind == "ValueError" and "rank 0, which holds the most advanced commit (-1), could not send" in message
+    for kind, message, blamed in results[1:]:
+        assert kind == "BadPeerError" and blamed == 0
+        assert "rank 0, which holds the most advanced commit (-1), could not send its state" in message
 
 
 # --------------------------------------------------------------------------- broadcast_object
@@ -182,17 +234,17 @@ def _hostile_broadcast_root(marker, comm):
         comm.broadcast_(np.array([payload.size], dtype=np.int64), root_rank=0)
         comm.broadcast_(payload, root_rank=0)
         return None
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(elastic.BadPeerError) as e:   # the root's failure: reported and evicted under elastic.run
         comm.broadcast_object(None, root_rank=0)
-    return str(e.value)
+    return str(e.value), e.value.peer_rank
 
 
-def test_a_planted_pickle_sent_to_broadcast_object_is_not_unpickled(tmp_path):
+def test_a_planted_pickle_sent_to_broadcast_object_is_not_unpickled_and_blames_the_root(tmp_path):
     marker = str(tmp_path / "pwned")
     prove_it_bites(planted_pickle(marker), marker)
     results = world(3, _hostile_broadcast_root, marker)
-    for message in results[1:]:
-        assert "the object root rank 0 sent is malformed" in message
+    for message, blamed in results[1:]:
+        assert "the object rank 0 sent is malformed" in message and blamed == 0
     assert not os.path.exists(marker)
 
 
@@ -208,7 +260,7 @@ def test_broadcast_object_refuses_what_it_cannot_carry_on_every_rank_without_a_h
     results = world(3, _broadcast_what_it_cannot_carry)
     assert "a value of type set cannot be carried" in results[2][0] and "at ['not']" in results[2][0]
     for message, _ in results[:2]:
-        assert "root rank 2's object cannot be carried" in message
+        assert "rank 2's object cannot be carried" in message
     assert all(ok for _, ok in results), "the ring is still usable afterwards"
 
 
@@ -284,19 +336,38 @@ def test_a_joining_worker_receives_model_adamw_and_sampler_state_bit_exact(job_f
     assert sent == {syncs[joined]["w2"]["digest"]}, "the newcomer holds exactly what the members held"
 
 
-def test_a_hostile_sync_root_in_a_real_job_is_not_obeyed(job_factory, tmp_path):
+@pytest.mark.parametrize("forged", ["size:-1", f"size:{1 << 60}", "bytes:planted-pickle", "state:wrong-shapes",
+                                    "state:wrong-keys"])
+def test_a_hostile_sync_root_in_a_real_job_is_evicted_and_the_honest_workers_finish_identical(job_factory, server,
+                                                                                              tmp_path, forged):
     marker = str(tmp_path / "pwned")
-    bait = tmp_path / "bait.pt"
-    bait.write_bytes(planted_torch_save(marker))
-    prove_it_bites(bait.read_bytes(), marker)
-    job = job_factory(min_np=3, max_np=3)
-    job.start("w0")
-    job.start("w1")
-    job.start("evil", JOB_EVIL_SYNC=str(bait))
-    codes = job.wait(["w0", "w1", "evil"], timeout=90)
-    for w in ("w0", "w1"):
-        assert codes[w] != 0
-        assert "sent is malformed" in job.log(w) and "not elastic.serialization data" in job.log(w), job.log(w)
+    if forged == "bytes:planted-pickle":
+        bait = tmp_path / "bait.pt"
+        bait.write_bytes(planted_torch_save(marker))
+        prove_it_bites(bait.read_bytes(), marker)
+        forged = f"bytes:{bait}"
+    job = job_factory(min_np=2, max_np=3, JOB_STEP_SLEEP="0.1")
+    honest = ["w0", "w1"]
+    for w in honest:
+        job.start(w)
+    job.start("evil", JOB_EVIL_SYNC=forged)   # in the first world or joining at a commit: a sync is its
+    codes = job.wait(honest, timeout=180)
+    assert codes == {"w0": 0, "w1": 0}, job.log("w0") + job.log("w1")
+    refused = [e for e in job.events("evil") if e["ev"] == "refused"]
+    assert refused and "refused the state this rank sent" in refused[0]["message"], job.log("evil")
+    assert job.procs["evil"].poll() is None, "it never left: the others went on without it all the same"
+    results = [job.result(w) for w in honest]
+    check_identical(results)
+    check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
+    assert all(r["final_size"] == 2 for r in results)
+    logs = job.log("w0") + job.log("w1")
+    assert "Traceback" not in logs, logs   # the BadPeerError was handled by elastic.run, not raised
+    assert "sync in world version" in logs and "restoring commit" in logs, logs
+    # Reported by an honest worker as a member nobody can use: the rendezvous evicted it.
+    assert re.search(r"worker evil dropped: .*evicted: unusable ring address; reported by w[01]: sync in world",
+                     server.log()), server.log()
+    for w in honest:   # nothing of the evil state was loaded: every sync loaded an honest commit
+        assert all(e["commit"] < 10 ** 9 for e in job.events(w) if e["ev"] == "sync")
     assert not os.path.exists(marker)
 
 
