@@ -10,13 +10,15 @@
 | ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
 | ``ELASTIC_TLS_CA`` | connect to the rendezvous with TLS, trusting this CA (PEM) | plaintext |
 | ``ELASTIC_TLS_CERT`` / ``ELASTIC_TLS_KEY`` | client certificate and key (servers with ``--tls-client-ca``) | none |
-| ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits (first worker's win) | 1 / 1024 |
+| ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits this worker insists on: a running job with others refuses it | unset: the job's, whenever it joins |
+| ``ELASTIC_MIN_NP_IF_NEW`` / ``ELASTIC_MAX_NP_IF_NEW`` | the limits of a job this worker's join creates, where the two above are unset | 1 / 1024 |
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 |
 | ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
+| ``ELASTIC_LOG_LEVEL`` | log the runtime's lines at this level without the script configuring logging (``elastic.logs``) | unset: Python's defaults |
 | ``ELASTIC_METRICS_SOCKET`` / ``ELASTIC_METRICS_TOKEN`` | where to push this worker's metrics, and its token (``elastic-run --metrics-port`` sets both, see ``elastic.metrics``) | no metrics |
 
 The ring secret is not configured: the rendezvous server makes a random one per job and hands it
@@ -50,12 +52,15 @@ class WorkerConfig:
     tls_ca: Optional[str] = None            # PEM paths; no CA: plaintext to the rendezvous
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
-    min_np: int = 1
-    max_np: int = DEFAULT_MAX_NP
+    min_np: int = 0                         # 0: none of its own, the job's (see rendezvous.decision.join_spec)
+    max_np: int = 0
+    min_np_if_new: int = 1                  # the limits of a job this worker's join creates, where
+    max_np_if_new: int = DEFAULT_MAX_NP     # min_np / max_np leave them to the job
     elastic_timeout: float = 0.0
     world_timeout: float = 600.0
     reset_limit: int = 0
     preempt_grace: float = 30.0
+    log_level: Optional[str] = None         # ELASTIC_LOG_LEVEL: install the "elastic" log handler (elastic.logs)
     metrics_socket: Optional[str] = None    # elastic-run --metrics-port: push metrics there
     metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
@@ -101,12 +106,15 @@ class WorkerConfig:
             tls_ca=tls_ca,
             tls_cert=tls_cert,
             tls_key=tls_key,
-            min_np=number("ELASTIC_MIN_NP", int, 1),
-            max_np=number("ELASTIC_MAX_NP", int, DEFAULT_MAX_NP),
+            min_np=number("ELASTIC_MIN_NP", int, 0),
+            max_np=number("ELASTIC_MAX_NP", int, 0),
+            min_np_if_new=number("ELASTIC_MIN_NP_IF_NEW", int, 1),
+            max_np_if_new=number("ELASTIC_MAX_NP_IF_NEW", int, DEFAULT_MAX_NP),
             elastic_timeout=number("ELASTIC_ELASTIC_TIMEOUT", float, 0.0),
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),
             preempt_grace=number("ELASTIC_PREEMPT_GRACE", float, 30.0),
+            log_level=_log_level(env.get("ELASTIC_LOG_LEVEL", "")),
             metrics_socket=metrics_socket,
             metrics_token=metrics_token,
             comm=CommConfig.from_env(env),
@@ -118,13 +126,32 @@ class WorkerConfig:
             cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, form_timeout=cfg.world_timeout))
         if not cfg.preempt_grace > 0:
             raise ValueError(f"ELASTIC_PREEMPT_GRACE={cfg.preempt_grace:g} must be positive (seconds)")
-        if cfg.min_np < 1 or cfg.max_np < cfg.min_np:
-            raise ValueError(f"need 1 <= ELASTIC_MIN_NP <= ELASTIC_MAX_NP, got {cfg.min_np} and {cfg.max_np}")
+        check_limits(cfg)
         return cfg
 
     def channel_credentials(self):
         """TLS credentials for the rendezvous channel (None: plaintext)."""
         return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, names=TLS_VARIABLES)
+
+
+def _log_level(raw: str) -> Optional[str]:
+    level = raw.strip().upper()
+    if not level:
+        return None
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"ELASTIC_LOG_LEVEL={raw!r}: use debug, info, warning or error")
+    return level
+
+
+def check_limits(cfg: WorkerConfig) -> None:
+    """The size limits can hold: those given (ELASTIC_MIN_NP, ELASTIC_MAX_NP; unset is the job's)
+    and, should this worker create the job, the ones it would create it with."""
+    if cfg.min_np and cfg.max_np and cfg.max_np < cfg.min_np:
+        raise ValueError(f"need ELASTIC_MIN_NP <= ELASTIC_MAX_NP, got {cfg.min_np} and {cfg.max_np}")
+    lo, hi = cfg.min_np or cfg.min_np_if_new, cfg.max_np or cfg.max_np_if_new
+    if lo < 1 or hi < lo:
+        raise ValueError(f"need 1 <= min-np <= max-np for a job this worker creates, got {lo} and {hi} "
+                         "(ELASTIC_MIN_NP or ELASTIC_MIN_NP_IF_NEW, ELASTIC_MAX_NP or ELASTIC_MAX_NP_IF_NEW)")
 
 
 def ring_host_for(explicit: str, rendezvous: Sequence[str], resolve: Callable[[], Tuple[str, str]]) -> str:

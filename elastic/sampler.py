@@ -4,6 +4,24 @@ Semantics: every rank gets the same number of samples; within an epoch no
 sample is skipped, and the only repeats are the padding that makes the shards equal (at
 most ``size()-1`` per re-partition).
 
+What a DistributedSampler user can rely on:
+* ``len(sampler)`` is this rank's share of a whole epoch in the current world,
+  ``ceil(len(dataset) / size())``, as DistributedSampler's: it does not shrink as the epoch
+  goes on, so ``len(loader)`` is the epoch's batches per rank (for schedulers, progress bars,
+  averages), never 0 at the end of an epoch. After a restore or a new world mid-epoch, the
+  loader yields only the batches still to do (``remaining_samples()`` of them).
+* An epoch is finished once every one of its samples was recorded (``record_batch``). A commit
+  of a ``TorchState`` holding a sampler whose epoch is finished commits the state's ``epoch``
+  attribute, when it names that epoch, as the next one (and an int ``batch`` as 0): a restore
+  or a new world after the end-of-epoch ``state.commit()`` resumes at the next epoch, instead
+  of entering the finished one again with no batch and running its per-epoch code twice.
+  Per-epoch code (evaluation, ``scheduler.step()``) therefore goes before the end-of-epoch
+  commit; a commit inside the loop right after the epoch's last batch ends the epoch too.
+* Progress is what ``record_batch`` recorded: what the loader fetched is not progress (its
+  workers prefetch batches that are not trained yet). A sampler committed without any
+  ``record_batch`` call in its epoch logs a warning once per epoch: a restore or a new world
+  starts that epoch again from its first sample.
+
 How: the sampler holds the epoch's *remaining* indices (in epoch order) and how many samples
 each rank has processed in the current partition. Every rank has processed the same count
 (the shards are equal and training is in lock-step), so the processed set follows from
@@ -16,7 +34,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+import logging
+
 import numpy as np
+
+log = logging.getLogger("elastic")
 
 
 MAX_PARTITION_SIZE = 1 << 20   # world sizes a state may name: partitioning allocates one slot per rank
@@ -49,7 +71,8 @@ class ElasticSampler:
     ``set_epoch(e)`` starts epoch e (same e again: no-op, keeps progress); call
     ``record_batch(batch_idx, batch_size)`` after each batch so a re-partition knows what
     was done. Put the sampler in your ``TorchState`` so it is committed and synced.
-    ``num_replicas``/``rank`` default to ``elastic.size()``/``elastic.rank()``.
+    ``num_replicas``/``rank`` default to ``elastic.size()``/``elastic.rank()``. ``len()`` is
+    this rank's share of a whole epoch (see the module's docstring for the epoch semantics).
     """
 
     def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0,
@@ -64,6 +87,9 @@ class ElasticSampler:
         self.partition_size = 1   # world size of the current partition
         self.processed = 0        # samples each rank has processed in the current partition
         self._last_batch = -1
+        self._handed = 0          # indices handed to the loader this epoch (not progress: prefetching)
+        self._recorded = False    # record_batch was called this epoch
+        self._warned = -1         # the epoch a commit without record_batch was warned about
         self.set_epoch(0)
 
     # -- world
@@ -102,12 +128,26 @@ class ElasticSampler:
         self.partition_size = self._world()[1]
         self.processed = 0
         self._last_batch = -1
+        self._handed, self._recorded = 0, False
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Marks batch ``batch_idx`` (counted from 0 since the last (re)partition) as processed."""
+        self._recorded = True
         if batch_idx > self._last_batch:
             self.processed += int(batch_size)
             self._last_batch = batch_idx
+
+    def epoch_finished(self) -> bool:
+        """Every sample of the current epoch was recorded as processed (on every rank: the
+        shards are equal and the count is the same everywhere)."""
+        shard = -(-len(self.remaining) // max(1, self.partition_size))
+        return self.dataset_len > 0 and self.processed >= shard
+
+    def remaining_samples(self) -> int:
+        """This rank's samples of the epoch still to come in the current world (what the next
+        iteration yields), unlike ``len()``, the whole epoch's share."""
+        self._repartition_if_needed()
+        return max(0, len(self._shard()) - self.processed)
 
     # -- iteration
     def _shard(self) -> np.ndarray:
@@ -119,14 +159,26 @@ class ElasticSampler:
     def __iter__(self) -> Iterator[int]:
         self._repartition_if_needed()
         self._last_batch = -1  # the loader's batch indices start again at 0
-        return iter(self._shard()[self.processed:].tolist())
+        return self._hand_out(self._shard()[self.processed:].tolist())
+
+    def _hand_out(self, indices: List[int]) -> Iterator[int]:
+        for i in indices:
+            self._handed += 1
+            yield i
 
     def __len__(self) -> int:
-        self._repartition_if_needed()
-        return max(0, len(self._shard()) - self.processed)
+        """This rank's share of a whole epoch in the current world, as DistributedSampler's:
+        ``ceil(len(dataset) / size())``, the same from the first batch to the last."""
+        _, size = self._world()
+        return -(-self.dataset_len // size)
 
     # -- committed state
     def state_dict(self) -> Dict[str, Any]:
+        if self._handed and not self._recorded and self._warned != self.epoch:
+            self._warned = self.epoch
+            log.warning("ElasticSampler: committing epoch %d with no record_batch() call in it: its progress is "
+                        "unknown, so a restore or a new world starts epoch %d again from its first sample; call "
+                        "sampler.record_batch(batch_idx, len(batch)) after each batch", self.epoch, self.epoch)
         return {"epoch": self.epoch, "remaining": self.remaining.copy(), "partition_size": self.partition_size,
                 "processed": self.processed, "seed": self.seed, "shuffle": self.shuffle}
 
@@ -157,3 +209,20 @@ class ElasticSampler:
         self.seed = sd.get("seed", self.seed)
         self.shuffle = sd.get("shuffle", self.shuffle)
         self._last_batch = -1
+        self._handed, self._recorded = 0, self.processed > 0
+
+
+def committed_attrs(attrs: Dict[str, Any], handlers: Dict[str, Any]) -> Dict[str, Any]:
+    """The attributes a commit of a state holding ``handlers`` stores: when one of them is an
+    ``ElasticSampler`` whose epoch is finished and ``epoch`` names that epoch, the next epoch
+    (and ``batch`` 0), so that resuming from the commit starts there (see the module's
+    docstring). A pure function of the live values; the live attributes are left alone."""
+    epoch = attrs.get("epoch")
+    if type(epoch) is not int:
+        return attrs
+    if not any(isinstance(h, ElasticSampler) and h.epoch == epoch and h.epoch_finished() for h in handlers.values()):
+        return attrs
+    moved = {**attrs, "epoch": epoch + 1}
+    if type(attrs.get("batch")) is int:
+        moved["batch"] = 0
+    return moved

@@ -43,7 +43,7 @@ from rendezvous.watch_events import Ended, WorldInfo
 from rendezvous.worker_client import RendezvousClient
 from rendezvous.channel import RendezvousRPCError as _ClientError
 
-from . import metrics, preemption, reaction
+from . import logs, metrics, preemption, reaction, world_env
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
 from .config import WorkerConfig
@@ -71,7 +71,8 @@ class Session:
             list(config.rendezvous), job_id=config.job_id, worker_id=config.worker_id, host=config.host,
             ring_address=self.listener.address, token=config.token,
             credentials=config.channel_credentials(),
-            spec=JobSpec(min_np=config.min_np, max_np=config.max_np, elastic_timeout_s=config.elastic_timeout))
+            spec=JobSpec(min_np=config.min_np, max_np=config.max_np, elastic_timeout_s=config.elastic_timeout),
+            spec_if_new=JobSpec(min_np=config.min_np_if_new, max_np=config.max_np_if_new))
         self._cond = threading.Condition()
         self._view = reaction.View()
         self.comm: Optional[Communicator] = None   # the ring of `self.world`, formed or forming
@@ -253,6 +254,7 @@ class Session:
             if self._view.aborted_version >= world.version:
                 comm.abort(f"world version {world.version} was aborted while forming")
         metrics.world_formed(world.version, world.rank, world.size)
+        world_env.publish(world.rank, world.size)
         return comm
 
     def report_failure(self, err: WorkerLostError) -> None:
@@ -269,7 +271,8 @@ class Session:
         suspect = world.members[err.peer_rank].worker_id
         try:
             evicted = self.client.report_failure(suspect, world.version, reason=str(err)[:1000],
-                                                 unusable_address=isinstance(err, BadPeerError))
+                                                 unusable_address=isinstance(err, BadPeerError),
+                                                 timed_out=err.kind == ErrorKind.Timeout)
             log.info("reported %s (world %d): %s", suspect, world.version,
                      "evicted" if evicted else "still alive")
         except _ClientError as e:
@@ -392,7 +395,9 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session
     with _lock:
         s = _session
         if s is None:
-            s = Session(config or WorkerConfig.from_env())
+            config = config or WorkerConfig.from_env()
+            logs.install(config.log_level)   # before the first line (standby) is logged
+            s = Session(config)
             s.start()
             _session, _last = s, None
     if form and s.world is None:

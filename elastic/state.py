@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from . import checkpoint, metrics, serialization, session
+from .sampler import committed_attrs
 
 log = logging.getLogger("elastic")
 
@@ -420,7 +421,8 @@ class TorchState(ObjectState):
     def live(self) -> Any:
         handlers = self._handlers()
         view: Dict[str, Any] = {
-            "attrs": {k: v for k, v in self._plain().items() if k not in handlers},
+            # A finished epoch is committed as the next one (elastic.sampler.committed_attrs).
+            "attrs": committed_attrs({k: v for k, v in self._plain().items() if k not in handlers}, handlers),
             "handlers": {k: v.state_dict() for k, v in handlers.items()},
         }
         if self.model is not None:

@@ -113,7 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     t = sub.add_parser("status", help="print a server's jobs, worlds and members as a table")
-    t.add_argument("--server", required=True, metavar="HOST:PORT")
+    t.add_argument("--server", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="the rendezvous servers, as elastic-run --rendezvous takes them: each is asked in turn "
+                        "until one answers (any replica answers Status)")
     t.add_argument("--job", default="", help="only this job")
     t.add_argument("--token-file", metavar="F", help="file holding the token, if the server wants one")
     t.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
@@ -226,8 +228,7 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str], events: EventLog) 
 def _status(a: argparse.Namespace) -> int:
     token = _read_secret(a.token_file, 'token file') if a.token_file else None
     try:
-        if len(parse_addresses(a.server, "--server")) != 1:
-            raise ValueError(f"--server takes one HOST:PORT, got {a.server!r}")
+        servers = parse_addresses(a.server, "--server")
         if not 0.1 <= a.interval <= 3600:
             raise ValueError(f"--interval {a.interval} is outside 0.1..3600 s")
         if a.events is not None and not 0 <= a.events <= RECENT_PER_JOB:
@@ -238,7 +239,7 @@ def _status(a: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"elastic-rendezvous: {e}")
     events = a.events if a.events is not None else (10 if a.watch else 0)
-    with StatusClient([a.server], token, creds) as client:
+    with StatusClient(list(servers), token, creds) as client:
         if a.watch:
             return status_view.watch(lambda: client.status(a.job, timeout_s=a.timeout, events=events),
                                      server=a.server, interval_s=a.interval, events=events)

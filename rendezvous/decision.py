@@ -46,6 +46,34 @@ from .membership import DEFAULT_MAX_NP, JobSpec, Member  # noqa: F401
 
 
 @dataclass(frozen=True)
+class SpecConflict:
+    """A join named limits other than the running job's: it is refused, the job unchanged."""
+
+    reason: str
+
+
+def join_spec(job_id: str, asked: JobSpec, if_new: JobSpec,
+              job: Optional[JobSpec]) -> Union[JobSpec, SpecConflict]:
+    """The limits a join gets: the running job's `job` (None: this join creates the job).
+
+    A limit the join leaves 0 says "none of my own: the job's", whenever the join comes. Into a
+    running job it takes the job's; creating the job it takes `if_new`'s (what its launcher
+    would have asked for alone, e.g. --min-np = --np), and where that is 0 too, the server's
+    default (`JobSpec.resolved`). A limit the join names must be the running job's: the first
+    join fixed them, and a join that disagrees is refused instead of changing the job.
+    """
+    if job is None:
+        return JobSpec(asked.min_np or if_new.min_np, asked.max_np or if_new.max_np,
+                       asked.elastic_timeout_s or if_new.elastic_timeout_s)
+    if (asked.min_np and asked.min_np != job.min_np) or (asked.max_np and asked.max_np != job.max_np):
+        wanted = ", ".join(f"{name}={value}" for name, value in
+                           (("min_np", asked.min_np), ("max_np", asked.max_np)) if value)
+        return SpecConflict(f"job {job_id} has min_np={job.min_np} max_np={job.max_np}; this join asks "
+                            f"for {wanted} (leave a limit unset to take the job's)")
+    return job
+
+
+@dataclass(frozen=True)
 class DecisionConfig:
     """Server-wide knobs of the decision: derived from rendezvous.config.ServerConfig (`decision()`),
     which is where their defaults are."""
@@ -530,6 +558,22 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
                     workers={**state.workers, **newcomers} if newcomers else state.workers)
     actions.append(AnnounceWorld(version, members, tuple(state.standby())))
     return state, actions
+
+
+def standby_reason(state: JobState, worker_id: str, now: float) -> str:
+    """Why a registered worker is not in the world, and what it waits for (its Standby notice)."""
+    if not state.world:
+        return "no world formed yet"
+    worker = state.workers.get(worker_id)
+    record = state.hosts.get(worker.host) if worker is not None else None
+    if record is not None and record.blacklisted_until > now:
+        return (f"host {worker.host} is blacklisted for {record.blacklisted_until - now:.0f} s more after "
+                f"repeated failures")
+    if len(state.world) >= state.spec.max_np:
+        return (f"beyond max_np={state.spec.max_np}: a hot spare, it takes the place of the next member that "
+                f"fails or leaves")
+    return (f"joins world {state.version + 1} at the next commit of world {state.version} "
+            f"({len(state.world)} of max_np={state.spec.max_np} in it)")
 
 
 def compute_world(state: JobState, now: float) -> tuple[Member, ...]:

@@ -30,7 +30,7 @@ log = logging.getLogger("elastic.events")
 # Every event either side writes; anything else is a programming error, caught by the tests.
 EVENTS = frozenset({
     "server_started", "server_stopped", "leader_elected", "leadership_lost",
-    "job_created", "world_formed", "worker_joined", "worker_left", "worker_evicted",
+    "job_created", "world_formed", "worker_joined", "worker_left", "worker_evicted", "ring_broken",
     "worker_started", "worker_exited", "worker_respawned",
     "recovery", "commit_restored", "preempted", "job_finished",
 })

@@ -38,7 +38,8 @@ class FailureReports:
     when this replica began leading), `require_leader()` (raises RpcRefusal UNAVAILABLE when it no
     longer leads), `evict(job, worker_id, reason, count_failure=, cause=)` (returns the change's
     seq), `send(job, worker_id, event)` (onto its Watch stream), `apply(job, event)` and
-    `wait_durable(job, seq)` (the journal's). The clock is monotonic and passed in too, so the
+    `wait_durable(job, seq)` (the journal's), and `record(state, event, **fields)` (history.py's
+    `job`: what the event log and Status show). The clock is monotonic and passed in too, so the
     rules are tested with fakes (tests/rendezvous/test_probes.py)."""
 
     def __init__(self, heartbeat_timeout_s: float, *, leading_since: Callable[[], float],
@@ -46,7 +47,7 @@ class FailureReports:
                  send: Callable[[Job, str, object], None],
                  apply: Callable[[Job, d.Event], tuple[int, list]],
                  wait_durable: Callable[[Job, int], Awaitable[None]],
-                 clock: Callable[[], float] = time.monotonic):
+                 record: Callable[..., None], clock: Callable[[], float] = time.monotonic):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._leading_since = leading_since
         self._require_leader = require_leader
@@ -54,6 +55,7 @@ class FailureReports:
         self._send = send
         self._apply = apply
         self._wait_durable = wait_durable
+        self._record = record
         self._clock = clock
         self._nonce = int(time.time() * 1000) << 16
 
@@ -130,7 +132,7 @@ class FailureReports:
                     return pb.ReportFailureResponse(evicted=True, detail="suspect lost its stream")
                 left = deadline - self._clock()
                 if left <= 0:
-                    await self._ring_broken(job, reporter.worker_id, request.world_version, why)
+                    await self._ring_broken(job, reporter.worker_id, request, why)
                     return pb.ReportFailureResponse(
                         evicted=False, detail=f"{suspect} did not answer the probe but its "
                                               f"connection stayed alive (keepalive) for "
@@ -146,7 +148,7 @@ class FailureReports:
                 finally:
                     ended.cancel()
                 if fut.done() and not fut.cancelled():
-                    await self._ring_broken(job, reporter.worker_id, request.world_version, why)
+                    await self._ring_broken(job, reporter.worker_id, request, why)
                     return pb.ReportFailureResponse(evicted=False,
                                                     detail=f"{suspect} answered a probe; world "
                                                            f"{request.world_version} re-formed")
@@ -165,10 +167,18 @@ class FailureReports:
                 return
             await self._require_leader()
 
-    async def _ring_broken(self, job: Job, reporter_id: str, version: int, why: str) -> None:
+    async def _ring_broken(self, job: Job, reporter_id: str, request, why: str) -> None:
         # Nobody is evicted, but the reporter's ring is broken: without a new version every
         # member would wait for a world that never comes.
+        version, suspect = request.world_version, request.suspect_worker_id
+        member = job.state.member(suspect)
         job.liveness.failure_signal(self._clock(), job.state)
         seq, _ = self._apply(job, d.RingBroken(
             reporter_id, version, f"ring of world {version} broken, every member alive ({why})"))
         await self._wait_durable(job, seq)
+        who = f"rank {member.rank} ({suspect})" if member is not None else suspect
+        cause = "collective timeout" if request.timed_out else "broken ring link"
+        # Ids and a kind only: the reporter's own words stay in the abort notice and the log.
+        self._record(job.state, "ring_broken", worker_id=suspect, world_version=version,
+                     reporter=reporter_id, cause=cause.replace(" ", "_"),
+                     detail=f"{cause} waiting on {who}, every member alive")

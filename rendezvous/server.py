@@ -100,7 +100,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                       leading_since=lambda: self.leading_since,
                                       require_leader=self.require_leader, evict=self.evict,
                                       send=self.send, apply=self.journal.apply,
-                                      wait_durable=self.journal.wait_durable)
+                                      wait_durable=self.journal.wait_durable,
+                                      record=self.history.job)
         self.timers = JobTimers(self.journal.config, retention_s=config.finished_job_retention_s,
                                 is_leader=lambda: self.is_leader, evict=self.evict,
                                 retire=self.retire, apply=self.journal.apply)
@@ -235,8 +236,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if what.audience is Audience.NEW_WORLD:
             for worker_id, event in server_wire.spliced_worlds(action, job.streams):
                 self.send(job, worker_id, event)
+            now = time.time()
             for w in action.standby:
-                self.send(job, w, server_wire.standby_event(action.version, server_wire.HOT_SPARE))
+                self.send(job, w, server_wire.standby_event(
+                    action.version, d.standby_reason(job.state, w, now)))
         elif what.audience is Audience.WORLD_BEFORE:
             event = server_wire.notice_event(action)
             for m in before.world:
@@ -340,9 +343,11 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         request_checks.check_host(request.host)
         request_checks.check_step(request.committed_step)
         spec = request.spec
-        timeout = spec.elastic_timeout_s
-        if timeout != timeout or timeout < 0 or timeout > 7 * 86400:  # NaN or out of range
-            raise request_checks.bad("spec.elastic_timeout_s", timeout, "0..604800 (0: server default)")
+        for name, timeout in (("spec", spec.elastic_timeout_s),
+                              ("spec_if_new", request.spec_if_new.elastic_timeout_s)):
+            if timeout != timeout or timeout < 0 or timeout > 7 * 86400:  # NaN or out of range
+                raise request_checks.bad(f"{name}.elastic_timeout_s", timeout,
+                                         "0..604800 (0: server default)")
         previous = None   # (run, secret) of the session this worker says it had
         if request.session_id:
             parsed = auth.parse_session(request.session_id)
@@ -363,7 +368,9 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         relaunch = (job is not None and job.state.phase in d.TERMINAL and previous is None
                     and time.time() >= (job.state.finished_at or 0.0) + self.reattach_window_s())
         if job is None or relaunch:
-            job = await self._create_job(request.job_id, self._new_spec(request.job_id, spec), caller,
+            creating = d.join_spec(request.job_id, wire.spec_from_pb(spec),
+                                   wire.spec_from_pb(request.spec_if_new), None)
+            job = await self._create_job(request.job_id, self._new_spec(request.job_id, creating), caller,
                                          replacing=job)
             if not auth.owns(job.state, caller):  # a concurrent creation won
                 raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED,
@@ -374,11 +381,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 raise RpcRefusal(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"job {request.job_id} was created by an older server, without a "
                                   f"ring secret: no worker can join it; launch it under another id")
-            have = job.state.spec
-            if (spec.min_np and spec.min_np != have.min_np) or (spec.max_np and spec.max_np != have.max_np):
-                raise RpcRefusal(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"job {request.job_id} has min_np={have.min_np} max_np={have.max_np}; "
-                                  f"this join asks for min_np={spec.min_np} max_np={spec.max_np}")
+            settled = d.join_spec(request.job_id, wire.spec_from_pb(spec), d.JobSpec(0, 0, 0.0),
+                                  job.state.spec)
+            if isinstance(settled, d.SpecConflict):
+                raise RpcRefusal(grpc.StatusCode.FAILED_PRECONDITION, settled.reason)
             if previous is not None and previous[0] != job.state.run:
                 # Its run ended and the id was launched again: state it kept from the old run must
                 # not become this run's (it could hold the highest step and be synced to all).
@@ -410,16 +416,16 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                spec=wire.spec_pb(job.state.spec),
                                ring_secret=bytes.fromhex(job.state.ring_secret))
 
-    def _new_spec(self, job_id: str, spec: pb.JobSpec) -> d.JobSpec:
-        """The spec of a job this Join creates, its unset limits filled in; refuses bad limits and
-        a full server."""
+    def _new_spec(self, job_id: str, asked: d.JobSpec) -> d.JobSpec:
+        """The spec of a job this Join creates (`d.join_spec` of the request), its unset limits
+        filled in; refuses bad limits and a full server."""
         cap = self.config.max_workers_per_job
-        asked = wire.spec_from_pb(spec)
         resolved = asked.resolved(cap, self.config.default_elastic_timeout_s)
         if asked.min_np < 1 or resolved.max_np < asked.min_np or resolved.max_np > cap:
             raise RpcRefusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"job {job_id}: spec needs 1 <= min_np <= max_np <= {cap} (max_np 0: "
-                              f"{cap}), got min_np={spec.min_np} max_np={spec.max_np}")
+                              f"{cap}), got min_np={asked.min_np} max_np={asked.max_np} (spec, and "
+                              f"spec_if_new where spec leaves them 0)")
         running = sum(1 for j in self.jobs.values() if j.state.phase not in d.TERMINAL)
         if running >= self.config.max_jobs:
             raise RpcRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -495,7 +501,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
         # write fails and another replica takes over); later changes follow through the outbox.
         state = job.durable_state if job.durable_state is not None else job.state
-        for event in server_wire.snapshot(state, w.worker_id):
+        for event in server_wire.snapshot(state, w.worker_id, time.time()):
             await context.write(event)
         if state.phase in d.TERMINAL:
             job.streams.pop(w.worker_id, None)

@@ -21,8 +21,7 @@ REFUSAL_CODES = {
     d.Refusal.WORKER_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     d.Refusal.NOT_MEMBER: grpc.StatusCode.PERMISSION_DENIED,
 }
-HOT_SPARE = "beyond max_np: hot spare"
-NO_WORLD_YET = "no world formed yet"
+NO_WORLD_YET = "no world formed yet"   # d.standby_reason's before the job's first world
 
 
 class RpcRefusal(Exception):
@@ -129,14 +128,14 @@ def finished_event(succeeded: bool, reason: str) -> pb.WatchEvent:
     return pb.WatchEvent(finished=pb.JobOutcome(succeeded=succeeded, reason=reason))
 
 
-def snapshot(state: d.JobState, worker_id: str) -> list[pb.WatchEvent]:
+def snapshot(state: d.JobState, worker_id: str, now: float) -> list[pb.WatchEvent]:
     """What a worker opening (or reopening) its Watch is sent first, from the stored `state`: how the
     job ended; or its world, followed by the abort if that world was aborted; or a Standby notice."""
     if state.phase in d.TERMINAL:
         return [finished_event(state.phase is d.Phase.SUCCEEDED, state.reason)]
     member = state.member(worker_id)
     if member is None:
-        return [standby_event(state.version, HOT_SPARE if state.world else NO_WORLD_YET)]
+        return [standby_event(state.version, d.standby_reason(state, worker_id, now))]
     events = [world_event(state.version, state.world, member)]
     if state.aborted_version == state.version:
         events.append(pb.WatchEvent(abort=pb.AbortVersion(

@@ -15,6 +15,9 @@ import grpc
 from .channel import RendezvousRPCError, open_channel
 from .wire import pb, pb_grpc
 
+# Codes a server answers a caller it refuses with: retrying with the same credentials is pointless.
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
 
 @dataclasses.dataclass(frozen=True)
 class MemberStatusInfo:
@@ -103,6 +106,11 @@ class StatusError(RendezvousRPCError):
             + (f" ({f.details.splitlines()[0]})" if f.details.strip() else "")
             for f in self.failures), self.failures[-1].code if self.failures else None)
 
+    def refused(self) -> Optional[StatusFailure]:
+        """The first server that answered by refusing the caller's credentials (the token, or a
+        client certificate TLS let through): no retry will change that."""
+        return next((f for f in self.failures if f.code in _REFUSED), None)
+
 
 def _member_status(m: pb.MemberStatus) -> MemberStatusInfo:
     mm = m.member
@@ -171,13 +179,14 @@ class StatusClient:
 
     def wait_reachable(self, job_id: str, timeout_s: float,
                        cancelled: Callable[[], bool] = lambda: False) -> Optional[JobStatusInfo]:
-        """Like job(), retrying until a server answers, the deadline passes or `cancelled()`."""
+        """Like job(), retrying until a server answers, the deadline passes or `cancelled()`. A
+        server that refused the caller (UNAUTHENTICATED, PERMISSION_DENIED) answered: raised at once."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 return self.job(job_id, timeout_s=max(0.5, min(2.0, deadline - time.monotonic())))
-            except StatusError:
-                if time.monotonic() >= deadline or cancelled():
+            except StatusError as e:
+                if time.monotonic() >= deadline or cancelled() or e.refused() is not None:
                     raise
             time.sleep(0.2)
 

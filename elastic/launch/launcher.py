@@ -32,9 +32,11 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+import grpc
+
 from rendezvous.channel import channel_credentials, is_loopback
-from rendezvous.status_client import JobStatusInfo, StatusClient, StatusError
 from rendezvous.event_log import EventLog
+from rendezvous.status_client import JobStatusInfo, StatusClient, StatusError, StatusFailure
 
 from ..config import TLS_VARIABLES
 from ..metrics import ENV_SOCKET, ENV_TOKEN
@@ -46,6 +48,7 @@ from .outcome import WorkerEnd, completion_failure
 from .procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all,
                     worker_env)
 from .report import Reporter
+from .signals import StopSignals
 from .slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
 
 POLL_S = 0.05            # reap workers / check signals
@@ -91,7 +94,7 @@ class Launcher:
         self.reporter = Reporter(time.monotonic())
         self.last_failure = ""
         self.signum: Optional[int] = None
-        self.signals_seen = 0
+        self.signals = StopSignals()
         self.min_np, self.max_np = cfg.min_np, cfg.max_np
         self.discovery: Optional[DiscoveryPoller] = None
         self._last_hosts: Optional[Dict[str, int]] = None
@@ -115,7 +118,7 @@ class Launcher:
             alive = [w for w in self.all_workers if w.alive]
             self.out.note(f"{name}: draining {len(alive)} worker(s): each leaves the job at its next commit "
                           f"(SIGKILL after --preempt-grace {self.cfg.preempt_grace:g} s + --stop-timeout "
-                          f"{self.cfg.stop_timeout:g} s)")
+                          f"{self.cfg.stop_timeout:g} s; Ctrl-C again kills them at once)")
             left = self._drain(alive, name)
             if alive and left == len(alive) and not self.cfg.embedded:
                 self._shutdown(0, f"every worker left gracefully on {name}")
@@ -134,9 +137,14 @@ class Launcher:
             raise
 
     def _on_signal(self, signum, frame) -> None:
-        self.signals_seen += 1
+        self.signals.record(signum, time.monotonic())
         if self.signum is None:
             self.signum = signum
+
+    def _tell_echo(self) -> None:
+        line = self.signals.echo_line(signal.Signals(self.signum).name if self.signum else "signal")
+        if line:
+            self.out.note(line)
 
     def _check_signal(self) -> None:
         if self.signum is not None:
@@ -170,27 +178,37 @@ class Launcher:
                     self.out.note(f"{self._label(w)} {describe_exit(code)} while draining")
             if not pending:
                 break
-            if time.monotonic() >= deadline or self.signals_seen > 1:
+            self._tell_echo()
+            if time.monotonic() >= deadline or self.signals.hurry:
                 for w in pending:
                     self.out.note(f"{self._label(w)} did not leave" + (" within the grace; killing it"
-                                  if self.signals_seen <= 1 else "; killing it (signalled again)"))
+                                  if not self.signals.hurry else "; killing it (signalled again)"))
                     w.signal_group(signal.SIGKILL)
                 break
             time.sleep(POLL_S)
         return left
 
     def _shutdown(self, code: Optional[int], reason: str) -> None:
-        stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals_seen > 1)
-        for w in self.all_workers:
-            self._note_exit(w, w.proc.returncode)
-        if self.announcement is not None:
-            self.announcement.withdraw()
-        if self.server is not None:
-            self.server.stop()
-        if self.status is not None:
-            self.status.close()
-        if self.metrics is not None:
-            self.metrics.close()
+        # Every step runs whatever failed before it: the embedded server's directory (its token)
+        # and the metrics socket's must go on every way out.
+        try:
+            stop_all(self.all_workers, self.cfg.stop_timeout, hurry=lambda: self.signals.hurry)
+            for w in self.all_workers:
+                self._note_exit(w, w.proc.returncode)
+        finally:
+            try:
+                if self.announcement is not None:
+                    self.announcement.withdraw()
+            finally:
+                try:
+                    if self.server is not None:
+                        self.server.stop()
+                finally:
+                    if self.status is not None:
+                        self.status.close()
+                    if self.metrics is not None:
+                        self.metrics.close()
+        self._tell_echo()
         view = self.view
         self._event("job_finished", exit_code=code, reason=reason,
                     phase=view.phase if view is not None else None,
@@ -232,7 +250,7 @@ class Launcher:
             except OSError as e:
                 raise LaunchFailed(f"--metrics-port {cfg.metrics_port}: cannot serve metrics on "
                                    f"{cfg.metrics_host}: {e.strerror or e}") from None
-            self.out.note(f"metrics of this host's workers on http://{_url_host(cfg.metrics_host)}:{self.metrics.port}"
+            self.out.info(f"metrics of this host's workers on http://{_url_host(cfg.metrics_host)}:{self.metrics.port}"
                           "/metrics")
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
@@ -243,10 +261,10 @@ class Launcher:
             except EmbeddedServerFailed as e:
                 raise LaunchFailed(str(e)) from None
             self._check_signal()
-            self.out.note(f"rendezvous server for job {cfg.job_id} on {self._addresses[0]} (embedded)")
+            self.out.info(f"rendezvous server for job {cfg.job_id} on {self._addresses[0]} (embedded)")
             # A path, not the token: the file is this user's alone (another launcher of the same
             # user may join with --rendezvous ADDRESS --token-file PATH).
-            self.out.note(f"its token is in {self.server.token_file} (readable by this user only)")
+            self.out.info(f"its token is in {self.server.token_file} (readable by this user only)")
             self._token, self._token_file = self.server.token, self.server.token_file
         if cfg.slurm_role:
             self._slurm_rendezvous()
@@ -272,6 +290,10 @@ class Launcher:
                 raise LaunchFailed(f"--host-discovery-script: {e}") from None
             self.discovery = DiscoveryPoller(cfg.host_discovery_script, cfg.discovery_interval, self.out.note)
             self.discovery.start()
+        if cfg.omp_num_threads is not None:
+            self.out.info(f"OMP_NUM_THREADS={cfg.omp_num_threads} for every worker, as torchrun sets it (each of "
+                          "several workers on a host would otherwise start a thread per core); set OMP_NUM_THREADS "
+                          "to choose")
         self._scale()
         next_status = 0.0
         while True:
@@ -327,6 +349,9 @@ class Launcher:
                                               cancelled=lambda: self.signum is not None)
         except StatusError as e:
             self._check_signal()
+            refused = e.refused()
+            if refused is not None:
+                raise LaunchFailed(refusal_line(refused, cfg)) from None
             raise LaunchFailed(f"cannot reach the rendezvous server at {where}: {e}") from None
         if view is None:
             return
@@ -342,7 +367,7 @@ class Launcher:
         self.min_np, self.max_np = view.min_np, view.max_np
         self.reporter.last = view   # report changes from here on, not the job's history
         self.reporter.world = set(view.ranks())
-        self.out.note(f"joining job {cfg.job_id} at world {view.world_version} ({len(view.ranks())} worker(s), "
+        self.out.info(f"joining job {cfg.job_id} at world {view.world_version} ({len(view.ranks())} worker(s), "
                       f"phase {view.phase})")
 
     # ------------------------------------------------------------------ workers
@@ -354,11 +379,13 @@ class Launcher:
         env = worker_env(os.environ, {
             "ELASTIC_RENDEZVOUS": ",".join(self._addresses), "ELASTIC_JOB_ID": cfg.job_id,
             "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
-            "ELASTIC_MIN_NP": str(self.min_np), "ELASTIC_MAX_NP": str(self.max_np),
+            **self._limits_env(),
+            **({"ELASTIC_COLLECTIVE_TIMEOUT": f"{cfg.collective_timeout:g}"} if cfg.collective_timeout else {}),
+            **self._torchrun_env(slot), "ELASTIC_LOG_LEVEL": cfg.log_level,
             "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
             "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n), **self._credential_env(),
             **(self.metrics.worker_env(worker_id) if self.metrics is not None else {}),
-        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES)
+        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES + _LIMIT_VARIABLES + _TORCHRUN_VARIABLES)
         try:
             w = Worker(slot, n, worker_id, cfg.command, env, self.out)
         except OSError as e:
@@ -369,6 +396,31 @@ class Launcher:
         self.all_workers.append(w)
         self.reporter.note_start(worker_id, time.monotonic())
         return w
+
+    def _torchrun_env(self, slot: int) -> Dict[str, str]:
+        """The variables torchrun sets that stay true across re-forms: LOCAL_RANK is the worker's
+        slot on this host (0..slots-1, its own for the process's life and its respawns': what
+        device selection needs), LOCAL_WORLD_SIZE the slots of this host; OMP_NUM_THREADS=1
+        unless the environment has one, as torchrun. RANK and WORLD_SIZE change with every
+        world: the runtime sets them in the worker's own environment as each world forms
+        (elastic.world_env); MASTER_ADDR/MASTER_PORT are not set: there is no master."""
+        env = {"LOCAL_RANK": str(slot), "LOCAL_WORLD_SIZE": str(max(self.target, slot + 1))}
+        if self.cfg.omp_num_threads is not None:
+            env["OMP_NUM_THREADS"] = self.cfg.omp_num_threads
+        return env
+
+    def _limits_env(self) -> Dict[str, str]:
+        """The job size limits its workers join with: the --min-np/--max-np given, as limits they
+        insist on; the others left to the job (whenever its workers join: a job another launcher
+        created meanwhile keeps its own), with this launcher's defaults (--min-np = --np) for a
+        job its worker's join creates."""
+        cfg = self.cfg
+        env = {"ELASTIC_MIN_NP_IF_NEW": str(cfg.min_np), "ELASTIC_MAX_NP_IF_NEW": str(cfg.max_np)}
+        if cfg.min_np_given:
+            env["ELASTIC_MIN_NP"] = str(cfg.min_np)
+        if cfg.max_np_given:
+            env["ELASTIC_MAX_NP"] = str(cfg.max_np)
+        return env
 
     def _credential_env(self) -> Dict[str, str]:
         """How workers authenticate, in place of those variables in the launcher's environment:
@@ -394,7 +446,7 @@ class Launcher:
                 continue
             started.append(self._spawn(slot))
         if started:
-            self.out.note(f"started {len(started)} worker(s): "
+            self.out.info(f"started {len(started)} worker(s): "
                           + ", ".join(f"{w.worker_id} (pid {w.pid})" for w in started))
         for w in started:
             self._event("worker_started", worker_id=w.worker_id, slot=w.slot, pid=w.pid, restart=w.restart)
@@ -466,7 +518,15 @@ class Launcher:
                               + (" used up)" if cfg.max_restarts else ")"))
             return
         err = w.last_error_line()
-        raise LaunchFailed(f"{label} {what}" + (f": {err}" if err else "") + f"; job {cfg.job_id} stopped")
+        raise LaunchFailed(f"{label} {what}" + (f": {err}" if err else "") + "; " + self._giving_up())
+
+    def _giving_up(self) -> str:
+        """What ending this launcher on a worker's error means for the job: with the embedded
+        server the job stops with it; with --rendezvous only this host's part does."""
+        if self.cfg.embedded:
+            return f"job {self.cfg.job_id} stopped"
+        return (f"elastic-run on host {self.cfg.host} gave up and stopped its workers; job {self.cfg.job_id} "
+                f"is not stopped by it (it goes on while its other workers keep it at min-np)")
 
     def _respawn_due(self, now: float) -> None:
         for slot, at in list(self.respawn_at.items()):
@@ -480,7 +540,7 @@ class Launcher:
                     self.metrics.note_restart(slot)
                 self._event("worker_respawned", worker_id=w.worker_id, slot=slot, pid=w.pid, restart=w.restart,
                             replaces=replaces)
-                self.out.note(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
+                self.out.info(f"respawned slot {slot} as {w.worker_id} (pid {w.pid})")
 
     # ------------------------------------------------------------------ the job
     def _job_over(self) -> bool:
@@ -509,7 +569,7 @@ class Launcher:
         before = self.reporter.last.world_version if self.reporter.last is not None else 0
         recoveries = len(self.reporter.recoveries)
         for msg in self.reporter.update(view, now):
-            self.out.note(msg)
+            (self.out.note if msg.notable else self.out.info)(msg)
         self.view = view
         self._job_events(view, before, recoveries)
         if view.phase == "FAILED":
@@ -591,7 +651,7 @@ class Launcher:
         slots = min(local_slots(hosts, self._names()), self.max_np)
         if hosts != self._last_hosts:
             others = {h: s for h, s in hosts.items() if h not in self._names()}
-            self.out.note(f"discovery: {slots} slot(s) on this host ({self.cfg.host})"
+            self.out.info(f"discovery: {slots} slot(s) on this host ({self.cfg.host})"
                           + ("; other hosts, not started by this launcher (run elastic-run --rendezvous there): "
                              + ", ".join(f"{h}:{s}" for h, s in sorted(others.items())) if others else ""))
             self._last_hosts = hosts
@@ -604,6 +664,19 @@ class Launcher:
         self._scale()
 
 
+def refusal_line(refused: StatusFailure, cfg: LaunchConfig) -> str:
+    """Why a server that answered turned this launcher away, and the fix (it did answer: no
+    "cannot reach")."""
+    code = refused.code.name
+    if refused.code is grpc.StatusCode.UNAUTHENTICATED:
+        fix = ("give the token file the server was started with: --token-file F (workers get it as "
+               "ELASTIC_TOKEN_FILE)" if cfg.token is None else
+               "the token given (--token-file, ELASTIC_TOKEN or ELASTIC_TOKEN_FILE) is not one in the server's "
+               "--token-file")
+        return f"the rendezvous server at {refused.address} refused the token ({code}): {fix}"
+    return f"the rendezvous server at {refused.address} refused this launcher's credentials ({code})"
+
+
 def _strip_job(reason: str, job_id: str) -> str:
     prefix = f"job {job_id}: "
     return reason[len(prefix):] if reason.startswith(prefix) else reason
@@ -611,6 +684,12 @@ def _strip_job(reason: str, job_id: str) -> str:
 
 # Replaced in every worker's environment by what _credential_env gives (if anything).
 _CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
+# torchrun's variables: LOCAL_* are set for each worker; RANK and WORLD_SIZE inherited from this
+# launcher's environment would be false (the runtime sets them as worlds form).
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+# Set from --min-np/--max-np only: a variable left in the launcher's environment must not pin a
+# limit the flags leave to the job.
+_LIMIT_VARIABLES = ("ELASTIC_MIN_NP", "ELASTIC_MAX_NP", "ELASTIC_MIN_NP_IF_NEW", "ELASTIC_MAX_NP_IF_NEW")
 # Never inherited: only this launcher's own --metrics-port socket (a worker of an elastic-run
 # started by a worker must not push to the outer launcher).
 _METRICS_VARIABLES = (ENV_SOCKET, ENV_TOKEN)
@@ -629,5 +708,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     raise_open_files_limit()
     out, err = stdout_streams()
-    return Launcher(cfg, Output(out, err)).run()
+    return Launcher(cfg, Output(out, err, quiet=cfg.log_level not in ("DEBUG", "INFO"))).run()
 

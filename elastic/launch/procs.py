@@ -71,9 +71,10 @@ def with_parent_death_signal(command: Sequence[str]) -> List[str]:
 class Output:
     """Writes worker lines to the launcher's stdout/stderr, prefixed with the worker's id."""
 
-    def __init__(self, out: IO[bytes], err: IO[bytes]):
+    def __init__(self, out: IO[bytes], err: IO[bytes], quiet: bool = False):
         self._streams = {"out": out, "err": err}
         self._lock = threading.Lock()
+        self.quiet = quiet   # --quiet / --log-level above info: routine launcher lines are not printed
 
     def line(self, stream: str, worker_id: Optional[str], data: bytes) -> None:
         if not data.endswith(b"\n"):
@@ -91,6 +92,11 @@ class Output:
     def note(self, text: str) -> None:
         """A launcher line (on stderr)."""
         self.line("err", None, f"elastic-run: {text}".encode())
+
+    def info(self, text: str) -> None:
+        """A routine launcher line (what started, which world formed): not printed when quiet."""
+        if not self.quiet:
+            self.note(text)
 
 
 def exception_line(lines: Sequence[str], fallback: bool = True) -> str:
@@ -215,11 +221,20 @@ def stop_all(workers: Sequence[Worker], timeout_s: float, hurry: Callable[[], bo
         w.join_output(2.0)
 
 
+# Set for every worker unless its environment has them: output line by line, and none of gRPC's
+# own log lines (INFO lines such as fork_posix.cc's "skipping fork() handlers" at every
+# DataLoader worker fork, chttp2's "Got goaway ... ping_timeout"); gRPC's errors still show.
+# No fork handlers: a worker's forked children (DataLoader workers) never use gRPC.
+WORKER_DEFAULTS = {"PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR", "GRPC_ENABLE_FORK_SUPPORT": "0"}
+
+
 def worker_env(base: Mapping[str, str], extra: Mapping[str, str], drop: Sequence[str] = ()) -> Dict[str, str]:
-    """``base`` without the variables in ``drop``, with ``extra`` on top."""
+    """``base`` without the variables in ``drop``, with ``extra`` on top, and WORKER_DEFAULTS where
+    neither sets them."""
     env = {k: v for k, v in base.items() if k not in drop}
     env.update(extra)
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    for name, value in WORKER_DEFAULTS.items():
+        env.setdefault(name, value)
     return env
 
 

@@ -15,6 +15,21 @@ from typing import Dict, List, Optional, Tuple
 from rendezvous.status_client import JobStatusInfo
 
 
+WAIT_LINE_EVERY_S = 10.0   # while the job waits for workers to reach min-np: a line this often
+
+
+class Line(str):
+    """A line the launcher prints. ``notable`` ones (failures, recoveries, leaves, below min-np)
+    are printed even by a quiet launcher; the others are routine (a world formed, waiting)."""
+
+    notable: bool
+
+    def __new__(cls, text: str, notable: bool = False) -> "Line":
+        line = super().__new__(cls, text)
+        line.notable = notable
+        return line
+
+
 def _ids(workers) -> str:
     workers = sorted(workers)
     return ", ".join(workers[:8]) + (f" and {len(workers) - 8} more" if len(workers) > 8 else "")
@@ -31,6 +46,9 @@ class Reporter:
         self.starts: Dict[str, float] = {}
         self.recoveries: List[float] = []      # seconds from a failure to the next world, as reported
         self.world: set = set()                # members of the last world reported
+        self._broken: set = set()              # world versions whose ring_broken event was noted
+        self._waiting_since: Optional[float] = None   # the job waits below min-np since (as first seen)
+        self._waiting_told = 0.0
         # worker id -> (world version, rank or None on standby), as the latest answer naming it
         # said; kept after it is gone from Status, so its failure is still reported with its rank.
         self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}
@@ -57,11 +75,17 @@ class Reporter:
         if self.failure_since is not None and self.failure_ids and self.failure_ids <= self.departed:
             self.failure_since, self.failure_what, self.failure_ids = None, "", set()
 
-    def update(self, view: JobStatusInfo, now: float) -> List[str]:
-        msgs: List[str] = []
+    def update(self, view: JobStatusInfo, now: float) -> List[Line]:
+        msgs: List[Line] = []
+        current = self.last.world_version if self.last is not None else None
         for ev in view.events:   # the server's word: these left cleanly, whichever host they ran on
             if ev.event == "worker_left" and ev.worker_id:
                 self.note_left(ev.worker_id)
+            elif ev.event == "ring_broken" and ev.world_version == current and current not in self._broken:
+                # Every member alive, the ring broken all the same (a collective timed out on a
+                # busy peer): the next world re-forms the same members, after a restore.
+                self._broken.add(current)
+                self.note_failure(ev.detail, now)
         for m in view.members:
             if view.world_version >= self._ranks.get(m.worker_id, (-1, None))[0]:
                 self._ranks[m.worker_id] = (view.world_version, m.rank)
@@ -77,6 +101,7 @@ class Reporter:
             joined, left = set(new) - old, old - set(new)
             self.world = set(new)
             text = f"world {view.world_version}: {len(new)} worker(s)"
+            notable = False
             if prev is None or prev.world_version == 0:
                 if prev is None and view.world_version > 1:
                     text += f" (job {view.job_id} was already running)"
@@ -85,6 +110,7 @@ class Reporter:
             else:
                 if left:
                     text += f"; left: {_ids(left)}"
+                    notable = True
                 if joined:
                     waits = [now - self.starts[w] for w in joined if w in self.starts]
                     text += f"; joined: {_ids(joined)}"
@@ -94,16 +120,38 @@ class Reporter:
                     took = now - self.failure_since
                     self.recoveries.append(took)
                     text += f"; recovered {took:.2f} s after {self.failure_what}"
+                    notable = True
             self.failure_since = None
             for w in joined:
                 self.starts.pop(w, None)
-            msgs.append(text)
+            msgs.append(Line(text, notable))
         if prev is None or view.phase != prev.phase:
             if view.phase == "WAITING":
                 alive = sum(1 for m in view.members)
-                msgs.append(f"below min-np={view.min_np}: {alive} worker(s) left; the job fails if it stays "
-                            f"below for {view.elastic_timeout_s:g} s")
+                msgs.append(Line(f"below min-np={view.min_np}: {alive} worker(s) left; the job fails if it stays "
+                                 f"below for {view.elastic_timeout_s:g} s", True))
             elif view.phase == "RUNNING" and prev is not None and prev.phase == "WAITING":
-                msgs.append(f"back at {len(view.ranks())} worker(s), at least min-np={view.min_np}")
+                msgs.append(Line(f"back at {len(view.ranks())} worker(s), at least min-np={view.min_np}", True))
+        waiting = self._waiting(view, now)
+        if waiting:
+            msgs.append(waiting)
         self.last = view
         return msgs
+
+    def _waiting(self, view: JobStatusInfo, now: float) -> Optional[Line]:
+        """Every WAIT_LINE_EVERY_S while the job has fewer workers than min-np (before its first
+        world or after): how many it waits for, so a late host is not a silent wait."""
+        joined = sum(1 for m in view.members if m.attached)
+        if view.phase not in ("FORMING", "WAITING") or joined >= view.min_np:
+            self._waiting_since = None
+            return None
+        if self._waiting_since is None:
+            self._waiting_since = self._waiting_told = now
+            return None
+        if now - self._waiting_told < WAIT_LINE_EVERY_S:
+            return None
+        self._waiting_told = now
+        missing = view.min_np - joined
+        return Line(f"waiting for {missing} more worker{'s' if missing > 1 else ''}: {joined} of min-np {view.min_np} "
+                    f"joined, {now - self._waiting_since:.0f} s (the job fails after {view.elastic_timeout_s:g} s "
+                    "below min-np)")

@@ -173,7 +173,7 @@ NB_MODULE(_native, m) {
                                 "Ring settings with the core's defaults (ering::CommConfig); elastic.CommConfig "
                                 "fills one by field name.");
   config.def(nb::init<>())
-      .def_rw("timeout", &CommConfig::timeout, "Seconds a collective may go without moving a byte.")
+      .def_rw("timeout", &CommConfig::timeout, "Seconds a rank may stay in one collective before it fails (Timeout).")
       .def_rw("form_timeout", &CommConfig::form_timeout, "Seconds form() waits for both ring neighbours.");
   auto size_setting = [&config](const char* name, size_t CommConfig::*field, const char* doc) {
     config.def_prop_rw(

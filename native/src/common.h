@@ -24,7 +24,7 @@ using Clock = std::chrono::steady_clock;
 // mirrors the numbers.
 #define ERING_ERROR_KINDS(X)                                                                                   \
   X(PeerLost, 0, "a ring neighbour closed or reset its connection")                                           \
-  X(Timeout, 1, "no progress before the deadline (hung, stopped or partitioned peer)")                        \
+  X(Timeout, 1, "not finished within the collective timeout (a peer not in the collective, or hung)")          \
   X(Aborted, 2, "abort() was called, locally or by a neighbour's failure")                                    \
   X(Refused, 3, "a neighbour that proved the job's secret refused the handshake (another world version, "     \
                 "world size, rank or job, or a duplicate)")                                                   \

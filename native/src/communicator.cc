@@ -146,9 +146,10 @@ void Communicator::form() {
       h.world_size = uint32_t(n);
       h.channel = f.channel;
       random_bytes(h.nonce.data(), h.nonce.size());
-      // A neighbour that accepts no connection for as long as a collective may go without
-      // progress is not coming: give up on it then, even if the form deadline is later.
-      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline, seconds(cfg_.timeout), abort_);
+      // A neighbour that accepts no connection for the collective timeout (at most
+      // kUnreachableAfterMaxS) is not coming: give up on it then, even if the form deadline is later.
+      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline,
+                                    seconds(std::min(cfg_.timeout, kUnreachableAfterMaxS)), abort_);
       f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, abort_);
     }
     for (auto& f : rings) {
@@ -162,7 +163,7 @@ void Communicator::form() {
       f.next_fd = -1;  // owned by the end now
       auto recv = f.recv_ring ? shm_recv_end(f.prev_fd, std::move(f.recv_ring), f.ctx) : tcp_recv_end(f.prev_fd, f.ctx);
       f.prev_fd = -1;
-      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_, cfg_.timeout);
+      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_);
       std::lock_guard<std::mutex> g(err_mu_);
       *f.into = std::move(links);
     }
@@ -213,7 +214,9 @@ void Communicator::check_usable(const char* name) {
 
 OpInfo Communicator::make_op(const char* name, uint32_t tag, std::string describe) {
   uint32_t seq = seq_++;
-  return OpInfo{name, seq, tag, std::string(name) + " #" + std::to_string(seq) + " (" + describe + ")"};
+  auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.timeout));
+  return OpInfo{name, seq, tag, std::string(name) + " #" + std::to_string(seq) + " (" + describe + ")",
+                Clock::now() + timeout, cfg_.timeout};
 }
 
 template <class F>

@@ -11,7 +11,12 @@
 namespace ering {
 
 struct CommConfig {
-  double timeout = 30.0;           // seconds a collective may go without moving a byte (hung peers)
+  // Seconds a rank may stay in one collective (from entering it) before it fails with Timeout.
+  // Long, like torch's gloo default (30 min): hung, stopped or partitioned processes are fenced
+  // by the rendezvous heartbeat within seconds and their collectives aborted, so this only has
+  // to catch a live process that never enters the collective, and must not fire on one busy
+  // for a while elsewhere (evaluation, a checkpoint write) or on a long transfer.
+  double timeout = 1800.0;
   double form_timeout = 30.0;      // seconds form() waits for both ring neighbours
   size_t segment_bytes = 1 << 20;  // pipeline segment: ~1 MiB keeps both directions busy
   size_t small_bytes = 32 << 10;   // allreduce up to this size takes the small-message path (measured)

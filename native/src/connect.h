@@ -22,4 +22,9 @@ namespace ering {
 int connect_ring_peer(const std::string& address, const Hello& hello, const std::string& secret,
                       Clock::time_point deadline, Clock::duration unreachable_after, const AbortSignal& abort);
 
+// How long a neighbour may accept no connection at all before it is taken for unreachable:
+// the collective timeout, at most this. A live worker's listener accepts at once, so this
+// stays short even when the collective timeout is long enough for a busy peer (minutes).
+constexpr double kUnreachableAfterMaxS = 30.0;
+
 }  // namespace ering

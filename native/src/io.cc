@@ -86,6 +86,18 @@ int poll_ms_until(Clock::time_point deadline) {
 void tune_ring_socket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A link that acknowledges nothing for this long is dead (a cable pulled, a firewall dropping
+  // everything): the kernel fails the connection with ETIMEDOUT, so the ring fails in seconds
+  // however long the collective timeout. Data in flight is bounded by TCP_USER_TIMEOUT; an idle
+  // side (waiting to receive, its own data acknowledged) by keepalive probes. A live peer's
+  // kernel acknowledges both even while its process is busy elsewhere.
+  unsigned int ms = kDeadLinkMs;
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
+  int idle = int(kDeadLinkMs / 3000), interval = int(kDeadLinkMs / 6000), probes = 4;  // 10 s + 4 x 5 s
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
 }
 
 bool connection_ended(int fd) {

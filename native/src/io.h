@@ -51,7 +51,10 @@ int wait_fd(int fd, short events, Clock::time_point deadline, const AbortSignal&
 int write_full(int fd, const uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
 int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
 
-// TCP_NODELAY: ring frames and handshake messages go out at once.
+// TCP_NODELAY: ring frames and handshake messages go out at once. TCP_USER_TIMEOUT and
+// keepalive: a connection on which nothing is acknowledged for about kDeadLinkMs fails
+// (ETIMEDOUT), whether data is in flight or the side waits idle.
+constexpr unsigned kDeadLinkMs = 30000;
 void tune_ring_socket(int fd);
 // "host:port" (or "[v6]:port") of a connected socket's other end, "?" if unknown.
 std::string peer_name(int fd);

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 namespace ering {
@@ -126,11 +127,19 @@ Neighbour::Neighbour(int fd, int rank, const std::string& address)
     : fd(fd), rank(rank), name(rank_name(rank, address)) {}
 
 void Neighbour::closed(const RunState& s) {
+  // An ended connection with a pending error (reset, or the kernel gave up on it) says why.
+  int err = 0;
+  socklen_t len = sizeof(err);
+  if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0) broke(s, err);
   lost(s.ctx, s.op, poisoned || take_poison(fd), rank, name, "connection to " + name + " closed (peer exited or failed)");
 }
 
 void Neighbour::broke(const RunState& s, int err) {
-  lost(s.ctx, s.op, poisoned || take_poison(fd), rank, name, "connection to " + name + " lost: " + std::strerror(err));
+  std::string why = std::strerror(err);
+  if (err == ETIMEDOUT)
+    why += " (nothing sent on it was acknowledged for " + std::to_string(kDeadLinkMs / 1000) +
+           " s: the link between the two is down)";
+  lost(s.ctx, s.op, poisoned || take_poison(fd), rank, name, "connection to " + name + " lost: " + why);
 }
 
 End::~End() {
@@ -151,9 +160,8 @@ void End::next_segment(RunState& s) {
 
 // ---------------------------------------------------------------- Links
 
-Links::Links(std::unique_ptr<End> send, std::unique_ptr<End> recv, LinkContext ctx, const AbortSignal* abort,
-             double timeout_s)
-    : send_(std::move(send)), recv_(std::move(recv)), ctx_(std::move(ctx)), abort_(abort), timeout_s_(timeout_s) {}
+Links::Links(std::unique_ptr<End> send, std::unique_ptr<End> recv, LinkContext ctx, const AbortSignal* abort)
+    : send_(std::move(send)), recv_(std::move(recv)), ctx_(std::move(ctx)), abort_(abort) {}
 
 void Links::shutdown() {
   const int next_fd = send_->peer().fd, prev_fd = recv_->peer().fd;
@@ -196,9 +204,11 @@ void Links::run_plan(Plan& plan, const OpInfo& op) {
   RunState s{plan, op, ctx_, plan.num_sends(), plan.num_recvs()};
   send_->start(s);
   recv_->start(s);
-  const auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
   const bool spin = send_->spins() || recv_->spins();
-  auto deadline = Clock::now() + timeout;
+  // Not moved by progress: a byte a neighbour sends says nothing about the rank that is
+  // missing further round the ring, so a "no progress" deadline would fire at different
+  // times on different ranks, paths and world sizes. The collective's own deadline does not.
+  const auto deadline = op.deadline;
   auto idle_since = Clock::time_point{};
   auto watched_at = Clock::now();
   while (s.sent < s.nsend || s.received < s.nrecv) {
@@ -207,7 +217,6 @@ void Links::run_plan(Plan& plan, const OpInfo& op) {
     if (s.received < s.nrecv) progress |= recv_->move(s);
     if (progress) {
       auto now = Clock::now();
-      deadline = now + timeout;
       idle_since = Clock::time_point{};
       if (!watch_.empty() && now - watched_at > kWatchEvery) {
         watched_at = now;
@@ -242,9 +251,12 @@ void Links::sleep(RunState& s, Clock::time_point deadline) {
   int ms = poll_ms_until(deadline);
   if (ms == 0) {
     const Neighbour& waited = s.received < s.nrecv ? recv_->peer() : send_->peer();
+    char secs[32];
+    std::snprintf(secs, sizeof(secs), "%g", s.op.timeout_s);
     link_failure(ctx_, ErrorKind::Timeout, s.op, waited.rank,
-                 "no progress for " + std::to_string(timeout_s_) + " s waiting on " + waited.name +
-                     " (hung, stopped or partitioned?)");
+                 std::string("not finished ") + secs + " s after this rank entered it (the collective timeout, "
+                     "ELASTIC_COLLECTIVE_TIMEOUT): waiting on " + waited.name +
+                     " (not in this collective: busy elsewhere, or hung, stopped or partitioned)");
   }
   size_t nw = add_watched(watch_, fds + 3);
   int r = poll(fds, nfds_t(3 + nw), ms);

@@ -55,6 +55,12 @@ struct OpInfo {
   uint32_t seq;          // per-communicator operation counter, identical on every rank
   uint32_t tag;          // hash of what the op is (kind, dtype, op, size): catches mismatched calls
   std::string describe;  // for errors: "allreduce #7 (float32, 1000 elements, sum)"
+  // The collective timeout: when this rank entered the collective plus the timeout. Every
+  // run() of the collective (each phase of the hierarchical path) ends by it, so the timeout
+  // means one thing on every path and world size: the longest a rank stays in one
+  // collective, however far its neighbours got.
+  Clock::time_point deadline;
+  double timeout_s;
 };
 
 struct LinkContext {
@@ -154,9 +160,8 @@ class End {
 class Links {
  public:
   // `send` is a sending end to ctx.next_rank, `recv` a receiving end from ctx.prev_rank.
-  Links(std::unique_ptr<End> send, std::unique_ptr<End> recv, LinkContext ctx, const AbortSignal* abort,
-        double timeout_s);
-  // Runs the plan to the end: fails (CommError) when no byte moved for the timeout, on
+  Links(std::unique_ptr<End> send, std::unique_ptr<End> recv, LinkContext ctx, const AbortSignal* abort);
+  // Runs the plan to the end: fails (CommError) when op.deadline passes first (Timeout), on
   // abort, when a neighbour's connection ends or a segment does not match.
   // After this rank's own abort() every failure is reported as Aborted: abort() shuts the
   // sockets down, and a send or receive that meets that end first would blame a neighbour.
@@ -188,7 +193,6 @@ class Links {
   std::unique_ptr<End> send_, recv_;
   LinkContext ctx_;
   const AbortSignal* abort_;
-  double timeout_s_;
   std::atomic<bool> poisoned_{false};
   std::vector<WatchFd> watch_;
 };

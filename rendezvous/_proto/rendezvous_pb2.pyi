@@ -17,7 +17,7 @@ class JobSpec(_message.Message):
     def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., elastic_timeout_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "worker_id", "host", "ring_address", "committed_step", "spec", "session_id")
+    __slots__ = ("job_id", "worker_id", "host", "ring_address", "committed_step", "spec", "session_id", "spec_if_new")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class JoinRequest(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_IF_NEW_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     worker_id: str
     host: str
@@ -32,7 +33,8 @@ class JoinRequest(_message.Message):
     committed_step: int
     spec: JobSpec
     session_id: str
-    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., committed_step: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    spec_if_new: JobSpec
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., committed_step: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., session_id: _Optional[str] = ..., spec_if_new: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "world_version", "spec", "ring_secret")
@@ -177,18 +179,20 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason", "unusable_address")
+    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason", "unusable_address", "timed_out")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     UNUSABLE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     world_version: int
     suspect_worker_id: str
     reason: str
     unusable_address: bool
-    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., unusable_address: _Optional[bool] = ...) -> None: ...
+    timed_out: bool
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., unusable_address: _Optional[bool] = ..., timed_out: _Optional[bool] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("evicted", "detail")

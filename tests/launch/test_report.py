@@ -55,6 +55,18 @@ def test_a_local_worker_that_left_gracefully_is_no_failure_whichever_is_seen_fir
     assert r.recoveries == []
 
 
+def test_a_world_re_formed_with_every_member_alive_says_why_and_counts_as_a_recovery():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    broken = JobEventInfo(40.0, "ring_broken", 1, "a", "collective timeout waiting on rank 0 (a), every member alive")
+    assert r.update(dataclasses.replace(view(1, ["a", "b"]), events=(broken,)), 40.2) == []
+    # Seen again in the next answers (the last events come with every one): one failure, noted once.
+    assert r.update(dataclasses.replace(view(2, ["a", "b"]), events=(broken,)), 40.5) == [
+        "world 2: 2 worker(s); recovered 0.30 s after collective timeout waiting on rank 0 (a), every member alive"]
+    assert r.update(dataclasses.replace(view(3, ["a", "b"]), events=(broken,)), 50.0) == ["world 3: 2 worker(s)"]
+    assert r.recoveries == [pytest.approx(0.3)]
+
+
 @pytest.mark.parametrize("event,reported", [
     ("worker_left", "world 2: 1 worker(s); left: b"),
     ("worker_evicted", "world 2: 1 worker(s); left: b; recovered 0.50 s after b left the world"),
@@ -170,3 +182,45 @@ def test_a_signal_after_the_job_completed_is_a_failure_too():
 def test_a_worker_still_running_when_the_launcher_stops_waiting_is_a_failure():
     assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, None)) == (
         "worker b (rank 1) was still running 30 s after job job completed (stopped)")
+
+
+@pytest.mark.parametrize("times, hurry, echo_after", [
+    ([0.0], False, None),
+    ([0.0, 0.004], False, 0.004),            # a wrapper forwarding the same Ctrl-C
+    ([0.0, 0.004, 0.5], False, 0.004),
+    ([0.0, 1.0], True, None),                # a person's second Ctrl-C
+    ([0.0, 0.01, 2.5], True, 0.01),
+])
+def test_a_repeat_signal_within_a_second_is_an_echo_of_the_first(times, hurry, echo_after):
+    from elastic.launch.signals import StopSignals
+
+    s = StopSignals()
+    for t in times:
+        s.record(2, 100.0 + t)
+    assert s.hurry is hurry
+    assert s.echo_after == (pytest.approx(echo_after) if echo_after is not None else None)
+    line = s.echo_line("SIGINT")
+    assert (line is not None) is (echo_after is not None) and s.echo_line("SIGINT") is None
+
+
+def test_a_job_waiting_for_late_workers_says_how_many_every_ten_seconds():
+    r = Reporter(now=0.0)
+    one = dataclasses.replace(view(0, [], standby=["a"], phase="FORMING", min_np=2))
+    assert r.update(one, 1.0) == []
+    assert r.update(one, 10.9) == []
+    assert r.update(one, 11.0) == ["waiting for 1 more worker: 1 of min-np 2 joined, 10 s (the job fails after "
+                                   "600 s below min-np)"]
+    assert r.update(one, 15.0) == []
+    lines = r.update(one, 21.0)
+    assert lines == ["waiting for 1 more worker: 1 of min-np 2 joined, 20 s (the job fails after 600 s below "
+                     "min-np)"] and not lines[0].notable
+    # Enough workers: a world forms and the waiting lines stop.
+    assert r.update(view(1, ["a", "b"], min_np=2), 22.0) == ["world 1: 2 worker(s), formed 22.00 s after launch"]
+    assert r.update(view(1, ["a", "b"], min_np=2), 40.0) == []
+
+
+def test_routine_lines_are_not_notable_and_failures_are():
+    r = Reporter(now=0.0)
+    assert not any(line.notable for line in r.update(view(1, ["a", "b"]), 1.0))
+    r.note_failure("b killed by SIGKILL", 2.0)
+    assert all(line.notable for line in r.update(view(2, ["a"]), 2.5))

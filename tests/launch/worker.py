@@ -3,7 +3,12 @@
 Knobs (environment): LW_OUT directory for pid-<worker>.txt; LW_STEPS steps (default 40);
 LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank;
 LW_RAISE_AFTER_RUN=WORKER that worker raises RuntimeError after the job completed;
-LW_EXIT_AFTER_RUN=WORKER:CODE that worker exits with CODE after the job completed.
+LW_EXIT_AFTER_RUN=WORKER:CODE that worker exits with CODE after the job completed;
+LW_RAISE_ON=WORKER:SIZE that worker raises ValueError at its first step in a world of SIZE;
+LW_PAUSE=RANK:STEP:SECONDS the worker of that rank works alone for SECONDS after STEP (once);
+LW_PRINT_ENV=1 prints torchrun's variables at start ("env ...") and at the first step of each
+world ("world env ...");
+LW_JOIN_AFTER=PATH joins the job only once PATH exists (a test orders joins of two launchers).
 Prints "start" first (before any world), "step S size N" after every step, "done" at the end,
 then what the worker sees after elastic.run returned: "result R", "after rank R size N
 version V", and the class of the error a collective raises then.
@@ -24,23 +29,43 @@ WORKER = os.environ["ELASTIC_WORKER_ID"]
 STEPS = int(os.environ.get("LW_STEPS", "40"))
 SLEEP = float(os.environ.get("LW_SLEEP", "0.05"))
 RAISE_AT = int(os.environ.get("LW_RAISE_AT", "-1"))
+RAISE_ON, _, RAISE_SIZE = os.environ.get("LW_RAISE_ON", "").partition(":")
+PAUSE = [float(x) for x in os.environ["LW_PAUSE"].split(":")] if os.environ.get("LW_PAUSE") else None
+paused = False   # this process paused already (not state: a restore must not pause it again)
 
 with open(os.path.join(OUT, f"pid-{WORKER}.txt"), "w") as f:
     f.write(str(os.getpid()))
 print("start", flush=True)
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "MASTER_ADDR")
+if os.environ.get("LW_PRINT_ENV"):
+    print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in TORCHRUN_VARS), flush=True)
+if os.environ.get("LW_JOIN_AFTER"):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["LW_JOIN_AFTER"]):
+        if time.monotonic() > deadline:
+            sys.exit("LW_JOIN_AFTER: the file never appeared")
+        time.sleep(0.02)
 
 state = elastic.ObjectState(step=0, total=0.0)
 
 
 @elastic.run
 def train(state):
+    if os.environ.get("LW_PRINT_ENV"):
+        print(f"world env rank {elastic.rank()} size {elastic.size()} "
+              + " ".join(f"{k}={os.environ.get(k, '-')}" for k in TORCHRUN_VARS), flush=True)
     while state.step < STEPS:
-        if state.step == RAISE_AT:
+        if state.step == RAISE_AT or (RAISE_ON == WORKER and str(elastic.size()) == RAISE_SIZE):
             raise ValueError(f"deterministic user error at step {state.step}")
         ones = elastic.allreduce(np.ones(4, dtype=np.float32), elastic.Sum)
         state.total += float(ones[0])
         state.step += 1
         print(f"step {state.step} size {elastic.size()}", flush=True)
+        global paused
+        if PAUSE and not paused and elastic.rank() == PAUSE[0] and state.step == PAUSE[1]:
+            paused = True
+            print(f"working alone for {PAUSE[2]:g} s", flush=True)
+            time.sleep(PAUSE[2])   # evaluation, a checkpoint: this rank is busy, not hung
         time.sleep(SLEEP)
         if state.step % 2 == 0:
             state.commit()

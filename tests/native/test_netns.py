@@ -4,10 +4,12 @@ a host, TCP over a veth link between them, the same bits on every rank."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,3 +78,36 @@ def test_two_hosts_two_ranks_each_mix_shared_memory_and_tcp(two_hosts, algorithm
                                                               [["shm", "shm"], ["tcp", "tcp"]], [["shm", "shm"], []]]
         want = ["hierarchical"] if algorithm == "hierarchical" else ["hierarchical", "ring"]  # auto: 12 MB goes hierarchical
         assert all(r["algorithms"] == want for r in results), [r["algorithms"] for r in results]
+
+
+def test_a_ring_link_that_drops_everything_fails_within_the_dead_link_timeout_not_the_collective_one(two_hosts):
+    # Both ranks alive, their link dead (a veth taken down: no RST, no FIN). The collective
+    # timeout is 600 s; the kernel gives up on data unacknowledged for 30 s (TCP_USER_TIMEOUT).
+    ns, addr = two_hosts
+    peers = f"{addr[0]}:29621,{addr[1]}:29622"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen(["ip", "netns", "exec", n, sys.executable, os.path.join(HERE, "netns_link_worker.py"),
+                               str(r), f"{a}:{29621 + r}", peers], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env, text=True)
+             for r, (n, a) in enumerate(zip(ns, addr))]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "running", p.stderr.read()[-3000:]
+        cut = time.monotonic()
+        _ip("-n", ns[1], "link", "set", f"veb{ns[1][3:]}", "down")
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=90)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    # Both give up, whether data was in flight or they waited idle (keepalive). What the kernel
+    # says is its last error on the connection: the timeout itself, or the unreachable route
+    # its retransmissions met.
+    failed_after = [r["at"] - cut for r in results]
+    assert all(25 < t < 50 for t in failed_after), (failed_after, results)
+    assert all(r["reason"] == "peer_lost" and re.search(r"lost: (Connection timed out|No route to host|Network is "
+                                                        r"unreachable)", r["text"]) for r in results), results

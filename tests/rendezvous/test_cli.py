@@ -123,3 +123,21 @@ def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path, host):
         assert first.proc.poll() is None
     finally:
         first.kill()
+
+
+def test_status_takes_the_server_list_elastic_run_takes(tmp_path):
+    # The first address is down (a failed-over replica): the next one answers.
+    server = ServerProc(tmp_path, "--insecure")
+    try:
+        job = unique("job")
+        c = make_client([server.address], "w0", job_id=job, host="nodeA")
+        c.join()
+        wait_world_of([c], 1)
+        out = subprocess.run([sys.executable, "-m", "rendezvous", "status", "--server",
+                              f"127.0.0.1:1,{server.address}", "--job", job], cwd=REPO, env=child_env(),
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert f"job {job}  phase RUNNING  world 1" in out.stdout
+        c.close()
+    finally:
+        server.kill()

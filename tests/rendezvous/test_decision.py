@@ -6,9 +6,9 @@ import pytest
 from dataclasses import replace
 
 from rendezvous.decision import (AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld, Attach,
-                                 DecisionConfig, Dropped, Evict, Join, JobSpec, Leave, Phase, Progress,
-                                 Refusal, Rejected, Success, Tick,
-                                 decide, from_json, new_job, next_deadline, to_json)
+                                 DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave, Phase, Progress,
+                                 Refusal, Rejected, SpecConflict, Success, Tick,
+                                 decide, from_json, join_spec, new_job, next_deadline, standby_reason, to_json)
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
                      cooldown_max_s=35.0)
@@ -411,3 +411,46 @@ def test_a_spec_left_unset_takes_the_servers_cap_and_timeout(asked, resolved):
 def test_a_job_needs_a_resolved_spec():
     with pytest.raises(ValueError, match="max_np"):
         new_job("j", JobSpec(min_np=2), 0.0)
+
+
+# ------------------------------------------------------------------ the limits a join gets
+@pytest.mark.parametrize("asked, if_new, job_spec, gets", [
+    # Creating the job: what the join names, else its defaults for a new job, else the server's (0).
+    (JobSpec(2, 8, 30.0), JobSpec(1, 1024, 0.0), None, JobSpec(2, 8, 30.0)),
+    (JobSpec(0, 0, 0.0), JobSpec(4, 1024, 0.0), None, JobSpec(4, 1024, 0.0)),
+    (JobSpec(3, 0, 0.0), JobSpec(1, 16, 60.0), None, JobSpec(3, 16, 60.0)),
+    (JobSpec(0, 0, 0.0), JobSpec(0, 0, 0.0), None, JobSpec(0, 0, 0.0)),
+    # Into a running job: a limit left 0 is the job's, whatever this join would create a job with.
+    (JobSpec(0, 0, 0.0), JobSpec(1, 1024, 0.0), JobSpec(2, 1024, 600.0), JobSpec(2, 1024, 600.0)),
+    (JobSpec(2, 0, 0.0), JobSpec(1, 1024, 0.0), JobSpec(2, 1024, 600.0), JobSpec(2, 1024, 600.0)),
+    (JobSpec(0, 1024, 0.0), JobSpec(5, 5, 0.0), JobSpec(2, 1024, 600.0), JobSpec(2, 1024, 600.0)),
+    (JobSpec(2, 1024, 5.0), JobSpec(1, 1024, 0.0), JobSpec(2, 1024, 600.0), JobSpec(2, 1024, 600.0)),
+])
+def test_a_join_takes_the_job_limits_it_leaves_unset_and_creates_a_job_with_its_own(asked, if_new, job_spec,
+                                                                                      gets):
+    assert join_spec("exp7", asked, if_new, job_spec) == gets
+
+
+@pytest.mark.parametrize("asked, named", [
+    (JobSpec(1, 0, 0.0), "min_np=1"),
+    (JobSpec(0, 8, 0.0), "max_np=8"),
+    (JobSpec(3, 8, 0.0), "min_np=3, max_np=8"),
+])
+def test_a_join_naming_other_limits_than_the_running_job_is_refused(asked, named):
+    got = join_spec("exp7", asked, JobSpec(1, 1024, 0.0), JobSpec(2, 1024, 600.0))
+    assert got == SpecConflict(f"job exp7 has min_np=2 max_np=1024; this join asks for {named} (leave a "
+                               f"limit unset to take the job's)")
+
+
+# ------------------------------------------------------------------ what a standby worker is told
+def test_a_standby_worker_is_told_what_it_waits_for():
+    s = formed([("a", "h1"), ("b", "h1")], min_np=1, max_np=4)
+    s, _ = run(s, [(2.0, Join("c", "h2", "h2:1"))])
+    assert standby_reason(s, "c", 2.0) == "joins world 2 at the next commit of world 1 (2 of max_np=4 in it)"
+    full = formed([("a", "h1"), ("b", "h1")], min_np=1, max_np=2)
+    full, _ = run(full, [(2.0, Join("c", "h2", "h2:1"))])
+    assert standby_reason(full, "c", 2.0) == ("beyond max_np=2: a hot spare, it takes the place of the next "
+                                              "member that fails or leaves")
+    assert standby_reason(job(), "a", 0.0) == "no world formed yet"
+    cooling = replace(s, hosts={**s.hosts, "h2": HostRecord(blacklistings=1, blacklisted_until=32.0)})
+    assert standby_reason(cooling, "c", 2.0) == "host h2 is blacklisted for 30 s more after repeated failures"

@@ -25,7 +25,7 @@ class Service:
         self.leading_since = leading_since
         self.on_probe = on_probe
         self.leads = leads if leads is not None else (lambda: True)
-        self.evicted, self.applied, self.sent, self.awaited = [], [], [], []
+        self.evicted, self.applied, self.sent, self.awaited, self.recorded = [], [], [], [], []
 
     def clock(self):
         # `step`: each reading is that much later (a suspect that stays silent past any deadline).
@@ -36,7 +36,7 @@ class Service:
         return FailureReports(HEARTBEAT_TIMEOUT_S, leading_since=lambda: self.leading_since,
                               require_leader=self.require_leader, evict=self.evict,
                               send=self.send, apply=self.apply, wait_durable=self.wait_durable,
-                              clock=self.clock)
+                              record=self.record, clock=self.clock)
 
     async def require_leader(self):
         if not self.leads():
@@ -62,10 +62,14 @@ class Service:
     async def wait_durable(self, job, seq):
         self.awaited.append(seq)
 
+    def record(self, state, event, **fields):
+        self.recorded.append((event, fields))
 
-def report(suspect="b", reporter="a", version=1, reason="connection reset", unusable=False):
+
+def report(suspect="b", reporter="a", version=1, reason="connection reset", unusable=False,
+           timed_out=False):
     return SimpleNamespace(world_version=version, suspect_worker_id=suspect, reason=reason,
-                           unusable_address=unusable), reporter
+                           unusable_address=unusable, timed_out=timed_out), reporter
 
 
 def judge(svc, request, reporter):
@@ -146,6 +150,10 @@ def test_a_suspect_that_answers_its_probe_stays_and_the_broken_world_is_formed_a
                                                 "(reported by a: connection reset)")]
     assert job.liveness.failure_at is not None     # the recovery clock runs until the next world
     assert job.probes == {}
+    assert svc.recorded == [("ring_broken", {"worker_id": "b", "world_version": 1, "reporter": "a",
+                                             "cause": "broken_ring_link",
+                                             "detail": "broken ring link waiting on rank 1 (b), "
+                                                       "every member alive"})]
 
 
 def test_a_suspect_whose_stream_breaks_while_probed_is_evicted():
@@ -161,6 +169,13 @@ def test_a_silent_suspect_whose_connection_stays_alive_is_trusted_and_the_world_
     answer = judge(svc, *report())
     assert not answer.evicted and "stayed alive (keepalive)" in answer.detail
     assert svc.evicted == [] and len(svc.applied) == 1 and isinstance(svc.applied[0], d.RingBroken)
+
+
+def test_a_collective_timeout_on_a_live_suspect_is_recorded_as_such():
+    svc = Service(with_streams(), on_probe=answer_probe)
+    judge(svc, *report(timed_out=True))
+    [(event, fields)] = svc.recorded
+    assert (event, fields["cause"]) == ("ring_broken", "collective_timeout")
 
 
 def test_losing_leadership_while_probing_answers_unavailable_and_forgets_the_probe():

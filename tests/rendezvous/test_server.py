@@ -85,7 +85,8 @@ def test_hot_spare_replaces_failed_member(serve, client):
     wait_world_of(cs, 2)
     spare = client(s.address, "spare", job_id=job, spec=spec)
     spare.join()
-    assert next_of(spare, Standby).reason == "beyond max_np: hot spare"
+    assert next_of(spare, Standby).reason == ("beyond max_np=2: a hot spare, it takes the place of the next member "
+                                              "that fails or leaves")
     cs[0].close()
     worlds = wait_world_of([cs[1], spare], 2, min_version=2)
     assert [m.worker_id for m in worlds[0].members] == ["w1", "spare"]

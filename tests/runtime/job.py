@@ -218,9 +218,10 @@ held = {"commit": -1, "step": 0}
 
 
 def state_digest():
-    """SHA-256 of everything the state holds, bit for bit (dtypes, shapes, bytes, key order)."""
-    return bits_digest([model.state_dict(), opt.state_dict(), sampler.state_dict(), state.epoch, state.batch,
-                        state.step, state.commit_step])
+    """SHA-256 of everything the state holds as a commit or a sync takes it (state.live(): model,
+    optimizer, sampler, attributes; a finished epoch as the next), bit for bit (dtypes, shapes,
+    bytes, key order)."""
+    return bits_digest([state.live(), state.commit_step])
 
 
 def logged_sync():
@@ -298,7 +299,9 @@ def train(state):
             if elastic.allreduce(stop, elastic.Max).item():
                 break
     log["final_size"] = elastic.size()
-    log["epochs"] = state.epoch + 1
+    # Epochs done: the loop's last, or all of them when a restore or sync landed on the last
+    # end-of-epoch commit (a finished epoch is committed as the next, so the loop had none left).
+    log["epochs"] = min(state.epoch + 1, EPOCHS)
 
 
 try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from elastic.sampler import ElasticSampler, partition, processed_indices
+from elastic.sampler import ElasticSampler, committed_attrs, partition, processed_indices
 
 
 @pytest.mark.parametrize("remaining,size,expected", [
@@ -96,3 +96,97 @@ def test_state_dict_round_trip_resumes_where_it_stopped():
     b.load_state_dict(a.state_dict())
     assert list(iter(b)) == shard[4:]
     assert np.array_equal(b.state_dict()["remaining"], a.state_dict()["remaining"])
+
+
+# ------------------------------------------------------------- what a DistributedSampler user expects
+def test_len_is_the_ranks_share_of_the_whole_epoch_from_first_batch_to_last():
+    import torch
+
+    s = ElasticSampler(range(10), num_replicas=2, rank=0)
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2, sampler=s)
+    lens = []
+    for i, x in enumerate(loader):
+        s.record_batch(i, len(x))
+        lens.append((len(s), len(loader)))
+    assert lens == [(5, 3)] * 3                         # never shrinking, never 0 at the end
+    assert s.remaining_samples() == 0 and s.epoch_finished()
+    s.set_epoch(1)
+    assert (len(s), len(loader), s.remaining_samples()) == (5, 3, 5)
+
+
+def test_after_a_new_world_mid_epoch_len_is_the_new_worlds_share_and_the_loader_yields_the_rest():
+    a = ElasticSampler(range(10), num_replicas=2, rank=0)
+    list(iter(a))
+    a.record_batch(0, 2)                                # 2 samples per rank: 4 of 10 done
+    b = ElasticSampler(range(10), num_replicas=3, rank=2)
+    b.load_state_dict(a.state_dict())
+    assert len(b) == 4                                  # ceil(10 / 3)
+    assert b.remaining_samples() == 2 == len(list(iter(b)))   # ceil(6 / 3) still to do
+
+
+@pytest.mark.parametrize("attrs, finished, sampler_epoch, committed", [
+    ({"epoch": 3, "batch": 9}, True, 3, {"epoch": 4, "batch": 0}),     # the end-of-epoch commit
+    ({"epoch": 3, "batch": 9}, False, 3, {"epoch": 3, "batch": 9}),    # mid-epoch
+    ({"epoch": 4, "batch": 0}, True, 3, {"epoch": 4, "batch": 0}),     # epoch moved on by hand already
+    ({"epoch": 3}, True, 3, {"epoch": 4}),
+    ({"epoch": 3, "batch": "x"}, True, 3, {"epoch": 4, "batch": "x"}),
+    ({"epoch": 3.0}, True, 3, {"epoch": 3.0}),                         # not an epoch counter
+    ({"step": 3}, True, 3, {"step": 3}),
+])
+def test_a_finished_epoch_is_committed_as_the_next(attrs, finished, sampler_epoch, committed):
+    s = ElasticSampler(range(4), num_replicas=1, rank=0)
+    s.set_epoch(sampler_epoch)
+    if finished:
+        list(iter(s))
+        s.record_batch(0, 4)
+    assert committed_attrs(attrs, {"sampler": s}) == committed
+    assert committed_attrs(attrs, {}) == attrs
+
+
+def _finished_epoch_state(epochs_done: int):
+    import elastic
+
+    s = ElasticSampler(range(6), num_replicas=1, rank=0)
+    state = elastic.TorchState(sampler=s, epoch=0, batch=0)
+    for state.epoch in range(epochs_done):
+        s.set_epoch(state.epoch)
+        for state.batch, _ in enumerate([list(iter(s))]):
+            s.record_batch(state.batch, 6)
+    return state, s
+
+
+def test_a_restore_after_the_end_of_epoch_commit_resumes_at_the_next_epoch():
+    state, s = _finished_epoch_state(1)
+    state.take_snapshot()                               # the end-of-epoch commit's copy
+    state.epoch, state.batch = 0, 7                     # where a failure found it
+    state.restore()
+    assert (state.epoch, state.batch) == (1, 0)
+    s.set_epoch(state.epoch)
+    assert s.remaining_samples() == 6                   # a whole new epoch, not 0 batches of the old
+
+
+def test_a_join_after_the_end_of_epoch_commit_syncs_the_next_epoch():
+    state, _ = _finished_epoch_state(1)
+    # What the sync root sends is its live state: the finished epoch already counts as done.
+    assert state.live()["attrs"] == {"epoch": 1, "batch": 0}
+    assert state.epoch == 0                             # the live attribute itself is left alone
+
+
+def test_a_commit_without_record_batch_says_the_epoch_starts_again(caplog):
+    s = ElasticSampler(range(8), num_replicas=1, rank=0)
+    list(iter(s))
+    with caplog.at_level("WARNING", logger="elastic"):
+        s.state_dict()
+        s.state_dict()                                  # once per epoch
+    assert [r.getMessage() for r in caplog.records] == [
+        "ElasticSampler: committing epoch 0 with no record_batch() call in it: its progress is unknown, so a "
+        "restore or a new world starts epoch 0 again from its first sample; call sampler.record_batch(batch_idx, "
+        "len(batch)) after each batch"]
+    caplog.clear()
+    fresh = ElasticSampler(range(8), num_replicas=1, rank=0)
+    with caplog.at_level("WARNING", logger="elastic"):
+        fresh.state_dict()                              # nothing handed out yet: nothing to say
+        list(iter(fresh))
+        fresh.record_batch(0, 2)
+        fresh.state_dict()
+    assert caplog.records == []
