@@ -208,7 +208,7 @@ def _token_dir(p) -> str:
     ("an error exit after the job completed", ("--np", "2"), {"LW_EXIT_AFTER_RUN": "hA-1:3"}, 1),
     ("a worker error after the job completed", ("--np", "2"), {"LW_RAISE_AFTER_RUN": "hA-0"}, 1),
     ("the job failing below min-np", ("--np", "2", "--max-restarts", "0", "--elastic-timeout", "2"),
-     {"LW_STEPS": "100000", "KILL": "hA-1"}, 1),
+     {"LW_STEPS": "100000", "KILL": "hA-1"}, 3),   # exit 3: below --min-np
     ("a SIGTERM to the launcher", ("--np", "2"), {"LW_STEPS": "100000", "SIGNAL": "TERM"}, 128 + signal.SIGTERM),
 ])
 def test_every_way_a_run_ends_removes_the_directory_holding_the_token(launch, how, args, env, code):
