@@ -29,8 +29,8 @@ sys.path.insert(0, REPO)
 import grpc  # noqa: E402
 from grpc import aio  # noqa: E402
 
-from rendezvous.proto import pb, pb_grpc  # noqa: E402
-from rendezvous.client import channel_options  # noqa: E402
+from rendezvous.wire import pb, pb_grpc  # noqa: E402
+from rendezvous.channel import channel_options  # noqa: E402
 from rendezvous.etcd_process import EtcdProcess  # noqa: E402
 
 TIMEOUT_S = 120.0
@@ -77,7 +77,7 @@ class Server:
 class Worker:
     def __init__(self, address: str, job: str, i: int, n: int):
         self.i = i
-        # The same options as rendezvous.client: its keepalive pings are part of the server's load.
+        # The same options as a RendezvousClient: its keepalive pings are part of the server's load.
         self.channel = aio.insecure_channel(address, options=channel_options())
         self.stub = pb_grpc.RendezvousStub(self.channel)
         self.job, self.n = job, n

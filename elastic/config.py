@@ -32,8 +32,8 @@ import os
 import socket
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
-from rendezvous.client import channel_credentials, is_loopback, parse_addresses, read_token_file
-from rendezvous.client import DEFAULT_MAX_NP
+from rendezvous.channel import channel_credentials, is_loopback, parse_addresses, read_token_file
+from rendezvous.membership import DEFAULT_MAX_NP
 
 from . import metrics
 from .communicator import CommConfig

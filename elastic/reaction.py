@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple, Union
 
-from rendezvous.client import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
+from rendezvous.watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
 
 
 @dataclasses.dataclass(frozen=True)

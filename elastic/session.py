@@ -38,8 +38,10 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rendezvous.client import Ended, JobSpec, RendezvousClient, WorldInfo
-from rendezvous.client import RendezvousRPCError as _ClientError
+from rendezvous.membership import JobSpec
+from rendezvous.watch_events import Ended, WorldInfo
+from rendezvous.worker_client import RendezvousClient
+from rendezvous.channel import RendezvousRPCError as _ClientError
 
 from . import logs, metrics, preemption, reaction, world_env
 from ._native import ErrorKind

@@ -29,7 +29,7 @@ import grpc
 from grpc import aio
 
 from . import decision as d
-from .wire import RpcRefusal
+from .server_wire import RpcRefusal
 
 log = logging.getLogger("rendezvous.server")
 

@@ -10,10 +10,10 @@ import sys
 from typing import Optional, Sequence
 
 from . import __version__, files, status_view
-from .client import (StatusClient, StatusError, channel_credentials, parse_addresses,
-                     read_token_file, read_token_list)
+from .channel import channel_credentials, parse_addresses, read_token_file, read_token_list
+from .status_client import StatusClient, StatusError
 from .config import ServerConfig, default
-from .events import EventLog
+from .event_log import EventLog
 from .history import RECENT_PER_JOB
 from .ports import check_can_listen
 from .status_view import format_status

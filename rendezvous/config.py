@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import grpc
 
-from .client import is_loopback, read_pem
+from .channel import is_loopback, read_pem
 from .decision import DecisionConfig
 
 if TYPE_CHECKING:

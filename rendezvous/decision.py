@@ -40,28 +40,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
 
-
-# What a worker asks for as max_np when it is not told (ELASTIC_MAX_NP, elastic-run --max-np):
-# workers beyond it are hot spares. On the wire, 0 means "not set" (see JobSpec).
-DEFAULT_MAX_NP = 1024
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """Job-wide limits: what a worker asks for at Join, and what the first join fixes for the job.
-
-    0 means "not set": max_np 0 is no cap beyond the server's max workers per job, and an
-    elastic_timeout_s of 0 the server's default. A job's own spec (`JobState.spec`) has both set
-    (`resolved`); a later join may leave them 0 and then takes the job's."""
-
-    min_np: int = 1
-    max_np: int = 0
-    elastic_timeout_s: float = 0.0
-
-    def resolved(self, max_workers: int, default_elastic_timeout_s: float) -> "JobSpec":
-        """This spec with every unset limit filled in from the server's settings."""
-        return JobSpec(self.min_np, self.max_np or max_workers,
-                       self.elastic_timeout_s or default_elastic_timeout_s)
+# The values both sides share (a worker asks with a JobSpec and receives Members) live in
+# membership.py, so that a worker loads none of the decision; they are the decision's too.
+from .membership import DEFAULT_MAX_NP, JobSpec, Member  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -128,21 +109,6 @@ class Worker:
     attached: bool = True      # opened its Watch stream at least once (only then can it enter a world)
     session_hash: str = ""     # SHA-256 (hex) of its session secret; "" matches no session
     member_since: int = 0      # the first world version it was a member of (0: none yet)
-
-
-@dataclass(frozen=True)
-class Member:
-    """One member of an announced world, with its rank layout."""
-
-    worker_id: str
-    host: str
-    ring_address: str
-    rank: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    committed_step: int
 
 
 @dataclass(frozen=True)
@@ -238,6 +204,24 @@ class Departure(str, enum.Enum):
     UNUSABLE_ADDRESS = "UNUSABLE_ADDRESS"  # a peer found its ring address leads nowhere
     REJOINED = "REJOINED"                  # it joined again: the old session is replaced
     FAILED = "FAILED"                      # any other failure
+
+    @property
+    def eviction(self) -> Optional[str]:
+        """The `cause` label of elastic_rendezvous_evictions_total (and of the event log's
+        worker_evicted) a session that ended this way has; None: no eviction (a clean leave)."""
+        return _EVICTION_LABELS[self]
+
+
+# One table, so the README's list of causes, the event log and the tests cannot drift from it.
+_EVICTION_LABELS: dict[Departure, Optional[str]] = {
+    Departure.LEFT: None,
+    Departure.STREAM_BROKEN: "stream_broken",       # crash (EOF/RST) or missed keepalive acks
+    Departure.NO_WATCH: "no_watch",                 # never opened / reopened its Watch in time
+    Departure.REPORTED: "report",                   # a peer's report, and it had no stream
+    Departure.UNUSABLE_ADDRESS: "unusable_address",  # a peer's report: its ring address is dead
+    Departure.REJOINED: "session_replaced",         # joined again: its old session ended
+    Departure.FAILED: "other",
+}
 
 
 @dataclass(frozen=True)

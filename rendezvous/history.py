@@ -12,15 +12,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from . import checks
 from . import decision as d
-from .events import EventLog
-from .metrics import eviction_cause
-
-if TYPE_CHECKING:
-    from .jobs import Job
+from .description import Description
+from .event_log import EventLog
 
 RECENT_PER_JOB = 50          # the most Status returns per job
 
@@ -28,33 +24,10 @@ RECENT_PER_JOB = 50          # the most Status returns per job
 @dataclasses.dataclass(frozen=True)
 class RecentEvent:
     time: float              # Unix seconds
-    event: str               # one of events.EVENTS
+    event: str               # one of event_log.EVENTS
     world_version: int
     worker_id: str = ""
-    detail: str = ""         # one short line: peer text escaped and cut (checks.shown)
-
-
-def describe(action) -> Optional[tuple[str, str, dict[str, Any], str]]:
-    """(event, worker_id, fields of the log line, detail for Status) of a delivered action; None
-    for actions that are no event of their own (pending changes, aborts)."""
-    if isinstance(action, d.AnnounceWorld):
-        members = [{"worker_id": m.worker_id, "rank": m.rank, "host": m.host}
-                   for m in action.members]
-        return ("world_formed", "", {"size": len(action.members), "members": members,
-                                     "standby": len(action.standby)},
-                f"{len(action.members)} member(s), {len(action.standby)} standby")
-    if isinstance(action, d.Dropped):
-        reason = checks.shown(action.reason)
-        if action.cause is d.Departure.LEFT:
-            return "worker_left", action.worker_id, {"reason": reason}, reason
-        cause = eviction_cause(action.cause)
-        return ("worker_evicted", action.worker_id, {"cause": cause, "reason": reason},
-                f"{cause}: {reason}")
-    if isinstance(action, d.AnnounceFinished):
-        outcome = "succeeded" if action.succeeded else "failed"
-        reason = checks.shown(action.reason)
-        return "job_finished", "", {"outcome": outcome, "reason": reason}, f"{outcome}: {reason}"
-    return None
+    detail: str = ""         # one short line: peer text escaped and cut (peer_text.shown)
 
 
 class History:
@@ -67,9 +40,9 @@ class History:
         """An event of the replica itself (no job)."""
         self.log.emit(event, **fields)
 
-    def job(self, job: "Job", event: str, *, worker_id: str = "", detail: str = "",
+    def job(self, state: d.JobState, event: str, *, worker_id: str = "", detail: str = "",
             world_version: Optional[int] = None, **fields: Any) -> None:
-        state = job.state
+        """An event of the job whose state is now `state` (its world's version unless told)."""
         version = state.version if world_version is None else world_version
         if worker_id:
             fields = {"worker_id": worker_id, **fields}
@@ -80,15 +53,12 @@ class History:
                                                  collections.deque(maxlen=self._per_job))
         kept[1].append(RecentEvent(time.time(), event, version, worker_id, detail))
 
-    def delivered(self, job: "Job", action, version_before: int) -> None:
-        """A durable action took effect; `version_before`: the job's world version when it was
-        decided (the world a worker left; a new world's event carries its own version)."""
-        described = describe(action)
-        if described is not None:
-            event, worker_id, fields, detail = described
-            version = action.version if isinstance(action, d.AnnounceWorld) else version_before
-            self.job(job, event, worker_id=worker_id, detail=detail, world_version=version,
-                     **fields)
+    def delivered(self, state: d.JobState, what: Description) -> None:
+        """A durable action took effect (described by description.describe); the actions that are
+        no event of their own (pending changes, aborts) are not recorded."""
+        if what.event is not None:
+            self.job(state, what.event, worker_id=what.worker_id, detail=what.detail,
+                     world_version=what.world_version, **what.fields)
 
     def recent(self, job_id: str, credential: str, n: int) -> list[RecentEvent]:
         """The last `n` events of the job, oldest first, if `credential` owns them."""

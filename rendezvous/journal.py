@@ -13,15 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import grpc
 
 from . import decision as d
-from .jobs import Job
-from .leader import Leadership
-from .store import Store, StoreError
-from .wire import RpcRefusal
+from .job_record import Job
+from .store import Fence, Store, StoreError
+from .server_wire import RpcRefusal
 
 log = logging.getLogger("rendezvous.server")
 
@@ -29,22 +28,30 @@ DURABLE_TIMEOUT_S = 10.0      # a change the store has not acknowledged by then 
 
 
 class Journal:
-    """The jobs' states in the store under `prefix`/jobs/, written only while `is_leader()`.
+    """The jobs' states in the store under `prefix`/jobs/, written only while `is_leader()`, each
+    write fenced by `fence()` (the leader's key as it is now).
 
     `deliver(job, action, before)` is called for each action once its state is durable (`before`:
     the job's state the decision started from, so its world and version);
-    `on_fenced(why)` when a fenced write is refused (another replica leads or wrote the job)."""
+    `on_fenced(why)` when a fenced write is refused (another replica leads or wrote the job).
+    `clock` (wall time, what the decision is fed) and `sleep` (the backoff between failed writes)
+    are passed in so the journal is tested with fakes (tests/rendezvous/test_journal.py)."""
 
-    def __init__(self, store: Store, prefix: str, leadership: Leadership, config: d.DecisionConfig, *,
-                 is_leader: Callable[[], bool], on_fenced: Callable[[str], None],
-                 deliver: Callable[[Job, d.Action, d.JobState], None]):
+    def __init__(self, store: Store, prefix: str, config: d.DecisionConfig, *,
+                 fence: Callable[[], Fence], is_leader: Callable[[], bool],
+                 on_fenced: Callable[[str], None],
+                 deliver: Callable[[Job, d.Action, d.JobState], None],
+                 clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self.store = store
         self.prefix = prefix
-        self.leadership = leadership
         self.config = config
+        self._fence = fence
         self._is_leader = is_leader
         self._on_fenced = on_fenced
         self._deliver = deliver
+        self._clock = clock
+        self._sleep = sleep
 
     def key(self, job_id: str) -> str:
         return f"{self.prefix}/jobs/{job_id}"
@@ -56,7 +63,7 @@ class Journal:
 
     def apply(self, job: Job, event: d.Event) -> tuple[int, list]:
         """Decide; queue the actions for after the next durable write. Returns (seq, actions)."""
-        now = time.time()
+        now = self._clock()
         before = job.state
         state, actions = d.decide(job.state, event, now, self.config)
         if state is not job.state:
@@ -89,7 +96,7 @@ class Journal:
                 data = d.to_json(state)
                 try:
                     rev = await self.store.put(key, data, expected_revision=job.revision,
-                                               fence=self.leadership.fence)
+                                               fence=self._fence())
                     if rev is None and unsure:
                         # CAS refused after an ambiguous write: if that write did land, the key
                         # holds exactly our bytes and we are still the one writing this job.
@@ -103,7 +110,7 @@ class Journal:
                 except StoreError as e:
                     log.warning("job %s: writing state failed: %s; retrying", job.state.job_id, e)
                     unsure.append(data)
-                    await asyncio.sleep(backoff)
+                    await self._sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
                     continue
                 if rev is None:
@@ -147,7 +154,7 @@ class Journal:
         data = d.to_json(state)
         try:
             return await self.store.put(key, data, expected_revision=expected_revision,
-                                        fence=self.leadership.fence)
+                                        fence=self._fence())
         except StoreError as e:
             # Ambiguous: it may have landed. Re-read once; otherwise the client retries the Join.
             try:
@@ -166,6 +173,6 @@ class Journal:
         if job.seq > job.durable_seq:
             await self.wait_durable(job, job.seq)
         key = self.key(job.state.job_id)
-        ok = await self.store.delete(key, expected_revision=job.revision, fence=self.leadership.fence)
+        ok = await self.store.delete(key, expected_revision=job.revision, fence=self._fence())
         # Refused: unless an earlier attempt (its answer lost) deleted it, someone else wrote.
         return ok or await self.store.get(key) is None

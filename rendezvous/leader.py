@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from .store import Fence, Store, StoreError
 
@@ -24,13 +24,20 @@ log = logging.getLogger("rendezvous.leader")
 
 
 class Leadership:
+    """This replica's claim on the leader key. `on_lost(why)` is called when it is lost other than
+    by `resign()`/`drop()`. The monotonic `clock` and `sleep` are passed in so the step-down is
+    tested in virtual time (tests/rendezvous/test_leader.py)."""
+
     def __init__(self, store: Store, key: str, identity: str, ttl_s: int,
-                 on_lost: Callable[[str], None]):
+                 on_lost: Callable[[str], None], *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self.store = store
         self.key = key
         self.identity = identity.encode()
         self.ttl_s = ttl_s
         self._on_lost = on_lost
+        self._clock = clock
+        self._sleep = sleep
         self._lease: Optional[int] = None
         self._keepalive: Optional[asyncio.Task] = None
         self._watchdog: Optional[asyncio.Task] = None
@@ -42,7 +49,7 @@ class Leadership:
 
     def valid(self) -> bool:
         """Held, and the last acknowledged refresh is recent enough that etcd still counts it."""
-        return self._lease is not None and time.monotonic() < self._valid_until
+        return self._lease is not None and self._clock() < self._valid_until
 
     @property
     def fence(self) -> Fence:
@@ -57,7 +64,7 @@ class Leadership:
         backoff = 0.1
         while True:
             try:
-                sent = time.monotonic()
+                sent = self._clock()
                 lease = await self.store.grant_lease(self.ttl_s)
                 if await self.store.put(self.key, self.identity, expected_revision=0, lease=lease):
                     self._lease = lease
@@ -80,15 +87,15 @@ class Leadership:
                 backoff = 0.1
             except StoreError as e:
                 log.warning("leader campaign: %s; retrying in %.1f s", e, backoff)
-                await asyncio.sleep(backoff)
+                await self._sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
     async def _keep_alive(self, lease: int) -> None:
         period = self.ttl_s / 3
         pause = period
         while self._lease == lease:
-            await asyncio.sleep(pause)
-            sent = time.monotonic()
+            await self._sleep(pause)
+            sent = self._clock()
             try:
                 # Deadline below ttl/3: a hung call must not delay the next attempt.
                 alive = await asyncio.wait_for(self.store.refresh_lease(lease), period * 0.9)
@@ -110,12 +117,12 @@ class Leadership:
 
     async def _watch_validity(self, lease: int) -> None:
         while self._lease == lease:
-            left = self._valid_until - time.monotonic()
+            left = self._valid_until - self._clock()
             if left <= 0:
                 self._lose(lease, f"no lease refresh acknowledged for {self.step_down_after_s:.1f} s "
                                   f"(etcd unreachable or stalled)")
                 return
-            await asyncio.sleep(left + 0.005)
+            await self._sleep(left + 0.005)
 
     def _lose(self, lease: int, reason: str) -> None:
         if self._lease != lease:

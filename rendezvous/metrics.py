@@ -4,7 +4,7 @@ Each server has its own `CollectorRegistry` (never the process-wide default), so
 one process (tests, an embedded server next to a real one) do not collide. What it costs per event:
 
 * The job gauges (jobs by state, per job world version, members, standby, pending joins) are read
-  from the service's jobs when Prometheus scrapes, on the HTTP server's thread: nothing per event,
+  from the jobs' states when Prometheus scrapes, on the HTTP server's thread: nothing per event,
   and a job's series vanish with it. Only jobs that are not finished get per-job series, so their
   number is bounded by the server's job cap (`max_jobs`); finished jobs count in `jobs{state}`.
 * Counters (evictions, worlds, elections, RPCs) cost one increment; latencies one histogram
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Iterable, Optional
 
 import grpc
 from grpc import aio
@@ -25,26 +25,11 @@ from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import decision as d
+from .description import Description
 from .metrics_http import MetricsServer
 from .store import Store, StoreError
 
-if TYPE_CHECKING:
-    from .jobs import Job
-    from .server import RendezvousService
-
 P = "elastic_rendezvous_"
-
-# The label each way a session can end has in elastic_rendezvous_evictions_total; None: not an
-# eviction (a clean leave). One table, so the README's list and the tests cannot drift from it.
-EVICTION_CAUSES: dict[d.Departure, Optional[str]] = {
-    d.Departure.LEFT: None,
-    d.Departure.STREAM_BROKEN: "stream_broken",       # crash (EOF/RST) or missed keepalive acks
-    d.Departure.NO_WATCH: "no_watch",                 # never opened / reopened its Watch in time
-    d.Departure.REPORTED: "report",                   # a peer's report, and it had no stream
-    d.Departure.UNUSABLE_ADDRESS: "unusable_address",  # a peer's report: its ring address is dead
-    d.Departure.REJOINED: "session_replaced",         # joined again: its old session ended
-    d.Departure.FAILED: "other",
-}
 
 # Failure signal -> next world: from a few settle windows (0.2 s) up to the reattach window and
 # an elastic timeout (minutes).
@@ -53,11 +38,6 @@ RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STORE_OPERATIONS = ("get", "put", "delete", "get_prefix", "grant_lease", "refresh_lease",
                     "revoke_lease", "watch")
-
-
-def eviction_cause(cause: d.Departure) -> Optional[str]:
-    """The `cause` label of a session that ended this way; None when it is no eviction."""
-    return EVICTION_CAUSES[cause]
 
 
 def job_counts(state: d.JobState) -> tuple[int, int, int]:
@@ -71,18 +51,20 @@ def job_counts(state: d.JobState) -> tuple[int, int, int]:
 
 
 class _JobsCollector:
-    """The gauges read from the service at scrape time (on the HTTP server's thread)."""
+    """The gauges read at scrape time (on the HTTP server's thread), through the functions given."""
 
-    def __init__(self, service: "RendezvousService"):
-        self._service = service
+    def __init__(self, job_states: Callable[[], Iterable[d.JobState]], is_leader: Callable[[], bool],
+                 elections: Callable[[], int], leadership_losses: Callable[[], int]):
+        self._job_states = job_states
+        self._is_leader = is_leader
+        self._elections = elections
+        self._leadership_losses = leadership_losses
 
     def collect(self):
-        svc = self._service
-        # One C-level copy: the event loop may replace entries meanwhile. Each job's state is an
-        # immutable value, so what is read from it is consistent.
-        jobs = list(svc.jobs.values())
+        # Each job's state is an immutable value, so what is read from it is consistent.
+        states = list(self._job_states())
         yield GaugeMetricFamily(P + "leader", "1 while this replica is the leader, else 0",
-                                value=1 if svc.is_leader else 0)
+                                value=1 if self._is_leader() else 0)
         by_state = GaugeMetricFamily(P + "jobs", "Jobs this replica serves, by state (the "
                                                  "leader's view; followers serve none)",
                                      labels=["state"])
@@ -103,8 +85,7 @@ class _JobsCollector:
                                              "blacklist cooldown", labels=["job_id"]),
         }
         now = time.time()
-        for job in jobs:
-            state = job.state
+        for state in states:
             counts[state.phase.value] = counts.get(state.phase.value, 0) + 1
             if state.phase in d.TERMINAL:
                 continue
@@ -122,29 +103,33 @@ class _JobsCollector:
         yield from gauges.values()
         elections = CounterMetricFamily(P + "leader_elections", "Times this replica became "
                                                                 "the leader")
-        elections.add_metric([], svc.metrics.elections)
+        elections.add_metric([], self._elections())
         yield elections
         losses = CounterMetricFamily(P + "leadership_losses", "Times this replica stopped "
                                                               "leading other than by shutting down")
-        losses.add_metric([], svc.leadership_losses)
+        losses.add_metric([], self._leadership_losses())
         yield losses
 
 
 class ServerMetrics:
-    """The metrics of one RendezvousService; `serve(host, port)` exposes them on /metrics."""
+    """The metrics of one RendezvousService; `serve(host, port)` exposes them on /metrics.
 
-    def __init__(self, service: "RendezvousService"):
+    Given plain functions, not the service: `job_states()` (the states of the jobs it serves; called
+    on the HTTP server's thread, so it must only copy), `is_leader()` and `leadership_losses()`."""
+
+    def __init__(self, *, job_states: Callable[[], Iterable[d.JobState]],
+                 is_leader: Callable[[], bool], leadership_losses: Callable[[], int]):
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)
         GCCollector(registry=r)
-        r.register(_JobsCollector(service))
+        r.register(_JobsCollector(job_states, is_leader, lambda: self.elections, leadership_losses))
         self.elections = 0
         self.evictions = Counter(P + "evictions", "Workers evicted, by cause", ["cause"],
                                  registry=r)
-        for label in EVICTION_CAUSES.values():
-            if label is not None:
-                self.evictions.labels(label)       # every cause present from the start, at 0
+        for cause in d.Departure:
+            if cause.eviction is not None:
+                self.evictions.labels(cause.eviction)   # every cause present from the start, at 0
         self.worlds = Counter(P + "worlds_announced", "Worlds announced (stored, then sent)",
                               registry=r)
         self.recovery = Histogram(P + "failure_to_world_seconds",
@@ -170,23 +155,15 @@ class ServerMetrics:
     def elected(self) -> None:
         self.elections += 1
 
-    def failure_signal(self, job: "Job", worker_id: Optional[str] = None) -> None:
-        """A failure in `job`'s world was noticed (of member `worker_id`, if named): the recovery
-        clock starts, once. A worker outside the world failing changes no world: not counted."""
-        if job.failure_at is None and (worker_id is None or job.state.in_world(worker_id)):
-            job.failure_at = time.monotonic()
-
-    def delivered(self, job: "Job", action) -> None:
-        """A durable action took effect."""
-        if isinstance(action, d.AnnounceWorld):
+    def delivered(self, what: Description, recovery_s: Optional[float] = None) -> None:
+        """A durable action took effect; `recovery_s`: the seconds from the failure signal it
+        recovers from to this new world (liveness.Liveness.world_announced), if any."""
+        if what.world_announced:
             self.worlds.inc()
-            if job.failure_at is not None:
-                self.recovery.observe(time.monotonic() - job.failure_at)
-                job.failure_at = None
-        elif isinstance(action, d.Dropped):
-            cause = eviction_cause(action.cause)
-            if cause is not None:
-                self.evictions.labels(cause).inc()
+        if recovery_s is not None:
+            self.recovery.observe(recovery_s)
+        if what.eviction is not None:
+            self.evictions.labels(what.eviction).inc()
 
     def interceptor(self) -> "RpcMetrics":
         return RpcMetrics(self)

@@ -11,40 +11,58 @@
 * Only a report that does evict counts against the suspect's host, and not when the suspect never
   reattached after a leader change (the server's doing as much as the host's).
 * Only members of the world a report names may report; the reason they give is shown escaped and
-  shortened (checks.shown).
+  shortened (peer_text.shown).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
 import grpc
 
-from . import checks
 from . import decision as d
-from ._proto import rendezvous_pb2 as pb
-from .jobs import Job
-from .wire import RpcRefusal
-
-if TYPE_CHECKING:
-    from .server import RendezvousService
+from . import peer_text
+from .job_record import Job
+from .server_wire import RpcRefusal
+from .wire import pb
 
 log = logging.getLogger("rendezvous.server")
 
 
 class FailureReports:
-    """Judges the failure reports a service receives, probing suspects with nonces of its own."""
+    """Judges the failure reports a service receives, probing suspects with nonces of its own.
 
-    def __init__(self, service: "RendezvousService"):
-        self.service = service
+    Like the journal it is given plain functions, not the service: `leading_since()` (monotonic:
+    when this replica began leading), `require_leader()` (raises RpcRefusal UNAVAILABLE when it no
+    longer leads), `evict(job, worker_id, reason, count_failure=, cause=)` (returns the change's
+    seq), `send(job, worker_id, event)` (onto its Watch stream), `apply(job, event)` and
+    `wait_durable(job, seq)` (the journal's), and `record(state, event, **fields)` (history.py's
+    `job`: what the event log and Status show). The clock is monotonic and passed in too, so the
+    rules are tested with fakes (tests/rendezvous/test_probes.py)."""
+
+    def __init__(self, heartbeat_timeout_s: float, *, leading_since: Callable[[], float],
+                 require_leader: Callable[[], Awaitable[None]], evict: Callable[..., int],
+                 send: Callable[[Job, str, object], None],
+                 apply: Callable[[Job, d.Event], tuple[int, list]],
+                 wait_durable: Callable[[Job, int], Awaitable[None]],
+                 record: Callable[..., None], clock: Callable[[], float] = time.monotonic):
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._leading_since = leading_since
+        self._require_leader = require_leader
+        self._evict = evict
+        self._send = send
+        self._apply = apply
+        self._wait_durable = wait_durable
+        self._record = record
+        self._clock = clock
         self._nonce = int(time.time() * 1000) << 16
 
     async def judge(self, job: Job, reporter: d.Worker, request) -> pb.ReportFailureResponse:
         """The answer to `reporter`'s ReportFailure `request` about a member of `job`'s world."""
-        svc, state = self.service, job.state
-        heartbeat_timeout_s = svc.config.heartbeat_timeout_s
+        state = job.state
+        heartbeat_timeout_s = self.heartbeat_timeout_s
         if request.world_version != state.version:
             return pb.ReportFailureResponse(
                 evicted=False, detail=f"stale report: world {request.world_version} is not the "
@@ -59,37 +77,37 @@ class FailureReports:
                                                                   f"world {state.version} (already "
                                                                   f"evicted or left)")
         target = state.workers[suspect]
-        why = f"reported by {reporter.worker_id}: {checks.shown(request.reason) or 'unreachable'}"
+        why = f"reported by {reporter.worker_id}: {peer_text.shown(request.reason) or 'unreachable'}"
 
         def same_suspect() -> bool:
             cur = job.state.workers.get(suspect)
             return cur is not None and cur.join_seq == target.join_seq
 
-        if suspect not in job.streams and suspect in job.attach_deadline:
+        if suspect not in job.streams and job.liveness.awaits_watch(suspect):
             # It has not reattached since this replica began leading (a failover or restart: no
             # worker has its stream back yet). Its silence says nothing yet: give it the heartbeat
             # timeout since leadership began.
-            until = svc.leading_since + heartbeat_timeout_s
+            until = self._leading_since() + heartbeat_timeout_s
             log.info("job %s: %s reported by %s has not reattached since this replica began leading;"
                      " waiting up to %.1f s for it", state.job_id, suspect, reporter.worker_id,
-                     max(0.0, until - time.monotonic()))
+                     max(0.0, until - self._clock()))
             await self._await_stream(job, suspect, until)
             if not same_suspect():
-                await svc.journal.wait_durable(job, job.seq)
+                await self._wait_durable(job, job.seq)
                 return pb.ReportFailureResponse(evicted=True, detail="suspect gone meanwhile")
         if request.unusable_address:
             # A probe answer would prove only that the suspect lives, not that its ring
             # address leads anywhere: alive or not, no ring of this job can include it.
-            seq = svc.evict(job, suspect, f"unusable ring address; {why}",
-                            cause=d.Departure.UNUSABLE_ADDRESS)
-            await svc.journal.wait_durable(job, seq)
+            seq = self._evict(job, suspect, f"unusable ring address; {why}",
+                              cause=d.Departure.UNUSABLE_ADDRESS)
+            await self._wait_durable(job, seq)
             return pb.ReportFailureResponse(evicted=True, detail="suspect's ring address is unusable")
         if suspect not in job.streams:
             # Never reattached under this leader: the server's doing as much as the host's.
-            seq = svc.evict(job, suspect, f"no watch stream; {why}",
-                            count_failure=suspect not in job.attach_deadline,
-                            cause=d.Departure.REPORTED)
-            await svc.journal.wait_durable(job, seq)
+            seq = self._evict(job, suspect, f"no watch stream; {why}",
+                              count_failure=not job.liveness.awaits_watch(suspect),
+                              cause=d.Departure.REPORTED)
+            await self._wait_durable(job, seq)
             return pb.ReportFailureResponse(evicted=True, detail="suspect had no watch stream")
         # The suspect has a stream, so keepalive vouches for it (answered by gRPC's C core, even while
         # its training code holds the GIL). Probe it, and wait up to the heartbeat timeout for either
@@ -98,21 +116,21 @@ class FailureReports:
         nonce = self._nonce
         fut = asyncio.get_running_loop().create_future()
         job.probes[nonce] = (suspect, fut)
-        svc.send(job, suspect, pb.WatchEvent(probe=pb.Probe(nonce=nonce)))
-        deadline = time.monotonic() + heartbeat_timeout_s + 0.25
+        self._send(job, suspect, pb.WatchEvent(probe=pb.Probe(nonce=nonce)))
+        deadline = self._clock() + heartbeat_timeout_s + 0.25
         try:
             while True:
-                await svc.require_leader()   # stepping down ends every stream: answer UNAVAILABLE
+                await self._require_leader()   # stepping down ends every stream: answer UNAVAILABLE
                 if not same_suspect():
-                    await svc.journal.wait_durable(job, job.seq)
+                    await self._wait_durable(job, job.seq)
                     return pb.ReportFailureResponse(evicted=True, detail="suspect's stream broke")
                 stream = job.streams.get(suspect)
                 if stream is None:
-                    seq = svc.evict(job, suspect, f"no watch stream; {why}",
-                                    cause=d.Departure.REPORTED)
-                    await svc.journal.wait_durable(job, seq)
+                    seq = self._evict(job, suspect, f"no watch stream; {why}",
+                                      cause=d.Departure.REPORTED)
+                    await self._wait_durable(job, seq)
                     return pb.ReportFailureResponse(evicted=True, detail="suspect lost its stream")
-                left = deadline - time.monotonic()
+                left = deadline - self._clock()
                 if left <= 0:
                     await self._ring_broken(job, reporter.worker_id, request, why)
                     return pb.ReportFailureResponse(
@@ -140,27 +158,27 @@ class FailureReports:
     async def _await_stream(self, job: Job, worker_id: str, until: float) -> None:
         """Wait until `worker_id` has a stream, is gone, or the monotonic time `until` passes."""
         while worker_id not in job.streams and worker_id in job.state.workers:
-            left = until - time.monotonic()
+            left = until - self._clock()
             if left <= 0:
                 return
             try:
                 await asyncio.wait_for(job.attached.wait(), left)
             except asyncio.TimeoutError:
                 return
-            await self.service.require_leader()
+            await self._require_leader()
 
     async def _ring_broken(self, job: Job, reporter_id: str, request, why: str) -> None:
         # Nobody is evicted, but the reporter's ring is broken: without a new version every
         # member would wait for a world that never comes.
         version, suspect = request.world_version, request.suspect_worker_id
         member = job.state.member(suspect)
-        self.service.metrics.failure_signal(job)
-        seq, _ = self.service.journal.apply(job, d.RingBroken(
+        job.liveness.failure_signal(self._clock(), job.state)
+        seq, _ = self._apply(job, d.RingBroken(
             reporter_id, version, f"ring of world {version} broken, every member alive ({why})"))
-        await self.service.journal.wait_durable(job, seq)
+        await self._wait_durable(job, seq)
         who = f"rank {member.rank} ({suspect})" if member is not None else suspect
         cause = "collective timeout" if request.timed_out else "broken ring link"
         # Ids and a kind only: the reporter's own words stay in the abort notice and the log.
-        self.service.history.job(job, "ring_broken", worker_id=suspect, world_version=version,
-                                 reporter=reporter_id, cause=cause.replace(" ", "_"),
-                                 detail=f"{cause} waiting on {who}, every member alive")
+        self._record(job.state, "ring_broken", worker_id=suspect, world_version=version,
+                     reporter=reporter_id, cause=cause.replace(" ", "_"),
+                     detail=f"{cause} waiting on {who}, every member alive")

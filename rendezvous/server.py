@@ -4,10 +4,14 @@ Shape: every job's membership lives in a `decision.JobState` value. An RPC or a 
 an event; `decision.decide` returns the next state and actions; the journal (journal.py) writes the
 state to the store and only then are the actions sent on the workers' Watch streams. Because every
 announced world is durable before anyone sees it, a restarted server or a new leader reloads the same
-worlds and changes nothing; workers simply reattach their sessions. Tokens, credentials and session ids
-are auth.py's, the protobuf forms wire.py's, the time-driven changes timers.py's, the judging of
-failure reports probes.py's, what is counted (Prometheus) metrics.py's and what is recorded (the
-event log, each job's recent events for Status) history.py's: each is a one-line hook here.
+worlds and changes nothing; workers simply reattach their sessions.
+
+The rest lives beside it, each part given plain functions rather than this service: tokens,
+credentials and session ids are auth.py's; the protobuf forms wire.py's and server_wire.py's; what
+a delivered action is (for the log, the event log, the counters and its recipients) description.py's;
+each job's Watch and idle deadlines and its recovery clock liveness.py's; the time-driven changes
+job_timer.py's; the judging of failure reports probes.py's; what is counted (Prometheus)
+metrics.py's and what is recorded (the event log, each job's recent events for Status) history.py's.
 
 Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
 * A crashed worker's stream breaks at once (socket EOF/RST) and the grpc.aio handler is cancelled: we
@@ -47,20 +51,22 @@ from typing import Optional
 import grpc
 from grpc import aio
 
-from . import auth, checks, timers, wire
+from . import auth, request_checks, server_wire, wire
 from . import decision as d
-from ._proto import rendezvous_pb2 as pb
-from ._proto import rendezvous_pb2_grpc as pb_grpc
 from .config import ServerConfig
-from .events import EventLog
+from .description import Audience, describe
+from .event_log import EventLog
 from .history import RECENT_PER_JOB, History
-from .jobs import END, Job, Stream
+from .job_record import END, Job, Stream
+from .job_timer import JobTimers
 from .journal import Journal
 from .leader import Leadership
+from .liveness import Liveness
 from .metrics import ServerMetrics
 from .probes import FailureReports
+from .server_wire import RpcRefusal
 from .store import MemoryStore, Store, StoreError
-from .wire import RpcRefusal
+from .wire import pb, pb_grpc
 
 log = logging.getLogger("rendezvous.server")
 
@@ -70,7 +76,9 @@ RECONNECT_ALLOWANCE_S = 2.0   # client backoff tops out at 1 s (x1.5 jitter) plu
 class RendezvousService(pb_grpc.RendezvousServicer):
     def __init__(self, config: ServerConfig, store: Store, history: Optional[History] = None):
         self.config = config
-        self.metrics = ServerMetrics(self)
+        self.metrics = ServerMetrics(job_states=lambda: [j.state for j in list(self.jobs.values())],
+                                     is_leader=lambda: self.is_leader,
+                                     leadership_losses=lambda: self.leadership_losses)
         self.history = history if history is not None else History()
         store = self.metrics.metered(store)   # every store call the service makes is timed
         self.store = store
@@ -78,7 +86,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.leadership = Leadership(store, f"{config.etcd_prefix}/leader",
                                      f"{config.replica_id}|{config.advertise_address}",
                                      config.leader_ttl_s, self._lost_leadership)
-        self.journal = Journal(store, config.etcd_prefix, self.leadership, config.decision(),
+        self.journal = Journal(store, config.etcd_prefix, config.decision(),
+                               fence=lambda: self.leadership.fence,
                                is_leader=lambda: self.is_leader, on_fenced=self._lost_leadership,
                                deliver=self._deliver)
         self._leading = False
@@ -87,10 +96,18 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.stopping = False
         self._campaign: Optional[asyncio.Task] = None
         self._creating: dict[str, asyncio.Task] = {}
-        self.reports = FailureReports(self)
+        self.reports = FailureReports(config.heartbeat_timeout_s,
+                                      leading_since=lambda: self.leading_since,
+                                      require_leader=self.require_leader, evict=self.evict,
+                                      send=self.send, apply=self.journal.apply,
+                                      wait_durable=self.journal.wait_durable,
+                                      record=self.history.job)
+        self.timers = JobTimers(self.journal.config, retention_s=config.finished_job_retention_s,
+                                is_leader=lambda: self.is_leader, evict=self.evict,
+                                retire=self.retire, apply=self.journal.apply)
         # Name lookups of ring addresses get threads of their own: a slow resolver must not hold
         # the default executor, where the store's calls (and the leader's lease refresh) run.
-        self._resolver = checks.Resolver()
+        self._resolver = request_checks.Resolver()
 
     # ----------------------------------------------------------------------------- leadership
     @property
@@ -125,16 +142,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
             return
         window = self.reattach_window_s()
-        grace = time.time() + window
+        now, timeout = time.time(), self.config.heartbeat_timeout_s
         self.jobs = {}
         for state, revision in stored:
-            job = Job(state=state, revision=revision, durable_state=state)
-            if state.phase not in d.TERMINAL:
-                what = f"did not reattach within {window:g} s of a leader change"
-                job.attach_deadline = {w: (grace, what) for w in state.workers}
-                job.idle_deadline = grace
+            liveness = (Liveness(timeout) if state.phase in d.TERMINAL else
+                        Liveness.after_leader_change(timeout, state.workers, now, window))
+            job = Job(state=state, revision=revision, liveness=liveness, durable_state=state)
             self.jobs[state.job_id] = job
-            timers.start(job, self)
+            self.timers.start(job)
         self._leading = True
         self.leading_since = time.monotonic()
         self.metrics.elected()
@@ -205,43 +220,32 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                               leader=hint)
 
     # -------------------------------------------------------------------------- state changes
-    def _log_action(self, job: Job, a) -> None:
-        jid = job.state.job_id
-        if isinstance(a, d.AnnounceWorld):
-            log.info("job %s: world %d announced: %d member(s), %d standby", jid, a.version,
-                     len(a.members), len(a.standby))
-        elif isinstance(a, d.AnnounceAbort):
-            log.info("job %s: abort world %d: %s", jid, a.version, a.reason)
-        elif isinstance(a, d.AnnouncePending):
-            log.info("job %s: change pending for world %d: %s", jid, a.version, a.reason)
-        elif isinstance(a, d.Dropped):
-            log.info("job %s: worker %s dropped: %s", jid, a.worker_id, a.reason)
-        elif isinstance(a, d.AnnounceFinished):
-            log.info("job %s: finished (%s): %s", jid, "succeeded" if a.succeeded else "failed",
-                     a.reason)
-
     def send(self, job: Job, worker_id: str, event) -> None:
         stream = job.streams.get(worker_id)
         if stream is not None:
             stream.queue.put_nowait(event)
 
-    def _deliver(self, job: Job, action, before: d.JobState) -> None:
-        """Carry out a durable action on the job's streams (the journal calls it)."""
-        self._log_action(job, action)   # logged when it takes effect (durable, sent), not decided
-        self.metrics.delivered(job, action)
-        self.history.delivered(job, action, before.version)
-        if isinstance(action, d.AnnounceWorld):
-            for worker_id, event in wire.spliced_worlds(action, job.streams):
+    def _deliver(self, job: Job, action: d.Action, before: d.JobState) -> None:
+        """Carry out a durable action (the journal calls it): logged, counted and recorded when it
+        takes effect (durable, sent), not when decided; then sent to those its description names."""
+        what = describe(action, before.version)
+        log.info("job %s: %s", job.state.job_id, what.summary)
+        recovery_s = job.liveness.world_announced(time.monotonic()) if what.world_announced else None
+        self.metrics.delivered(what, recovery_s)
+        self.history.delivered(job.state, what)
+        if what.audience is Audience.NEW_WORLD:
+            for worker_id, event in server_wire.spliced_worlds(action, job.streams):
                 self.send(job, worker_id, event)
             now = time.time()
             for w in action.standby:
-                self.send(job, w, wire.standby_event(action.version, d.standby_reason(job.state, w, now)))
-        elif isinstance(action, (d.AnnouncePending, d.AnnounceAbort)):
-            event = wire.notice_event(action)
+                self.send(job, w, server_wire.standby_event(
+                    action.version, d.standby_reason(job.state, w, now)))
+        elif what.audience is Audience.WORLD_BEFORE:
+            event = server_wire.notice_event(action)
             for m in before.world:
                 self.send(job, m.worker_id, event)
-        elif isinstance(action, d.Dropped):
-            # (Its attach deadline stays: after a rejoin it is the new session's; a stale one finds
+        elif what.audience is Audience.DROPPED:
+            # (Its Watch deadline stays: after a rejoin it is the new session's; a stale one finds
             # nobody to evict.)
             stream = job.streams.pop(action.worker_id, None)
             if stream is not None:
@@ -249,8 +253,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 stream.queue.put_nowait(RpcRefusal(grpc.StatusCode.NOT_FOUND,
                                                     f"session ended: {action.reason}"))
                 self._stream_gone(job)
-        elif isinstance(action, d.AnnounceFinished):
-            event = wire.finished_event(action.succeeded, action.reason)
+        elif what.audience is Audience.EVERYONE:
+            event = server_wire.finished_event(action.succeeded, action.reason)
             for stream in job.streams.values():
                 stream.closed_by_server = True
                 stream.queue.put_nowait(event)
@@ -258,10 +262,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             job.streams.clear()
 
     def _stream_gone(self, job: Job) -> None:
-        """A stream left `job.streams`: the last one going starts the idle clock of a job that has
-        no world yet."""
-        if not job.streams and job.idle_deadline is None:
-            job.idle_deadline = time.time() + self.config.heartbeat_timeout_s
+        """A stream left `job.streams`: the last one going starts the idle clock."""
+        if not job.streams and job.liveness.streams_gone(time.time()):
             job.wake.set()
 
     async def retire(self, job: Job, why: str) -> bool:
@@ -295,7 +297,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         """Evict `worker_id` if it is still registered; returns the change's seq to wait for."""
         w = job.state.workers.get(worker_id)
         if w is not None:
-            self.metrics.failure_signal(job, worker_id)
+            job.liveness.failure_signal(time.monotonic(), job.state, worker_id)
             self.journal.apply(job, d.Evict(worker_id, f"worker {worker_id} on host {w.host} evicted: "
                                                        f"{reason}", count_failure, cause))
         return job.seq
@@ -311,7 +313,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                                            f"replaced; retry")
         return job
 
-    def _session(self, sid: str) -> tuple[Job, d.Worker]:
+    def _by_session(self, sid: str) -> tuple[Job, d.Worker]:
+        """The job and the worker whose current session `sid` is; refuses any other id."""
         parsed = auth.parse_session(sid)
         if parsed is None:
             # Not echoed: it may be a real session id, mangled.
@@ -326,7 +329,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if job.state.phase in d.TERMINAL:
                 raise RpcRefusal(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"job {job_id} finished ({job.state.phase.value}: {job.state.reason})",
-                                  finished=wire.outcome(job.state.phase))
+                                  finished=server_wire.outcome(job.state.phase))
             raise RpcRefusal(grpc.StatusCode.NOT_FOUND,
                               f"job {job_id}: not a current session of worker {worker_id} (evicted, "
                               f"left, rejoined, or never issued): join again")
@@ -335,14 +338,16 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     # ---------------------------------------------------------------------------------- RPCs
     async def Join(self, request, context):
         await self.require_leader()
-        checks.check_id("job_id", request.job_id)
-        checks.check_id("worker_id", request.worker_id)
-        checks.check_host(request.host)
-        checks.check_step(request.committed_step)
+        request_checks.check_id("job_id", request.job_id)
+        request_checks.check_id("worker_id", request.worker_id)
+        request_checks.check_host(request.host)
+        request_checks.check_step(request.committed_step)
         spec = request.spec
-        for name, timeout in (("spec", spec.elastic_timeout_s), ("spec_if_new", request.spec_if_new.elastic_timeout_s)):
+        for name, timeout in (("spec", spec.elastic_timeout_s),
+                              ("spec_if_new", request.spec_if_new.elastic_timeout_s)):
             if timeout != timeout or timeout < 0 or timeout > 7 * 86400:  # NaN or out of range
-                raise checks.bad(f"{name}.elastic_timeout_s", timeout, "0..604800 (0: server default)")
+                raise request_checks.bad(f"{name}.elastic_timeout_s", timeout,
+                                         "0..604800 (0: server default)")
         previous = None   # (run, secret) of the session this worker says it had
         if request.session_id:
             parsed = auth.parse_session(request.session_id)
@@ -356,7 +361,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if job is not None and not auth.owns(job.state, caller):
             raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED,
                               f"job {request.job_id} belongs to another token: this one cannot join it")
-        await checks.check_ring_address(request.ring_address, self._resolver, caller)
+        await request_checks.check_ring_address(request.ring_address, self._resolver, caller)
         if job is not None and job.closing:
             raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, f"job {request.job_id} is being removed or "
                                                            f"replaced; retry")
@@ -398,16 +403,15 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                                                       proof=proof))
         for a in actions:
             if isinstance(a, d.Rejected):
-                raise wire.refusal(a, f"job {request.job_id}: worker {request.worker_id} refused: "
-                                      f"{a.reason}", job.state.phase)
+                raise server_wire.refusal(a, f"job {request.job_id}: worker {request.worker_id} "
+                                             f"refused: {a.reason}", job.state.phase)
         # It must open its Watch within the heartbeat timeout; until then it is kept out of worlds.
-        job.attach_deadline[request.worker_id] = (
-            time.time() + self.config.heartbeat_timeout_s,
-            f"did not open its watch stream within {self.config.heartbeat_timeout_s:g} s of joining")
+        job.liveness.joined(request.worker_id, time.time())
         job.wake.set()
         await self.journal.wait_durable(job, seq)
-        self.history.job(job, "worker_joined", worker_id=request.worker_id, host=request.host,
-                         rejoin=previous is not None, detail=f"on host {request.host}")
+        self.history.job(job.state, "worker_joined", worker_id=request.worker_id,
+                         host=request.host, rejoin=previous is not None,
+                         detail=f"on host {request.host}")
         return pb.JoinResponse(session_id=sid, world_version=job.state.version,
                                spec=wire.spec_pb(job.state.spec),
                                ring_secret=bytes.fromhex(job.state.ring_secret))
@@ -454,7 +458,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         except RpcRefusal:
             if replacing is not None and self.jobs.get(job_id) is replacing:
                 replacing.closing = False
-                timers.start(replacing, self)   # it is still the job: it must still be forgotten
+                self.timers.start(replacing)   # it is still the job: it must still be forgotten
             raise
         if rev is None:  # only the leader creates jobs: someone else leads, or wrote it
             self._lost_leadership(f"fenced create of job {job_id} refused")
@@ -462,10 +466,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         if not self.is_leader:
             await self.require_leader()
         job = Job(state=state, revision=rev, durable_state=state,
-                  idle_deadline=time.time() + self.config.heartbeat_timeout_s)
+                  liveness=Liveness.of_new_job(self.config.heartbeat_timeout_s, time.time()))
         self.jobs[job_id] = job
-        timers.start(job, self)
-        self.history.job(job, "job_created", min_np=spec.min_np, max_np=spec.max_np,
+        self.timers.start(job)
+        self.history.job(job.state, "job_created", min_np=spec.min_np, max_np=spec.max_np,
                          detail=f"np {spec.min_np}..{spec.max_np}")
         if replacing is not None:
             log.info("job %s: launched again (the previous run %s)", job_id,
@@ -474,7 +478,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def Watch(self, request, context):
         await self.require_leader()
-        job, w = self._session(request.session_id)
+        job, w = self._by_session(request.session_id)
         old = job.streams.get(w.worker_id)
         if old is not None:  # the worker reconnected before we noticed the old stream break
             old.closed_by_server = True
@@ -487,8 +491,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def _watch(self, job: Job, w: d.Worker, request, context, stream: Stream) -> None:
         job.streams[w.worker_id] = stream
-        job.attach_deadline.pop(w.worker_id, None)
-        job.idle_deadline = None
+        job.liveness.watch_opened(w.worker_id)
         job.attached.set()               # wakes reports waiting for this worker to reattach
         job.attached = asyncio.Event()
         if not w.attached:
@@ -498,7 +501,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
         # write fails and another replica takes over); later changes follow through the outbox.
         state = job.durable_state if job.durable_state is not None else job.state
-        for event in wire.snapshot(state, w.worker_id, time.time()):
+        for event in server_wire.snapshot(state, w.worker_id, time.time()):
             await context.write(event)
         if state.phase in d.TERMINAL:
             job.streams.pop(w.worker_id, None)
@@ -525,8 +528,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def Heartbeat(self, request, context):
         await self.require_leader()
-        checks.check_step(request.committed_step)
-        job, w = self._session(request.session_id)
+        request_checks.check_step(request.committed_step)
+        job, w = self._by_session(request.session_id)
         if request.probe_nonce:
             probed, fut = job.probes.get(request.probe_nonce, (None, None))
             # Only the probed worker's own session proves it alive: another member answering
@@ -539,33 +542,33 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def Leave(self, request, context):
         await self.require_leader()
-        job, w = self._session(request.session_id)
+        job, w = self._by_session(request.session_id)
         seq, _ = self.journal.apply(job, d.Leave(w.worker_id))
         await self.journal.wait_durable(job, seq)
         return pb.LeaveResponse()
 
     async def ReportFailure(self, request, context):
         await self.require_leader()
-        checks.check_id("suspect_worker_id", request.suspect_worker_id)
-        if len(request.reason) > checks.MAX_REASON:
-            raise checks.bad("reason", f"<{len(request.reason)} chars>",
-                             f"at most {checks.MAX_REASON} chars")
-        job, reporter = self._session(request.session_id)
+        request_checks.check_id("suspect_worker_id", request.suspect_worker_id)
+        if len(request.reason) > request_checks.MAX_REASON:
+            raise request_checks.bad("reason", f"<{len(request.reason)} chars>",
+                             f"at most {request_checks.MAX_REASON} chars")
+        job, reporter = self._by_session(request.session_id)
         return await self.reports.judge(job, reporter, request)
 
     async def ReportSuccess(self, request, context):
         await self.require_leader()
-        job, w = self._session(request.session_id)
+        job, w = self._by_session(request.session_id)
         seq, actions = self.journal.apply(job, d.Success(w.worker_id, request.world_version))
         for a in actions:
             if isinstance(a, d.Rejected):
-                raise wire.refusal(a, a.reason, job.state.phase)
+                raise server_wire.refusal(a, a.reason, job.state.phase)
         await self.journal.wait_durable(job, seq)
         return pb.ReportSuccessResponse()
 
     async def Status(self, request, context):
         if request.job_id:
-            checks.check_id("job_id", request.job_id)
+            request_checks.check_id("job_id", request.job_id)
         n_events = min(request.events, RECENT_PER_JOB)
         now = time.time()
         if self.is_leader:
@@ -584,8 +587,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             if request.job_id and job_id != request.job_id:
                 continue
             state, attached = jobs[job_id]
-            js = wire.job_status(state, attached, now)
-            js.events.extend(wire.job_event_pb(e) for e in
+            js = server_wire.job_status(state, attached, now)
+            js.events.extend(server_wire.job_event_pb(e) for e in
                              self.history.recent(job_id, state.credential, n_events))
             out.jobs.append(js)
         if request.job_id and not out.jobs:

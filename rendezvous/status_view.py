@@ -11,8 +11,8 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
-from .checks import shown
-from .client import StatusError, StatusInfo
+from .peer_text import shown
+from .status_client import StatusError, StatusInfo
 
 HOME, CLEAR_LINE, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"

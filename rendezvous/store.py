@@ -238,7 +238,7 @@ class EtcdStore(Store):
         import etcd3  # imported here so the in-memory default does not need it
         import etcd3.transactions
 
-        from .client import channel_credentials
+        from .channel import channel_credentials
 
         self._etcd3 = etcd3
         self._tx = etcd3.transactions

@@ -1,57 +1,38 @@
-"""The protobuf forms of the decision's values and actions, and the trailing metadata of refusals.
+"""The wire in Python, for both sides: the generated messages (`pb`) and stubs (`pb_grpc`) of
+protos/rendezvous.proto, the protobuf forms of the values both sides share (membership.py), and the
+trailing metadata of a refusal.
 
-Both sides use it: the service to build what it sends, the client to read specs, members and the
-typed outcome of a refusal. Nothing here reads a message's text: a refusal because the job is over
-carries `elastic-job-outcome: succeeded|failed`, a follower's UNAVAILABLE the `leader` hint.
+Nothing here reads a message's text: a refusal because the job is over carries
+`elastic-job-outcome: succeeded|failed`, a follower's UNAVAILABLE the `leader` hint. What only the
+server builds (its refusals, Watch events, Status answers) is server_wire.py's. Tools that speak the
+wire directly (load generators, fuzzers, tests of the wire) import `pb` and `pb_grpc` from here.
 """
 from __future__ import annotations
 
-from typing import Container, Iterator, Optional, Union
+from typing import Optional
 
-import grpc
-
-from . import decision as d
 from ._proto import rendezvous_pb2 as pb
+from ._proto import rendezvous_pb2_grpc as pb_grpc
+from .membership import JobSpec, Member
+
+__all__ = ["pb", "pb_grpc", "LEADER_KEY", "JOB_OUTCOME_KEY", "refusal_metadata", "job_outcome",
+           "leader_hint", "spec_pb", "spec_from_pb", "member_pb", "member_from_pb"]
 
 LEADER_KEY = "leader"                  # UNAVAILABLE from a follower: HOST:PORT of the leader
 JOB_OUTCOME_KEY = "elastic-job-outcome"  # a refusal because the job is over: how it ended
 _OUTCOME_TEXT = {True: "succeeded", False: "failed"}
 _OUTCOME_OF = {text: outcome for outcome, text in _OUTCOME_TEXT.items()}
-# What the decision's refusal kinds are on the wire. The server picks the code from the kind,
-# never from a reason's text.
-REFUSAL_CODES = {
-    d.Refusal.FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
-    d.Refusal.BLACKLISTED: grpc.StatusCode.FAILED_PRECONDITION,
-    d.Refusal.WORKER_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    d.Refusal.NOT_MEMBER: grpc.StatusCode.PERMISSION_DENIED,
-}
-NO_WORLD_YET = "no world formed yet"   # d.standby_reason's before the job's first world
 
 
-class RpcRefusal(Exception):
-    """Raised inside handlers: the RPC fails with `code` and `message`. `leader` (a follower's hint)
-    and `finished` (True/False: refused because the job succeeded/failed) go in trailing metadata."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, *, leader: str = "",
-                 finished: Optional[bool] = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.leader = leader
-        self.finished = finished
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        md = []
-        if self.leader:
-            md.append((LEADER_KEY, self.leader))
-        if self.finished is not None:
-            md.append((JOB_OUTCOME_KEY, _OUTCOME_TEXT[self.finished]))
-        return tuple(md)
-
-
-def outcome(phase: d.Phase) -> Optional[bool]:
-    """True/False for a job that succeeded/failed; None while it runs."""
-    return {d.Phase.SUCCEEDED: True, d.Phase.FAILED: False}.get(phase)
+def refusal_metadata(leader: str = "", finished: Optional[bool] = None) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a refusal: the `leader` hint of a follower, and how the job ended
+    (True/False: succeeded/failed) when it was refused because the job is over."""
+    md = []
+    if leader:
+        md.append((LEADER_KEY, leader))
+    if finished is not None:
+        md.append((JOB_OUTCOME_KEY, _OUTCOME_TEXT[finished]))
+    return tuple(md)
 
 
 def job_outcome(metadata) -> Optional[bool]:
@@ -69,119 +50,21 @@ def leader_hint(metadata) -> str:
     return value if isinstance(value, str) else ""
 
 
-def refusal(rejected: d.Rejected, message: str, phase: d.Phase) -> RpcRefusal:
-    """The status of a join or success report the decision refused, in a job now in `phase`."""
-    finished = outcome(phase) if rejected.kind is d.Refusal.FINISHED else None
-    return RpcRefusal(REFUSAL_CODES[rejected.kind], message, finished=finished)
-
-
 # --------------------------------------------------------------------------------- values
-def spec_pb(spec: d.JobSpec) -> pb.JobSpec:
+def spec_pb(spec: JobSpec) -> pb.JobSpec:
     return pb.JobSpec(min_np=spec.min_np, max_np=spec.max_np, elastic_timeout_s=spec.elastic_timeout_s)
 
 
-def spec_from_pb(spec: pb.JobSpec) -> d.JobSpec:
-    return d.JobSpec(spec.min_np, spec.max_np, spec.elastic_timeout_s)
+def spec_from_pb(spec: pb.JobSpec) -> JobSpec:
+    return JobSpec(spec.min_np, spec.max_np, spec.elastic_timeout_s)
 
 
-def member_pb(m: d.Member) -> pb.Member:
+def member_pb(m: Member) -> pb.Member:
     return pb.Member(worker_id=m.worker_id, host=m.host, ring_address=m.ring_address, rank=m.rank,
                      local_rank=m.local_rank, local_size=m.local_size, cross_rank=m.cross_rank,
                      cross_size=m.cross_size, committed_step=m.committed_step)
 
 
-def member_from_pb(m: pb.Member) -> d.Member:
-    return d.Member(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank, m.local_size,
-                    m.cross_rank, m.cross_size, m.committed_step)
-
-
-def job_status(state: d.JobState, attached: Container[str], now: float) -> pb.JobStatus:
-    """One job as Status shows it: its world's members in rank order, then the standby workers."""
-    js = pb.JobStatus(job_id=state.job_id, world_version=state.version, phase=state.phase.value,
-                      reason=state.reason, spec=spec_pb(state.spec),
-                      blacklisted_hosts=state.blacklisted_hosts(now))
-    for m in state.world:
-        if m.worker_id in state.workers:
-            js.members.add(member=member_pb(m), in_world=True, attached=m.worker_id in attached,
-                           age_s=now - state.workers[m.worker_id].joined_at)
-    for wid in state.standby():
-        w = state.workers[wid]
-        js.members.add(member=pb.Member(worker_id=wid, host=w.host, ring_address=w.ring_address,
-                                        committed_step=w.committed_step),
-                       in_world=False, attached=wid in attached, age_s=now - w.joined_at)
-    return js
-
-
-def job_event_pb(e) -> pb.JobEvent:
-    """A history.RecentEvent as Status carries it."""
-    return pb.JobEvent(time=e.time, event=e.event, world_version=e.world_version,
-                       worker_id=e.worker_id, detail=e.detail)
-
-
-# --------------------------------------------------------------------------------- events
-def world_event(version: int, members: tuple[d.Member, ...], member: d.Member) -> pb.WatchEvent:
-    """The world `members` as `member` receives it (its own rank fields filled in)."""
-    return pb.WatchEvent(world=pb.World(
-        version=version, size=len(members), members=[member_pb(m) for m in members],
-        rank=member.rank, local_rank=member.local_rank, local_size=member.local_size,
-        cross_rank=member.cross_rank, cross_size=member.cross_size))
-
-
-_WORLD_FIELD = bytes([(pb.WatchEvent.WORLD_FIELD_NUMBER << 3) | 2])  # tag: field 1, length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        if n:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
-def spliced_worlds(action: d.AnnounceWorld, recipients: Container[str]) -> Iterator[tuple[str, bytes]]:
-    """(worker_id, serialized WatchEvent) of the world for each member in `recipients`: the bytes
-    `world_event` would give, built by serializing the member list once and appending each
-    recipient's own rank fields (protobuf merges concatenated messages). At 1,024 workers this
-    turns 1,024 serializations of a ~100 KB message into memory copies."""
-    base = pb.World(version=action.version, size=len(action.members),
-                    members=[member_pb(m) for m in action.members]).SerializeToString()
-    for m in action.members:
-        if m.worker_id in recipients:
-            inner = base + pb.World(rank=m.rank, local_rank=m.local_rank, local_size=m.local_size,
-                                    cross_rank=m.cross_rank,
-                                    cross_size=m.cross_size).SerializeToString()
-            yield m.worker_id, _WORLD_FIELD + _varint(len(inner)) + inner
-
-
-def standby_event(version: int, reason: str) -> pb.WatchEvent:
-    return pb.WatchEvent(standby=pb.Standby(world_version=version, reason=reason))
-
-
-def notice_event(action: Union[d.AnnouncePending, d.AnnounceAbort]) -> pb.WatchEvent:
-    """What the members of the world before the change are told: pending change, or abort."""
-    if isinstance(action, d.AnnouncePending):
-        return pb.WatchEvent(pending=pb.MembershipPending(world_version=action.version,
-                                                          reason=action.reason))
-    return pb.WatchEvent(abort=pb.AbortVersion(world_version=action.version, reason=action.reason))
-
-
-def finished_event(succeeded: bool, reason: str) -> pb.WatchEvent:
-    return pb.WatchEvent(finished=pb.JobOutcome(succeeded=succeeded, reason=reason))
-
-
-def snapshot(state: d.JobState, worker_id: str, now: float) -> list[pb.WatchEvent]:
-    """What a worker opening (or reopening) its Watch is sent first, from the stored `state`: how the
-    job ended; or its world, followed by the abort if that world was aborted; or a Standby notice."""
-    if state.phase in d.TERMINAL:
-        return [finished_event(state.phase is d.Phase.SUCCEEDED, state.reason)]
-    member = state.member(worker_id)
-    if member is None:
-        return [standby_event(state.version, d.standby_reason(state, worker_id, now))]
-    events = [world_event(state.version, state.world, member)]
-    if state.aborted_version == state.version:
-        events.append(pb.WatchEvent(abort=pb.AbortVersion(
-            world_version=state.version, reason="a member of this world failed")))
-    return events
+def member_from_pb(m: pb.Member) -> Member:
+    return Member(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank, m.local_size,
+                  m.cross_rank, m.cross_size, m.committed_step)

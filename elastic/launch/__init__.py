@@ -10,7 +10,7 @@ One concept a module:
 * ``report``    what the launcher says as the job runs: a pure function of Status answers
 * ``outcome``   its exit status after the job completed: a pure function of how its workers ended
 
-The job's state comes from the public Status client (``rendezvous.client.StatusClient``).
+The job's state comes from the public Status client (``rendezvous.status_client.StatusClient``).
 """
 
 from .launcher import main

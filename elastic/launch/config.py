@@ -4,7 +4,7 @@ Everything the launcher decides from the command line and its environment (the t
 files it falls back to) is read once, here, into ``LaunchConfig``, and passed down; bad input
 raises ``UsageError`` with a one-line message (printed without a traceback by ``elastic.launch``).
 HOST:PORT lists and token files are read by the same functions every client of the service uses
-(rendezvous.client).
+(rendezvous.channel).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 from rendezvous import __version__, files
-from rendezvous.client import DEFAULT_MAX_NP, channel_credentials, parse_addresses, read_token_file
+from rendezvous.channel import channel_credentials, parse_addresses, read_token_file
+from rendezvous.membership import DEFAULT_MAX_NP
 from rendezvous.ports import check_can_listen
 
 from ..communicator import CommConfig
@@ -235,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--events", metavar="FILE",
                    help="append one JSON line per event to FILE (worker_started, worker_exited, "
                         "worker_respawned, world_formed, recovery, preempted, job_finished), with job_id, "
-                        "world_version and timestamps, for log shippers (see rendezvous/events.py)")
+                        "world_version and timestamps, for log shippers (see rendezvous/event_log.py)")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="print elastic-run's version and exit")
     p.add_argument("--collective-timeout", type=float, metavar="S",

@@ -1,7 +1,7 @@
 """The embedded rendezvous server: `elastic-run` without --rendezvous runs one as its child.
 
 The launcher never joins a job itself; it follows the job through the public Status client
-(rendezvous.client.StatusClient), whichever server it talks to.
+(rendezvous.status_client.StatusClient), whichever server it talks to.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ follows the job through the Status RPC: it reports worlds and recoveries, ends w
 with a one-line reason otherwise), and on Ctrl-C/SIGTERM drains every worker before it exits.
 Flags: elastic/launch/config.py. With --metrics-port it serves its workers' metrics
 (elastic/launch/metrics.py); with --events it writes one JSON line per event it sees
-(rendezvous/events.py): workers started, exited and respawned, worlds formed, recoveries with
+(rendezvous/event_log.py): workers started, exited and respawned, worlds formed, recoveries with
 their durations, graceful leaves, the job's end.
 
 Graceful leave: a worker sent SIGTERM leaves the job at its next commit and exits 0 (the
@@ -19,7 +19,7 @@ SIGKILL to its process group after --preempt-grace plus --stop-timeout; a launch
 --rendezvous whose workers all left on its SIGTERM exits 0: the job goes on elsewhere.
 
 Everything it learns about the job (worlds, ranks, the end) comes from Status answers, through the
-same public client `elastic-rendezvous status` uses (rendezvous.client.StatusClient); nothing a
+same public client `elastic-rendezvous status` uses (rendezvous.status_client.StatusClient); nothing a
 worker prints decides anything.
 """
 
@@ -34,9 +34,9 @@ from typing import Dict, List, Optional, Sequence
 
 import grpc
 
-from rendezvous.client import (JobStatusInfo, StatusClient, StatusError, StatusFailure, channel_credentials,
-                               is_loopback)
-from rendezvous.events import EventLog
+from rendezvous.channel import channel_credentials, is_loopback
+from rendezvous.event_log import EventLog
+from rendezvous.status_client import JobStatusInfo, StatusClient, StatusError, StatusFailure
 
 from ..config import TLS_VARIABLES
 from ..metrics import ENV_SOCKET, ENV_TOKEN

@@ -13,7 +13,10 @@ import sys
 import grpc
 import pytest
 
-from rendezvous.client import JobSpec, RendezvousClient, RendezvousRPCError, StatusClient, StatusError
+from rendezvous.channel import RendezvousRPCError
+from rendezvous.membership import JobSpec
+from rendezvous.status_client import StatusClient, StatusError
+from rendezvous.worker_client import RendezvousClient
 
 
 def worker_environ(pid: int) -> dict:

@@ -8,7 +8,7 @@ from elastic.launch.procs import describe_exit, exception_line, signal_of
 from elastic.launch.report import Reporter
 import dataclasses
 
-from rendezvous.client import JobEventInfo, JobStatusInfo, MemberStatusInfo
+from rendezvous.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo
 
 
 def view(version, ranked, standby=(), phase="RUNNING", min_np=1):

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import uuid
 
+import grpc
 import pytest
 
-from rdzv_helpers import ServerThread, WorkerProc, server_config
+from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config
 from rendezvous.etcd_process import EtcdProcess
 from rendezvous.store import EtcdStore, MemoryStore
 
@@ -83,6 +84,39 @@ def serve(make_store):
         losses = s.service.leadership_losses
         s.stop()
         assert losses == 0, "the only replica must never lose leadership (clients would hide it)"
+
+
+@pytest.fixture
+def client():
+    """client(address, worker_id, **kw) -> a RendezvousClient (rdzv_helpers.make_client), closed
+    when the test ends however it ends: a failed assert leaks no watch thread. (List it after
+    `serve`, so clients close before their server stops.)"""
+    made = []
+
+    def make(*args, **kw):
+        c = make_client(*args, **kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture
+def stub():
+    """stub(server) -> a bare Rendezvous stub for raw RPCs, on a plaintext channel to the server
+    (one per server), closed when the test ends (which cancels its open calls)."""
+    from rendezvous.wire import pb_grpc
+
+    channels = {}
+
+    def make(server):
+        if server.address not in channels:
+            channels[server.address] = grpc.insecure_channel(server.address)
+        return pb_grpc.RendezvousStub(channels[server.address])
+    yield make
+    for ch in channels.values():
+        ch.close()
 
 
 @pytest.fixture

@@ -186,7 +186,8 @@ def server_config(**kw):
 
 
 def make_client(address, worker_id, job_id="job", host="h", port=None, **kw):
-    from rendezvous.client import JobSpec, RendezvousClient
+    from rendezvous.membership import JobSpec
+    from rendezvous.worker_client import RendezvousClient
 
     addresses = address if isinstance(address, list) else [address]
     kw.setdefault("spec", JobSpec(min_np=1, max_np=8))

@@ -9,7 +9,9 @@ import pytest
 
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.cli import main
-from rendezvous.client import Ended, JobSpec, RendezvousRPCError
+from rendezvous.channel import RendezvousRPCError
+from rendezvous.membership import JobSpec
+from rendezvous.watch_events import Ended
 from rendezvous.etcd_process import free_port
 from rendezvous.store import MemoryStore
 
@@ -21,44 +23,40 @@ def server():
     s.stop()
 
 
-def test_dead_address_is_skipped_for_the_next_one(server):
+def test_dead_address_is_skipped_for_the_next_one(server, client):
     dead = f"127.0.0.1:{free_port()}"
     job = unique("job")
-    c = make_client([dead, server.address], "w0", job_id=job)
+    c = client([dead, server.address], "w0", job_id=job)
     c.join(timeout_s=10)
     assert wait_world_of([c], 1)[0].version == 1
     assert c.heartbeat(committed_step=3) == 1
-    c.close()
 
 
-def test_no_reachable_server_fails_within_the_deadline_naming_addresses():
+def test_no_reachable_server_fails_within_the_deadline_naming_addresses(client):
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    c = make_client(dead, "w0", job_id=unique("job"))
+    c = client(dead, "w0", job_id=unique("job"))
     start = time.monotonic()
     with pytest.raises(RendezvousRPCError) as e:
         c.join(timeout_s=1.0)
     assert time.monotonic() - start < 5.0
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and dead[0] in str(e.value)
-    c.close()
 
 
-def test_wait_world_times_out_with_job_and_worker_named(server):
+def test_wait_world_times_out_with_job_and_worker_named(server, client):
     job = unique("job")
-    c = make_client(server.address, "lonely", job_id=job, spec=JobSpec(min_np=2, max_np=2))
+    c = client(server.address, "lonely", job_id=job, spec=JobSpec(min_np=2, max_np=2))
     c.join()
     with pytest.raises(TimeoutError, match=f"job {job} worker lonely"):
         c.wait_world(timeout_s=0.3)
-    c.close()
 
 
-def test_calls_before_join_are_refused_clearly(server):
-    c = make_client(server.address, "early", job_id=unique("job"))
+def test_calls_before_join_are_refused_clearly(server, client):
+    c = client(server.address, "early", job_id=unique("job"))
     with pytest.raises(RendezvousRPCError, match="join\\(\\) first"):
         c.heartbeat(1)
-    c.close()
 
 
-def test_tls_server_accepts_tls_clients_and_refuses_plaintext(tmp_path, capsys):
+def test_tls_server_accepts_tls_clients_and_refuses_plaintext(client, tmp_path, capsys):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
@@ -68,10 +66,10 @@ def test_tls_server_accepts_tls_clients_and_refuses_plaintext(tmp_path, capsys):
     try:
         job = unique("job")
         address = f"localhost:{s.port}"
-        c = make_client(address, "w0", job_id=job, tls_root_cert=cert.read_bytes())
+        c = client(address, "w0", job_id=job, tls_root_cert=cert.read_bytes())
         c.join(timeout_s=10)
         assert wait_world_of([c], 1)[0].size == 1
-        plain = make_client(address, "w1", job_id=job)
+        plain = client(address, "w1", job_id=job)
         with pytest.raises(RendezvousRPCError) as e:
             plain.join(timeout_s=1.0)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
@@ -96,18 +94,18 @@ def _events(client, until, timeout_s=5.0):
 
 def _attached(server, job):
     import grpc as _grpc
-    from rendezvous.proto import pb, pb_grpc
+    from rendezvous.wire import pb, pb_grpc
     with _grpc.insecure_channel(server.address) as ch:
         st = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
     return [(m.member.worker_id, m.attached) for m in st.members]
 
 
 @pytest.mark.parametrize("trial", range(3))
-def test_rejoin_delivers_nothing_from_the_replaced_session(server, trial):
-    from rendezvous.client import Ended, WorldInfo
+def test_rejoin_delivers_nothing_from_the_replaced_session(server, client, trial):
+    from rendezvous.watch_events import Ended, WorldInfo
 
     job = unique("job")
-    c = make_client(server.address, "a", job_id=job)
+    c = client(server.address, "a", job_id=job)
     c.join()
     assert c.wait_world(timeout_s=5.0).version == 1
     c.join()   # e.g. the runtime decided to come back as a new member
@@ -115,13 +113,12 @@ def test_rejoin_delivers_nothing_from_the_replaced_session(server, trial):
     assert not [e for e in events if isinstance(e, Ended)], events
     assert c._watching and c._watch_thread.is_alive()
     assert _attached(server, job) == [("a", True)]
-    c.close()
 
 
-def test_world_with_same_version_but_other_members_is_a_new_event():
-    from rendezvous.proto import pb
+def test_world_with_same_version_but_other_members_is_a_new_event(client):
+    from rendezvous.wire import pb
 
-    c = make_client("127.0.0.1:1", "a", job_id="j")
+    c = client("127.0.0.1:1", "a", job_id="j")
 
     def world(*members):
         return pb.WatchEvent(world=pb.World(version=1, size=len(members), members=[
@@ -131,17 +128,16 @@ def test_world_with_same_version_but_other_members_is_a_new_event():
     got = [c.next_event(0), c.next_event(0), c.next_event(0)]
     assert [[m.worker_id for m in w.members] for w in got[:2]] == [["a", "b"], ["a", "c"]]
     assert got[2] is None
-    c.close()
 
 
-def test_leave_whose_first_attempt_timed_out_but_took_effect_succeeds_and_closes():
+def test_leave_whose_first_attempt_timed_out_but_took_effect_succeeds_and_closes(client):
     import asyncio
 
     s = ServerThread(server_config(), MemoryStore)
     try:
         job = unique("job")
-        a = make_client(s.address, "a", job_id=job)
-        b = make_client(s.address, "b", job_id=job, rpc_timeout_s=0.5)
+        a = client(s.address, "a", job_id=job)
+        b = client(s.address, "b", job_id=job, rpc_timeout_s=0.5)
         a.join()
         b.join()
         wait_world_of([a, b], 2)
@@ -161,18 +157,18 @@ def test_leave_whose_first_attempt_timed_out_but_took_effect_succeeds_and_closes
         s.stop()
 
 
-def test_internal_errors_are_not_retried_and_leave_still_closes():
+def test_internal_errors_are_not_retried_and_leave_still_closes(client):
     s = ServerThread(server_config(), MemoryStore)
     try:
-        c = make_client(s.address, "a", job_id=unique("job"))
+        c = client(s.address, "a", job_id=unique("job"))
         c.join()
-        c.wait_world(timeout_s=5.0)   # its Watch is open: from now on only our calls reach _session
+        c.wait_world(timeout_s=5.0)   # its Watch is open: only our calls reach _by_session now
         calls = []
 
         def broken(sid):    # a server bug: the RPC answers INTERNAL
             calls.append(sid)
             raise RuntimeError("bug")
-        s.service._session = broken
+        s.service._by_session = broken
         with pytest.raises(RendezvousRPCError) as e:
             c.heartbeat(committed_step=1, timeout_s=3.0)
         assert e.value.code == grpc.StatusCode.INTERNAL and len(calls) == 1
@@ -187,7 +183,8 @@ def _finished_job(s, succeeded):
     """A job whose only member ended it: by reporting success, or by leaving below min_np=1 for
     an elastic timeout of 0.2 s."""
     job = unique("job")
-    a = make_client(s.address, "a", job_id=job, spec=JobSpec(min_np=1, max_np=2, elastic_timeout_s=0.2))
+    a = make_client(s.address, "a", job_id=job, spec=JobSpec(min_np=1, max_np=2,
+                                                             elastic_timeout_s=0.2))
     a.join()
     a.wait_world(timeout_s=5.0)
     if succeeded:
@@ -200,35 +197,32 @@ def _finished_job(s, succeeded):
 
 
 @pytest.mark.parametrize("succeeded", [True, False], ids=["succeeded", "failed"])
-def test_a_join_after_the_job_ended_is_refused_with_the_outcome_typed(server, succeeded):
+def test_a_join_after_the_job_ended_is_refused_with_the_outcome_typed(server, client, succeeded):
     job = _finished_job(server, succeeded)
-    late = make_client(server.address, "late", job_id=job)
+    late = client(server.address, "late", job_id=job)
     with pytest.raises(RendezvousRPCError) as e:
         late.join()
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.finished is succeeded
-    late.close()
 
 
-def test_refusals_for_other_reasons_carry_no_outcome(server):
+def test_refusals_for_other_reasons_carry_no_outcome(server, client):
     job = unique("job")
-    a = make_client(server.address, "a", job_id=job, spec=JobSpec(min_np=1, max_np=2))
+    a = client(server.address, "a", job_id=job, spec=JobSpec(min_np=1, max_np=2))
     a.join()
-    other = make_client(server.address, "b", job_id=job, spec=JobSpec(min_np=1, max_np=3))
+    other = client(server.address, "b", job_id=job, spec=JobSpec(min_np=1, max_np=3))
     with pytest.raises(RendezvousRPCError) as e:   # spec mismatch: FAILED_PRECONDITION as well
         other.join()
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.finished is None
-    a.close()
-    other.close()
 
 
-def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server):
+def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server, client):
     """The worker was evicted while its stream was away (stopped, say) and the job ended meanwhile:
     reattaching, it learns how the job ended from the refusal, typed."""
     from rendezvous import decision as d
-    from rendezvous.jobs import END
+    from rendezvous.job_record import END
 
     job = unique("job")
-    a, b = (make_client(server.address, w, job_id=job) for w in "ab")
+    a, b = (client(server.address, w, job_id=job) for w in "ab")
     a.join()
     b.join()
     world = wait_world_of([a, b], 2)[0]
@@ -248,11 +242,9 @@ def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server):
         ev = b.next_event(deadline - time.monotonic())
         assert ev is not None, "b's session did not end"
     assert ev.finished is True and ev.reason.startswith("FAILED_PRECONDITION")
-    a.close()
-    b.close()
 
 
-def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_is_evicted():
+def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_is_evicted(client):
     """The first attempt registered a session this client never learnt; the worker id is taken
     without proof (ALREADY_EXISTS) until that session, never watched, is evicted."""
     import asyncio
@@ -260,7 +252,7 @@ def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_i
     s = ServerThread(server_config(heartbeat_timeout_s=1.0), MemoryStore)
     try:
         job = unique("job")
-        a = make_client(s.address, "a", job_id=job)
+        a = client(s.address, "a", job_id=job)
         a.join()
         wait_world_of([a], 1)
         store = s.server.store
@@ -273,7 +265,7 @@ def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_i
                 await asyncio.sleep(0.8)
             return await real_put(key, value, **kw)
         store.put = slow_once
-        b = make_client(s.address, "b", job_id=job, rpc_timeout_s=0.5)
+        b = client(s.address, "b", job_id=job, rpc_timeout_s=0.5)
         try:
             b.join(timeout_s=15)
         finally:
@@ -287,11 +279,10 @@ def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_i
         s.stop()
 
 
-def test_rejoin_sends_the_previous_session_and_keeps_the_ring_secret(server):
+def test_rejoin_sends_the_previous_session_and_keeps_the_ring_secret(server, client):
     job = unique("job")
-    c = make_client(server.address, "a", job_id=job)
+    c = client(server.address, "a", job_id=job)
     first = c.join()
     secret = c.ring_secret
     second = c.join()
     assert second != first and c.ring_secret == secret
-    c.close()

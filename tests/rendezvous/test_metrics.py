@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rdzv_helpers import (ServerProc, ServerThread, make_client, server_config, unique,
                           wait_until, wait_world_of)
 from rendezvous import decision as d
-from rendezvous.metrics import EVICTION_CAUSES, eviction_cause, job_counts
-from rendezvous.proto import pb, pb_grpc
+from rendezvous.metrics import job_counts
+from rendezvous.wire import pb, pb_grpc
 from rendezvous.store import EtcdStore, MemoryStore, StoreError
 
 
@@ -52,13 +52,12 @@ def free_port() -> int:
     (d.Departure.FAILED, "other"),
 ])
 def test_each_way_a_session_ends_has_one_eviction_cause_label(cause, label):
-    assert eviction_cause(cause) == label
+    assert cause.eviction == label
 
 
 def test_every_departure_is_mapped_and_labels_are_distinct():
-    assert set(EVICTION_CAUSES) == set(d.Departure)
-    labels = [v for v in EVICTION_CAUSES.values() if v is not None]
-    assert len(labels) == len(set(labels))
+    labels = [c.eviction for c in d.Departure if c.eviction is not None]
+    assert len(labels) == len(set(labels)) == len(d.Departure) - 1   # all but a clean leave
 
 
 def _state(world, registered, max_np):
@@ -104,7 +103,7 @@ def test_sigkilled_worker_is_counted_by_cause_with_one_recovery_and_a_newer_worl
             before, "elastic_rendezvous_worlds_announced_total") and m, 5.0, "the next world counted")
         assert value(after, "elastic_rendezvous_evictions_total", cause="stream_broken") == 1
         assert sum(value(after, "elastic_rendezvous_evictions_total", cause=c)
-                   for c in EVICTION_CAUSES.values() if c) == 1
+                   for c in (c.eviction for c in d.Departure) if c) == 1
         assert value(after, "elastic_rendezvous_failure_to_world_seconds_count") == 1
         assert value(after, "elastic_rendezvous_failure_to_world_seconds_sum") > 0
         assert value(after, "elastic_rendezvous_job_world_version", job_id=job) == v + 1
@@ -120,7 +119,7 @@ def test_sigkilled_worker_is_counted_by_cause_with_one_recovery_and_a_newer_worl
 
 
 def test_a_standby_failing_starts_no_recovery_clock():
-    from rendezvous.client import JobSpec
+    from rendezvous.membership import JobSpec
 
     s = ServerThread(server_config(metrics_port=0), MemoryStore)
     try:
@@ -136,13 +135,13 @@ def test_a_standby_failing_starts_no_recovery_clock():
         cs[2].close()                       # the hot spare: no world changes
         wait_until(lambda: value(scrape(port), "elastic_rendezvous_evictions_total",
                                  cause="stream_broken") == 1, 5.0, "the spare's eviction")
-        assert s.service.jobs[job].failure_at is None   # no world waits on the spare
+        assert s.service.jobs[job].liveness.failure_at is None   # no world waits on the spare
         cs[1].close()                       # a member: the next world is the recovery
         cs[0].wait_world(timeout_s=10.0, min_version=2)
         m = wait_until(lambda: (m := scrape(port)) and value(
             m, "elastic_rendezvous_failure_to_world_seconds_count") == 1 and m, 5.0, "a recovery")
         assert value(m, "elastic_rendezvous_evictions_total", cause="stream_broken") == 2
-        assert s.service.jobs[job].failure_at is None   # the clock stopped at the world
+        assert s.service.jobs[job].liveness.failure_at is None   # the clock stopped at the world
         cs[0].close()
     finally:
         s.stop()
@@ -308,7 +307,8 @@ def test_serve_refuses_a_bad_metrics_port(args, message):
 
 
 def test_joins_keep_working_while_another_user_floods_the_metrics_port(tmp_path):
-    from rendezvous.client import JobSpec, RendezvousClient
+    from rendezvous.membership import JobSpec
+    from rendezvous.worker_client import RendezvousClient
     from rendezvous.etcd_process import free_port
     from tests.flood import Flood, open_descriptors, other_user
 

@@ -10,8 +10,9 @@ import pytest
 
 from rdzv_helpers import (ServerProc, ServerThread, StallProxy, make_client,
                           server_config, unique, wait_until, wait_world_of)
-from rendezvous.proto import pb, pb_grpc
-from rendezvous.client import Abort, Ended, JobSpec, WorldInfo
+from rendezvous.wire import pb, pb_grpc
+from rendezvous.membership import JobSpec
+from rendezvous.watch_events import Abort, Ended, WorldInfo
 from rendezvous.config import ServerConfig
 from rendezvous.store import EtcdStore
 

@@ -14,8 +14,8 @@ import pytest
 
 import elastic
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
-from rendezvous.proto import pb, pb_grpc
-from rendezvous.client import RendezvousRPCError
+from rendezvous.wire import pb, pb_grpc
+from rendezvous.channel import RendezvousRPCError
 from rendezvous.store import EtcdStore, MemoryStore
 
 TOKEN, OTHER = "tenant-a-token", "tenant-b-token"

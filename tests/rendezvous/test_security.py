@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdzv_helpers import ServerThread, server_config
-from rendezvous.proto import pb, pb_grpc
+from rendezvous.wire import pb, pb_grpc
 from rendezvous.store import MemoryStore
 
 TOKEN = "s3cret-token"
@@ -307,7 +307,9 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
 
 def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(server, stub):
     from rdzv_helpers import unique, wait_world_of
-    from rendezvous.client import JobSpec, RendezvousRPCError, Standby
+    from rendezvous.channel import RendezvousRPCError
+    from rendezvous.membership import JobSpec
+    from rendezvous.watch_events import Standby
     job = unique("success")
     spec = JobSpec(min_np=1, max_np=1)
     a = _member(server, "a", job, spec=spec)
@@ -375,7 +377,8 @@ def test_joins_that_never_watch_do_not_hold_the_job_cap():
 
 def test_a_watched_forming_job_is_not_dropped():
     from rdzv_helpers import make_client, unique
-    from rendezvous.client import JobSpec, Standby
+    from rendezvous.membership import JobSpec
+    from rendezvous.watch_events import Standby
     s = ServerThread(server_config(heartbeat_timeout_s=0.5), MemoryStore)
     try:
         job = unique("forming")
@@ -393,7 +396,7 @@ def test_a_watched_forming_job_is_not_dropped():
 
 def test_a_finished_job_is_launched_again_by_its_own_token_only():
     from rdzv_helpers import make_client, unique, wait_until, wait_world_of
-    from rendezvous.client import RendezvousRPCError
+    from rendezvous.channel import RendezvousRPCError
     s = ServerThread(server_config(insecure=False, tokens=(TOKEN, OTHER), heartbeat_timeout_s=0.5,
                                    leader_ttl_s=1), MemoryStore)
     try:
@@ -432,7 +435,7 @@ def test_peer_supplied_failure_reasons_are_escaped_and_shortened(server, stub, c
     import logging
 
     from rdzv_helpers import unique, wait_world_of
-    from rendezvous.client import Abort
+    from rendezvous.watch_events import Abort
     caplog.set_level(logging.INFO, logger="rendezvous.server")
     job = unique("reasons")
     a, b = _member(server, "a", job), _member(server, "b", job)
@@ -450,7 +453,7 @@ def test_peer_supplied_failure_reasons_are_escaped_and_shortened(server, stub, c
 
 
 def test_a_token_file_holds_one_token_a_line_and_a_one_token_file_still_works(tmp_path):
-    from rendezvous.client import read_token_list
+    from rendezvous.channel import read_token_list
     from rendezvous.config import ServerConfig
     one, two, empty = tmp_path / "one", tmp_path / "two", tmp_path / "empty"
     one.write_text("tok-123\n")
@@ -491,7 +494,7 @@ def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub,
     import threading
     import time
 
-    from rendezvous import checks
+    from rendezvous import request_checks
     release = threading.Event()
     real = socket.getaddrinfo
 
@@ -501,7 +504,7 @@ def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub,
             raise socket.gaierror(socket.EAI_NONAME, "released")
         return real(host, *a, **kw)
 
-    monkeypatch.setattr(checks.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(request_checks.socket, "getaddrinfo", getaddrinfo)
     try:
         codes = []
         for i in range(6):   # more than the pool has threads, all from the other tenant
@@ -515,6 +518,6 @@ def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub,
         started = time.monotonic()
         code, details = code_of(stub.Join, req, timeout=10, metadata=AUTH)
         assert code == grpc.StatusCode.OK, details
-        assert time.monotonic() - started < checks.RESOLVE_TIMEOUT_S + 0.5
+        assert time.monotonic() - started < request_checks.RESOLVE_TIMEOUT_S + 0.5
     finally:
         release.set()

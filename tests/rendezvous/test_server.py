@@ -8,10 +8,11 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import make_client, unique, wait_until, wait_world_of
-from rendezvous.proto import pb, pb_grpc
-from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousRPCError, Standby,
-                               WorldInfo)
+from rdzv_helpers import unique, wait_until, wait_world_of
+from rendezvous.channel import RendezvousRPCError
+from rendezvous.membership import JobSpec
+from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
+from rendezvous.wire import pb
 
 
 def next_of(client, kind, timeout_s=5.0):
@@ -25,14 +26,10 @@ def next_of(client, kind, timeout_s=5.0):
             return ev
 
 
-def stub(server):
-    return pb_grpc.RendezvousStub(grpc.insecure_channel(server.address))
-
-
-def test_joined_workers_get_one_world_with_ranks(serve):
+def test_joined_workers_get_one_world_with_ranks(serve, client):
     s = serve()
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job, host=f"h{i % 2}") for i in range(4)]
+    cs = [client(s.address, f"w{i}", job_id=job, host=f"h{i % 2}") for i in range(4)]
     for c in cs:
         c.join()
     worlds = wait_world_of(cs, 4)
@@ -40,16 +37,14 @@ def test_joined_workers_get_one_world_with_ranks(serve):
     assert [m.host for m in worlds[0].members] == ["h0", "h0", "h1", "h1"]
     assert {(w.rank, w.local_rank, w.cross_rank) for w in worlds} == {(0, 0, 0), (1, 1, 0),
                                                                        (2, 0, 1), (3, 1, 1)}
-    for c in cs:
-        c.close()
 
 
-def test_broken_stream_evicts_and_announces_next_world_promptly(serve):
+def test_broken_stream_evicts_and_announces_next_world_promptly(serve, client):
     # The 0.3 s budget (settle 0.2 s included) is measured by bench/rendezvous_scale.py; here the
     # waits only carry a deadline with headroom for a loaded CI machine.
     s = serve(settle_s=0.2)
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(3)]
+    cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
@@ -58,14 +53,12 @@ def test_broken_stream_evicts_and_announces_next_world_promptly(serve):
     world = next_of(cs[0], WorldInfo, timeout_s=1.0)
     assert abort.world_version == 1 and "watch stream broken" in abort.reason
     assert [m.worker_id for m in world.members] == ["w0", "w2"] and world.version == 2
-    cs[0].close()
-    cs[2].close()
 
 
-def test_clean_leave_is_pending_change_not_abort(serve):
+def test_clean_leave_is_pending_change_not_abort(serve, client):
     s = serve()
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(3)]
+    cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
@@ -80,45 +73,39 @@ def test_clean_leave_is_pending_change_not_abort(serve):
             break
     assert not any(isinstance(e, Abort) for e in events)
     assert events[-1].version == 2 and events[-1].size == 2
-    cs[0].close()
-    cs[1].close()
 
 
-def test_hot_spare_replaces_failed_member(serve):
+def test_hot_spare_replaces_failed_member(serve, client):
     s = serve()
     job = unique("job")
     spec = JobSpec(min_np=2, max_np=2)
-    cs = [make_client(s.address, f"w{i}", job_id=job, spec=spec) for i in range(2)]
+    cs = [client(s.address, f"w{i}", job_id=job, spec=spec) for i in range(2)]
     for c in cs:
         c.join()
     wait_world_of(cs, 2)
-    spare = make_client(s.address, "spare", job_id=job, spec=spec)
+    spare = client(s.address, "spare", job_id=job, spec=spec)
     spare.join()
     assert next_of(spare, Standby).reason == ("beyond max_np=2: a hot spare, it takes the place of the next member "
                                               "that fails or leaves")
     cs[0].close()
     worlds = wait_world_of([cs[1], spare], 2, min_version=2)
     assert [m.worker_id for m in worlds[0].members] == ["w1", "spare"]
-    cs[1].close()
-    spare.close()
 
 
-def test_simultaneous_joins_become_one_world(serve):
+def test_simultaneous_joins_become_one_world(serve, client):
     s = serve(settle_s=0.3)
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(6)]
+    cs = [client(s.address, f"w{i}", job_id=job) for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
         list(ex.map(lambda c: c.join(), cs))
     worlds = wait_world_of(cs, 6)
     assert worlds[0].version == 1
-    for c in cs:
-        c.close()
 
 
-def test_highest_committed_step_becomes_rank_zero_of_next_world(serve):
+def test_highest_committed_step_becomes_rank_zero_of_next_world(serve, client):
     s = serve()
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(3)]
+    cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
@@ -127,14 +114,12 @@ def test_highest_committed_step_becomes_rank_zero_of_next_world(serve):
     cs[0].close()
     worlds = wait_world_of(cs[1:], 2, min_version=2)
     assert [m.worker_id for m in worlds[0].members] == ["w2", "w1"]
-    cs[1].close()
-    cs[2].close()
 
 
-def test_report_failure_evicts_suspect_without_stream_at_once(serve):
+def test_report_failure_evicts_suspect_without_stream_at_once(serve, client, stub):
     s = serve(heartbeat_timeout_s=30.0)
     job = unique("job")
-    a = make_client(s.address, "a", job_id=job)
+    a = client(s.address, "a", job_id=job)
     a.join()
     raw = stub(s)  # b: a bare stub that will not reattach once its stream is gone
     sid = raw.Join(pb.JoinRequest(job_id=job, worker_id="b", host="h", ring_address="127.0.0.1:5",
@@ -149,13 +134,12 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve):
     assert next_of(a, Abort, timeout_s=2.0).world_version == world.version
     assert next_of(a, WorldInfo, timeout_s=2.0).size == 1
     call.cancel()
-    a.close()
 
 
-def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve):
+def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve, client, stub):
     s = serve(heartbeat_timeout_s=1.0)
     job = unique("job")
-    a = make_client(s.address, "a", job_id=job)
+    a = client(s.address, "a", job_id=job)
     a.join()
     raw = stub(s)
     sessions = {}
@@ -188,69 +172,63 @@ def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve
     assert not resp.evicted and "did not answer the probe" in resp.detail, resp.detail
     for call in calls.values():
         call.cancel()
-    a.close()
 
 
 async def _detach(s, job, worker):
     """Forget a worker's stream without evicting it (what a new leader starts with)."""
-    from rendezvous.jobs import END
+    from rendezvous.job_record import END
     stream = s.service.jobs[job].streams.pop(worker)
     stream.closed_by_server = True
     stream.queue.put_nowait(END)
 
 
-def test_report_failure_of_live_peer_is_refuted_by_probe(serve):
+def test_report_failure_of_live_peer_is_refuted_by_probe(serve, client):
     s = serve()
     job = unique("job")
-    a, b = (make_client(s.address, w, job_id=job) for w in "ab")
+    a, b = (client(s.address, w, job_id=job) for w in "ab")
     a.join()
     b.join()
     w = wait_world_of([a, b], 2)[0]
     assert a.report_failure("b", w.version, "timeout") is False
     assert a.report_failure("b", w.version - 1, "old") is False     # stale version ignored
     assert s.service.jobs[job].state.version == w.version
-    a.close()
-    b.close()
 
 
-def test_repeatedly_failing_host_is_blacklisted(serve):
+def test_repeatedly_failing_host_is_blacklisted(serve, client, stub):
     s = serve(blacklist_after=1, cooldown_min_s=30.0)
     job = unique("job")
-    good = make_client(s.address, "good", job_id=job, host="good")
-    bad = make_client(s.address, "bad", job_id=job, host="bad")
+    good = client(s.address, "good", job_id=job, host="good")
+    bad = client(s.address, "bad", job_id=job, host="bad")
     good.join()
     bad.join()
     wait_world_of([good, bad], 2)
     bad.close()
     next_of(good, Abort)
-    again = make_client(s.address, "bad2", job_id=job, host="bad")
+    again = client(s.address, "bad2", job_id=job, host="bad")
     with pytest.raises(RendezvousRPCError) as e:
         again.join()
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "blacklisted" in str(e.value)
     status = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5)
     assert list(status.jobs[0].blacklisted_hosts) == ["bad"]
-    good.close()
-    again.close()
 
 
-def test_below_min_np_fails_job_after_elastic_timeout(serve):
+def test_below_min_np_fails_job_after_elastic_timeout(serve, client):
     s = serve()
     job = unique("job")
     spec = JobSpec(min_np=2, max_np=2, elastic_timeout_s=0.5)
-    a, b = (make_client(s.address, w, job_id=job, spec=spec) for w in "ab")
+    a, b = (client(s.address, w, job_id=job, spec=spec) for w in "ab")
     a.join()
     b.join()
     wait_world_of([a, b], 2)
     b.close()
     fin = next_of(a, Finished, timeout_s=5.0)
     assert not fin.succeeded and "below min_np=2" in fin.reason
-    a.close()
 
 
-def test_success_of_one_worker_finishes_job_for_all(serve):
+def test_success_of_one_worker_finishes_job_for_all(serve, client):
     s = serve()
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(3)]
+    cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
@@ -258,18 +236,16 @@ def test_success_of_one_worker_finishes_job_for_all(serve):
     for c in cs:
         fin = next_of(c, Finished)
         assert fin.succeeded and "w1" in fin.reason
-    late = make_client(s.address, "late", job_id=job)
+    late = client(s.address, "late", job_id=job)
     with pytest.raises(RendezvousRPCError) as e:
         late.join()
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.finished is True
-    for c in cs + [late]:
-        c.close()
 
 
-def test_evicted_worker_learns_its_session_ended(serve):
+def test_evicted_worker_learns_its_session_ended(serve, client):
     s = serve()
     job = unique("job")
-    a, b = (make_client(s.address, w, job_id=job) for w in "ab")
+    a, b = (client(s.address, w, job_id=job) for w in "ab")
     a.join()
     b.join()
     wait_world_of([a, b], 2)
@@ -277,8 +253,6 @@ def test_evicted_worker_learns_its_session_ended(serve):
     s.call(_evict(s, job, "b"))
     ended = next_of(b, Ended)
     assert ended.reason.startswith("NOT_FOUND") and "evicted" in ended.reason
-    a.close()
-    b.close()
 
 
 async def _evict(s, job, worker):
@@ -286,13 +260,13 @@ async def _evict(s, job, worker):
     svc.evict(svc.jobs[job], worker, "test eviction")
 
 
-def test_status_lists_jobs_members_and_ranks(serve):
+def test_status_lists_jobs_members_and_ranks(serve, client, stub):
     from rendezvous.cli import format_status
-    from rendezvous.client import StatusClient
+    from rendezvous.status_client import StatusClient
 
     s = serve()
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job, host="node") for i in range(2)]
+    cs = [client(s.address, f"w{i}", job_id=job, host="node") for i in range(2)]
     for c in cs:
         c.join()
     wait_world_of(cs, 2)
@@ -307,28 +281,24 @@ def test_status_lists_jobs_members_and_ranks(serve):
         ("w0", 0, True), ("w1", 1, True)]
     table = format_status(answer)
     assert f"job {job}  phase RUNNING  world 1" in table and "w1" in table
-    for c in cs:
-        c.close()
 
 
-def test_64_concurrent_clients_agree_on_one_world(serve):
+def test_64_concurrent_clients_agree_on_one_world(serve, client):
     s = serve(settle_s=0.2)
     job = unique("job")
-    cs = [make_client(s.address, f"w{i:02d}", job_id=job, host=f"h{i // 8}",
+    cs = [client(s.address, f"w{i:02d}", job_id=job, host=f"h{i // 8}",
                       spec=JobSpec(min_np=64, max_np=64)) for i in range(64)]
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda c: c.join(), cs))
     worlds = wait_world_of(cs, 64, timeout_s=20.0)
     assert worlds[0].version == 1
     assert all(w.local_size == 8 and w.cross_size == 8 for w in worlds)
-    for c in cs:
-        c.close()
 
 
-def test_finished_job_is_forgotten_after_retention_and_its_id_reusable(serve):
+def test_finished_job_is_forgotten_after_retention_and_its_id_reusable(serve, client, stub):
     s = serve(finished_job_retention_s=0.3)
     job = unique("job")
-    a = make_client(s.address, "a", job_id=job)
+    a = client(s.address, "a", job_id=job)
     a.join()
     wait_world_of([a], 1)
     a.report_success()
@@ -342,17 +312,15 @@ def test_finished_job_is_forgotten_after_retention_and_its_id_reusable(serve):
             return e.code() == grpc.StatusCode.NOT_FOUND
         return False
     wait_until(forgotten, 5.0, f"job {job} to be forgotten")
-    again = make_client(s.address, "b", job_id=job)
+    again = client(s.address, "b", job_id=job)
     again.join()
     assert wait_world_of([again], 1)[0].version == 1   # a fresh job under the same id
-    a.close()
-    again.close()
 
 
-def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(serve):
+def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(serve, client, stub):
     s = serve(heartbeat_timeout_s=1.0)
     job = unique("job")
-    a = make_client(s.address, "a", job_id=job)
+    a = client(s.address, "a", job_id=job)
     a.join()
     stub(s).Join(pb.JoinRequest(job_id=job, worker_id="ghost", host="ghost-host",
                                 ring_address="127.0.0.1:5", committed_step=-1), timeout=5)
@@ -368,17 +336,16 @@ def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(
     status = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
     assert status.world_version == world.version    # it never was in a world: nothing to re-form
     assert list(status.blacklisted_hosts) == []
-    a.close()
 
 
-def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve):
+def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve, client, stub):
     """While a write is slow (or will fail), a reattaching worker must see what is stored."""
     import asyncio
     import json
 
     s = serve(settle_s=0.05)
     job = unique("job")
-    cs = [make_client(s.address, w, job_id=job) for w in "abc"]
+    cs = [client(s.address, w, job_id=job) for w in "abc"]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
@@ -404,14 +371,12 @@ def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve
     finally:
         s.loop.call_soon_threadsafe(gate.set)
         store.put = real_put
-    for c in (cs[0], cs[2]):
-        c.close()
 
 
-def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve):
+def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client):
     s = serve()
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(4)]
+    cs = [client(s.address, f"w{i}", job_id=job) for i in range(4)]
     for c in cs:
         c.join()
     wait_world_of(cs, 4)
@@ -435,14 +400,12 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve):
         assert len(writes) >= 1
     finally:
         store.put = real_put
-    for c in cs[1:]:
-        c.close()
 
 
-def test_committed_step_is_resent_when_reattaching(serve):
+def test_committed_step_is_resent_when_reattaching(serve, client):
     s = serve(heartbeat_timeout_s=30.0)
     job = unique("job")
-    cs = [make_client(s.address, w, job_id=job) for w in ("a", "b", "c")]
+    cs = [client(s.address, w, job_id=job) for w in ("a", "b", "c")]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
@@ -453,8 +416,6 @@ def test_committed_step_is_resent_when_reattaching(serve):
     cs[0].close()
     worlds = wait_world_of(cs[1:], 2, min_version=2)
     assert [m.worker_id for m in worlds[0].members] == ["c", "b"]
-    for c in cs[1:]:
-        c.close()
 
 
 async def _forget_steps(s, job):
@@ -464,14 +425,14 @@ async def _forget_steps(s, job):
                                         for k, w in j.state.workers.items()})
 
 
-def test_write_that_landed_but_reported_an_error_keeps_leadership(serve):
+def test_write_that_landed_but_reported_an_error_keeps_leadership(serve, client):
     """An ambiguous etcd write (applied, response lost): the retry's CAS is refused because our own
     write moved the revision; re-reading shows our bytes, so the replica carries on leading."""
     from rendezvous.store import StoreError
 
     s = serve()
     job = unique("job")
-    cs = [make_client(s.address, f"w{i}", job_id=job) for i in range(3)]
+    cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
@@ -493,18 +454,16 @@ def test_write_that_landed_but_reported_an_error_keeps_leadership(serve):
         assert s.service.is_leader and s.service.leadership_losses == 0
     finally:
         store.put = real_put
-    for c in cs[:2]:
-        c.close()
 
 
-def test_membership_events_are_logged_when_they_take_effect_not_when_decided(serve, caplog):
+def test_membership_events_are_logged_when_they_take_effect_not_when_decided(serve, client, caplog):
     import asyncio
     import logging
 
     caplog.set_level(logging.INFO, logger="rendezvous.server")
     s = serve(settle_s=0.05)
     job = unique("job")
-    cs = [make_client(s.address, w, job_id=job) for w in "ab"]
+    cs = [client(s.address, w, job_id=job) for w in "ab"]
     for c in cs:
         c.join()
     wait_world_of(cs, 2)
@@ -526,10 +485,9 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
         store.put = real_put
     wait_until(lambda: f"job {job}: world 2 announced" in caplog.text, 5.0, "the announcement log")
     assert f"job {job}: abort world 1" in caplog.text
-    cs[0].close()
 
 
-def test_store_error_while_creating_a_job_is_unavailable(serve):
+def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
     from rendezvous.store import StoreError
 
     s = serve()
@@ -551,7 +509,7 @@ def test_store_error_while_creating_a_job_is_unavailable(serve):
         store.put = real_put
 
 
-def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again():
+def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again(client):
     """etcd stalls right after the campaign: the lease lapses while the jobs load. The replica
     must notice and lead again once etcd answers, not believe it leads and serve nothing."""
     from rdzv_helpers import ServerThread, server_config
@@ -578,7 +536,7 @@ def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again():
     try:
         assert StallAfterCampaign.loads >= 2, "the replica must have loaded the jobs again"
         assert s.service.is_leader
-        c = make_client([s.address], "w0", job_id=unique("job"))
+        c = client([s.address], "w0", job_id=unique("job"))
         c.join(timeout_s=10)  # served
         c.close()
     finally:

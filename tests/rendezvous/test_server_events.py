@@ -9,9 +9,11 @@ import pytest
 
 from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config, unique, wait_until
 from rendezvous import decision as d
-from rendezvous.client import JobSpec, StatusClient
-from rendezvous.events import EVENTS, EventLog
-from rendezvous.history import RECENT_PER_JOB, describe
+from rendezvous.membership import JobSpec
+from rendezvous.status_client import StatusClient
+from rendezvous.event_log import EVENTS, EventLog
+from rendezvous.description import describe
+from rendezvous.history import RECENT_PER_JOB
 from rendezvous.store import MemoryStore
 
 
@@ -40,12 +42,12 @@ M = (d.Member("a", "h1", "h1:1", 0, 0, 1, 0, 2, 5), d.Member("b", "h2", "h2:1", 
     (d.AnnouncePending(3, "x"), None, None, None),
 ])
 def test_each_delivered_action_is_one_event_or_none(action, event, worker, fields):
-    got = describe(action)
+    got = describe(action, 3)
     if event is None:
-        assert got is None
+        assert got.event is None
         return
-    assert (got[0], got[1], got[2]) == (event, worker, fields)
-    assert got[0] in EVENTS and got[3] and "\x1b" not in got[3]
+    assert (got.event, got.worker_id, dict(got.fields)) == (event, worker, fields)
+    assert got.event in EVENTS and got.detail and "\x1b" not in got.detail
 
 
 def test_event_log_of_join_kill_reform_finish_has_exactly_those_events_in_order(tmp_path):
@@ -194,17 +196,16 @@ def test_a_served_process_writes_its_start_and_graceful_stop(tmp_path):
 
 def test_recent_events_go_only_to_the_owner_they_were_recorded_for():
     from rendezvous.history import History
-    from rendezvous.jobs import Job
 
     h = History()
-    mine = Job(state=d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-a"), revision=1)
+    mine = d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-a")
     h.job(mine, "job_created")
     h.job(mine, "worker_joined", worker_id="w")
     assert [e.event for e in h.recent("j", "cred-a", 10)] == ["job_created", "worker_joined"]
     assert h.recent("j", "cred-a", 1)[0].event == "worker_joined"      # the newest n
     assert h.recent("j", "cred-b", 10) == [] and h.recent("j", "cred-a", 0) == []
     # The id forgotten and taken by another token: its history starts empty.
-    theirs = Job(state=d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-b"), revision=2)
+    theirs = d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-b")
     h.job(theirs, "job_created")
     assert [e.event for e in h.recent("j", "cred-b", 10)] == ["job_created"]
     assert h.recent("j", "cred-a", 10) == []

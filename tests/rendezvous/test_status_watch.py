@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from rdzv_helpers import REPO, ServerProc, child_env, unique, wait_until
-from rendezvous.client import JobEventInfo, JobStatusInfo, MemberStatusInfo, StatusInfo
+from rendezvous.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo, StatusInfo
 from rendezvous.status_view import fit, format_age, format_status, frame, safe
 
 

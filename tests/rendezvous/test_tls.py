@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from rdzv_helpers import REPO, ServerProc, child_env, make_client, unique, wait_world_of
-from rendezvous.client import RendezvousRPCError, channel_credentials
+from rendezvous.channel import RendezvousRPCError, channel_credentials
 from rendezvous.config import ServerConfig
 from tests.certs import make_pki
 
@@ -240,7 +240,7 @@ def test_elastic_run_warns_when_its_token_would_cross_the_network_in_clear_text(
     (" , ", "needs HOST:PORT"),
 ])
 def test_parse_addresses(text, result):
-    from rendezvous.client import parse_addresses
+    from rendezvous.channel import parse_addresses
 
     if isinstance(result, tuple):
         assert parse_addresses(text, "--x") == result
@@ -258,7 +258,7 @@ def test_parse_addresses(text, result):
     (b"t" * 5000, "printable ASCII"),
 ])
 def test_read_token_file(content, result, tmp_path):
-    from rendezvous.client import read_token_file
+    from rendezvous.channel import read_token_file
 
     path = tmp_path / "token"
     path.write_bytes(content)

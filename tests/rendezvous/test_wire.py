@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from rendezvous import decision as d
-from rendezvous import wire
-from rendezvous.proto import pb
+from rendezvous import server_wire, wire
+from rendezvous.wire import pb
 
 OUTCOME = wire.JOB_OUTCOME_KEY
 
@@ -38,7 +38,7 @@ def test_the_job_outcome_is_read_from_its_metadata_key_only(metadata, finished):
     ("", False, ((OUTCOME, "failed"),)),
 ])
 def test_a_status_error_carries_its_hint_and_outcome_as_trailing_metadata(leader, finished, metadata):
-    e = wire.RpcRefusal(grpc.StatusCode.UNAVAILABLE, "m", leader=leader, finished=finished)
+    e = server_wire.RpcRefusal(grpc.StatusCode.UNAVAILABLE, "m", leader=leader, finished=finished)
     assert e.trailing_metadata() == metadata
     assert wire.job_outcome(metadata) is finished and wire.leader_hint(metadata) == leader
 
@@ -52,12 +52,12 @@ def test_a_status_error_carries_its_hint_and_outcome_as_trailing_metadata(leader
 ])
 def test_a_refusal_gets_its_code_from_its_kind_and_an_outcome_only_when_the_job_is_over(
         kind, phase, code, finished):
-    e = wire.refusal(d.Rejected("w", "why", kind), "job j: why", phase)
+    e = server_wire.refusal(d.Rejected("w", "why", kind), "job j: why", phase)
     assert (e.code, e.finished, e.message) == (code, finished, "job j: why")
 
 
 def test_every_refusal_kind_has_a_code():
-    assert set(wire.REFUSAL_CODES) == set(d.Refusal)
+    assert set(server_wire.REFUSAL_CODES) == set(d.Refusal)
 
 
 def _members(n, hosts=2, step=-1):
@@ -73,17 +73,17 @@ def _members(n, hosts=2, step=-1):
 ], ids=["one", "five", "six-hundred"])
 def test_the_spliced_world_is_the_world_each_member_would_be_sent(members):
     action = d.AnnounceWorld(7, members, ())
-    got = dict(wire.spliced_worlds(action, {m.worker_id for m in members}))
+    got = dict(server_wire.spliced_worlds(action, {m.worker_id for m in members}))
     assert set(got) == {m.worker_id for m in members}
     for m in members:
         event = pb.WatchEvent.FromString(got[m.worker_id])
-        assert event == wire.world_event(7, members, m)
+        assert event == server_wire.world_event(7, members, m)
         assert event.world.rank == m.rank and event.world.size == len(members)
 
 
 def test_the_spliced_world_goes_only_to_members_with_a_stream():
     members = _members(3)
-    assert [w for w, _ in wire.spliced_worlds(d.AnnounceWorld(1, members, ()), {"w2", "stranger"})] == ["w2"]
+    assert [w for w, _ in server_wire.spliced_worlds(d.AnnounceWorld(1, members, ()), {"w2", "stranger"})] == ["w2"]
 
 
 @pytest.mark.parametrize("action, kind", [
@@ -91,7 +91,7 @@ def test_the_spliced_world_goes_only_to_members_with_a_stream():
     (d.AnnounceAbort(3, "worker b evicted"), "abort"),
 ])
 def test_notices_go_out_as_their_own_event_kind(action, kind):
-    event = wire.notice_event(action)
+    event = server_wire.notice_event(action)
     assert event.WhichOneof("event") == kind
     assert (getattr(event, kind).world_version, getattr(event, kind).reason) == (3, action.reason)
 
@@ -105,7 +105,7 @@ WORLD = _members(2, hosts=1)
 
 
 @pytest.mark.parametrize("state, worker, kinds, reason", [
-    (_state(), "w0", ["standby"], wire.NO_WORLD_YET),
+    (_state(), "w0", ["standby"], server_wire.NO_WORLD_YET),
     (_state(version=1, world=WORLD, phase=d.Phase.RUNNING), "spare", ["standby"],
      "beyond max_np=2: a hot spare, it takes the place of the next member that fails or leaves"),
     (_state(version=1, world=WORLD, phase=d.Phase.RUNNING), "w1", ["world"], None),
@@ -115,7 +115,7 @@ WORLD = _members(2, hosts=1)
      ["finished"], "worker w0 reported success"),
 ], ids=["no-world", "hot-spare", "member", "member-of-aborted-world", "finished"])
 def test_a_reattaching_worker_first_gets_what_the_stored_state_says_of_it(state, worker, kinds, reason):
-    events = wire.snapshot(state, worker, 0.0)
+    events = server_wire.snapshot(state, worker, 0.0)
     assert [e.WhichOneof("event") for e in events] == kinds
     first = getattr(events[0], kinds[0])
     if kinds[0] == "world":

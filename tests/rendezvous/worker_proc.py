@@ -12,8 +12,9 @@ import time
 
 sys.path.insert(0, sys.argv[0].rsplit("/tests/", 1)[0])  # the repository root
 
-from rendezvous.client import (Abort, Ended, Finished, JobSpec, Pending, RendezvousClient, Standby,
-                               WorldInfo)
+from rendezvous.membership import JobSpec
+from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
+from rendezvous.worker_client import RendezvousClient
 
 
 def emit(**kw):

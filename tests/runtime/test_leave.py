@@ -11,7 +11,7 @@ import time
 import pytest
 
 from elastic.preemption import REPEAT_WINDOW_S, insists
-from rendezvous.client import StatusClient
+from rendezvous.status_client import StatusClient
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical, check_no_commit_lost
 
 from .jobs import wait_until

@@ -2,8 +2,8 @@
 
 from elastic.reaction import (AbortRing, Note, View, holding, membership_pending, react, rejoined, superseded,
                               world_to_take)
-from rendezvous.client import Abort, Ended, Finished, Pending, Standby, WorldInfo
-from rendezvous.decision import Member
+from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
+from rendezvous.membership import Member
 
 
 def world(version, *ids, me="w0"):

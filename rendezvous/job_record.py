@@ -1,7 +1,7 @@
 """The leader's in-memory record of each job it serves, and of each open Watch stream.
 
 A job's record holds its state as decided and as last stored (the journal's), and what hangs on it:
-open streams, reattach and idle deadlines, outstanding probes, its timer."""
+open streams, its liveness clocks (liveness.py, their one owner), outstanding probes, its timer."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import decision as d
+from .liveness import Liveness
 
 # Queued on a stream: end it without a status (the client reconnects, or the job is over).
 END = object()
@@ -17,7 +18,7 @@ END = object()
 @dataclass
 class Stream:
     """One open Watch: the handler writes what is queued (WatchEvents, serialized ones, END, or a
-    wire.RpcRefusal to fail the call with)."""
+    server_wire.RpcRefusal to fail the call with)."""
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     closed_by_server: bool = False
@@ -28,22 +29,17 @@ class Stream:
 class Job:
     state: d.JobState
     revision: int                          # store revision of the last durable state
+    liveness: Liveness                     # Watch deadlines, idle deadline, recovery clock
     durable_state: Optional[d.JobState] = None  # the state as last written (what Watch snapshots show)
     seq: int = 0                           # in-memory change counter
     durable_seq: int = 0
     outbox: list = field(default_factory=list)          # (seq, action, state the decision started from)
     streams: dict = field(default_factory=dict)         # worker_id -> Stream
-    attach_deadline: dict = field(default_factory=dict)  # worker_id -> (wall time, why evicted)
     probes: dict = field(default_factory=dict)          # nonce -> (worker id probed, Future)
     durable: asyncio.Condition = field(default_factory=asyncio.Condition)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     flushing: bool = False
     timer: Optional[asyncio.Task] = None
-    # Wall time at which the job is dropped if it still has no world and no open stream.
-    idle_deadline: Optional[float] = None
     # Set (and replaced) whenever a stream attaches: what a report waiting for a suspect waits on.
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False                  # being removed from the store or replaced: RPCs retry
-    # Monotonic: the first failure signal since the last world was announced (the recovery
-    # histogram measures from it to the next world).
-    failure_at: Optional[float] = None

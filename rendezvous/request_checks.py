@@ -1,4 +1,4 @@
-"""Checks of the fields a caller sends (ids, hosts, ring addresses), and peer text made safe to show.
+"""Checks of the fields a caller sends: ids, hosts, steps, ring addresses (and their name lookups).
 
 Every check fails with INVALID_ARGUMENT naming the field and the rule. Patterns are used with
 fullmatch: `$` in re.match would also accept a trailing newline.
@@ -14,14 +14,13 @@ import time
 
 import grpc
 
-from .wire import RpcRefusal
+from .server_wire import RpcRefusal
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 HOST_RE = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")
 ADDR_RE = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,255}:[0-9]{1,5}")
 RESOLVE_TIMEOUT_S = 1.0       # a ring address's name must resolve within this (Join waits for it)
 MAX_REASON = 1024
-SHOWN_CHARS = 200             # peer-supplied text is cut to this in logs and events
 
 
 def bad(name: str, value, rule: str) -> RpcRefusal:
@@ -44,14 +43,6 @@ def check_host(value: str) -> None:
 def check_step(value: int) -> None:
     if value < -1:
         raise bad("committed_step", value, ">= -1")
-
-
-def shown(text: str, limit: int = SHOWN_CHARS) -> str:
-    """Text a peer chose, as it may appear in a log line or an event: characters that are not
-    printable (newlines, terminal escapes, bidi overrides) written as escapes, at most `limit`
-    characters, so it can neither forge log lines nor drive a terminal."""
-    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-    return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 class Resolver:

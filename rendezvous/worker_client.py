@@ -16,22 +16,12 @@ that is tried next), costs one backoff step, never an error, until the call's de
     client.leave()                                   # or client.report_success()
     client.close()
 
-How the runtime reads the events: after `Abort(V)` a member of V failed, so abort what is in flight
-and form the ring of the next `WorldInfo`; after `Pending(V)` a clean join/leave is coming, so keep
-training in V and move to the next `WorldInfo` at a commit boundary every member agrees on. A
-`Standby` worker waits for a world that includes it. `Ended` means the server no longer knows this
-session (it was evicted, e.g. after being stopped longer than the heartbeat timeout): join again.
+What each event means to the runtime is said in watch_events.py.
 
 How the job ended comes typed, never as text to parse: a `Finished` event while watching; and when
 this worker learns it only from a refusal (its session ended with the job, or a Join came after the
 end), `Ended.finished` and `RendezvousRPCError.finished` are True (succeeded) or False (failed),
 from the server's `elastic-job-outcome` trailing metadata. None means "not because the job is over".
-
-TLS: `channel_credentials(ca, cert, key)` reads the PEM files once (a clear ValueError naming the
-flag or variable if one is unreadable) and is what every client of the service uses: workers, the
-launcher's Status polls, `elastic-rendezvous status`, and the rendezvous server's etcd connection.
-With a CA the channel is TLS and never falls back to plaintext, so a token sent on it only crosses
-TLS; a certificate and key are presented to servers that require client certificates.
 
 Liveness needs nothing from the caller: the open Watch stream plus gRPC keepalive (answered by gRPC's
 C core, without the GIL) tell the server this process is alive.
@@ -47,21 +37,20 @@ the Communicator.
 """
 from __future__ import annotations
 
-import dataclasses
-import ipaddress
 import logging
 import queue
 import random
 import threading
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import grpc
 
 from . import wire
-from ._proto import rendezvous_pb2 as pb
-from ._proto import rendezvous_pb2_grpc as pb_grpc
-from .decision import DEFAULT_MAX_NP, JobSpec, Member
+from .channel import RendezvousRPCError, channel_options, open_channel
+from .membership import JobSpec
+from .watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
+from .wire import pb, pb_grpc
 
 log = logging.getLogger("rendezvous.client")
 
@@ -69,199 +58,7 @@ log = logging.getLogger("rendezvous.client")
 # are server bugs, and repeating the request would repeat them.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED)
-# Codes a server answers a caller it refuses with: retrying with the same credentials is pointless.
-_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _MIN_RING_SECRET = 16   # bytes; a server that sends less is not one this client can trust
-
-
-class RendezvousRPCError(RuntimeError):
-    """A rendezvous call failed for good; `code` is the gRPC status code (None: no server reached).
-    `finished` is True/False when it was refused because the job succeeded/failed, else None."""
-
-    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None, *,
-                 finished: Optional[bool] = None):
-        super().__init__(message)
-        self.code = code
-        self.finished = finished
-
-
-@dataclasses.dataclass(frozen=True)
-class WorldInfo:
-    """A world this worker is a member of."""
-
-    version: int
-    members: tuple[Member, ...]
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    """A clean join/leave is coming: switch to the next world at a commit boundary."""
-
-    world_version: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    """A member of `world_version` failed: abort what is in flight and wait for the next world."""
-
-    world_version: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Standby:
-    world_version: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    succeeded: bool
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Ended:
-    """This session is over (evicted, replaced, or no server reachable): join again or give up.
-    `finished` is True/False when it ended because the job succeeded/failed (join no more)."""
-
-    reason: str
-    finished: Optional[bool] = None
-
-
-Event = Union[WorldInfo, Pending, Abort, Standby, Finished, Ended]
-
-
-def channel_options(keepalive_s: float = 1.0) -> list[tuple[str, int]]:
-    """gRPC channel options of a worker: ping the server every `keepalive_s` to notice a dead or
-    stopped server within about 3x that and reconnect elsewhere; no transparent retries (ours
-    fail over across addresses instead)."""
-    return [
-        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(keepalive_s * 2000)),
-        ("grpc.http2.ping_timeout_ms", int(keepalive_s * 2000)),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.enable_retries", 0),
-    ]
-
-
-# What a PEM file may hold at most: a long chain is a few tens of KiB; more is not a PEM file.
-_PEM_MAX_BYTES = 1 << 20
-
-
-def _read_bounded(path: str, what: str, limit: int, too_large: str) -> bytes:
-    """At most `limit` bytes of the file at `path`; ValueError naming `what` (its flag or
-    variable) when it cannot be read or is larger, `too_large` saying what it should be."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
-    if len(raw) > limit:
-        raise ValueError(f"{what} {path} is larger than {limit} bytes: {too_large}")
-    return raw
-
-
-def read_pem(path: str, what: str) -> bytes:
-    """The PEM file at `path`; ValueError naming `what` (its flag or variable) if it is unreadable,
-    too large or holds no PEM block (gRPC would only fail later, at connect, without naming it)."""
-    data = _read_bounded(path, what, _PEM_MAX_BYTES, "not a PEM file")
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{what} {path} is not a PEM file (no '-----BEGIN' line)")
-    return data
-
-
-def channel_credentials(ca: Optional[str], cert: Optional[str] = None, key: Optional[str] = None,
-                        *, names: Sequence[str] = ("--tls-ca", "--tls-cert", "--tls-key")
-                        ) -> Optional[grpc.ChannelCredentials]:
-    """TLS credentials of a client: trust the CA certificate(s) in `ca`, and present the client
-    certificate `cert` with its private key `key` when given (servers started with a client CA
-    require one). None without `ca`: a plaintext channel. `names` are how the caller calls the three
-    files (flags or variables), for the errors: unreadable files, a cert without its key, a client
-    certificate without a CA (it would never be sent)."""
-    ca_name, cert_name, key_name = names
-    if not ca:
-        if cert or key:
-            raise ValueError(f"{cert_name if cert else key_name} needs {ca_name}: a client "
-                             "certificate is only presented over TLS")
-        return None
-    if bool(cert) != bool(key):
-        raise ValueError(f"{cert_name} and {key_name} must be given together")
-    return grpc.ssl_channel_credentials(
-        root_certificates=read_pem(ca, ca_name),
-        private_key=read_pem(key, key_name) if key else None,
-        certificate_chain=read_pem(cert, cert_name) if cert else None)
-
-
-def open_channel(address: str, credentials: Optional[grpc.ChannelCredentials] = None,
-                 options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
-    """A channel to `address`: TLS with `credentials` (from `channel_credentials`), else plaintext."""
-    if credentials is not None:
-        return grpc.secure_channel(address, credentials, options=list(options))
-    return grpc.insecure_channel(address, options=list(options))
-
-
-def parse_addresses(text: str, what: str) -> tuple[str, ...]:
-    """A comma-separated `HOST:PORT[,HOST:PORT...]` list (blanks ignored); ValueError naming `what`
-    for an entry that is not HOST:PORT with a port in 1..65535, or for an empty list."""
-    out = tuple(a.strip() for a in text.split(",") if a.strip())
-    if not out:
-        raise ValueError(f"{what} needs HOST:PORT[,HOST:PORT...]")
-    for a in out:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{what}: {a!r} is not HOST:PORT")
-    return out
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine only;
-    wildcards (0.0.0.0, ::, empty) and other names are not."""
-    host = host.strip().strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-
-
-_TOKEN_RULE = "a token is up to 4096 printable ASCII characters"
-
-
-def _check_token(token: bytes, what: str, path: str) -> str:
-    if len(token) > 4096 or any(b < 0x20 or b > 0x7e for b in token):
-        raise ValueError(f"{what} {path} must hold tokens of up to 4096 printable ASCII characters")
-    return token.decode("ascii")
-
-
-def read_token_file(path: str, what: str) -> str:
-    """The token in the file at `path` (surrounding whitespace dropped); ValueError naming `what`
-    when it is unreadable, empty, or holds what an HTTP/2 header cannot carry."""
-    token = _read_bounded(path, what, 4096, _TOKEN_RULE).strip()
-    if not token:
-        raise ValueError(f"{what} {path} is empty")
-    return _check_token(token, what, path)
-
-
-def read_token_list(path: str, what: str) -> tuple[str, ...]:
-    """The tokens a server accepts: one a line, blank lines ignored, so a one-token file works
-    as is. ValueError naming `what` when the file is unreadable, holds none, or a bad one."""
-    lines = (line.strip() for line in _read_bounded(path, what, 1 << 20, _TOKEN_RULE).splitlines())
-    tokens = tuple(dict.fromkeys(_check_token(t, what, path) for t in lines if t))
-    if not tokens:
-        raise ValueError(f"{what} {path} is empty")
-    return tokens
 
 
 def _world(w: pb.World) -> WorldInfo:
@@ -304,7 +101,7 @@ class RendezvousClient:
         self._watch_thread: Optional[threading.Thread] = None
         self._watch_call = None
         # Guards the session number, session id, event queue pushes and the watching flag.
-        self._session = threading.Condition()
+        self._session_lock = threading.Condition()
         self._gen = 0                       # session number: bumped by every join()
         self._watching = False              # a watch thread runs (or is about to) for this client
         self._committed_step = -1           # resent on every (re)attach: the server keeps it soft
@@ -377,7 +174,7 @@ class RendezvousClient:
         emptied and nothing from the old session is delivered any more. The previous session id is
         sent along: the server lets a worker id that is still registered join again only with it.
         """
-        with self._session:
+        with self._session_lock:
             self._gen += 1
             old_sid, self.session_id = self.session_id, None   # the watch thread pauses meanwhile
             self._committed_step = max(self._committed_step, committed_step)
@@ -389,19 +186,20 @@ class RendezvousClient:
                 job_id=self.job_id, worker_id=self.worker_id, host=self.host,
                 ring_address=self.ring_address, committed_step=committed_step,
                 spec=wire.spec_pb(self.spec), session_id=old_sid or "",
-                spec_if_new=wire.spec_pb(self.spec_if_new) if self.spec_if_new else None), timeout_s,
+                spec_if_new=wire.spec_pb(self.spec_if_new) if self.spec_if_new else None),
+                timeout_s,
                 again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,))
             if len(resp.ring_secret) < _MIN_RING_SECRET:
                 raise RendezvousRPCError(f"Join for job {self.job_id} worker {self.worker_id}: the "
                                          f"server sent no ring secret ({len(resp.ring_secret)} "
                                          f"bytes); it is too old for this client")
         except BaseException:
-            with self._session:
+            with self._session_lock:
                 if self.session_id is None:
                     self.session_id = old_sid
-                self._session.notify_all()
+                self._session_lock.notify_all()
             raise
-        with self._session:
+        with self._session_lock:
             self.session_id = resp.session_id
             self.ring_secret = resp.ring_secret
             self._drain_queue()
@@ -409,7 +207,7 @@ class RendezvousClient:
             self.world = None
             start = not self._watching
             self._watching = True
-            self._session.notify_all()
+            self._session_lock.notify_all()
             call = self._watch_call
         if call is not None and old_sid is not None:
             call.cancel()   # stop reading the replaced session's stream now
@@ -509,8 +307,8 @@ class RendezvousClient:
     def close(self) -> None:
         """Stop the watch thread and close connections (without leaving: the server evicts us)."""
         self._closed.set()
-        with self._session:
-            self._session.notify_all()
+        with self._session_lock:
+            self._session_lock.notify_all()
         call = self._watch_call
         if call is not None:
             call.cancel()
@@ -530,9 +328,9 @@ class RendezvousClient:
     def _watch_loop(self) -> None:
         backoff, down_since = 0.02, None
         while not self._closed.is_set():
-            with self._session:
+            with self._session_lock:
                 while self.session_id is None and not self._closed.is_set():
-                    self._session.wait(0.5)    # a join() is replacing the session
+                    self._session_lock.wait(0.5)    # a join() is replacing the session
                 sid, gen = self.session_id, self._gen
             if sid is None:
                 break
@@ -574,12 +372,12 @@ class RendezvousClient:
                 continue
             self._closed.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.backoff_max_s)
-        with self._session:
+        with self._session_lock:
             self._watching = False
 
     def _stop_if(self, gen: int) -> bool:
         """End the watch thread if session `gen` is still current (the next join() starts another)."""
-        with self._session:
+        with self._session_lock:
             if gen != self._gen:
                 return False
             self._watching = False
@@ -587,7 +385,7 @@ class RendezvousClient:
 
     def _push(self, ev: Event, gen: int) -> bool:
         """Queue `ev` if it belongs to the current session; False if the session was replaced."""
-        with self._session:
+        with self._session_lock:
             if gen != self._gen:
                 return False
             self._last = ev
@@ -607,7 +405,7 @@ class RendezvousClient:
         elif kind == "world":
             world = _world(ev.world)
             key = (world.version, world.members)
-            with self._session:
+            with self._session_lock:
                 if gen != self._gen:
                     return
                 self.world = world
@@ -620,7 +418,7 @@ class RendezvousClient:
         elif kind == "pending":
             self._push(Pending(ev.pending.world_version, ev.pending.reason), gen)
         elif kind == "abort":
-            with self._session:
+            with self._session_lock:
                 if gen != self._gen or self._last_abort == ev.abort.world_version:
                     return
                 self._last_abort = ev.abort.world_version
@@ -630,190 +428,3 @@ class RendezvousClient:
             self._push(Standby(ev.standby.world_version, ev.standby.reason), gen)
         elif kind == "finished":
             self._push(Finished(ev.finished.succeeded, ev.finished.reason), gen)
-
-
-# ------------------------------------------------------------------------------------- Status
-# What the service says about jobs, for whoever only watches them: the launcher (`elastic-run`
-# follows its job's worlds, ranks and end) and `elastic-rendezvous status`. Answers are plain
-# dataclasses; nothing outside this package sees the generated messages.
-
-@dataclasses.dataclass(frozen=True)
-class MemberStatusInfo:
-    """One registered worker of a job, as Status shows it."""
-
-    worker_id: str
-    host: str
-    rank: Optional[int]              # None: on standby (not in the world)
-    attached: bool                   # has an open Watch stream on the leader
-    committed_step: int
-    ring_address: str = ""
-    local_rank: int = 0              # this and the three below: meaningful in the world only
-    local_size: int = 0
-    cross_rank: int = 0
-    cross_size: int = 0
-    age_s: float = 0.0               # seconds since it joined
-
-    @property
-    def in_world(self) -> bool:
-        return self.rank is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class JobEventInfo:
-    """Something that happened to a job, as the answering replica saw it (its text is the
-    server's: escape it before showing it on a terminal)."""
-
-    time: float                      # Unix seconds
-    event: str                       # world_formed, worker_joined, worker_evicted, …
-    world_version: int
-    worker_id: str = ""
-    detail: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class JobStatusInfo:
-    """One job in a Status answer."""
-
-    job_id: str
-    phase: str                       # FORMING, RUNNING, WAITING (below min_np), SUCCEEDED, FAILED
-    reason: str
-    world_version: int
-    min_np: int
-    max_np: int
-    elastic_timeout_s: float
-    members: tuple[MemberStatusInfo, ...]
-    blacklisted_hosts: tuple[str, ...] = ()
-    events: tuple[JobEventInfo, ...] = ()    # oldest first, only when asked for
-
-    @property
-    def terminal(self) -> bool:
-        return self.phase in ("SUCCEEDED", "FAILED")
-
-    def ranks(self) -> dict[str, int]:
-        """worker id -> rank, for the members of the current world."""
-        return {m.worker_id: m.rank for m in self.members if m.rank is not None}
-
-
-@dataclasses.dataclass(frozen=True)
-class StatusInfo:
-    """A whole Status answer."""
-
-    leader_id: str                   # the replica that answered; empty: a follower, from the store
-    jobs: tuple[JobStatusInfo, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StatusFailure:
-    """Why one server gave no Status answer."""
-
-    address: str
-    code: grpc.StatusCode
-    details: str
-
-
-class StatusError(RendezvousRPCError):
-    """A Status call got no answer: no configured server answered (`failures` says why for each,
-    in order), or one said NOT_FOUND (a job it does not know; the others are not asked). `code`
-    is the last failure's."""
-
-    def __init__(self, failures: Sequence[StatusFailure]):
-        self.failures = tuple(failures)
-        several = len(self.failures) > 1
-        super().__init__("; ".join(
-            (f"{f.address}: " if several else "") + f.code.name
-            + (f" ({f.details.splitlines()[0]})" if f.details.strip() else "")
-            for f in self.failures), self.failures[-1].code if self.failures else None)
-
-    def refused(self) -> Optional[StatusFailure]:
-        """The first server that answered by refusing the caller's credentials (the token, or a
-        client certificate TLS let through): no retry will change that."""
-        return next((f for f in self.failures if f.code in _REFUSED), None)
-
-
-def _member_status(m: pb.MemberStatus) -> MemberStatusInfo:
-    mm = m.member
-    return MemberStatusInfo(mm.worker_id, mm.host, mm.rank if m.in_world else None, m.attached,
-                            mm.committed_step, mm.ring_address, mm.local_rank, mm.local_size,
-                            mm.cross_rank, mm.cross_size, m.age_s)
-
-
-def _job_status(j: pb.JobStatus) -> JobStatusInfo:
-    return JobStatusInfo(j.job_id, j.phase, j.reason, j.world_version, j.spec.min_np,
-                         j.spec.max_np, j.spec.elastic_timeout_s,
-                         tuple(_member_status(m) for m in j.members), tuple(j.blacklisted_hosts),
-                         tuple(JobEventInfo(e.time, e.event, e.world_version, e.worker_id, e.detail)
-                               for e in j.events))
-
-
-class StatusClient:
-    """Status RPCs against the configured servers, trying each in turn (any replica answers: a
-    follower reads the store). TLS with `credentials` (from `channel_credentials`); the token, if
-    any, goes as `authorization: Bearer` metadata, as for every other call.
-
-        with StatusClient(["10.0.0.1:29400"], token=token, credentials=creds) as status:
-            job = status.job("exp7")                 # JobStatusInfo, or None if unknown
-            everything = status.status()             # StatusInfo: every job
-    """
-
-    def __init__(self, addresses: Sequence[str], token: Optional[str] = None,
-                 credentials: Optional[grpc.ChannelCredentials] = None):
-        if not addresses:
-            raise ValueError("StatusClient needs at least one HOST:PORT server address")
-        self.addresses = list(addresses)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channels = {a: open_channel(a, credentials) for a in self.addresses}
-        self._stubs = {a: pb_grpc.RendezvousStub(ch) for a, ch in self._channels.items()}
-
-    def status(self, job_id: str = "", timeout_s: float = 2.0, events: int = 0) -> StatusInfo:
-        """The first answer from the servers in turn, about `job_id` (empty: every job), with up
-        to `events` recent events per job. Raises StatusError when none answers (each gets up to
-        `timeout_s`), or with code NOT_FOUND for a job the server does not know."""
-        failures = []
-        for address in self.addresses:
-            try:
-                resp = self._stubs[address].Status(pb.StatusRequest(job_id=job_id, events=events),
-                                                   timeout=timeout_s, metadata=self._metadata)
-            except grpc.RpcError as e:
-                failures.append(StatusFailure(address, e.code(), e.details() or ""))
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    break   # an answer: every replica reads the same store
-                continue
-            return StatusInfo(resp.leader_id, tuple(_job_status(j) for j in resp.jobs))
-        raise StatusError(failures)
-
-    def job(self, job_id: str, timeout_s: float = 2.0, events: int = 0) -> Optional[JobStatusInfo]:
-        """The job's status (with up to ``events`` recent events); None if the servers do not
-        know it (yet). Raises StatusError."""
-        try:
-            answer = self.status(job_id, timeout_s, events=events)
-        except StatusError as e:
-            if e.code == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-        for j in answer.jobs:
-            if j.job_id == job_id:
-                return j
-        return None
-
-    def wait_reachable(self, job_id: str, timeout_s: float,
-                       cancelled: Callable[[], bool] = lambda: False) -> Optional[JobStatusInfo]:
-        """Like job(), retrying until a server answers, the deadline passes or `cancelled()`. A
-        server that refused the caller (UNAUTHENTICATED, PERMISSION_DENIED) answered: raised at once."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self.job(job_id, timeout_s=max(0.5, min(2.0, deadline - time.monotonic())))
-            except StatusError as e:
-                if time.monotonic() >= deadline or cancelled() or e.refused() is not None:
-                    raise
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-
-    def __enter__(self) -> "StatusClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

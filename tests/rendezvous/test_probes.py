@@ -1,0 +1,194 @@
+"""How a failure report is judged (rendezvous/probes.py), with fakes for what the judge is given:
+evict, send (onto a suspect's Watch), the journal's apply and wait_durable, the leader check, and
+the clock. No server, sockets or waits: a probe is answered, or a stream breaks, from the fake send."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
+from rdzv_helpers import run_async
+from rendezvous import decision as d
+from rendezvous.job_record import Stream
+from rendezvous.liveness import Liveness
+from rendezvous.probes import FailureReports
+from rendezvous.server_wire import RpcRefusal
+
+
+class Service:
+    """What the judge is given, recorded. `on_probe(job, suspect, nonce)` plays the suspect."""
+
+    def __init__(self, job, now=500.0, step=0.0, leading_since=0.0, on_probe=None, leads=None):
+        self.job, self.now, self.step = job, now, step
+        self.leading_since = leading_since
+        self.on_probe = on_probe
+        self.leads = leads if leads is not None else (lambda: True)
+        self.evicted, self.applied, self.sent, self.awaited, self.recorded = [], [], [], [], []
+
+    def clock(self):
+        # `step`: each reading is that much later (a suspect that stays silent past any deadline).
+        self.now += self.step
+        return self.now
+
+    def reports(self) -> FailureReports:
+        return FailureReports(HEARTBEAT_TIMEOUT_S, leading_since=lambda: self.leading_since,
+                              require_leader=self.require_leader, evict=self.evict,
+                              send=self.send, apply=self.apply, wait_durable=self.wait_durable,
+                              record=self.record, clock=self.clock)
+
+    async def require_leader(self):
+        if not self.leads():
+            raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, "not the leader")
+
+    def evict(self, job, worker_id, reason, count_failure=True, cause=d.Departure.FAILED):
+        self.evicted.append((worker_id, cause, count_failure))
+        job.state, _ = d.decide(job.state, d.Evict(worker_id, reason, count_failure, cause), 0.0,
+                                CONFIG)
+        job.seq += 1
+        return job.seq
+
+    def send(self, job, worker_id, event):
+        self.sent.append((worker_id, event))
+        if event.WhichOneof("event") == "probe" and self.on_probe is not None:
+            self.on_probe(job, worker_id, event.probe.nonce)
+
+    def apply(self, job, event):
+        self.applied.append(event)
+        job.seq += 1
+        return job.seq, []
+
+    async def wait_durable(self, job, seq):
+        self.awaited.append(seq)
+
+    def record(self, state, event, **fields):
+        self.recorded.append((event, fields))
+
+
+def report(suspect="b", reporter="a", version=1, reason="connection reset", unusable=False,
+           timed_out=False):
+    return SimpleNamespace(world_version=version, suspect_worker_id=suspect, reason=reason,
+                           unusable_address=unusable, timed_out=timed_out), reporter
+
+
+def judge(svc, request, reporter):
+    job = svc.job
+    return run_async(svc.reports().judge(job, job.state.workers[reporter], request), 5.0)
+
+
+def with_streams(liveness=None):
+    job = job_of(running(), liveness)
+    for w in job.state.workers:
+        job.streams[w] = Stream()
+    return job
+
+
+def test_a_report_about_another_world_is_stale_and_evicts_nobody():
+    svc = Service(with_streams())
+    answer = judge(svc, *report(version=7))
+    assert not answer.evicted and "stale report" in answer.detail and svc.evicted == []
+
+
+def test_only_a_member_of_the_world_may_report():
+    job = with_streams()
+    job.state, _ = d.decide(job.state, d.Join("x", "h9", "10.0.0.9:9000"), 2.0, CONFIG)
+    with pytest.raises(RpcRefusal) as e:
+        judge(Service(job), *report(reporter="x"))
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_suspect_outside_the_world_is_not_evicted():
+    svc = Service(with_streams())
+    answer = judge(svc, *report(suspect="nobody"))
+    assert not answer.evicted and "not a member" in answer.detail and svc.evicted == []
+
+
+def test_an_unusable_ring_address_evicts_the_suspect_even_while_its_stream_is_open():
+    svc = Service(with_streams())
+    answer = judge(svc, *report(unusable=True))
+    assert answer.evicted
+    assert svc.evicted == [("b", d.Departure.UNUSABLE_ADDRESS, True)]
+    assert svc.sent == []            # no probe: an answer would prove only that it lives
+
+
+def test_a_suspect_that_lost_its_stream_under_this_leader_is_evicted_and_counted():
+    job = with_streams()
+    del job.streams["b"]
+    svc = Service(job)
+    assert judge(svc, *report()).evicted
+    assert svc.evicted == [("b", d.Departure.REPORTED, True)] and svc.awaited
+
+
+def test_a_suspect_that_never_reattached_after_a_leader_change_is_evicted_but_not_counted():
+    live = Liveness.after_leader_change(HEARTBEAT_TIMEOUT_S, ["a", "b", "c"], 0.0, 7.0)
+    job = with_streams(live)
+    del job.streams["b"]
+    # This replica has led for longer than the heartbeat timeout: no more waiting for b.
+    svc = Service(job, now=500.0, leading_since=500.0 - HEARTBEAT_TIMEOUT_S - 1)
+    assert judge(svc, *report()).evicted
+    assert svc.evicted == [("b", d.Departure.REPORTED, False)]
+
+
+def answer_probe(job, suspect, nonce):
+    probed, fut = job.probes[nonce]
+    assert probed == suspect
+    fut.set_result(suspect)
+
+
+def break_stream(job, suspect, nonce):
+    job.streams.pop(suspect).ended.set()
+
+
+def test_a_suspect_that_answers_its_probe_stays_and_the_broken_world_is_formed_again():
+    job = with_streams()
+    svc = Service(job, on_probe=answer_probe)
+    answer = judge(svc, *report())
+    assert not answer.evicted and "answered a probe" in answer.detail
+    assert svc.evicted == [] and [w for w, _ in svc.sent] == ["b"]
+    assert svc.applied == [d.RingBroken("a", 1, "ring of world 1 broken, every member alive "
+                                                "(reported by a: connection reset)")]
+    assert job.liveness.failure_at is not None     # the recovery clock runs until the next world
+    assert job.probes == {}
+    assert svc.recorded == [("ring_broken", {"worker_id": "b", "world_version": 1, "reporter": "a",
+                                             "cause": "broken_ring_link",
+                                             "detail": "broken ring link waiting on rank 1 (b), "
+                                                       "every member alive"})]
+
+
+def test_a_suspect_whose_stream_breaks_while_probed_is_evicted():
+    svc = Service(with_streams(), on_probe=break_stream)
+    answer = judge(svc, *report())
+    assert answer.evicted and svc.evicted == [("b", d.Departure.REPORTED, True)]
+
+
+def test_a_silent_suspect_whose_connection_stays_alive_is_trusted_and_the_world_formed_again():
+    # Every clock reading is past the probe's deadline: the suspect never answers, and keepalive
+    # (its open stream) vouches for it.
+    svc = Service(with_streams(), step=HEARTBEAT_TIMEOUT_S + 1)
+    answer = judge(svc, *report())
+    assert not answer.evicted and "stayed alive (keepalive)" in answer.detail
+    assert svc.evicted == [] and len(svc.applied) == 1 and isinstance(svc.applied[0], d.RingBroken)
+
+
+def test_a_collective_timeout_on_a_live_suspect_is_recorded_as_such():
+    svc = Service(with_streams(), on_probe=answer_probe)
+    judge(svc, *report(timed_out=True))
+    [(event, fields)] = svc.recorded
+    assert (event, fields["cause"]) == ("ring_broken", "collective_timeout")
+
+
+def test_losing_leadership_while_probing_answers_unavailable_and_forgets_the_probe():
+    job = with_streams()
+    svc = Service(job, leads=lambda: not job.probes)   # leads until the probe is out
+
+    with pytest.raises(RpcRefusal) as e:
+        judge(svc, *report())
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert job.probes == {} and svc.evicted == [] and svc.applied == []
+
+
+def test_peer_text_in_a_report_is_escaped_before_it_reaches_the_reason():
+    svc = Service(with_streams(), on_probe=answer_probe)
+    judge(svc, *report(reason="evil\x1b[2J\nline"))
+    assert "\\x1b[2J\\nline" in svc.applied[0].reason and "\x1b" not in svc.applied[0].reason

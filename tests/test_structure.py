@@ -1,0 +1,217 @@
+"""How the packages hang together, checked from their source: no import circle in `elastic/` or
+`rendezvous/` (imports inside functions and under TYPE_CHECKING count too: a lazy import is still a
+dependency), no server helper that reaches for the server, a worker that loads none of the
+server's code, and no source file longer than a reader can hold (700 lines)."""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Iterator
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("elastic", "rendezvous")
+MAX_LINES = 700
+
+
+def modules(package: str) -> dict[str, str]:
+    """Every module of `package` (dotted name -> path), subpackages included."""
+    out = {}
+    root = os.path.join(REPO, package)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, f), REPO)[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = os.path.join(dirpath, f)
+    return out
+
+
+ALL = {name: path for p in PACKAGES for name, path in modules(p).items()}
+
+
+def _tree(module: str) -> ast.Module:
+    with open(ALL[module]) as f:
+        return ast.parse(f.read(), ALL[module])
+
+
+def top_level_names(module: str) -> set[str]:
+    """The names `module` binds at its top level (what `from module import name` can find)."""
+    names = set()
+    for node in _tree(module).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def imported(module: str, path: str) -> Iterator[str]:
+    """The modules of this repository that `module` imports, wherever the import statement is."""
+    tree = _tree(module)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in ALL:
+                    yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            for alias in node.names:   # `from pkg import mod` imports the module pkg.mod
+                if f"{target}.{alias.name}" in ALL:
+                    yield f"{target}.{alias.name}"
+                elif target in ALL and alias.name in top_level_names(target):
+                    yield target
+                # else: a compiled module (elastic._native), not a source of circles
+
+
+GRAPH = {m: sorted(set(imported(m, p)) - {m}) for m, p in ALL.items()}
+
+
+def closure(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += GRAPH[m]
+    return seen
+
+
+def circles(package: str, graph: dict[str, list[str]] = GRAPH) -> list[list[str]]:
+    """The strongly connected groups of more than one module within `package` (Tarjan)."""
+    inside = {m for m in graph if m == package or m.startswith(package + ".")}
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(m):
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for n in graph[m]:
+            if n not in inside:
+                continue
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in on_stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            group = []
+            while True:
+                n = stack.pop()
+                on_stack.discard(n)
+                group.append(n)
+                if n == m:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for m in sorted(inside):
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_the_import_graph_sees_lazy_imports():
+    # The check must not be blind to what it is for: cli.py imports the server inside a function.
+    assert "rendezvous.server" in GRAPH["rendezvous.cli"]
+    assert "rendezvous.channel" in GRAPH["rendezvous.store"]   # inside EtcdStore.__init__
+
+
+def test_a_circle_through_several_modules_is_found_and_only_within_the_package():
+    graph = {"p.a": ["p.b"], "p.b": ["p.c", "q.x"], "p.c": ["p.a"], "p.d": ["p.a"], "q.x": ["p.d"]}
+    assert circles("p", graph) == [["p.a", "p.b", "p.c"]]
+
+
+# Circles the worker side of the restructuring removes (elastic.session imports elastic.distributed
+# lazily, and elastic.distributed imports elastic.session); none may be added meanwhile.
+KNOWN_CIRCLES = [["elastic.distributed", "elastic.session"]]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circle_but_the_known_ones(package):
+    assert [c for c in circles(package) if c not in KNOWN_CIRCLES] == []
+
+
+@pytest.mark.parametrize("package", [
+    pytest.param("elastic", marks=pytest.mark.xfail(
+        strict=True, reason="elastic.session imports elastic.distributed (lazily) and "
+                            "elastic.distributed imports elastic.session; the worker side of the "
+                            "restructuring has the session take the torch layer's hooks instead")),
+    "rendezvous",
+])
+def test_no_import_circle_within_the_package(package):
+    assert circles(package) == []
+
+
+# Only the command line starts the server; every helper of it is given what it needs instead.
+SERVER_USERS = {"rendezvous.cli"}
+
+
+def test_no_server_helper_imports_the_server():
+    users = {m for m, deps in GRAPH.items() if "rendezvous.server" in deps}
+    assert users <= SERVER_USERS, sorted(users - SERVER_USERS)
+
+
+# What of the rendezvous package a worker may load: its client and what both sides share.
+WORKER_SIDE = {"rendezvous", "rendezvous._proto", "rendezvous._proto.rendezvous_pb2",
+               "rendezvous._proto.rendezvous_pb2_grpc", "rendezvous.channel", "rendezvous.files",
+               "rendezvous.membership", "rendezvous.watch_events", "rendezvous.wire",
+               "rendezvous.worker_client"}
+CLIENT_ONLY = {"rendezvous.worker_client", "rendezvous.status_client", "rendezvous.watch_events"}
+
+
+def test_a_worker_loads_none_of_the_servers_code():
+    # What `import elastic` brings in: the training runtime and the worker's client.
+    loaded = {m for m in closure("elastic") if m.startswith("rendezvous")}
+    assert "rendezvous.worker_client" in loaded
+    assert loaded <= WORKER_SIDE, sorted(loaded - WORKER_SIDE)
+
+
+def test_the_server_loads_none_of_the_clients():
+    loaded = closure("rendezvous.server")
+    assert not loaded & CLIENT_ONLY, sorted(loaded & CLIENT_ONLY)
+
+
+def test_the_rendezvous_service_imports_nothing_of_the_training_runtime():
+    assert not any(n.startswith("elastic") for m in modules("rendezvous") for n in GRAPH[m])
+
+
+# Files still longer than the limit; remove an entry when its file is cut below it (the strict
+# xfail below fails as soon as it is). distributed.py and session.py are split by the worker side
+# of the package restructuring; launch/launcher.py grew past the limit with the torchrun and
+# job-limits work and wants its worker-environment helpers in a module of their own.
+LONG_FILES = {"elastic/distributed.py", "elastic/session.py", "elastic/launch/launcher.py"}
+
+
+def _lines(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def _source_files() -> list[str]:
+    return sorted(os.path.relpath(p, REPO) for p in ALL.values()
+                  if os.sep + "_proto" + os.sep not in p)   # generated by grpcio-tools
+
+
+def test_every_source_file_is_at_most_700_lines():
+    long = {f: n for f in _source_files() if f not in LONG_FILES
+            and (n := _lines(os.path.join(REPO, f))) > MAX_LINES}
+    assert long == {}
+
+
+@pytest.mark.parametrize("path", sorted(LONG_FILES))
+@pytest.mark.xfail(strict=True, reason="still longer than 700 lines: split it, then drop it from "
+                                       "LONG_FILES")
+def test_a_known_long_file_is_split(path):
+    assert _lines(os.path.join(REPO, path)) <= MAX_LINES
