@@ -23,6 +23,7 @@ import numpy as np
 from . import _native, metrics
 from .errors import BadPeerError, ElasticError, SettingsMismatchError
 from .ops import ReduceOp
+from .stragglers import waits
 
 Listener = _native.Listener
 ErrorKind = _native.ErrorKind
@@ -180,7 +181,10 @@ class Handle:
 
 
 class Communicator:
-    """A formed ring. Collectives are blocking unless named ``*_async_``; all release the GIL."""
+    """A formed ring. Collectives are blocking unless named ``*_async_``; all release the GIL.
+
+    The time a caller spends blocked in one (``@waits``) is what straggler detection counts as
+    waiting (``elastic.stragglers``): it covers every path to the ring, DDP's comm hook too."""
 
     def __init__(self, native: Any, config: CommConfig):
         self._native = native
@@ -350,6 +354,7 @@ class Communicator:
         self.close()
 
     # ------------------------------------------------------------------ collectives
+    @waits
     def allreduce_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
         started = time.perf_counter()
         self._native.allreduce_(_native_array(t, "allreduce_"), int(ReduceOp(op)))
@@ -369,6 +374,7 @@ class Communicator:
         self._inflight[id(handle)] = handle
         return handle
 
+    @waits
     def synchronize(self, handle: Handle) -> Any:
         if handle._comm is not self:
             raise ValueError("synchronize: the handle belongs to another communicator")
@@ -384,13 +390,16 @@ class Communicator:
         """Starts any open fusion bucket now instead of at the next synchronize."""
         self._native.flush()
 
+    @waits
     def broadcast_(self, t: Any, root_rank: int = 0) -> Any:
         self._native.broadcast_(_native_array(t, "broadcast_"), root_rank)
         return t
 
+    @waits
     def barrier(self) -> None:
         self._native.barrier()
 
+    @waits
     def allgather_into_(self, output: Any, input: Any, counts: Optional[Sequence[int]] = None) -> Any:
         """Ring allgather into ``output``: every rank's ``input``, flattened, in rank order.
 
@@ -409,6 +418,7 @@ class Communicator:
         self._native.allgather_(_as_bytes(inp), _as_bytes(out), [c * esize for c in counts])
         return output
 
+    @waits
     def reduce_scatter_(self, output: Any, input: Any, op: ReduceOp = ReduceOp.Sum,
                         counts: Optional[Sequence[int]] = None) -> Any:
         """Ring reduce-scatter: ``input`` holds one block per rank in rank order (``counts``
@@ -426,6 +436,7 @@ class Communicator:
         self._native.reduce_scatter_(inp, out, counts, int(ReduceOp(op)))
         return output
 
+    @waits
     def shift(self, input: Any, max_bytes: Optional[int] = None) -> Any:
         """One step round the ring: sends ``input``'s bytes to the next rank (``rank + 1``,
         wrapping) and returns the previous rank's bytes (a flat uint8 tensor, or array for a
@@ -461,6 +472,7 @@ class Communicator:
                              f"non-negative numbers summing to {total}")
         return counts
 
+    @waits
     def allgather_equal(self, t: Any) -> Any:
         """Every rank's ``t`` stacked along a new first dimension. ``t`` has the same shape and
         dtype on every rank, so no size is taken from a peer: how the runtime exchanges its own
@@ -473,6 +485,7 @@ class Communicator:
         self._native.allgather_(arr, out, [nbytes] * self.size)
         return out
 
+    @waits
     def allgather_bytes(self, mine: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
         """Every rank's bytes in rank order, rank r's ``sizes[r]`` long (``mine`` is this rank's).
         ``sizes`` must be agreed by every rank (``allgather_equal``) and bounded first: they set
@@ -486,6 +499,7 @@ class Communicator:
         return BadPeerError(f"{op} in world version {self.world_version}: {message}", op=op,
                             world_version=self.world_version, rank=self.rank, peer=peer, kind=ErrorKind.BadPeer)
 
+    @waits
     def allgather(self, t: Any) -> Any:
         """Concatenates every rank's ``t`` along dimension 0 (its length may differ per rank).
 

@@ -18,6 +18,7 @@
 | ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
+| ``ELASTIC_STRAGGLER_POLICY``, ``_FACTOR``, ``_WINDOWS``, ``_WINDOW`` | straggler detection, see ``elastic.stragglers.StragglerConfig`` | ``report``, 1.5, 3, 1 s |
 | ``ELASTIC_LOG_LEVEL`` | log the runtime's lines at this level without the script configuring logging (``elastic.logs``) | unset: Python's defaults |
 | ``ELASTIC_METRICS_SOCKET`` / ``ELASTIC_METRICS_TOKEN`` | where to push this worker's metrics, and its token (``elastic-run --metrics-port`` sets both, see ``elastic.metrics``) | no metrics |
 
@@ -37,6 +38,7 @@ from rendezvous.membership import DEFAULT_MAX_NP
 
 from . import metrics
 from .communicator import CommConfig
+from .stragglers import StragglerConfig
 
 TLS_VARIABLES = ("ELASTIC_TLS_CA", "ELASTIC_TLS_CERT", "ELASTIC_TLS_KEY")
 
@@ -64,6 +66,7 @@ class WorkerConfig:
     metrics_socket: Optional[str] = None    # elastic-run --metrics-port: push metrics there
     metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+    stragglers: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorkerConfig":
@@ -118,6 +121,7 @@ class WorkerConfig:
             metrics_socket=metrics_socket,
             metrics_token=metrics_token,
             comm=CommConfig.from_env(env),
+            stragglers=StragglerConfig.from_env(env),
         )
         if env.get("ELASTIC_FORM_TIMEOUT", "") == "":
             # Forming is aborted by the rendezvous when a peer dies or the world is superseded,

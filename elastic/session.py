@@ -43,7 +43,7 @@ from rendezvous.watch_events import Ended, WorldInfo
 from rendezvous.worker_client import RendezvousClient
 from rendezvous.channel import RendezvousRPCError as _ClientError
 
-from . import logs, metrics, preemption, reaction, world_env
+from . import logs, metrics, preemption, reaction, stragglers, world_env
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
 from .config import WorkerConfig
@@ -82,6 +82,9 @@ class Session:
         self.committed_step = -1
         self.leave = preemption.LeaveRequest(config.preempt_grace, config.worker_id, on_request=self._wake)
         self.departed = False   # this worker left the job gracefully (depart() ran)
+        self.stragglers = stragglers.Detector(
+            config.stragglers, config.worker_id, leave=lambda why: self.leave.request(why, straggler=True),
+            room=lambda: (self.client.job_spec.min_np, self.client.spares))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -131,7 +134,7 @@ class Session:
         world, step = self.world, self.committed_step
         self._stop.set()
         try:
-            self.client.leave()
+            self.client.leave(straggler=self.leave.straggler)
         except _ClientError as e:   # it is evicted when its stream ends instead: the others restore
             log.warning("worker %s could not tell the rendezvous server it leaves: %s", self.config.worker_id, e)
         with self._cond:
@@ -151,7 +154,7 @@ class Session:
 
     # ------------------------------------------------------------------ events
     def _pump_loop(self) -> None:
-        reported, last_report = -1, 0.0
+        reported, last_report, told = -1, 0.0, None
         while not self._stop.is_set():
             ev = self.client.next_event(0.2)
             if ev is not None:
@@ -163,11 +166,15 @@ class Session:
                     self._cond.notify_all()
             # Progress reports let the server make the most advanced worker rank 0 of the next
             # world. Sent from here, at most once a second, so commit() never waits on the network.
-            step = self.committed_step
-            if step != reported and time.monotonic() - last_report >= 1.0:
+            # The straggler verdict rides along (elastic.stragglers), at once when it names this worker.
+            step, verdict = self.committed_step, self.stragglers.report
+            named = verdict is not None and verdict.named and not (told is not None and told.named and
+                                                                   told.world_version == verdict.world_version)
+            if (step != reported or verdict is not told) and (named or time.monotonic() - last_report >= 1.0):
                 try:
-                    self.client.heartbeat(committed_step=step)
-                    reported = step
+                    self.client.heartbeat(committed_step=step, straggler=verdict)
+                    reported, told = step, verdict
+                    self.stragglers.told(verdict)
                 except _ClientError as e:
                     log.debug("progress report failed: %s", e)
                 last_report = time.monotonic()
@@ -484,14 +491,18 @@ def check_membership() -> None:
     """Raises MembershipChanged on every rank at once when a clean join/leave is pending, or
     when a rank was asked to leave; on that rank it raises ``Preempted`` after it left.
 
-    One 8-byte allreduce (Max of [a change is pending, this rank wants to leave]): a rank that
-    knows tells all the others, so they all switch at this same commit.
+    One small allreduce (Max of [a change is pending, this rank wants to leave]): a rank that
+    knows tells all the others, so they all switch at this same commit. Each rank's compute and
+    wait seconds since the last window ride along in slots of its own (``elastic.stragglers``).
     """
     s = _session
     comm = ring()
     leaving = s is not None and s.leave.pending   # read once: what this rank tells the others
-    flags = np.array([1 if s is not None and s.membership_pending() else 0, 1 if leaving else 0], dtype=np.int32)
+    detector = s.stragglers if s is not None else None
+    flags = stragglers.agreement(detector, comm, s is not None and s.membership_pending(), leaving)
     comm.allreduce_(flags, Max)
+    if detector is not None:
+        detector.judge(flags, comm)
     if flags[1]:
         _farewell(comm)
         if leaving:
