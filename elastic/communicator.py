@@ -23,7 +23,7 @@ import numpy as np
 from . import _native, metrics
 from .errors import BadPeerError, ElasticError, SettingsMismatchError
 from .ops import ReduceOp
-from .stragglers import waits
+from .stragglers import CLOCK, waits
 
 Listener = _native.Listener
 ErrorKind = _native.ErrorKind
@@ -169,12 +169,13 @@ def _torch():
 class Handle:
     """An in-flight async allreduce; pass it to ``synchronize``."""
 
-    __slots__ = ("_comm", "_work", "tensor")
+    __slots__ = ("_comm", "_work", "tensor", "submitted")
 
-    def __init__(self, comm: "Communicator", work: Any, tensor: Any):
+    def __init__(self, comm: "Communicator", work: Any, tensor: Any, submitted: float):
         self._comm = comm
         self._work = work
         self.tensor = tensor  # keeps the buffer alive until the collective is done
+        self.submitted = submitted   # perf_counter() at submission: waiting counts from there
 
     def done(self) -> bool:
         return self._work.done()
@@ -195,6 +196,7 @@ class Communicator:
         # Async handles not yet synchronized: the core holds raw pointers into their tensors,
         # so the tensors must live until the work is done even if the caller drops the handle.
         self._inflight: dict = {}
+        self._flushed_at = 0.0   # perf_counter() of the last flush(): async allreduces submitted before it run
 
     @classmethod
     def create(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
@@ -366,29 +368,37 @@ class Communicator:
         return self.allreduce_(out, op)
 
     def allreduce_async_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Handle:
+        submitted = time.perf_counter()
         work = self._native.allreduce_async_(_native_array(t, "allreduce_async_"), int(ReduceOp(op)))
-        handle = Handle(self, work, t)
+        handle = Handle(self, work, t, submitted)
         metrics.allreduce_started(self, t)
         if len(self._inflight) >= 4096:
             self._inflight = {k: h for k, h in self._inflight.items() if not h.done()}
         self._inflight[id(handle)] = handle
         return handle
 
-    @waits
     def synchronize(self, handle: Handle) -> Any:
         if handle._comm is not self:
             raise ValueError("synchronize: the handle belongs to another communicator")
         started = time.perf_counter()
+        # Waiting on it (elastic.stragglers) counts from its submission when a flush() sent it on
+        # its way then (DDP's hook flushes each bucket), else from now (it runs now); not at all
+        # when it finished already while this rank computed.
+        waiting = not handle._work.done()
+        since = handle.submitted if self._flushed_at >= handle.submitted else started
         try:
             self._native.wait(handle._work)
             metrics.allreduce_waited(self, handle.tensor, started)
         finally:
             self._inflight.pop(id(handle), None)
+            if waiting:
+                CLOCK.waited(since)
         return handle.tensor
 
     def flush(self) -> None:
         """Starts any open fusion bucket now instead of at the next synchronize."""
         self._native.flush()
+        self._flushed_at = time.perf_counter()
 
     @waits
     def broadcast_(self, t: Any, root_rank: int = 0) -> Any:

@@ -3,9 +3,12 @@ exchanged on the membership allreduce every commit already runs, and the verdict
 
 In synchronous data parallelism the slowest rank sets everyone's pace, and it is the one that
 waits least: the others wait for it inside the collectives. So each rank measures, between two
-commit boundaries, how long it was inside a collective (``CLOCK``: every blocking call of the
-``Communicator`` counts, on any thread, which covers DDP's comm hook) and how much of the wall
-time was left: its compute time. At the boundary each rank puts its two numbers into its own
+commit boundaries, how long it was waiting on a collective (``CLOCK``: the union, over every
+thread, of the spans of its blocking collectives and of its async allreduces from submission to
+their ``synchronize``, which covers DDP's comm hook) and how much of the wall time was left: its
+compute time. An async allreduce counts from its submission because that is when the rank's
+own part is in: in DDP the slow rank submits each bucket last and finds the others waiting, so
+its buckets complete at once, while each fast rank waits on every bucket for the slow one. At the boundary each rank puts its two numbers into its own
 slots of the membership allreduce (``session.check_membership``: one allreduce, Max, of
 ``[pending, leaving, compute_0..compute_{n-1}, wait_0..wait_{n-1}]``), so every rank holds every
 rank's numbers without another round trip, and every rank judges the same numbers alike.
@@ -148,19 +151,25 @@ def _problem(name: str, value: Any) -> Optional[str]:
 
 # ---------------------------------------------------------------------- the clock
 class WaitClock:
-    """Seconds spent inside blocking collectives since the process started, every thread's
-    together (DDP's completion thread waits while the training thread computes)."""
+    """Seconds spent waiting on collectives since the process started: the union of the spans
+    every thread reports (DDP's completion thread waits while the training thread computes;
+    two threads waiting at once count once)."""
 
-    __slots__ = ("seconds", "_lock")
+    __slots__ = ("seconds", "_until", "_lock")
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self._until = 0.0    # end of the latest span counted
         self._lock = threading.Lock()
 
     def waited(self, started: float) -> None:
-        took = time.perf_counter() - started
+        """A span from ``started`` (``time.perf_counter()``) to now; the part already counted is not
+        counted again (spans are reported as they end, so this is their union)."""
+        now = time.perf_counter()
         with self._lock:
-            self.seconds += took
+            self.seconds += max(0.0, now - max(started, self._until))
+            if now > self._until:
+                self._until = now
 
 
 CLOCK = WaitClock()
@@ -284,6 +293,10 @@ class Detector:
             return None
         verdict = judge(self._streaks, Window(tuple(compute), tuple(wait)), self.config.factor,
                         self.config.windows)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("commit window of world version %d: compute %s s, wait %s s, scores %s, slow windows %s",
+                      comm.world_version, _seconds(compute), _seconds(wait), _seconds(verdict.scores),
+                      list(verdict.streaks))
         self._streaks = verdict.streaks
         self._open()
         self._act(verdict, comm)
@@ -322,6 +335,10 @@ class Detector:
             log.warning("worker %s stays although it is a straggler: without it world version %d would have %d "
                         "worker(s), below min-np %d, and no spare is waiting to take its place", self.worker_id,
                         version, size - 1, min_np)
+
+
+def _seconds(xs: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{x:.3f}" for x in xs[:16]) + (", ..." if len(xs) > 16 else "") + "]"
 
 
 def agreement(detector: Optional[Detector], comm: Any, pending: bool, leaving: bool) -> np.ndarray:

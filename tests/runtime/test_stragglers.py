@@ -2,14 +2,18 @@
 window, when a window closes, when a straggler may leave, the settings, and the detector that
 carries the verdict out between two membership allreduces (on a ring formed by hand)."""
 
+import functools
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from elastic.stragglers import (CLOCK, MIN_EXCESS, Detector, StragglerConfig, Window, agreement, judge,
+from elastic.ops import Sum
+from elastic.stragglers import (CLOCK, MIN_EXCESS, Detector, StragglerConfig, WaitClock, Window, agreement, judge,
                                 may_leave, waits, window_closes)
+from tests.native.harness import run_world
 from rendezvous.membership import StragglerReport
 
 
@@ -179,6 +183,42 @@ def test_the_clock_counts_time_inside_a_collective_even_when_it_raises():
     with pytest.raises(RuntimeError):
         collective(0.05, fail=True)
     assert CLOCK.seconds - before >= 0.1
+
+
+def test_the_clock_counts_spans_that_overlap_once():
+    clock = WaitClock()
+    t = time.perf_counter()
+    clock.waited(t - 1.0)          # a span of the last second ...
+    clock.waited(t - 0.5)          # ... and one inside it, reported after it (another thread)
+    assert 1.0 <= clock.seconds < 1.1
+
+
+def _async_allreduce_behind_a_slow_rank(flush, comm):
+    """Rank 1 computes 1 s before it submits; both compute 0.3 s after submitting, then wait."""
+    before = CLOCK.seconds
+    if comm.rank == 1:
+        threading.Event().wait(1.0)
+    handle = comm.allreduce_async_(np.ones(1024, dtype=np.float32), Sum)
+    if flush:
+        comm.flush()
+    threading.Event().wait(0.3)
+    comm.synchronize(handle)
+    return CLOCK.seconds - before
+
+
+def test_an_async_allreduce_flushed_counts_as_waiting_from_its_submission_until_the_slow_rank_came():
+    # As DDP's buckets are: the fast rank waits on the slow one from its submission (t=0) until the
+    # slow one's part came (t=1; counted from its synchronize it would be 0.7 s); the slow rank
+    # found the other waiting, so its allreduce finished while it computed: it waited not at all.
+    fast, slow = run_world(2, functools.partial(_async_allreduce_behind_a_slow_rank, True))
+    assert 0.9 <= fast < 1.2 and slow < 0.05, (fast, slow)
+
+
+def test_an_async_allreduce_left_in_its_fusion_bucket_counts_from_its_synchronize():
+    # Not flushed, it runs only when synchronize sends it: the fast rank waits from then (t=0.3)
+    # until the slow rank's synchronize sent its part (t=1.3); from its submission it would be 1.3 s.
+    fast, slow = run_world(2, functools.partial(_async_allreduce_behind_a_slow_rank, False))
+    assert 0.9 <= fast < 1.2 and slow < 0.05, (fast, slow)
 
 
 # ---------------------------------------------------------------------- the detector on a ring
