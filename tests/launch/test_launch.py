@@ -266,14 +266,15 @@ def test_a_worker_failing_after_the_job_completed_fails_the_launcher_naming_it(l
     p.wait_no_leftovers()
 
 
-def test_after_run_returns_every_worker_has_its_result_and_last_world_and_collectives_say_finished(launch):
+def test_after_run_returns_every_worker_has_its_result_its_last_world_and_ring_until_shutdown(launch):
     p = launch("--np", "2", "--host", "hA", LW_STEPS="6")
     assert p.wait(60) == 0, p.text()
     out = "\n".join(p.stdout)
     for w in ("hA-0", "hA-1"):
         # Six steps of an allreduce of ones over two workers: 12.0, returned on every worker.
         assert f"[{w}] result 12.0" in out, p.text()
-        assert f"[{w}] collective after run: RendezvousError: job default has finished" in out, p.text()
+        assert f"[{w}] collective after run: 2" in out, p.text()
+        assert f"[{w}] collective after shutdown: RendezvousError: job default has finished" in out, p.text()
     ranks = sorted(int(m.group(1)) for m in re.finditer(r"\] after rank (\d) size 2 version \d+", out))
     assert ranks == [0, 1], p.text()
 
