@@ -245,8 +245,8 @@ def test_every_line_of_a_worker_carries_its_worker_id_for_its_whole_life(launch)
     assert p.wait(60) == 0, p.text()
     for w in ("hA-0", "hA-1"):
         words = [line.split()[1] for line in p.stdout if line.startswith(f"[{w}] ")]
-        assert words == ["start"] + ["step"] * 6 + ["done", "result", "after", "collective"], p.text()
-    assert len(p.stdout) == 2 * 11, p.text()
+        assert words == ["start"] + ["step"] * 6 + ["done", "result", "after", "collective", "collective"], p.text()
+    assert len(p.stdout) == 2 * 12, p.text()
     # The runtime's log lines too (stderr), rank announcements included.
     worker_err = [line for line in p.stderr if not line.startswith(("elastic-run: ", "[rendezvous] "))]
     assert worker_err and all(re.match(r"\[hA-[01]\] ", line) for line in worker_err), p.text()
