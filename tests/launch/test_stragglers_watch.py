@@ -1,10 +1,14 @@
-"""The launcher's side of straggler detection, as rules (elastic/launch/stragglers.py): which of its
-workers it names and when, what becomes of the slot of one that left as a straggler, and that no
-respawn goes to a host in the blacklist cooldown."""
+"""The launcher's side of straggler detection, as rules (elastic/launch/stragglers.py): its flags,
+which of its workers it names and when, what becomes of the slot of one that left as a straggler,
+and that no respawn goes to a host in the blacklist cooldown."""
+
+import sys
 
 import pytest
 
+from elastic.launch.config import UsageError, parse
 from elastic.launch.stragglers import Placement, StragglerWatch, host_cooling, placement
+from elastic.stragglers import StragglerConfig
 from rendezvous.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo
 
 
@@ -15,6 +19,31 @@ def view(version=2, events=(), blacklisted=()):
 
 
 LOCAL = {"hA-0", "hA-1"}
+
+
+def flags(*args):
+    return parse(["--np", "2", *args, "--", sys.executable, "-c", "pass"], env={})
+
+
+def test_the_straggler_flags_fill_the_settings_the_workers_get():
+    assert flags().stragglers == StragglerConfig()
+    cfg = flags("--straggler-policy", "EVICT", "--straggler-factor", "2", "--straggler-windows", "5",
+                "--straggler-window", "0.5")
+    assert cfg.stragglers == StragglerConfig("evict", 2.0, 5, 0.5)
+    assert cfg.stragglers.to_env()["ELASTIC_STRAGGLER_POLICY"] == "evict"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--straggler-factor", "1"], "--straggler-factor 1.0: must be above 1 (times the median) and at most 100"),
+    (["--straggler-factor", "nan"], "--straggler-factor nan: not a finite number"),
+    (["--straggler-windows", "0"], "--straggler-windows 0: must be a whole number of windows from 1 to 1000"),
+    (["--straggler-window", "-1"], "--straggler-window -1.0: must be in (0, 3600] seconds"),
+    (["--straggler-policy", "kill"], "argument --straggler-policy: invalid choice: 'kill'"),
+])
+def test_a_bad_straggler_flag_is_refused_naming_it(args, message):
+    with pytest.raises(UsageError) as e:
+        flags(*args)
+    assert str(e.value).startswith(message)
 
 
 @pytest.mark.parametrize("leaves, fate", [(1, Placement.RESPAWN), (2, Placement.RETIRE), (5, Placement.RETIRE)])
