@@ -3,7 +3,7 @@
 The rendezvous server decides who is in the job (``rendezvous/decision.py``); each worker then has
 to decide what an announcement means for the ring it holds right now. That decision lives here,
 without sockets, threads or clocks, so every rule is a row of a table test
-(``tests/runtime/test_reaction.py``); the session object feeds it the events its pump thread reads
+(``tests/elastic/test_reaction.py``); the session object feeds it the events its pump thread reads
 and carries out the actions.
 
 Rules:
