@@ -44,9 +44,12 @@ def __getattr__(name):
     if name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"):
         from . import optimizer
         return getattr(optimizer, name)
-    if name in ("DistributedDataParallel", "process_group"):
-        from . import distributed
-        return getattr(distributed, name)
+    if name == "DistributedDataParallel":
+        from . import ddp
+        return ddp.DistributedDataParallel
+    if name == "process_group":
+        from . import group
+        return group.process_group
     raise AttributeError(f"module 'elastic' has no attribute {name!r}")
 
 

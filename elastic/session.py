@@ -349,15 +349,15 @@ class Session:
 
 
 def _torch_distributed():
-    """``elastic.distributed`` when torch.distributed is there (numpy-only installs lack it)."""
+    """``elastic.group`` when torch.distributed is there (numpy-only installs lack it)."""
     try:
         import torch.distributed as dist
     except ImportError:
         return None
     if not dist.is_available():
         return None
-    from . import distributed
-    return distributed
+    from . import group
+    return group
 
 
 def _call(func: Callable, state, args: tuple, kwargs: dict) -> Any:
@@ -582,9 +582,9 @@ def sync(state) -> None:
     s = _session
     if s is not None:
         s.record_commit(got_step)
-    torch_group = _torch_distributed()
-    if torch_group is not None:   # DDP modules and the default group follow the new world
-        torch_group.after_sync(state, root)
+    if _torch_distributed() is not None:   # DDP modules and the default group follow the new world
+        from . import ddp
+        ddp.after_sync(state, root)
 
 
 _CANNOT_SEND = -1   # what the root announces as its state's size when it cannot encode it
