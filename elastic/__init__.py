@@ -31,8 +31,8 @@ from .errors import (
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .run import run
-from .session import (cross_rank, cross_size, init, local_rank, local_size, rank, request_leave, shutdown, size,
-                      world_version)
+from .session import init, request_leave, shutdown
+from .world import cross_rank, cross_size, local_rank, local_size, rank, size, world_version
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 

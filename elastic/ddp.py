@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import session
+from . import world
 from .errors import WorkerLostError
 from .group import _NATIVE, _not_compiled, _register, process_group
 from .ops import Average
@@ -83,7 +83,7 @@ def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Futur
     buf = bucket.buffer()
     fut: torch.futures.Future = torch.futures.Future()
     try:
-        comm = session.ring()
+        comm = world.ring()
         if buf.dtype not in _NATIVE:
             raise NotImplementedError(f"DistributedDataParallel: gradients of dtype {buf.dtype} are not supported "
                                       "by the elastic ring")
@@ -206,7 +206,7 @@ def after_sync(state: Any, root: int) -> None:
         gc.collect()   # a DDP dropped since (built in an earlier attempt) must not count on this rank only
         ddps = _live_ddps()
         outside = [d for d in ddps if not _covered(state, d)]
-    comm = session.ring()
+    comm = world.ring()
     mine = torch.tensor([len(outside), _signature(outside)], dtype=torch.int64)
     every = torch.empty(2 * comm.size, dtype=torch.int64)
     comm._native.allgather_(mine, every, [16] * comm.size)

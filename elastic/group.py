@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import objects, session
+from . import objects, world
 from .errors import RendezvousError, WorkerLostError
 from .ops import Average, Max, Min, ReduceOp, Sum
 
@@ -143,7 +143,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
     """The current world as a ``torch.distributed.ProcessGroup`` (see the module doc).
 
     ``rank()``/``size()`` answer with the current world (after ``elastic.run`` returned: its
-    last world); collectives run on ``elastic.session.ring()`` and raise what it raises:
+    last world); collectives run on ``elastic.world.ring()`` and raise what it raises:
     ``WorkerLostError`` on a peer failure, ``RendezvousError`` when no job runs.
     """
 
@@ -157,18 +157,18 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ identity
     def rank(self) -> int:
-        comm = session._current_ring()
+        comm = world.current_ring()
         if comm is not None:
             return comm.rank
-        world = session.current_world()
-        return world.rank if world is not None else 0
+        w = world.current_world()
+        return w.rank if w is not None else 0
 
     def size(self) -> int:
-        comm = session._current_ring()
+        comm = world.current_ring()
         if comm is not None:
             return comm.size
-        world = session.current_world()
-        return world.size if world is not None else 1
+        w = world.current_world()
+        return w.size if w is not None else 1
 
     def getBackendName(self) -> str:   # noqa: N802 (torch's name)
         return BACKEND
@@ -181,7 +181,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         """``dist.destroy_process_group()``: the ring is the session's; nothing to close here."""
 
     def abort(self) -> None:
-        comm = session._current_ring()
+        comm = world.current_ring()
         if comm is not None:
             comm.abort("torch.distributed ProcessGroup.abort()")
 
@@ -198,7 +198,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             err = self._failure
         if err is None:
             return None
-        comm = session._current_ring()
+        comm = world.current_ring()
         if comm is None or comm.failed or comm.world_version <= err.world_version:
             return err
         return None
@@ -209,7 +209,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     def _ring(self, what: str):
         try:
-            return session.ring()
+            return world.ring()
         except RendezvousError as e:
             raise RendezvousError(f"torch.distributed {what} on the elastic group: {e}") from None
 

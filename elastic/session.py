@@ -44,6 +44,7 @@ from rendezvous.worker_client import RendezvousClient
 from rendezvous.channel import RendezvousRPCError as _ClientError
 
 from . import logs, metrics, preemption, reaction, world_env
+from . import world as _world
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
 from .config import WorkerConfig
@@ -377,9 +378,6 @@ def _call(func: Callable, state, args: tuple, kwargs: dict) -> Any:
 
 # ---------------------------------------------------------------------- the process's session
 _lock = threading.Lock()
-_session: Optional[Session] = None
-_ring: Optional[Communicator] = None        # a ring installed by hand (tools, tests), when no session runs
-_last: Optional[Tuple[str, Optional[WorldInfo]]] = None   # (job id, last world) once the session ended
 
 
 def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session:
@@ -391,15 +389,14 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session
     ``form=False`` and forms inside its recovery loop, so a failure while the first ring
     forms is handled like any other.
     """
-    global _session, _last
     with _lock:
-        s = _session
+        s = active()
         if s is None:
             config = config or WorkerConfig.from_env()
             logs.install(config.log_level)   # before the first line (standby) is logged
             s = Session(config)
             s.start()
-            _session, _last = s, None
+            _world.enter(s)
     if form and s.world is None:
         s.form(s.next_world(1))
         log.info("worker %s is rank %d of %d in world version %d", s.config.worker_id, s.world.rank,
@@ -409,65 +406,29 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session
 
 def active() -> Optional[Session]:
     """The process's session, or None outside ``elastic.init()`` … ``shutdown()``."""
-    return _session
+    return _world.holder()  # type: ignore[return-value]
 
 
 def shutdown(success: Optional[bool] = True) -> None:
     """Ends this worker's session: ``True`` reports success, ``False`` leaves, ``None`` just closes.
 
     Its last world stays readable (``rank()``, ``size()`` …); collectives raise from here on."""
-    global _session, _last
     with _lock:
-        s, _session = _session, None
+        s = active()
         if s is not None:
-            _last = (s.config.job_id, s.world)
+            _world.leave(s, s.config.job_id)
     if s is not None:
         s.shutdown(success)
-
-
-def use_ring(comm: Optional[Communicator]) -> None:
-    """Makes ``comm`` the ring the collectives run on while no session runs: for tools and
-    tests that form a ring by hand from an explicit peer list (``Communicator.form``)."""
-    global _ring
-    with _lock:
-        _ring = comm
-
-
-def _current_ring() -> Optional[Communicator]:
-    s = _session
-    return s.comm if s is not None else _ring
-
-
-def ring() -> Communicator:
-    """The ring the collectives run on now; a clear error when there is none."""
-    comm = _current_ring()
-    if comm is not None:
-        return comm
-    last = _last
-    if last is not None:
-        raise RendezvousError(f"job {last[0]} has finished (elastic.run returned): collectives need a running "
-                              "job; rank(), size() and world_version() still answer with its last world")
-    raise RendezvousError("no ring: call elastic.init() (or run your function under @elastic.run) first")
-
-
-def current_world() -> Optional[WorldInfo]:
-    """The world this worker is in, or the last one it was in after the session ended; None
-    before any (a worker that has not joined, or only uses a ring formed by hand)."""
-    s = _session
-    if s is not None:
-        return s.world
-    last = _last
-    return last[1] if last is not None else None
 
 
 # ---------------------------------------------------------------------- the commit boundary
 def commit(state) -> None:
     """``state.commit()``: a snapshot in memory, then the boundary every rank agrees on."""
     state.take_snapshot()
-    s = _session
+    s = active()
     if s is not None:
         s.record_commit(state.commit_step)
-    if state.checkpoint_due() and _rank_or_zero() == 0:
+    if state.checkpoint_due() and _world._rank_or_zero() == 0:
         state.write_checkpoint(wait_s=_durable_wait_s())  # written on the State's writer thread
     check_membership()
 
@@ -476,7 +437,7 @@ def _durable_wait_s() -> float:
     """How long a durable commit may wait for the previous write still running: half the
     collective timeout, so the other ranks, already in the boundary's allreduce, never take
     this live rank for a dead one."""
-    comm = _current_ring()
+    comm = _world.current_ring()
     return (comm.config.timeout if comm is not None else CommConfig().timeout) / 2
 
 
@@ -487,8 +448,8 @@ def check_membership() -> None:
     One 8-byte allreduce (Max of [a change is pending, this rank wants to leave]): a rank that
     knows tells all the others, so they all switch at this same commit.
     """
-    s = _session
-    comm = ring()
+    s = active()
+    comm = _world.ring()
     leaving = s is not None and s.leave.pending   # read once: what this rank tells the others
     flags = np.array([1 if s is not None and s.membership_pending() else 0, 1 if leaving else 0], dtype=np.int32)
     comm.allreduce_(flags, Max)
@@ -517,7 +478,7 @@ def request_leave(reason: str = "elastic.request_leave()") -> None:
     under ``elastic.run``: for platforms that announce preemption another way (a metadata
     endpoint, a notice file). Safe from any thread; later calls change nothing. The grace
     (``ELASTIC_PREEMPT_GRACE``) runs from the first call. ``reason`` goes to the log lines."""
-    s = _session
+    s = active()
     if s is None:
         raise RendezvousError("elastic.request_leave(): no session: call it while elastic.run (or elastic.init()) "
                               "runs")
@@ -540,7 +501,7 @@ def sync(state) -> None:
     naming one of them, so ``elastic.run`` reports it and the rendezvous evicts it; nobody loads
     anything, and the next world syncs from the best state among the rest.
     """
-    comm = ring()
+    comm = _world.ring()
     steps = comm.allgather_equal(np.array([state.commit_step], dtype=np.int64))[:, 0]
     root = int(np.argmax(steps))  # the lowest rank among those with the highest step
     step = int(steps[root])
@@ -579,7 +540,7 @@ def sync(state) -> None:
         raise SyncRefusedError(f"sync in world version {comm.world_version}: this rank could not load the state of "
                                f"rank {root} that every rank had checked ({type(e).__name__}: {e}); its last commit "
                                "is restored", world_version=comm.world_version, rank=comm.rank, peer=root) from e
-    s = _session
+    s = active()
     if s is not None:
         s.record_commit(got_step)
     if _torch_distributed() is not None:   # DDP modules and the default group follow the new world
@@ -665,55 +626,3 @@ def _agree(comm: Communicator, root: int, step: int, why: Optional[str], own_err
     elif not why.startswith("sync in world version"):
         why = f"sync in world version {version}: {why}"
     raise BadPeerError(f"{why}; nothing was loaded", op="sync", peer=blamed, kind=ErrorKind.BadPeer, **where)
-
-
-def _rank_or_zero() -> int:
-    world = current_world()
-    if world is not None:
-        return world.rank
-    comm = _ring
-    return comm.rank if comm is not None else 0
-
-
-# ---------------------------------------------------------------------- the current world
-def _world(what: str) -> WorldInfo:
-    world = current_world()
-    if world is None:
-        raise RendezvousError(f"elastic.{what}(): no world yet: call elastic.init() (or run your function under "
-                              "@elastic.run) first")
-    return world
-
-
-def rank() -> int:
-    """This worker's rank in the current world (after ``elastic.run`` returned: in its last world)."""
-    return _world("rank").rank
-
-
-def size() -> int:
-    """Number of workers in the current world (after ``elastic.run`` returned: in its last world)."""
-    return _world("size").size
-
-
-def local_rank() -> int:
-    """This worker's index among the workers on its host."""
-    return _world("local_rank").local_rank
-
-
-def local_size() -> int:
-    """Number of workers on this worker's host."""
-    return _world("local_size").local_size
-
-
-def cross_rank() -> int:
-    """This host's index among the hosts that have a worker with this worker's local rank."""
-    return _world("cross_rank").cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts that have a worker with this worker's local rank."""
-    return _world("cross_size").cross_size
-
-
-def world_version() -> int:
-    """Version of the current world; it grows with every membership change."""
-    return _world("world_version").version

@@ -133,23 +133,7 @@ def test_a_circle_through_several_modules_is_found_and_only_within_the_package()
     assert circles("p", graph) == [["p.a", "p.b", "p.c"]]
 
 
-# Circles the worker side of the restructuring removes (elastic.session imports the torch layer,
-# elastic.group and elastic.ddp, lazily, and they import elastic.session); none may be added meanwhile.
-KNOWN_CIRCLES = [["elastic.ddp", "elastic.group", "elastic.session"]]
-
-
 @pytest.mark.parametrize("package", PACKAGES)
-def test_no_import_circle_but_the_known_ones(package):
-    assert [c for c in circles(package) if c not in KNOWN_CIRCLES] == []
-
-
-@pytest.mark.parametrize("package", [
-    pytest.param("elastic", marks=pytest.mark.xfail(
-        strict=True, reason="elastic.session imports elastic.group and elastic.ddp (lazily) and "
-                            "they import elastic.session; the worker side of the "
-                            "restructuring has the session take the torch layer's hooks instead")),
-    "rendezvous",
-])
 def test_no_import_circle_within_the_package(package):
     assert circles(package) == []
 
@@ -188,10 +172,9 @@ def test_the_rendezvous_service_imports_nothing_of_the_training_runtime():
 
 
 # Files still longer than the limit; remove an entry when its file is cut below it (the strict
-# xfail below fails as soon as it is). session.py is split by the worker side
-# of the package restructuring; launch/launcher.py grew past the limit with the torchrun and
+# xfail below fails as soon as it is). launch/launcher.py grew past the limit with the torchrun and
 # job-limits work and wants its worker-environment helpers in a module of their own.
-LONG_FILES = {"elastic/session.py", "elastic/launch/launcher.py"}
+LONG_FILES = {"elastic/launch/launcher.py"}
 
 
 def _lines(path: str) -> int:

@@ -1,0 +1,141 @@
+"""The current world as this process sees it: ``rank()``, ``size()`` … and the ring the collectives run on.
+
+The running session (``elastic.session``) holds the current world and its ring; it is entered
+here when ``elastic.init()`` starts it and left when it ends, and the last world it was in stays
+readable then: after ``elastic.run`` returned, ``rank()``, ``size()`` … answer with the last
+world's values and ``ring()`` raises an error saying the job has finished. A ring formed by hand
+from an explicit peer list (tools, tests: ``Communicator.form``) can be installed with
+``use_ring()``; the session's ring comes first while one runs.
+
+Everything that asks "which world am I in" asks here, so every layer gets the same answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Protocol, Tuple
+
+from rendezvous.watch_events import WorldInfo
+
+from .communicator import Communicator
+from .errors import RendezvousError
+
+
+class Holder(Protocol):
+    """What holds the current world: the running session (``elastic.session.Session``)."""
+
+    comm: Optional[Communicator]   # the ring of ``world``, formed or forming; None once left
+    world: Optional[WorldInfo]     # None until the first world is taken
+
+
+_lock = threading.Lock()
+_holder: Optional[Holder] = None
+_ring: Optional[Communicator] = None        # a ring installed by hand (tools, tests), when no session runs
+_last: Optional[Tuple[str, Optional[WorldInfo]]] = None   # (job id, last world) once the session ended
+
+
+def enter(holder: Holder) -> None:
+    """``holder`` (a session that just started) answers from now on."""
+    global _holder, _last
+    with _lock:
+        _holder, _last = holder, None
+
+
+def leave(holder: Holder, job_id: str) -> None:
+    """``holder`` ended: its last world answers ``rank()`` … from now on, and collectives raise."""
+    global _holder, _last
+    with _lock:
+        if _holder is holder:
+            _holder, _last = None, (job_id, holder.world)
+
+
+def holder() -> Optional[Holder]:
+    return _holder
+
+
+def use_ring(comm: Optional[Communicator]) -> None:
+    """Makes ``comm`` the ring the collectives run on while no session runs: for tools and
+    tests that form a ring by hand from an explicit peer list (``Communicator.form``)."""
+    global _ring
+    with _lock:
+        _ring = comm
+
+
+def current_ring() -> Optional[Communicator]:
+    """The ring the collectives run on now, or None (``ring()`` says why)."""
+    h = _holder
+    return h.comm if h is not None else _ring
+
+
+def ring() -> Communicator:
+    """The ring the collectives run on now; a clear error when there is none."""
+    comm = current_ring()
+    if comm is not None:
+        return comm
+    last = _last
+    if last is not None:
+        raise RendezvousError(f"job {last[0]} has finished (elastic.run returned): collectives need a running "
+                              "job; rank(), size() and world_version() still answer with its last world")
+    raise RendezvousError("no ring: call elastic.init() (or run your function under @elastic.run) first")
+
+
+def current_world() -> Optional[WorldInfo]:
+    """The world this worker is in, or the last one it was in after the session ended; None
+    before any (a worker that has not joined, or only uses a ring formed by hand)."""
+    h = _holder
+    if h is not None:
+        return h.world
+    last = _last
+    return last[1] if last is not None else None
+
+
+def _rank_or_zero() -> int:
+    world = current_world()
+    if world is not None:
+        return world.rank
+    comm = _ring
+    return comm.rank if comm is not None else 0
+
+
+# ---------------------------------------------------------------------- the public accessors
+def _world(what: str) -> WorldInfo:
+    world = current_world()
+    if world is None:
+        raise RendezvousError(f"elastic.{what}(): no world yet: call elastic.init() (or run your function under "
+                              "@elastic.run) first")
+    return world
+
+
+def rank() -> int:
+    """This worker's rank in the current world (after ``elastic.run`` returned: in its last world)."""
+    return _world("rank").rank
+
+
+def size() -> int:
+    """Number of workers in the current world (after ``elastic.run`` returned: in its last world)."""
+    return _world("size").size
+
+
+def local_rank() -> int:
+    """This worker's index among the workers on its host."""
+    return _world("local_rank").local_rank
+
+
+def local_size() -> int:
+    """Number of workers on this worker's host."""
+    return _world("local_size").local_size
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts that have a worker with this worker's local rank."""
+    return _world("cross_rank").cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that have a worker with this worker's local rank."""
+    return _world("cross_size").cross_size
+
+
+def world_version() -> int:
+    """Version of the current world; it grows with every membership change."""
+    return _world("world_version").version
