@@ -171,12 +171,6 @@ def test_the_rendezvous_service_imports_nothing_of_the_training_runtime():
     assert not any(n.startswith("elastic") for m in modules("rendezvous") for n in GRAPH[m])
 
 
-# Files still longer than the limit; remove an entry when its file is cut below it (the strict
-# xfail below fails as soon as it is). launch/launcher.py grew past the limit with the torchrun and
-# job-limits work and wants its worker-environment helpers in a module of their own.
-LONG_FILES = {"elastic/launch/launcher.py"}
-
-
 def _lines(path: str) -> int:
     with open(path) as f:
         return sum(1 for _ in f)
@@ -188,13 +182,5 @@ def _source_files() -> list[str]:
 
 
 def test_every_source_file_is_at_most_700_lines():
-    long = {f: n for f in _source_files() if f not in LONG_FILES
-            and (n := _lines(os.path.join(REPO, f))) > MAX_LINES}
+    long = {f: n for f in _source_files() if (n := _lines(os.path.join(REPO, f))) > MAX_LINES}
     assert long == {}
-
-
-@pytest.mark.parametrize("path", sorted(LONG_FILES))
-@pytest.mark.xfail(strict=True, reason="still longer than 700 lines: split it, then drop it from "
-                                       "LONG_FILES")
-def test_a_known_long_file_is_split(path):
-    assert _lines(os.path.join(REPO, path)) <= MAX_LINES
