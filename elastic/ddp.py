@@ -27,9 +27,9 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import world
+from . import hooks, world
 from .errors import WorkerLostError
-from .group import _NATIVE, _not_compiled, _register, process_group
+from .group import _NATIVE, _not_compiled, process_group
 from .ops import Average
 
 # Every live DistributedDataParallel, in the order they were made: the same order on every rank
@@ -78,6 +78,7 @@ class _Completions:
 _completions = _Completions()
 
 
+@_not_compiled
 def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's comm hook: the bucket averaged over the current world, asynchronously."""
     buf = bucket.buffer()
@@ -191,15 +192,12 @@ def _signature(ddps: Sequence[DistributedDataParallel]) -> int:
 
 
 def after_sync(state: Any, root: int) -> None:
-    """Called on every rank at the end of each sync (``elastic.session.sync``): the ring is new
-    or kept, the state is everyone's. Each DDP's module the state does not carry gets the root's
-    parameters and buffers, and every DDP a fresh reducer; torch's tables follow the new world.
+    """Called on every rank at the end of each sync (a step hook, after the group's own): the
+    ring is new or kept, the state is everyone's. Each DDP's module the state does not carry gets
+    the root's parameters and buffers, and every DDP a fresh reducer.
 
     One 16-byte allgather first checks that every rank has the same DDPs outside the state: a
     DDP one rank made and another did not would otherwise take another module's weights."""
-    group = process_group()
-    group.clear_failure()
-    _register(group)
     ddps = _live_ddps()
     outside = [d for d in ddps if not _covered(state, d)]
     if outside:
@@ -208,9 +206,7 @@ def after_sync(state: Any, root: int) -> None:
         outside = [d for d in ddps if not _covered(state, d)]
     comm = world.ring()
     mine = torch.tensor([len(outside), _signature(outside)], dtype=torch.int64)
-    every = torch.empty(2 * comm.size, dtype=torch.int64)
-    comm._native.allgather_(mine, every, [16] * comm.size)
-    rows = every.view(comm.size, 2).tolist()
+    rows = comm.allgather_equal(mine).tolist()
     if any(row != rows[0] for row in rows):
         raise ValueError("elastic.DistributedDataParallel: the ranks hold different DDP modules outside the state "
                          f"(count and shape signature by rank: {rows}); make the same DDPs, in the same order, on "
@@ -221,7 +217,12 @@ def after_sync(state: Any, root: int) -> None:
         ddp._elastic_reset()
 
 
-_allreduce_hook = _not_compiled(_allreduce_hook)
+class _DDPHooks(hooks.StepHooks):
+    def after_sync(self, state: Any, root: int) -> None:
+        after_sync(state, root)
+
+
+hooks.add_hooks(_DDPHooks())   # after the group's (imported above), on every rank that imports this module
 
 
 __all__ = ["DistributedDataParallel", "after_sync"]

@@ -18,7 +18,6 @@ names and whose sizes are bounded.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
@@ -27,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import objects, world
+from . import hooks, objects, world
+from .config import default_group_from_env
 from .errors import RendezvousError, WorkerLostError
 from .ops import Average, Max, Min, ReduceOp, Sum
 
@@ -35,7 +35,6 @@ log = logging.getLogger("elastic")
 
 GROUP_NAME = "elastic"
 BACKEND = "elastic"
-DEFAULT_GROUP_ENV = "ELASTIC_DEFAULT_GROUP"
 
 # The ring reduces these natively; the other integer types are widened to int64 and back
 # (wrapping as torch's own integer arithmetic does), complex numbers as pairs of reals.
@@ -78,6 +77,13 @@ def _reduce_op(opts: Any) -> Any:
     if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         return opts
     return opts.reduceOp
+
+
+def _not_compiled(fn):
+    """Keeps torch.compile from tracing into the ring (DDP's reducer calls the group's broadcast
+    from inside a compiled forward when it rebuilds its buckets)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 class _Done(dist.Work):
@@ -156,19 +162,15 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ identity
+    @_not_compiled
     def rank(self) -> int:
-        comm = world.current_ring()
-        if comm is not None:
-            return comm.rank
-        w = world.current_world()
-        return w.rank if w is not None else 0
+        where = world.position()
+        return where[0] if where is not None else 0
 
+    @_not_compiled
     def size(self) -> int:
-        comm = world.current_ring()
-        if comm is not None:
-            return comm.size
-        w = world.current_world()
-        return w.size if w is not None else 1
+        where = world.position()
+        return where[1] if where is not None else 1
 
     def getBackendName(self) -> str:   # noqa: N802 (torch's name)
         return BACKEND
@@ -243,6 +245,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             raise NotImplementedError(f"{what}: dtype {x.dtype} is not supported by the elastic ring")
         c.done()
 
+    @_not_compiled
     def allreduce(self, tensors, opts=None):
         what = "all_reduce"
         if isinstance(tensors, torch.Tensor):
@@ -252,6 +255,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._allreduce_one(comm, t, _reduce_op(opts), what)
         return _Done(tensors)
 
+    @_not_compiled
     def allreduce_coalesced(self, tensors, opts=None):
         comm = self._ring("all_reduce_coalesced")
         op = _reduce_op(opts)
@@ -259,6 +263,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._allreduce_one(comm, t, op, "all_reduce_coalesced")
         return _Done(tensors)
 
+    @_not_compiled
     def reduce(self, tensors, opts=None):
         what = "reduce"
         comm = self._ring(what)
@@ -270,6 +275,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._allreduce_one(comm, target, op, what)
         return _Done(tensors)
 
+    @_not_compiled
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         what = "reduce_scatter"
         comm = self._ring(what)
@@ -289,6 +295,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             out.detach().copy_(flat[comm.rank * out.numel():(comm.rank + 1) * out.numel()].view_as(out))
         return _Done(output_tensors)
 
+    @_not_compiled
     def _reduce_scatter_base(self, output, input, opts=None):
         what = "reduce_scatter_tensor"
         comm = self._ring(what)
@@ -303,12 +310,14 @@ class ElasticProcessGroup(dist.ProcessGroup):
         output.detach().copy_(flat[comm.rank * n:(comm.rank + 1) * n].view_as(output))
         return _Done([output])
 
+    @_not_compiled
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
             self._reduce_scatter_base(o, i, opts)
         return _Done(outputs)
 
     # ------------------------------------------------------------------ data movement
+    @_not_compiled
     def broadcast(self, tensors, opts=None):
         what = "broadcast"
         if isinstance(tensors, torch.Tensor):
@@ -332,9 +341,10 @@ class ElasticProcessGroup(dist.ProcessGroup):
         if mine.numel() != sizes[comm.rank]:
             raise ValueError(f"{what}: this rank's input has {mine.numel()} bytes, its output slot {sizes[comm.rank]}")
         out = torch.empty(sum(sizes), dtype=torch.uint8)
-        self._run(comm._native.allgather_, mine, out, list(sizes))
+        self._run(comm.allgather_into_, out, mine, list(sizes))
         return out
 
+    @_not_compiled
     def allgather(self, output_tensors, input_tensors, opts=None):
         what = "all_gather"
         comm = self._ring(what)
@@ -354,9 +364,11 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 at += n
         return _Done([o for outs in output_tensors for o in outs])
 
+    @_not_compiled
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
+    @_not_compiled
     def _allgather_base(self, output, input, opts=None):
         what = "all_gather_into_tensor"
         comm = self._ring(what)
@@ -372,11 +384,13 @@ class ElasticProcessGroup(dist.ProcessGroup):
         c.done()
         return _Done([output])
 
+    @_not_compiled
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
             self._allgather_base(o, i, opts)
         return _Done(outputs)
 
+    @_not_compiled
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
         comm = self._ring(what)
@@ -395,6 +409,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 c.done()
         return _Done(output_tensors[0] if output_tensors else [])
 
+    @_not_compiled
     def scatter(self, output_tensors, input_tensors, opts=None):
         what = "scatter"
         comm = self._ring(what)
@@ -424,18 +439,14 @@ class ElasticProcessGroup(dist.ProcessGroup):
         rank holds the whole exchange for a moment). ``expect[src]``: the bytes this rank's
         outputs hold for ``src``."""
         counts = torch.tensor([s.numel() for s in send], dtype=torch.int64)
-        every = torch.empty(comm.size * comm.size, dtype=torch.int64)
-        self._run(comm._native.allgather_, counts, every, [counts.numel() * 8] * comm.size)
-        table = every.view(comm.size, comm.size).tolist()
+        table = self._run(comm.allgather_equal, counts).tolist()
         # What the senders announce must be what this rank's outputs hold, and the whole within
         # bounds, before anything is allocated. Every rank says whether it agrees, so all of them
         # raise together instead of the others waiting in the exchange for one that gave up.
         column = [table[src][comm.rank] for src in range(comm.size)]
         total = sum(map(sum, table))
         ok = column == list(expect) and all(c >= 0 for row in table for c in row) and total <= _MAX_ALLTOALL_BYTES
-        verdicts = torch.empty(comm.size, dtype=torch.int64)
-        self._run(comm._native.allgather_, torch.tensor([int(ok)], dtype=torch.int64), verdicts,
-                  [8] * comm.size)
+        verdicts = self._run(comm.allgather_equal, torch.tensor([int(ok)], dtype=torch.int64))[:, 0]
         if not ok:
             raise ValueError(f"{what}: rank {comm.rank} expects {list(expect)} bytes from the ranks and they send "
                              f"{column} (all ranks: {total} bytes, at most {_MAX_ALLTOALL_BYTES}); every rank "
@@ -453,6 +464,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             at += sum(table[src])
         return got
 
+    @_not_compiled
     def alltoall(self, output_tensors, input_tensors, opts=None):
         what = "all_to_all"
         comm = self._ring(what)
@@ -466,6 +478,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             c.done()
         return _Done(output_tensors)
 
+    @_not_compiled
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
         comm = self._ring(what)
@@ -498,21 +511,27 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return _Done([output])
 
     # torch 2.13's names for the single-tensor forms; older torch calls the underscored ones.
+    @_not_compiled
     def all_gather_single(self, output, input, opts=None):
         return self._allgather_base(output, input, opts)
 
+    @_not_compiled
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
+    @_not_compiled
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
 
+    @_not_compiled
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
+    @_not_compiled
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
+    @_not_compiled
     def barrier(self, opts=None):
         comm = self._ring("barrier")
         self._run(comm.barrier)
@@ -612,15 +631,16 @@ def _registered() -> bool:
     return _group is not None and c10d._world.default_pg is _group
 
 
-def install_default_group() -> bool:
+def install_default_group(enabled: Optional[bool] = None) -> bool:
     """Makes the elastic group torch.distributed's default group (inside ``elastic.run``).
 
-    Skipped when ``ELASTIC_DEFAULT_GROUP=0`` or when the script initialized a default group
-    itself (that one is left alone and does not follow re-forms; a warning says so). Returns
-    whether the elastic group is the default group now. torch's tables are private: if they
-    change shape, this logs why and training goes on without the default group.
+    Skipped when not ``enabled`` (default: ``ELASTIC_DEFAULT_GROUP``, read by ``elastic.config``)
+    or when the script initialized a default group itself (that one is left alone and does not
+    follow re-forms; a warning says so). Returns whether the elastic group is the default group
+    now. torch's tables are private: if they change shape, this logs why and training goes on
+    without the default group.
     """
-    if os.environ.get(DEFAULT_GROUP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not (default_group_from_env() if enabled is None else enabled):
         return False
     if _registered():
         _register(_group)
@@ -646,19 +666,23 @@ def install_default_group() -> bool:
     return True
 
 
-def _not_compiled(fn):
-    """Keeps torch.compile from tracing into the ring (DDP's reducer calls the group's broadcast
-    from inside a compiled forward when it rebuilds its buckets)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+class _GroupHooks(hooks.StepHooks):
+    """The group's part in the step protocol: the default group inside ``elastic.run``, torch's
+    tables after every sync, and the ring failure behind a torch error."""
+
+    def run_starting(self, default_group: bool) -> None:
+        install_default_group(default_group)
+
+    def after_sync(self, state: Any, root: int) -> None:
+        group = process_group()
+        group.clear_failure()
+        _register(group)
+
+    def failure_behind(self, error: BaseException) -> Optional[WorkerLostError]:
+        return pending_failure()
 
 
-for _name in ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
-              "reduce_scatter_tensor_coalesced", "broadcast", "allgather", "allgather_coalesced", "_allgather_base",
-              "allgather_into_tensor_coalesced", "gather", "scatter", "alltoall", "alltoall_base",
-              "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
-              "reduce_scatter_single_coalesced", "all_to_all_single", "barrier", "rank", "size"):
-    setattr(ElasticProcessGroup, _name, _not_compiled(getattr(ElasticProcessGroup, _name)))
+hooks.add_hooks(_GroupHooks())
 
 
 __all__ = ["ElasticProcessGroup", "process_group", "install_default_group", "pending_failure"]

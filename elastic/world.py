@@ -34,14 +34,14 @@ _ring: Optional[Communicator] = None        # a ring installed by hand (tools, t
 _last: Optional[Tuple[str, Optional[WorldInfo]]] = None   # (job id, last world) once the session ended
 
 
-def enter(holder: Holder) -> None:
+def attach(holder: Holder) -> None:
     """``holder`` (a session that just started) answers from now on."""
     global _holder, _last
     with _lock:
         _holder, _last = holder, None
 
 
-def leave(holder: Holder, job_id: str) -> None:
+def detach(holder: Holder, job_id: str) -> None:
     """``holder`` ended: its last world answers ``rank()`` … from now on, and collectives raise."""
     global _holder, _last
     with _lock:
@@ -89,12 +89,24 @@ def current_world() -> Optional[WorldInfo]:
     return last[1] if last is not None else None
 
 
-def _rank_or_zero() -> int:
-    world = current_world()
-    if world is not None:
-        return world.rank
+def position() -> Optional[Tuple[int, int]]:
+    """(rank, size) of this process now, the one answer every layer uses: the running session's
+    world, else that of a ring installed by hand (the collectives run on it), else the last
+    world's after the session ended; None before any."""
+    h = _holder
+    if h is not None and h.world is not None:
+        return h.world.rank, h.world.size
     comm = _ring
-    return comm.rank if comm is not None else 0
+    if h is None and comm is not None:
+        return comm.rank, comm.size
+    world = current_world()
+    return (world.rank, world.size) if world is not None else None
+
+
+def rank_now(default: int = 0) -> int:
+    """This process's rank (``position()``), or ``default`` before any world or ring."""
+    where = position()
+    return where[0] if where is not None else default
 
 
 # ---------------------------------------------------------------------- the public accessors
@@ -106,14 +118,23 @@ def _world(what: str) -> WorldInfo:
     return world
 
 
+def _position(what: str) -> Tuple[int, int]:
+    where = position()
+    if where is None:
+        _world(what)   # raises, saying how to get a world
+    return where
+
+
 def rank() -> int:
-    """This worker's rank in the current world (after ``elastic.run`` returned: in its last world)."""
-    return _world("rank").rank
+    """This worker's rank in the current world (after ``elastic.run`` returned: in its last world;
+    on a ring installed by hand: in that ring)."""
+    return _position("rank")[0]
 
 
 def size() -> int:
-    """Number of workers in the current world (after ``elastic.run`` returned: in its last world)."""
-    return _world("size").size
+    """Number of workers in the current world (after ``elastic.run`` returned: in its last world;
+    on a ring installed by hand: in that ring)."""
+    return _position("size")[1]
 
 
 def local_rank() -> int:

@@ -171,6 +171,25 @@ def test_the_rendezvous_service_imports_nothing_of_the_training_runtime():
     assert not any(n.startswith("elastic") for m in modules("rendezvous") for n in GRAPH[m])
 
 
+# The native core's objects are the Communicator's alone: every other layer uses its public
+# methods (Gloo's algorithms see only the transport interface), so what the core is given is
+# checked in one place.
+NATIVE_OWNER = "elastic.communicator"
+
+
+def _native_attribute_uses(module: str) -> list[int]:
+    return sorted(n.lineno for n in ast.walk(_tree(module)) if isinstance(n, ast.Attribute) and n.attr == "_native")
+
+
+def test_the_check_for_native_access_sees_it():
+    assert _native_attribute_uses(NATIVE_OWNER)   # self._native, where it belongs
+
+
+def test_no_module_but_the_communicator_reaches_into_the_native_core():
+    users = {m: lines for m in ALL if m != NATIVE_OWNER and (lines := _native_attribute_uses(m))}
+    assert users == {}
+
+
 def _lines(path: str) -> int:
     with open(path) as f:
         return sum(1 for _ in f)

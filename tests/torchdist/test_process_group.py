@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import elastic
 from elastic import group, world
+from elastic.config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
 
@@ -184,7 +185,7 @@ def test_a_default_group_the_script_made_is_left_alone():
 
 def test_elastic_default_group_0_opts_out():
     def fn(comm):
-        os.environ[group.DEFAULT_GROUP_ENV] = "0"
+        os.environ[DEFAULT_GROUP_ENV] = "0"
         world.use_ring(comm)
         return group.install_default_group(), dist.is_initialized()
     assert run_world(2, fn) == [(False, False)] * 2
@@ -210,7 +211,7 @@ def _rooted_ops_with_group_argument(rank: int, size: int):
 
 def test_group_argument_works_for_rooted_ops_without_the_default_group():
     def fn(comm):
-        os.environ[group.DEFAULT_GROUP_ENV] = "0"
+        os.environ[DEFAULT_GROUP_ENV] = "0"
         world.use_ring(comm)
         assert not group.install_default_group()
         return _rooted_ops_with_group_argument(comm.rank, comm.size)
