@@ -8,14 +8,15 @@ thread, of the spans of its blocking collectives and of its async allreduces fro
 their ``synchronize``, which covers DDP's comm hook) and how much of the wall time was left: its
 compute time. An async allreduce counts from its submission because that is when the rank's
 own part is in: in DDP the slow rank submits each bucket last and finds the others waiting, so
-its buckets complete at once, while each fast rank waits on every bucket for the slow one. At the boundary each rank puts its two numbers into its own
-slots of the membership allreduce (``session.check_membership``: one allreduce, Max, of
+its buckets complete at once, while each fast rank waits on every bucket for the slow one. At
+the boundary each rank puts its two numbers into its own slots of the membership allreduce
+(``StepProtocol.check_membership`` in elastic/session.py: one allreduce, Max, of
 ``[pending, leaving, compute_0..compute_{n-1}, wait_0..wait_{n-1}]``), so every rank holds every
 rank's numbers without another round trip, and every rank judges the same numbers alike.
 
 A window closes at the first boundary where every rank measured something and the median wall
 time reached ``window_s`` (a job that commits every step still judges whole seconds, not
-scheduler noise); then ``judge`` (pure, table-tested in tests/runtime/test_stragglers.py):
+scheduler noise); then ``judge`` (pure, table-tested in tests/elastic/test_stragglers.py):
 
 * a rank is slow in a window when its compute time is above ``factor`` times the world's median
   (the lower middle value for an even size: in a world of two, the slow one is compared with the
