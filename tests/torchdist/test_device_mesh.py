@@ -12,56 +12,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import elastic
 from elastic import distributed, session
 from tests.native.harness import run_world
 
-# Dimensions the world sizes here (2, 3) do not all divide: FSDP2 pads the last shard.
-DIMS = (7, 13, 11, 5)
+from .fsdp_job import batch, build, optimizer, reference, shard, train_step
+
 STEPS = 4
-LR = 1e-2
-
-
-def build() -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for i, (a, b) in enumerate(zip(DIMS, DIMS[1:])):
-        layers += [torch.nn.Linear(a, b)] + ([torch.nn.Tanh()] if i < len(DIMS) - 2 else [])
-    return torch.nn.Sequential(*layers)
-
-
-def shard(model: torch.nn.Module, mesh) -> None:
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-def batch(step: int, rank: int):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(3, DIMS[0], generator=g), torch.randn(3, DIMS[-1], generator=g)
-
-
-def train_step(model, opt, x, y) -> None:
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    opt.step()
-    opt.zero_grad()
-
-
-def reference(size: int):
-    """One process on the global batches: each step's parameters, and the optimizer at the end."""
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    steps = []
-    for step in range(STEPS):
-        xs, ys = zip(*(batch(step, r) for r in range(size)))
-        train_step(model, opt, torch.cat(xs), torch.cat(ys))
-        steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return steps, opt.state_dict()
 
 
 def _on_default_group(body):
@@ -96,8 +55,8 @@ def _fsdp2_and_dtensor(comm):
 
     model = build()
     shard(model, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    want_steps, want_opt = reference(size)
+    opt = optimizer(model)
+    want_steps, want_opt = reference(size, STEPS)
     for step in range(STEPS):
         train_step(model, opt, *batch(step, rank))
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -152,7 +111,7 @@ def _stale_mesh(comm):
     for how, mesh in [("device_mesh", old_mesh), ("from_group", DeviceMesh.from_group(elastic.process_group(), "cpu"))]:
         models[how] = build()
         shard(models[how], mesh)
-        train_step(models[how], torch.optim.AdamW(models[how].parameters(), lr=LR), x, y)
+        train_step(models[how], optimizer(models[how]), x, y)
     old_name = elastic.process_group().group_name
 
     new = _next_world_reversed(comm)   # a world of the same size: the meshes compare equal in torch
@@ -174,7 +133,7 @@ def _stale_mesh(comm):
         for how, mesh in [("device_mesh", mesh), ("from_group", DeviceMesh.from_group(elastic.process_group(), "cpu"))]:
             fresh = build()
             shard(fresh, mesh)
-            train_step(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR), x, y)
+            train_step(fresh, optimizer(fresh), x, y)
             got[f"rebuilt on {how} trains"] = True
         got["pending failure"] = distributed.pending_failure()
     finally:
