@@ -199,23 +199,32 @@ def test_gathers_and_reduce_scatters_give_gloos_answers_for_every_dtype_op_and_s
 
 
 def _moves_no_extra_copy(comm):
-    # A contiguous output is handed to the ring as it is: the core writes into the caller's memory.
+    # Contiguous tensors are handed to the ring as they are: the core reads and writes the
+    # caller's memory (a list of chunks of one tensor counts as that tensor).
     seen = []
-    real = comm.allgather_into_
+    for name in ("allgather_into_", "reduce_scatter_"):
+        real = getattr(comm, name)
 
-    def spy(out, inp, counts=None):
-        seen.append(out.data_ptr())
-        return real(out, inp, counts)
+        def spy(out, inp, *rest, _real=real, _name=name):
+            seen.append((_name, out.data_ptr(), inp.data_ptr()))
+            return _real(out, inp, *rest)
+        setattr(comm, name, spy)
+    run = lambda fn, *a: fn(*a)   # noqa: E731
+    n = comm.size
+    out, inp = torch.empty(n * 3), torch.ones(3)
+    group_collectives.all_gather_into_tensor(comm, run, out, inp)
+    pieces = torch.empty(n * 3).chunk(n)
+    group_collectives.all_gather_list(comm, run, list(pieces), inp)
+    rs_out, rs_in = torch.empty(3), torch.ones(n * 3)
+    group_collectives.reduce_scatter_tensor(comm, run, rs_out, rs_in, dist.ReduceOp.SUM)
+    group_collectives.reduce_scatter_list(comm, run, rs_out, list(rs_in.chunk(n)), dist.ReduceOp.SUM)
+    return seen == [("allgather_into_", out.data_ptr(), inp.data_ptr()),
+                    ("allgather_into_", pieces[0].data_ptr(), inp.data_ptr()),
+                    ("reduce_scatter_", rs_out.data_ptr(), rs_in.data_ptr()),
+                    ("reduce_scatter_", rs_out.data_ptr(), rs_in.data_ptr())]
 
-    comm.allgather_into_ = spy
-    out = torch.empty(comm.size * 3)
-    group_collectives.all_gather_into_tensor(comm, lambda fn, *a: fn(*a), out, torch.ones(3))
-    pieces = torch.empty(comm.size * 3).chunk(comm.size)
-    group_collectives.all_gather_list(comm, lambda fn, *a: fn(*a), list(pieces), torch.ones(3))
-    return seen == [out.data_ptr(), pieces[0].data_ptr()]
 
-
-def test_a_contiguous_output_is_gathered_in_place():
+def test_contiguous_tensors_go_to_the_ring_as_they_are():
     assert run_world(2, _moves_no_extra_copy) == [True, True]
 
 
