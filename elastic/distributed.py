@@ -177,9 +177,10 @@ class ElasticProcessGroup(dist.ProcessGroup):
         with self._lock:
             view = self._view
             if view is None or view._world is not comm:
-                name = f"{GROUP_NAME}/world{comm.world_version}"
+                name, again = f"{GROUP_NAME}/world{comm.world_version}", 1
                 while name in self._view_names:   # rings formed by hand can repeat a version
-                    name = f"{GROUP_NAME}/world{comm.world_version}-{len(self._view_names)}"
+                    again += 1
+                    name = f"{GROUP_NAME}/world{comm.world_version}-{again}"
                 self._view_names.add(name)
                 view = self._view = ElasticProcessGroup(world=comm, name=name, parent=self)
                 # torch compares meshes by their ranks: DTensor's sharding caches would hand a
