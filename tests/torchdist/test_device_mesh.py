@@ -5,6 +5,8 @@ StaleMeshError instead of running on the next one."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import elastic
 from elastic import distributed, session
-from tests.native.harness import run_world
+from tests.native.harness import World, run_world
 
 from .fsdp_job import batch, build, optimizer, reference, shard, train_step
 
@@ -148,6 +150,33 @@ def test_a_mesh_of_a_world_that_is_over_raises_stale_mesh_error_and_a_rebuilt_mo
             assert got.pop(what) == (True, 1, 2), f"rank {rank}: {what}"
         assert got == {"new mesh": (True, 1 - rank, True), "rebuilt on device_mesh trains": True,
                        "rebuilt on from_group trains": True, "pending failure": None}
+
+
+def _lose_a_peer_in_backward(comm):
+    model = build()
+    shard(model, elastic.device_mesh())
+    opt = optimizer(model)
+    x, y = batch(0, comm.rank)
+    train_step(model, opt, x, y)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if comm.rank == comm.size - 1:
+        os._exit(0)   # gone between forward and backward, without a word
+    try:
+        loss.backward()   # FSDP2's reduce-scatters run in backward's hooks
+        raised = "nothing"
+    except Exception as e:  # noqa: BLE001 (what autograd hands back is the point)
+        raised = type(e).__name__
+    return raised, type(distributed.pending_failure()).__name__
+
+
+def test_a_peer_lost_in_fsdp2_backward_is_the_rings_worker_lost_error():
+    with World(3, _on_default_group(_lose_a_peer_in_backward)) as world:
+        world.wait_formed()
+        for rank in (0, 1):
+            msg = world.message(rank, timeout=120)
+            assert msg[0] == "ok", msg
+            # elastic.run raises the recorded failure for whatever torch made of it.
+            assert msg[1] == ("WorkerLostError", "WorkerLostError"), msg[1]
 
 
 def test_device_mesh_needs_a_world_and_has_one_dimension():
