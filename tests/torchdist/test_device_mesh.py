@@ -63,6 +63,11 @@ def _fsdp2_and_dtensor(comm):
         train_step(model, opt, *batch(step, rank))
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
         got[f"step {step}"] = _close(full, want_steps[step])
+    # FSDP2's explicit prefetch: an async all-gather whose Work is waited on later.
+    handle = model[0].unshard(async_op=True)
+    handle.wait()
+    got["unshard(async_op=True)"] = _close({"w": model[0].weight.detach()}, {"w": want_steps[-1]["0.weight"]})
+    model[0].reshard()
     options = StateDictOptions(full_state_dict=True)
     got["get_model_state_dict"] = _close(get_model_state_dict(model, options=options), want_steps[-1])
     osd = get_optimizer_state_dict(model, opt, options=options)
