@@ -38,6 +38,9 @@ from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
 from rendezvous import __version__  # the distribution's version, from its metadata
+from . import torch_guidance
+
+torch_guidance.install_when_torch_loads()   # under elastic-run: torch's errors name our fix
 
 
 def __getattr__(name):

@@ -192,7 +192,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return view
 
     def shutdown(self) -> None:
-        """``dist.destroy_process_group()``: the ring is the session's; nothing to close here."""
+        """``dist.destroy_process_group()``: closes the ring kept for collectives after
+        ``elastic.run`` returned; a running session's ring is the session's to close."""
+        session.close_after_run()
 
     def abort(self) -> None:
         comm = session._current_ring()

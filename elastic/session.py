@@ -23,12 +23,16 @@ membership change) and the sync are here.
 
 The collectives of ``elastic`` run on ``ring()``: the session's current ring, or one a tool
 installed by hand with ``use_ring()``. After the session ends (``elastic.run`` returned),
-``rank()``, ``size()`` … keep answering with the last world's values, and ``ring()`` raises
-an error saying the job has finished.
+``rank()``, ``size()`` … keep answering with the last world's values; a worker whose function
+returned keeps that world's ring for the collectives a script runs after training (a barrier,
+a last all_reduce), no longer elastic, until ``dist.destroy_process_group()``,
+``elastic.shutdown()`` or the exit. Otherwise ``ring()`` raises an error saying the job has
+finished.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -95,8 +99,9 @@ class Session:
         self._pump.start()
         metrics.start(self.config.metrics_socket, self.config.metrics_token, self.config.worker_id)
 
-    def shutdown(self, success: Optional[bool]) -> None:
-        """Ends this worker's part: report success, or leave cleanly, and release everything."""
+    def shutdown(self, success: Optional[bool], keep_ring: bool = False) -> Optional[Communicator]:
+        """Ends this worker's part: report success, or leave cleanly, and release everything
+        but, with ``keep_ring``, the ring of the last world, which it returns."""
         self._stop.set()
         try:
             if self.departed:
@@ -116,13 +121,15 @@ class Session:
                             "succeeded" if success else "left", e)
         with self._cond:
             comm, self.comm = self.comm, None
-        if comm is not None:
+        if comm is not None and not (keep_ring and not comm.failed):
             comm.close()
+            comm = None
         self.client.close()
         self._pump.join(timeout=5)
         self.listener.close()
         self.leave.finish()
         metrics.stop()
+        return comm
 
     def depart(self) -> Preempted:
         """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
@@ -345,7 +352,9 @@ class Session:
             # The last durable commit may still be on the writer thread: on disk before success
             # is reported and before the code after training runs (a deadline, logged if missed).
             state.finish_durable_commits()
-            shutdown(success)
+            # A worker whose function returned keeps its last world's ring: torchrun scripts end
+            # with dist.barrier(), a last all_reduce of metrics, destroy_process_group().
+            _end(success, keep_ring=success is True)
 
 
 def _torch_distributed():
@@ -380,6 +389,10 @@ _lock = threading.Lock()
 _session: Optional[Session] = None
 _ring: Optional[Communicator] = None        # a ring installed by hand (tools, tests), when no session runs
 _last: Optional[Tuple[str, Optional[WorldInfo]]] = None   # (job id, last world) once the session ended
+# The last world's ring after elastic.run returned, for collectives after the run: no longer
+# elastic (a peer that exited or fails raises WorkerLostError); closed by
+# dist.destroy_process_group(), elastic.shutdown(), the next elastic.init() or the exit.
+_after: Optional[Communicator] = None
 
 
 def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session:
@@ -392,6 +405,7 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session
     forms is handled like any other.
     """
     global _session, _last
+    close_after_run()
     with _lock:
         s = _session
         if s is None:
@@ -416,13 +430,34 @@ def shutdown(success: Optional[bool] = True) -> None:
     """Ends this worker's session: ``True`` reports success, ``False`` leaves, ``None`` just closes.
 
     Its last world stays readable (``rank()``, ``size()`` …); collectives raise from here on."""
-    global _session, _last
+    close_after_run()
+    _end(success, keep_ring=False)
+
+
+def _end(success: Optional[bool], keep_ring: bool) -> None:
+    global _session, _last, _after
     with _lock:
         s, _session = _session, None
         if s is not None:
             _last = (s.config.job_id, s.world)
-    if s is not None:
-        s.shutdown(success)
+    if s is None:
+        return
+    kept = s.shutdown(success, keep_ring=keep_ring)
+    if kept is not None:
+        with _lock:
+            _after = kept
+
+
+def close_after_run() -> None:
+    """Closes the ring kept for collectives after ``elastic.run`` returned, if any."""
+    global _after
+    with _lock:
+        comm, _after = _after, None
+    if comm is not None:
+        comm.close()
+
+
+atexit.register(close_after_run)
 
 
 def use_ring(comm: Optional[Communicator]) -> None:
@@ -435,7 +470,9 @@ def use_ring(comm: Optional[Communicator]) -> None:
 
 def _current_ring() -> Optional[Communicator]:
     s = _session
-    return s.comm if s is not None else _ring
+    if s is not None:
+        return s.comm
+    return _ring if _ring is not None else _after
 
 
 def ring() -> Communicator:
@@ -445,8 +482,10 @@ def ring() -> Communicator:
         return comm
     last = _last
     if last is not None:
-        raise RendezvousError(f"job {last[0]} has finished (elastic.run returned): collectives need a running "
-                              "job; rank(), size() and world_version() still answer with its last world")
+        raise RendezvousError(f"job {last[0]} has finished and this worker's ring is closed (elastic.run returned "
+                              "without this worker's function completing, or dist.destroy_process_group() or "
+                              "elastic.shutdown() ran): rank(), size() and world_version() still answer with its "
+                              "last world")
     raise RendezvousError("no ring: call elastic.init() (or run your function under @elastic.run) first")
 
 
