@@ -32,8 +32,8 @@ from .errors import (
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .run import run
-from .session import (cross_rank, cross_size, init, local_rank, local_size, rank, request_leave, shutdown, size,
-                      world_version)
+from .session import init, request_leave, shutdown
+from .world import cross_rank, cross_size, local_rank, local_size, rank, size, world_version
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
@@ -48,9 +48,12 @@ def __getattr__(name):
     if name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"):
         from . import optimizer
         return getattr(optimizer, name)
-    if name in ("DistributedDataParallel", "process_group"):
-        from . import distributed
-        return getattr(distributed, name)
+    if name == "DistributedDataParallel":
+        from . import ddp
+        return ddp.DistributedDataParallel
+    if name == "process_group":
+        from . import group
+        return group.process_group
     if name == "device_mesh":
         from . import mesh
         return mesh.device_mesh

@@ -95,7 +95,7 @@ def install() -> None:
 
 
 def _is_elastic(group: Any) -> bool:
-    from .distributed import ElasticProcessGroup
+    from .group import ElasticProcessGroup
     return isinstance(group, ElasticProcessGroup)
 
 

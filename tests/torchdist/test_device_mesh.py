@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import elastic
-from elastic import distributed, session
+from elastic import group, world
 from tests.native.harness import World, run_world
 
 from .fsdp_job import batch, build, optimizer, reference, shard, train_step
@@ -28,12 +28,12 @@ STEPS = 4
 def _on_default_group(body):
     def fn(comm):
         torch.manual_seed(1234)   # the same on every rank, as a script's seeding would make it
-        session.use_ring(comm)
+        world.use_ring(comm)
         try:
-            assert distributed.install_default_group()
+            assert group.install_default_group()
             return body(comm)
         finally:
-            session.use_ring(None)
+            world.use_ring(None)
     return fn
 
 
@@ -122,7 +122,7 @@ def _stale_mesh(comm):
     old_name = elastic.process_group().group_name
 
     new = _next_world_reversed(comm)   # a world of the same size: the meshes compare equal in torch
-    session.use_ring(new)
+    world.use_ring(new)
     try:
         for what, call in [("FSDP2 forward", lambda: models["device_mesh"](x)),
                            ("from_group FSDP2 forward", lambda: models["from_group"](x)),
@@ -142,9 +142,9 @@ def _stale_mesh(comm):
             shard(fresh, mesh)
             train_step(fresh, optimizer(fresh), x, y)
             got[f"rebuilt on {how} trains"] = True
-        got["pending failure"] = distributed.pending_failure()
+        got["pending failure"] = group.pending_failure()
     finally:
-        session.use_ring(comm)
+        world.use_ring(comm)
         new.close()
     return got
 
@@ -171,7 +171,7 @@ def _lose_a_peer_in_backward(comm):
         raised = "nothing"
     except Exception as e:  # noqa: BLE001 (what autograd hands back is the point)
         raised = type(e).__name__
-    return raised, type(distributed.pending_failure()).__name__
+    return raised, type(group.pending_failure()).__name__
 
 
 def test_a_peer_lost_in_fsdp2_backward_is_the_rings_worker_lost_error():
