@@ -1,7 +1,7 @@
 """Goodput under faults: the same DDP job under torchrun, elastic-run and TorchFT, one worker SIGKILLed every F s.
 
     python bench/goodput.py                       # 4 workers, a SIGKILL every 20 s and every 60 s, 300 s each
-    python bench/goodput.py --quick --plot g.png  # every 10 s and 20 s for 30 s (about 7 minutes)
+    python bench/goodput.py --quick --plot g.png  # every 10 s and 20 s for 30 s (7-10 minutes)
     python bench/goodput.py --every 30 --duration 300 --commit-every 20 --seed 3
 
 Every run trains bench/_goodput_worker.py's model (~9M-parameter MLP, 32 samples per rank and
@@ -579,7 +579,7 @@ def parse_args(argv=None):
     ap.add_argument("--fault-free-seconds", type=float, default=None,
                     help="length of each fault-free run (default 60; --quick 15)")
     ap.add_argument("--quick", action="store_true",
-                    help="shorter defaults: F=10 and 20, T=30, fault-free runs of 15 s (about 7 minutes)")
+                    help="shorter defaults: F=10 and 20, T=30, fault-free runs of 15 s (7-10 minutes)")
     ap.add_argument("--plot", metavar="FILE.png", default=None,
                     help="also draw useful steps over time of every fault run, faults marked (matplotlib)")
     ap.add_argument("--commit-every", type=int, default=10,
