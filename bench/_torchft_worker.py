@@ -114,8 +114,8 @@ def main() -> None:
         committed = manager.should_commit()
         if committed:
             opt.step()
-        position.advance()
-        # The quorum id is the membership generation: torchft reconfigures its group on a new one.
+        # The quorum id is the membership generation: torchft reconfigures its group on a new one
+        # (read from the manager's field: no public accessor has it).
         gen = max(0, int(manager._quorum_id))
         size = manager.num_participants()
         step = manager.current_step()
@@ -124,6 +124,9 @@ def main() -> None:
             events.log("commit", step, gen, size)
         if not (committed and participating):
             events.log("drop", step + (0 if committed else 1), gen, size, samples)
+        # After the log line: a SIGKILL between the two makes the restarted group train this batch
+        # again (counted as trained twice), never a batch trained but missing from the log.
+        position.advance()
 
 
 if __name__ == "__main__":
