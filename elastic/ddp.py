@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from . import hooks, world
 from .errors import WorkerLostError
-from .group import _NATIVE, _not_compiled, process_group
+from .group import _not_compiled, process_group
+from .group_collectives import NATIVE
 from .ops import Average
 
 # Every live DistributedDataParallel, in the order they were made: the same order on every rank
@@ -85,7 +86,7 @@ def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Futur
     fut: torch.futures.Future = torch.futures.Future()
     try:
         comm = world.ring()
-        if buf.dtype not in _NATIVE:
+        if buf.dtype not in NATIVE:
             raise NotImplementedError(f"DistributedDataParallel: gradients of dtype {buf.dtype} are not supported "
                                       "by the elastic ring")
         handle = comm.allreduce_async_(buf, Average)

@@ -529,6 +529,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     async def Heartbeat(self, request, context):
         await self.require_leader()
         request_checks.check_step(request.committed_step)
+        if request.HasField("straggler"):
+            request_checks.check_straggler(request.straggler.score)
         job, w = self._by_session(request.session_id)
         if request.probe_nonce:
             probed, fut = job.probes.get(request.probe_nonce, (None, None))
@@ -538,9 +540,10 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 fut.set_result(w.worker_id)
         if request.committed_step > w.committed_step:
             self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))
+        if request.aborted_version:
+            self.journal.apply(job, d.AbortAck(w.worker_id, request.aborted_version))
         spare = 0
         if request.HasField("straggler"):   # its pace: soft state (stragglers.py)
-            request_checks.check_straggler(request.straggler.score)
             spare = job.stragglers.heard(job.state, w, wire.straggler_from_pb(request.straggler), time.time(),
                                          record=self.history.job)
         return pb.HeartbeatResponse(world_version=job.state.version, spares=spare)

@@ -165,16 +165,18 @@ class StragglerReport(_message.Message):
     def __init__(self, world_version: _Optional[int] = ..., score: _Optional[float] = ..., slow_windows: _Optional[int] = ..., named: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "committed_step", "probe_nonce", "straggler")
+    __slots__ = ("session_id", "committed_step", "probe_nonce", "straggler", "aborted_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     PROBE_NONCE_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_step: int
     probe_nonce: int
     straggler: StragglerReport
-    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ...) -> None: ...
+    aborted_version: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ..., aborted_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("world_version", "spares")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from elastic import group, world
+from elastic import group, group_collectives, world
 from elastic.config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
@@ -162,9 +162,9 @@ def test_a_lost_peer_raises_worker_lost_from_dist_calls_never_silently():
 def test_reduce_op_table(op, dtype, expected):
     if expected is NotImplementedError:
         with pytest.raises(NotImplementedError, match="all_reduce"):
-            group._ring_op(op, dtype, "all_reduce")
+            group_collectives.ring_op(op, dtype, "all_reduce")
     else:
-        assert group._ring_op(op, dtype, "all_reduce") == expected
+        assert group_collectives.ring_op(op, dtype, "all_reduce") == expected
 
 
 def _script_owns_default_group(rank: int, size: int):
