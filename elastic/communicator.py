@@ -23,6 +23,7 @@ import numpy as np
 from . import _native, metrics
 from .errors import BadPeerError, ElasticError, SettingsMismatchError
 from .ops import ReduceOp
+from .stragglers import CLOCK, waits
 
 Listener = _native.Listener
 ErrorKind = _native.ErrorKind
@@ -168,19 +169,23 @@ def _torch():
 class Handle:
     """An in-flight async allreduce; pass it to ``synchronize``."""
 
-    __slots__ = ("_comm", "_work", "tensor")
+    __slots__ = ("_comm", "_work", "tensor", "submitted")
 
-    def __init__(self, comm: "Communicator", work: Any, tensor: Any):
+    def __init__(self, comm: "Communicator", work: Any, tensor: Any, submitted: float):
         self._comm = comm
         self._work = work
         self.tensor = tensor  # keeps the buffer alive until the collective is done
+        self.submitted = submitted   # perf_counter() at submission: waiting counts from there
 
     def done(self) -> bool:
         return self._work.done()
 
 
 class Communicator:
-    """A formed ring. Collectives are blocking unless named ``*_async_``; all release the GIL."""
+    """A formed ring. Collectives are blocking unless named ``*_async_``; all release the GIL.
+
+    The time a caller spends blocked in one (``@waits``) is what straggler detection counts as
+    waiting (``elastic.stragglers``): it covers every path to the ring, DDP's comm hook too."""
 
     def __init__(self, native: Any, config: CommConfig):
         self._native = native
@@ -191,6 +196,7 @@ class Communicator:
         # Async handles not yet synchronized: the core holds raw pointers into their tensors,
         # so the tensors must live until the work is done even if the caller drops the handle.
         self._inflight: dict = {}
+        self._flushed_at = 0.0   # perf_counter() of the last flush(): async allreduces submitted before it run
 
     @classmethod
     def create(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
@@ -350,6 +356,7 @@ class Communicator:
         self.close()
 
     # ------------------------------------------------------------------ collectives
+    @waits
     def allreduce_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
         started = time.perf_counter()
         self._native.allreduce_(_native_array(t, "allreduce_"), int(ReduceOp(op)))
@@ -361,8 +368,9 @@ class Communicator:
         return self.allreduce_(out, op)
 
     def allreduce_async_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Handle:
+        submitted = time.perf_counter()
         work = self._native.allreduce_async_(_native_array(t, "allreduce_async_"), int(ReduceOp(op)))
-        handle = Handle(self, work, t)
+        handle = Handle(self, work, t, submitted)
         metrics.allreduce_started(self, t)
         if len(self._inflight) >= 4096:
             self._inflight = {k: h for k, h in self._inflight.items() if not h.done()}
@@ -373,24 +381,35 @@ class Communicator:
         if handle._comm is not self:
             raise ValueError("synchronize: the handle belongs to another communicator")
         started = time.perf_counter()
+        # Waiting on it (elastic.stragglers) counts from its submission when a flush() sent it on
+        # its way then (DDP's hook flushes each bucket), else from now (it runs now); not at all
+        # when it finished already while this rank computed.
+        waiting = not handle._work.done()
+        since = handle.submitted if self._flushed_at >= handle.submitted else started
         try:
             self._native.wait(handle._work)
             metrics.allreduce_waited(self, handle.tensor, started)
         finally:
             self._inflight.pop(id(handle), None)
+            if waiting:
+                CLOCK.waited(since)
         return handle.tensor
 
     def flush(self) -> None:
         """Starts any open fusion bucket now instead of at the next synchronize."""
         self._native.flush()
+        self._flushed_at = time.perf_counter()
 
+    @waits
     def broadcast_(self, t: Any, root_rank: int = 0) -> Any:
         self._native.broadcast_(_native_array(t, "broadcast_"), root_rank)
         return t
 
+    @waits
     def barrier(self) -> None:
         self._native.barrier()
 
+    @waits
     def allgather_into_(self, output: Any, input: Any, counts: Optional[Sequence[int]] = None) -> Any:
         """Ring allgather into ``output``: every rank's ``input``, flattened, in rank order.
 
@@ -409,6 +428,7 @@ class Communicator:
         self._native.allgather_(_as_bytes(inp), _as_bytes(out), [c * esize for c in counts])
         return output
 
+    @waits
     def reduce_scatter_(self, output: Any, input: Any, op: ReduceOp = ReduceOp.Sum,
                         counts: Optional[Sequence[int]] = None) -> Any:
         """Ring reduce-scatter: ``input`` holds one block per rank in rank order (``counts``
@@ -426,6 +446,7 @@ class Communicator:
         self._native.reduce_scatter_(inp, out, counts, int(ReduceOp(op)))
         return output
 
+    @waits
     def shift(self, input: Any, max_bytes: Optional[int] = None) -> Any:
         """One step round the ring: sends ``input``'s bytes to the next rank (``rank + 1``,
         wrapping) and returns the previous rank's bytes (a flat uint8 tensor, or array for a
@@ -461,6 +482,7 @@ class Communicator:
                              f"non-negative numbers summing to {total}")
         return counts
 
+    @waits
     def allgather_equal(self, t: Any) -> Any:
         """Every rank's ``t`` stacked along a new first dimension. ``t`` has the same shape and
         dtype on every rank, so no size is taken from a peer: how the runtime exchanges its own
@@ -478,6 +500,7 @@ class Communicator:
         return BadPeerError(f"{op} in world version {self.world_version}: {message}", op=op,
                             world_version=self.world_version, rank=self.rank, peer=peer, kind=ErrorKind.BadPeer)
 
+    @waits
     def allgather(self, t: Any) -> Any:
         """Concatenates every rank's ``t`` along dimension 0 (its length may differ per rank).
 
@@ -570,6 +593,7 @@ class Communicator:
         self.broadcast_(buf, root_rank)
         return buf
 
+    @waits
     def allgather_encoded(self, encoded: Any, announced: int, check: Callable[[int, int], None]) -> list:
         """Every rank's encoded bytes, in rank order, sizes first: each rank announces
         ``announced`` (its ``encoded.nbytes``, or a negative number when it has nothing to send),

@@ -22,6 +22,7 @@ This is the one table of a worker's environment (README's "Configuration" points
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 | inherited |
 | ``ELASTIC_DEFAULT_GROUP`` | ``0`` (``false``, ``no``, ``off``): ``elastic.run`` leaves torch.distributed's default group unset (``elastic.process_group()`` still works) | ``1`` | inherited |
 | ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 | ``--preempt-grace`` |
+| ``ELASTIC_STRAGGLER_POLICY``, ``ELASTIC_STRAGGLER_FACTOR``, ``ELASTIC_STRAGGLER_WINDOWS``, ``ELASTIC_STRAGGLER_WINDOW`` | straggler detection: what happens to a straggler (``report``, ``evict``, ``off``), how many times the median compute time is slow, how many slow windows in a row name it, the shortest window in seconds (``elastic.stragglers.StragglerConfig``) | ``report``, 1.5, 3, 1 | ``--straggler-policy``, ``--straggler-factor``, ``--straggler-windows``, ``--straggler-window`` |
 | ``ELASTIC_LOG_LEVEL`` | log the runtime's lines (rank of each world, standby, recoveries) on stderr at this level, unless the script configured logging itself (``elastic.logs``) | unset: Python's defaults | ``--log-level`` (``info``; ``--quiet``: ``warning``) |
 | ``ELASTIC_METRICS_SOCKET`` / ``ELASTIC_METRICS_TOKEN`` | where to push this worker's metrics, and its token (``elastic.metrics``) | no metrics | ``--metrics-port`` sets both |
 | ``ELASTIC_TRANSPORT`` | ``auto``: shared memory between ring neighbours on the same host, TCP otherwise; ``tcp``: TCP only (``elastic.CommConfig``) | ``auto`` | inherited |
@@ -50,6 +51,7 @@ from rendezvous.membership import DEFAULT_MAX_NP
 
 from . import metrics
 from .communicator import CommConfig
+from .stragglers import StragglerConfig
 
 TLS_VARIABLES = ("ELASTIC_TLS_CA", "ELASTIC_TLS_CERT", "ELASTIC_TLS_KEY")
 
@@ -78,6 +80,7 @@ class WorkerConfig:
     metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
     default_group: bool = True              # ELASTIC_DEFAULT_GROUP: elastic.run makes the elastic group torch's default
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+    stragglers: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorkerConfig":
@@ -133,6 +136,7 @@ class WorkerConfig:
             metrics_token=metrics_token,
             default_group=default_group_from_env(env),
             comm=CommConfig.from_env(env),
+            stragglers=StragglerConfig.from_env(env),
         )
         if env.get("ELASTIC_FORM_TIMEOUT", "") == "":
             # Forming is aborted by the rendezvous when a peer dies or the world is superseded,

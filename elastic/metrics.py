@@ -14,7 +14,9 @@ What is recorded, and where the hook sits (one line each, so the step protocol s
   syncs (``State.sync``);
 - recoveries (``Session.run`` on a failure; closed by the next successful sync): duration from
   the failure to the state synced, commits rolled back, training time since the last commit;
-- the world (``Session.form``): version, rank, size.
+- the world (``Session.form``): version, rank, size;
+- the straggler score of the last commit window (``elastic.stragglers``): this worker's compute
+  time over its world's median.
 
 The counters are written by the training thread without a lock (a few float adds per
 operation); the pusher reads them as they are, so a snapshot may be off by the operation in
@@ -87,6 +89,7 @@ class Recorder:
         self.last_commit_at: Optional[float] = None  # end of the last commit or sync: steps are timed from it
         self.failed_at: Optional[float] = None       # a recovery in progress since then
         self.step_at_failure = -1
+        self.straggler_score: Optional[float] = None  # the last window's (None: none judged yet)
         self._comm: Any = None                       # the ring the transport below was read from
         self._flat, self._hierarchical = "tcp", False
 
@@ -144,7 +147,7 @@ class Recorder:
                "rank": self.rank, "size": self.size, "world_version": self.world_version,
                "committed_step": max(self.committed_step, -1), "steps": self.steps,
                "recoveries": self.recoveries, "steps_redone": self.steps_redone,
-               "lost_seconds": self.lost_seconds,
+               "lost_seconds": self.lost_seconds, "straggler_score": self.straggler_score,
                "allreduce": {k: list(v) for k, v in list(self.allreduce.items())},
                "hist": {k: [h.sum, *h.counts] for k, h in self.hist.items()}}
         return json.dumps(doc, separators=(",", ":")).encode()
@@ -245,6 +248,13 @@ def world_formed(version: int, rank: int, size: int) -> None:
         rec.world_version, rec.rank, rec.size = version, rank, size
 
 
+def straggler_score(score: float) -> None:
+    """The verdict on a commit window gave this worker ``score`` (elastic.stragglers)."""
+    rec = _rec
+    if rec is not None:
+        rec.straggler_score = score
+
+
 def failure(state: Any) -> None:
     """A failure hit (the state is about to be restored): a recovery starts."""
     rec = _rec
@@ -314,6 +324,7 @@ class Snapshot:
     recoveries: int
     steps_redone: int
     lost_seconds: float
+    straggler_score: Optional[float]                     # None: no window judged yet
     allreduce: Mapping[str, Tuple[int, int, float]]
     hist: Mapping[str, Tuple[float, Tuple[int, ...]]]   # name -> (sum, per-bucket counts, +Inf last)
 
@@ -339,7 +350,7 @@ def parse_snapshot(data: bytes, tokens: Mapping[str, str]) -> Snapshot:
         raise SnapshotRejected("not_json", "not a UTF-8 JSON document") from None
     if not isinstance(doc, dict):
         raise SnapshotRejected("schema", "not a JSON object")
-    expected = {"v", "worker", "token", "final", "lost_seconds", "allreduce", "hist", *_INTS}
+    expected = {"v", "worker", "token", "final", "lost_seconds", "straggler_score", "allreduce", "hist", *_INTS}
     if set(doc) != expected:
         extra, missing = sorted(set(doc) - expected), sorted(expected - set(doc))
         raise SnapshotRejected("schema", f"fields {extra} not known, {missing} missing"[:200])
@@ -373,7 +384,9 @@ def parse_snapshot(data: bytes, tokens: Mapping[str, str]) -> Snapshot:
             raise SnapshotRejected("schema", f"hist {name}: not [sum, {len(BUCKETS[name]) + 1} bucket counts]")
         hists[name] = (_number(values[0], f"hist {name} sum", False),
                        tuple(_number(c, f"hist {name} count", True) for c in values[1:]))
+    score = doc["straggler_score"]
     return Snapshot(worker=worker, final=doc["final"], lost_seconds=_number(doc["lost_seconds"], "lost_seconds", False),
+                    straggler_score=None if score is None else _number(score, "straggler_score", False),
                     allreduce=rows, hist=hists, **ints)
 
 

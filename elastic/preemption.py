@@ -56,7 +56,9 @@ class LeaveRequest:
     """Whether this worker was asked to leave, and the watch over its grace period.
 
     ``request(why)`` records the first request (later ones change nothing); ``pending`` is True
-    from then until ``finish()`` (the worker left, or its session ended otherwise). ``on_request``
+    from then until ``finish()`` (the worker left, or its session ended otherwise). ``straggler``
+    says the first request came from straggler detection (``elastic.stragglers``, the evict
+    policy): the rendezvous is told, and the worker's host cools down. ``on_request``
     runs once, in the watch thread, when a request arrives (the session wakes its waits with it);
     ``expire(message)`` runs there when the grace runs out first."""
 
@@ -68,14 +70,15 @@ class LeaveRequest:
         self._cond = threading.Condition(threading.RLock())
         self.requested_at: Optional[float] = None
         self.why = ""
+        self.straggler = False
         self._finished = False
         self._thread = threading.Thread(target=self._watch, name="elastic-preempt-grace", daemon=True)
         self._thread.start()
 
-    def request(self, why: str) -> None:
+    def request(self, why: str, straggler: bool = False) -> None:
         with self._cond:
             if self.requested_at is None and not self._finished:
-                self.requested_at, self.why = time.monotonic(), why
+                self.requested_at, self.why, self.straggler = time.monotonic(), why, straggler
                 self._cond.notify_all()
 
     @property

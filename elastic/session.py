@@ -23,9 +23,9 @@ The step protocol (``Session.run``, what ``elastic.run`` runs)::
   the step (its pump reports it to the rendezvous, which makes the most advanced worker rank 0 of
   the next world); rank 0 hands every ``checkpoint_every``-th commit to the State's durable
   writer; then ``check_membership``.
-- **membership check** (``check_membership``): one 8-byte allreduce of [a change is pending, this
-  rank wants to leave]; a rank that knows tells all the others, so every rank switches at this
-  same commit. A leave request (``elastic.preemption``) is carried out here: the leaver calls the
+- **membership check** (``check_membership``): one small allreduce of [a change is pending, this
+  rank wants to leave] (each rank's straggler timings ride along, ``elastic.stragglers``); a rank
+  that knows tells all the others, so every rank switches at this same commit. A leave request (``elastic.preemption``) is carried out here: the leaver calls the
   rendezvous Leave, closes its ring and ends ``elastic.run`` with ``Preempted``; the others raise
   MembershipChanged and form the next world without it, their state kept. A worker asked to
   leave while it waits for a world (on standby, say) holds no ring anyone uses and leaves at once.
@@ -67,14 +67,13 @@ import threading
 import time
 from typing import Any, Callable, Optional, Union
 
-import numpy as np
 
 from rendezvous.membership import JobSpec
 from rendezvous.watch_events import Ended, WorldInfo
 from rendezvous.worker_client import RendezvousClient
 from rendezvous.channel import RendezvousRPCError as _ClientError
 
-from . import hooks, logs, metrics, preemption, reaction, state_sync, world_env
+from . import hooks, logs, metrics, preemption, reaction, state_sync, stragglers, world_env
 from . import world as _world
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
@@ -108,6 +107,8 @@ class StepProtocol:
     alone serves a ring installed by hand: no change is ever pending, no leave requested, and no
     step is reported."""
 
+    straggler_detector: Optional[stragglers.Detector] = None   # a session's: rides on check_membership
+
     def membership_pending(self) -> bool:
         """True when a clean join/leave is waiting to take effect at the next commit."""
         return False
@@ -136,13 +137,17 @@ class StepProtocol:
         """Raises MembershipChanged on every rank at once when a clean join/leave is pending, or
         when a rank was asked to leave; on that rank it raises ``Preempted`` after it left.
 
-        One 8-byte allreduce (Max of [a change is pending, this rank wants to leave]): a rank that
-        knows tells all the others, so they all switch at this same commit.
+        One small allreduce (Max of [a change is pending, this rank wants to leave]): a rank that
+        knows tells all the others, so they all switch at this same commit. Each rank's compute and
+        wait seconds since the last window ride along in slots of its own (``elastic.stragglers``).
         """
         comm = _world.ring()
         leaving = self.leave_pending()   # read once: what this rank tells the others
-        flags = np.array([1 if self.membership_pending() else 0, 1 if leaving else 0], dtype=np.int32)
+        detector = self.straggler_detector
+        flags = stragglers.agreement(detector, comm, self.membership_pending(), leaving)
         comm.allreduce_(flags, Max)
+        if detector is not None:
+            detector.judge(flags, comm)
         if flags[1]:
             _farewell(comm)
             if leaving:
@@ -203,6 +208,9 @@ class Session(StepProtocol):
         self.committed_step = -1
         self.leave_request = preemption.LeaveRequest(config.preempt_grace, config.worker_id, on_request=self._wake)
         self.departed = False   # this worker left the job gracefully (depart() ran)
+        self.straggler_detector = stragglers.Detector(
+            config.stragglers, config.worker_id, leave=lambda why: self.leave_request.request(why, straggler=True),
+            room=lambda: (self.client.job_spec.min_np, self.client.spares))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -254,7 +262,7 @@ class Session(StepProtocol):
         world, step = self.world, self.committed_step
         self._stop.set()
         try:
-            self.client.leave()
+            self.client.leave(straggler=self.leave_request.straggler)
         except _ClientError as e:   # it is evicted when its stream ends instead: the others restore
             log.warning("worker %s could not tell the rendezvous server it leaves: %s", self.config.worker_id, e)
         with self._cond:
@@ -274,7 +282,7 @@ class Session(StepProtocol):
 
     # ------------------------------------------------------------------ events
     def _pump_loop(self) -> None:
-        reported, last_report = -1, 0.0
+        reported, last_report, told = -1, 0.0, None
         while not self._stop.is_set():
             ev = self.client.next_event(0.2)
             if ev is not None:
@@ -286,11 +294,15 @@ class Session(StepProtocol):
                     self._cond.notify_all()
             # Progress reports let the server make the most advanced worker rank 0 of the next
             # world. Sent from here, at most once a second, so commit() never waits on the network.
-            step = self.committed_step
-            if step != reported and time.monotonic() - last_report >= 1.0:
+            # The straggler verdict rides along (elastic.stragglers), at once when it names this worker.
+            step, verdict = self.committed_step, self.straggler_detector.report
+            named = verdict is not None and verdict.named and not (told is not None and told.named and
+                                                                   told.world_version == verdict.world_version)
+            if (step != reported or verdict is not told) and (named or time.monotonic() - last_report >= 1.0):
                 try:
-                    self.client.heartbeat(committed_step=step)
-                    reported = step
+                    self.client.heartbeat(committed_step=step, straggler=verdict)
+                    reported, told = step, verdict
+                    self.straggler_detector.told(verdict)
                 except _ClientError as e:
                     log.debug("progress report failed: %s", e)
                 last_report = time.monotonic()

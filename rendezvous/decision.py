@@ -22,6 +22,8 @@ Rules:
 * Hosts failing `blacklist_after` times are refused for a cooldown that doubles on each blacklisting,
   capped at `cooldown_max_s` (like horovodrun's --blacklist-cooldown-range). A worker already waiting
   on such a host is promoted when the cooldown ends (the deadline includes the expiry).
+* A straggler's leave (a clean leave, `Leave.straggler`) puts its host in that cooldown at once: the
+  host is slow, and nothing of it should take the straggler's place (`blacklist_after` 0: never).
 * Only eligible workers count towards `min_np` and enter a new world: survivors of the current world,
   and newcomers that opened their Watch stream (`attached`) on a host that is not blacklisted.
 * Below `min_np` the job waits up to its elastic timeout, then fails with a reason.
@@ -196,6 +198,7 @@ class Attach:
 @dataclass(frozen=True)
 class Leave:
     worker_id: str
+    straggler: bool = False    # it leaves because it was named a straggler: its host cools down
 
 
 class Departure(str, enum.Enum):
@@ -203,6 +206,7 @@ class Departure(str, enum.Enum):
     reason's text."""
 
     LEFT = "LEFT"                          # Leave: a clean departure, not a failure
+    STRAGGLER = "STRAGGLER"                # Leave of a straggler: clean too, and its host cools down
     STREAM_BROKEN = "STREAM_BROKEN"        # its Watch broke: crashed, or missed keepalive acks
     NO_WATCH = "NO_WATCH"                  # did not open (or, after a leader change, reopen) it
     REPORTED = "REPORTED"                  # a peer reported it and it had no stream
@@ -220,6 +224,7 @@ class Departure(str, enum.Enum):
 # One table, so the README's list of causes, the event log and the tests cannot drift from it.
 _EVICTION_LABELS: dict[Departure, Optional[str]] = {
     Departure.LEFT: None,
+    Departure.STRAGGLER: None,                      # a clean leave
     Departure.STREAM_BROKEN: "stream_broken",       # crash (EOF/RST) or missed keepalive acks
     Departure.NO_WATCH: "no_watch",                 # never opened / reopened its Watch in time
     Departure.REPORTED: "report",                   # a peer's report, and it had no stream
@@ -357,8 +362,12 @@ def decide(state: JobState, event: Event, now: float,
     if isinstance(event, Join):
         state = _on_join(state, event, now, config, actions)
     elif isinstance(event, Leave):
-        state = _remove(state, event.worker_id, f"worker {event.worker_id} left", now, actions,
-                        failure=False, config=config)
+        leaver = state.workers.get(event.worker_id)
+        state = _remove(state, event.worker_id, f"worker {event.worker_id} left"
+                        + (" as a straggler" if event.straggler else ""), now, actions, failure=False,
+                        config=config, cause=Departure.STRAGGLER if event.straggler else Departure.LEFT)
+        if event.straggler and leaver is not None:
+            state = _cool_down(state, leaver.host, now, config)
     elif isinstance(event, Evict):
         state = _remove(state, event.worker_id, event.reason, now, actions, failure=True,
                         config=config, count_failure=event.count_failure, cause=event.cause)
@@ -466,7 +475,7 @@ def _on_join(state: JobState, ev: Join, now: float, config: DecisionConfig,
     if rec is not None and rec.blacklisted_until > now:
         actions.append(Rejected(ev.worker_id, f"host {ev.host} is blacklisted for "
                                               f"{rec.blacklisted_until - now:.1f} s more after "
-                                              f"repeated failures", Refusal.BLACKLISTED))
+                                              f"repeated failures or a straggler", Refusal.BLACKLISTED))
         return state
     existing = state.workers.get(ev.worker_id)
     if existing is not None:
@@ -539,10 +548,21 @@ def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: l
 def _count_host_failure(state: JobState, host: str, now: float, config: DecisionConfig) -> JobState:
     rec = state.hosts.get(host, HostRecord())
     rec = replace(rec, failures=rec.failures + 1)
+    state = replace(state, hosts={**state.hosts, host: rec})
     if config.blacklist_after and rec.failures >= config.blacklist_after:  # 0: never
-        cooldown = min(config.cooldown_max_s, config.cooldown_min_s * 2 ** rec.blacklistings)
-        rec = HostRecord(failures=0, blacklistings=rec.blacklistings + 1,
-                         blacklisted_until=now + cooldown)
+        state = _cool_down(state, host, now, config)
+    return state
+
+
+def _cool_down(state: JobState, host: str, now: float, config: DecisionConfig) -> JobState:
+    """Blacklists `host` for its next cooldown (doubling with each), unless this server never
+    blacklists (`blacklist_after` 0). One already cooling keeps the later end."""
+    if not config.blacklist_after:
+        return state
+    rec = state.hosts.get(host, HostRecord())
+    cooldown = min(config.cooldown_max_s, config.cooldown_min_s * 2 ** rec.blacklistings)
+    rec = HostRecord(failures=0, blacklistings=rec.blacklistings + 1,
+                     blacklisted_until=max(rec.blacklisted_until, now + cooldown))
     return replace(state, hosts={**state.hosts, host: rec})
 
 
@@ -594,7 +614,7 @@ def standby_reason(state: JobState, worker_id: str, now: float) -> str:
     record = state.hosts.get(worker.host) if worker is not None else None
     if record is not None and record.blacklisted_until > now:
         return (f"host {worker.host} is blacklisted for {record.blacklisted_until - now:.0f} s more after "
-                f"repeated failures")
+                f"repeated failures or a straggler")
     if len(state.world) >= state.spec.max_np:
         return (f"beyond max_np={state.spec.max_np}: a hot spare, it takes the place of the next member that "
                 f"fails or leaves")

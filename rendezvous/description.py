@@ -65,8 +65,9 @@ def _dropped(a: d.Dropped, version_before: int) -> Description:
     summary = f"worker {a.worker_id} dropped: {a.reason}"
     reason = shown(a.reason)
     cause = a.cause.eviction
-    if cause is None:
-        return Description(summary, Audience.DROPPED, version_before, "worker_left", a.worker_id,
+    if cause is None:   # a clean leave; a straggler's is an event of its own (its host cools down)
+        event = "straggler_left" if a.cause is d.Departure.STRAGGLER else "worker_left"
+        return Description(summary, Audience.DROPPED, version_before, event, a.worker_id,
                            {"reason": reason}, reason)
     return Description(summary, Audience.DROPPED, version_before, "worker_evicted", a.worker_id,
                        {"cause": cause, "reason": reason}, f"{cause}: {reason}", eviction=cause)

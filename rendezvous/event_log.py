@@ -31,6 +31,7 @@ log = logging.getLogger("elastic.events")
 EVENTS = frozenset({
     "server_started", "server_stopped", "leader_elected", "leadership_lost",
     "job_created", "world_formed", "worker_joined", "worker_left", "worker_evicted", "ring_broken",
+    "straggler_detected", "straggler_left",
     "worker_started", "worker_exited", "worker_respawned",
     "recovery", "commit_restored", "preempted", "job_finished",
 })

@@ -28,6 +28,7 @@ class RecentEvent:
     world_version: int
     worker_id: str = ""
     detail: str = ""         # one short line: peer text escaped and cut (peer_text.shown)
+    numbers: dict = dataclasses.field(default_factory=dict)   # the event's numeric fields
 
 
 class History:
@@ -51,7 +52,9 @@ class History:
         if kept is None or kept[0] != state.credential:   # a new owner starts a new history
             kept = self._recent[state.job_id] = (state.credential,
                                                  collections.deque(maxlen=self._per_job))
-        kept[1].append(RecentEvent(time.time(), event, version, worker_id, detail))
+        numbers = {k: float(v) for k, v in fields.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v}   # not NaN
+        kept[1].append(RecentEvent(time.time(), event, version, worker_id, detail, numbers))
 
     def delivered(self, state: d.JobState, what: Description) -> None:
         """A durable action took effect (described by description.describe); the actions that are

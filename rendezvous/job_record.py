@@ -1,7 +1,8 @@
 """The leader's in-memory record of each job it serves, and of each open Watch stream.
 
 A job's record holds its state as decided and as last stored (the journal's), and what hangs on it:
-open streams, its liveness clocks (liveness.py, their one owner), outstanding probes, its timer."""
+open streams, its liveness clocks (liveness.py, their one owner), outstanding probes, its timer, and
+its members' straggler reports (stragglers.py: soft state, never stored)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ from typing import Optional
 
 from . import decision as d
 from .liveness import Liveness
+from .stragglers import StragglerBoard
 
 # Queued on a stream: end it without a status (the client reconnects, or the job is over).
 END = object()
@@ -43,3 +45,4 @@ class Job:
     # Set (and replaced) whenever a stream attaches: what a report waiting for a suspect waits on.
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False                  # being removed from the store or replaced: RPCs retry
+    stragglers: StragglerBoard = field(default_factory=StragglerBoard)

@@ -1,5 +1,6 @@
 """What a job and its worlds are to both sides of the rendezvous: the limits a worker asks for
-(`JobSpec`) and the members of an announced world with their rank layout (`Member`).
+(`JobSpec`), the members of an announced world with their rank layout (`Member`), and what a
+worker reports of its own pace (`StragglerReport`).
 
 The server's decision (decision.py) keeps its state in these values and a worker's client receives
 them; they live apart from the decision so that a worker loads none of the server's code.
@@ -44,3 +45,14 @@ class Member:
     cross_rank: int
     cross_size: int
     committed_step: int
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    """A worker's verdict on its own pace in its latest commit window (elastic.stragglers): sent
+    with its Heartbeat, shown by Status."""
+
+    world_version: int      # the world whose windows were measured
+    score: float            # its compute time over the world's median (1: typical)
+    slow_windows: int       # slow windows in a row, up to the last
+    named: bool             # slow for the job's number of windows: a straggler

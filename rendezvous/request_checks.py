@@ -45,6 +45,15 @@ def check_step(value: int) -> None:
         raise bad("committed_step", value, ">= -1")
 
 
+MAX_SCORE = 1e6
+
+
+def check_straggler(score: float) -> None:
+    """A straggler report's score: a finite number of times the median, 0..1e6."""
+    if not 0.0 <= score <= MAX_SCORE:   # NaN fails both
+        raise bad("straggler.score", score, f"a number from 0 to {MAX_SCORE:g}")
+
+
 class Resolver:
     """Host-name lookups for Join, on threads of their own and bounded.
 

@@ -529,6 +529,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     async def Heartbeat(self, request, context):
         await self.require_leader()
         request_checks.check_step(request.committed_step)
+        if request.HasField("straggler"):
+            request_checks.check_straggler(request.straggler.score)
         job, w = self._by_session(request.session_id)
         if request.probe_nonce:
             probed, fut = job.probes.get(request.probe_nonce, (None, None))
@@ -540,12 +542,16 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))
         if request.aborted_version:
             self.journal.apply(job, d.AbortAck(w.worker_id, request.aborted_version))
-        return pb.HeartbeatResponse(world_version=job.state.version)
+        spare = 0
+        if request.HasField("straggler"):   # its pace: soft state (stragglers.py)
+            spare = job.stragglers.heard(job.state, w, wire.straggler_from_pb(request.straggler), time.time(),
+                                         record=self.history.job)
+        return pb.HeartbeatResponse(world_version=job.state.version, spares=spare)
 
     async def Leave(self, request, context):
         await self.require_leader()
         job, w = self._by_session(request.session_id)
-        seq, _ = self.journal.apply(job, d.Leave(w.worker_id))
+        seq, _ = self.journal.apply(job, d.Leave(w.worker_id, straggler=request.straggler))
         await self.journal.wait_durable(job, seq)
         return pb.LeaveResponse()
 
@@ -574,13 +580,13 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         n_events = min(request.events, RECENT_PER_JOB)
         now = time.time()
         if self.is_leader:
-            jobs = {j: (job.state, set(job.streams)) for j, job in self.jobs.items()}
+            jobs = {j: (job.state, set(job.streams), job.stragglers.current(job.state)) for j, job in self.jobs.items()}
         else:  # all state is in the store: a follower can answer too (nobody is attached to it)
             try:
                 stored = await self.journal.load()
             except StoreError as e:
                 raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, str(e))
-            jobs = {state.job_id: (state, set()) for state, _ in stored}
+            jobs = {state.job_id: (state, set(), {}) for state, _ in stored}
         # Only the caller's own jobs: another token's jobs are not even named.
         caller = auth.caller()
         jobs = {j: v for j, v in jobs.items() if auth.owns(v[0], caller)}
@@ -588,8 +594,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         for job_id in sorted(jobs):
             if request.job_id and job_id != request.job_id:
                 continue
-            state, attached = jobs[job_id]
-            js = server_wire.job_status(state, attached, now)
+            state, attached, stragglers = jobs[job_id]
+            js = server_wire.job_status(state, attached, now, stragglers)
             js.events.extend(server_wire.job_event_pb(e) for e in
                              self.history.recent(job_id, state.credential, n_events))
             out.jobs.append(js)

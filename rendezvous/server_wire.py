@@ -6,12 +6,13 @@ server's, so a worker never loads it (nor the decision it reads).
 """
 from __future__ import annotations
 
-from typing import Container, Iterator, Optional, Union
+from typing import Container, Iterator, Mapping, Optional, Union
 
 import grpc
 
 from . import decision as d
-from .wire import member_pb, pb, refusal_metadata, spec_pb
+from .membership import StragglerReport
+from .wire import member_pb, pb, refusal_metadata, spec_pb, straggler_pb
 
 # What the decision's refusal kinds are on the wire. The server picks the code from the kind,
 # never from a reason's text.
@@ -51,15 +52,18 @@ def refusal(rejected: d.Rejected, message: str, phase: d.Phase) -> RpcRefusal:
     return RpcRefusal(REFUSAL_CODES[rejected.kind], message, finished=finished)
 
 
-def job_status(state: d.JobState, attached: Container[str], now: float) -> pb.JobStatus:
-    """One job as Status shows it: its world's members in rank order, then the standby workers."""
+def job_status(state: d.JobState, attached: Container[str], now: float,
+               stragglers: Mapping[str, StragglerReport] = {}) -> pb.JobStatus:   # noqa: B006 (read only)
+    """One job as Status shows it: its world's members in rank order, with their straggler
+    reports (`stragglers`, by worker id), then the standby workers."""
     js = pb.JobStatus(job_id=state.job_id, world_version=state.version, phase=state.phase.value,
                       reason=state.reason, spec=spec_pb(state.spec),
                       blacklisted_hosts=state.blacklisted_hosts(now))
     for m in state.world:
         if m.worker_id in state.workers:
             js.members.add(member=member_pb(m), in_world=True, attached=m.worker_id in attached,
-                           age_s=now - state.workers[m.worker_id].joined_at)
+                           age_s=now - state.workers[m.worker_id].joined_at,
+                           straggler=straggler_pb(stragglers.get(m.worker_id)))
     for wid in state.standby():
         w = state.workers[wid]
         js.members.add(member=pb.Member(worker_id=wid, host=w.host, ring_address=w.ring_address,
@@ -71,7 +75,7 @@ def job_status(state: d.JobState, attached: Container[str], now: float) -> pb.Jo
 def job_event_pb(e) -> pb.JobEvent:
     """A history.RecentEvent as Status carries it."""
     return pb.JobEvent(time=e.time, event=e.event, world_version=e.world_version,
-                       worker_id=e.worker_id, detail=e.detail)
+                       worker_id=e.worker_id, detail=e.detail, numbers=e.numbers)
 
 
 # --------------------------------------------------------------------------------- events

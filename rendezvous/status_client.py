@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import grpc
 
 from .channel import RendezvousRPCError, open_channel
-from .wire import pb, pb_grpc
+from .membership import StragglerReport
+from .wire import pb, pb_grpc, straggler_from_pb
 
 # Codes a server answers a caller it refuses with: retrying with the same credentials is pointless.
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -34,6 +35,7 @@ class MemberStatusInfo:
     cross_rank: int = 0
     cross_size: int = 0
     age_s: float = 0.0               # seconds since it joined
+    straggler: Optional[StragglerReport] = None   # its latest report in the current world (None: none yet)
 
     @property
     def in_world(self) -> bool:
@@ -50,6 +52,7 @@ class JobEventInfo:
     world_version: int
     worker_id: str = ""
     detail: str = ""
+    numbers: Mapping[str, float] = dataclasses.field(default_factory=dict)   # its numeric fields (rank, …)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,15 +119,16 @@ def _member_status(m: pb.MemberStatus) -> MemberStatusInfo:
     mm = m.member
     return MemberStatusInfo(mm.worker_id, mm.host, mm.rank if m.in_world else None, m.attached,
                             mm.committed_step, mm.ring_address, mm.local_rank, mm.local_size,
-                            mm.cross_rank, mm.cross_size, m.age_s)
+                            mm.cross_rank, mm.cross_size, m.age_s,
+                            straggler_from_pb(m.straggler) if m.HasField("straggler") else None)
 
 
 def _job_status(j: pb.JobStatus) -> JobStatusInfo:
     return JobStatusInfo(j.job_id, j.phase, j.reason, j.world_version, j.spec.min_np,
                          j.spec.max_np, j.spec.elastic_timeout_s,
                          tuple(_member_status(m) for m in j.members), tuple(j.blacklisted_hosts),
-                         tuple(JobEventInfo(e.time, e.event, e.world_version, e.worker_id, e.detail)
-                               for e in j.events))
+                         tuple(JobEventInfo(e.time, e.event, e.world_version, e.worker_id, e.detail,
+                                            dict(e.numbers)) for e in j.events))
 
 
 class StatusClient:

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
+from .membership import StragglerReport
 from .peer_text import shown
 from .status_client import StatusError, StatusInfo
 
@@ -36,6 +37,15 @@ def format_age(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def format_pace(report: Optional[StragglerReport]) -> str:
+    """The PACE column: a member's compute time over its world's median in its last commit
+    window (elastic/stragglers.py), and STRAGGLER once it was slow for the job's number of
+    windows; "-" before its first judged window."""
+    if report is None:
+        return "-"
+    return f"{report.score:.2f}x" + (" STRAGGLER" if report.named else "")
+
+
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -52,14 +62,14 @@ def format_status(status: StatusInfo, events: int = 0) -> str:
                      f"np {j.min_np}..{j.max_np}" + (f"  ({safe(j.reason)})" if j.reason else "")
                      + (f"  blacklisted: {safe(','.join(j.blacklisted_hosts))}"
                         if j.blacklisted_hosts else ""))
-        rows = [("RANK", "WORKER", "HOST", "LOCAL", "CROSS", "RING ADDRESS", "STEP", "ATTACHED",
+        rows = [("RANK", "WORKER", "HOST", "LOCAL", "CROSS", "RING ADDRESS", "STEP", "PACE", "ATTACHED",
                  "AGE")]
         for m in j.members:
             rows.append((str(m.rank) if m.in_world else "standby", safe(m.worker_id), safe(m.host),
                          f"{m.local_rank}/{m.local_size}" if m.in_world else "-",
                          f"{m.cross_rank}/{m.cross_size}" if m.in_world else "-",
-                         safe(m.ring_address), str(m.committed_step), "yes" if m.attached else "no",
-                         format_age(m.age_s)))
+                         safe(m.ring_address), str(m.committed_step), format_pace(m.straggler),
+                         "yes" if m.attached else "no", format_age(m.age_s)))
         lines += _table(rows)
     if events:
         lines += [""] + format_events(status, events)

@@ -13,10 +13,11 @@ from typing import Optional
 
 from ._proto import rendezvous_pb2 as pb
 from ._proto import rendezvous_pb2_grpc as pb_grpc
-from .membership import JobSpec, Member
+from .membership import JobSpec, Member, StragglerReport
 
 __all__ = ["pb", "pb_grpc", "LEADER_KEY", "JOB_OUTCOME_KEY", "refusal_metadata", "job_outcome",
-           "leader_hint", "spec_pb", "spec_from_pb", "member_pb", "member_from_pb"]
+           "leader_hint", "spec_pb", "spec_from_pb", "member_pb", "member_from_pb", "straggler_pb",
+           "straggler_from_pb"]
 
 LEADER_KEY = "leader"                  # UNAVAILABLE from a follower: HOST:PORT of the leader
 JOB_OUTCOME_KEY = "elastic-job-outcome"  # a refusal because the job is over: how it ended
@@ -68,3 +69,14 @@ def member_pb(m: Member) -> pb.Member:
 def member_from_pb(m: pb.Member) -> Member:
     return Member(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank, m.local_size,
                   m.cross_rank, m.cross_size, m.committed_step)
+
+
+def straggler_pb(r: Optional[StragglerReport]) -> Optional[pb.StragglerReport]:
+    if r is None:
+        return None
+    return pb.StragglerReport(world_version=r.world_version, score=r.score, slow_windows=r.slow_windows,
+                              named=r.named)
+
+
+def straggler_from_pb(r: pb.StragglerReport) -> StragglerReport:
+    return StragglerReport(r.world_version, r.score, r.slow_windows, r.named)

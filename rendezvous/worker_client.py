@@ -12,6 +12,7 @@ that is tried next), costs one backoff step, never an error, until the call's de
     world = client.wait_world(timeout_s=60)          # WorldInfo: version, rank, size, members, …
     ev = client.next_event(timeout_s=0.0)            # World / Pending / Abort / Standby / Finished / Ended
     client.heartbeat(committed_step=120)             # optional: progress picks rank 0 of the next world
+                                                     # (and straggler=StragglerReport(…): its pace)
     client.report_failure("w3", world.version)       # a peer broke; the server checks it at once
     client.leave()                                   # or client.report_success()
     client.close()
@@ -48,7 +49,7 @@ import grpc
 
 from . import wire
 from .channel import RendezvousRPCError, channel_options, open_channel
-from .membership import JobSpec
+from .membership import JobSpec, StragglerReport
 from .watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
 from .wire import pb, pb_grpc
 
@@ -96,6 +97,9 @@ class RendezvousClient:
         self._events: "queue.Queue[Event]" = queue.Queue()
         self.session_id: Optional[str] = None
         self.ring_secret: Optional[bytes] = None      # the job's ring secret, from the Join answer
+        self.job_spec = JobSpec()                     # the job's limits, from the Join answer
+        self.spares = 0                               # workers that could take this one's place, from
+                                                      # the last Heartbeat answer
         self.world: Optional[WorldInfo] = None        # the latest world received
         self._closed = threading.Event()
         self._watch_thread: Optional[threading.Thread] = None
@@ -202,6 +206,7 @@ class RendezvousClient:
         with self._join_lock:
             self.session_id = resp.session_id
             self.ring_secret = resp.ring_secret
+            self.job_spec = wire.spec_from_pb(resp.spec)
             self._drain_queue()
             self._last_world_key = self._last_abort = self._last = None
             self.world = None
@@ -256,17 +261,21 @@ class RendezvousClient:
                 raise RendezvousRPCError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}",
                                          finished=ev.finished)
 
-    def heartbeat(self, committed_step: int = -1, timeout_s: float = 1.0) -> int:
-        """Report the last committed step; returns the server's current world version.
+    def heartbeat(self, committed_step: int = -1, timeout_s: float = 1.0,
+                  straggler: Optional[StragglerReport] = None) -> int:
+        """Report the last committed step (and this worker's pace, ``straggler``); returns the
+        server's current world version. ``spares`` keeps what the answer says of the workers
+        that could take this one's place.
 
         Short default deadline: callers send it from their event loop, which must not stall for long
         during a server outage (the step is resent on the next call and on reattach anyway).
         """
         if committed_step > self._committed_step:
             self._committed_step = committed_step
-        return self._call("Heartbeat", pb.HeartbeatRequest(session_id=self._sid(),
-                                                           committed_step=committed_step),
-                          timeout_s).world_version
+        resp = self._call("Heartbeat", pb.HeartbeatRequest(session_id=self._sid(), committed_step=committed_step,
+                                                           straggler=wire.straggler_pb(straggler)), timeout_s)
+        self.spares = resp.spares
+        return resp.world_version
 
     def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "",
                        unusable_address: bool = False, timed_out: bool = False) -> bool:
@@ -295,11 +304,13 @@ class RendezvousClient:
                    max(3 * self.rpc_timeout_s, self.reconnect_timeout_s),
                    done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
 
-    def leave(self) -> None:
-        """Leave cleanly (the others see a membership change, not a failure) and stop watching."""
+    def leave(self, straggler: bool = False) -> None:
+        """Leave cleanly (the others see a membership change, not a failure) and stop watching;
+        ``straggler``: because this worker was named one (its host then cools down)."""
         try:
             # Retried after an unknown outcome, NOT_FOUND means the first attempt removed us.
-            self._call("Leave", pb.LeaveRequest(session_id=self._sid()), 3 * self.rpc_timeout_s,
+            self._call("Leave", pb.LeaveRequest(session_id=self._sid(), straggler=straggler),
+                       3 * self.rpc_timeout_s,
                        done_if_retried=(grpc.StatusCode.NOT_FOUND,))
         finally:
             self.close()

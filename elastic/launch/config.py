@@ -24,6 +24,7 @@ from rendezvous.ports import check_can_listen
 
 from ..communicator import CommConfig
 from ..config import TLS_VARIABLES, _host_address as host_address
+from ..stragglers import POLICIES, StragglerConfig
 from .embedded import EMBEDDED_HOST
 from .slurm import SlurmEnvError, SlurmStep, announcement_dir, check_base_dir, from_slurm_env, serve_host
 from .torchrun_flags import add_torchrun_flags
@@ -84,6 +85,8 @@ environment given to every worker (on top of this launcher's own, which is inher
                            its metrics to; ELASTIC_METRICS_TOKEN its own random token (never inherited)
   ELASTIC_LOG_LEVEL        --log-level (--quiet: warning): the runtime logs its lines at this level
   ELASTIC_COLLECTIVE_TIMEOUT  --collective-timeout, when given
+  ELASTIC_STRAGGLER_POLICY, ELASTIC_STRAGGLER_FACTOR, ELASTIC_STRAGGLER_WINDOWS, ELASTIC_STRAGGLER_WINDOW
+                           --straggler-policy, --straggler-factor, --straggler-windows, --straggler-window
   LOCAL_RANK               torchrun's: the worker's slot on this host (stable across respawns)
   LOCAL_WORLD_SIZE         torchrun's: the slots of this host. RANK and WORLD_SIZE change with every
                            world: the runtime sets them in the worker's environment as each forms
@@ -136,6 +139,7 @@ class LaunchConfig:
     metrics_port: Optional[int] = None      # serve the workers' metrics on /metrics of this port (0: a free one)
     metrics_host: str = "127.0.0.1"
     events: Optional[str] = None            # append one JSON line per launcher event to this file
+    stragglers: StragglerConfig = StragglerConfig()   # --straggler-*: ELASTIC_STRAGGLER_* for the workers
     embedded_host: str = EMBEDDED_HOST      # where the embedded server listens
     # Under srun (elastic/launch/slurm.py): this launcher's place in the Slurm job; with
     # announce_dir, the directory where the batch host's launcher announces its embedded server
@@ -247,6 +251,29 @@ def parser() -> argparse.ArgumentParser:
                         "heartbeat within seconds whatever it is. Passed to workers as "
                         "ELASTIC_COLLECTIVE_TIMEOUT (default: $ELASTIC_COLLECTIVE_TIMEOUT, else "
                         f"{CommConfig().timeout:g}, torch's gloo default)")
+    slow = StragglerConfig()
+    p.add_argument("--straggler-policy", choices=POLICIES, default=slow.policy, type=str.lower,
+                   help="what happens to a straggler: a worker whose compute time between two commits (the time it "
+                        "spends outside collectives) stays above --straggler-factor times its world's median for "
+                        "--straggler-windows windows in a row. report: it is named (a line here, the "
+                        "straggler_detected event, the elastic_straggler_score metric, the PACE column of "
+                        "elastic-rendezvous status); evict: also, the worst straggler leaves at its next commit like a "
+                        "preempted worker (the others keep their state, nothing is redone), unless the job would drop "
+                        "below --min-np with no spare on another host to take its place; its host enters the "
+                        "rendezvous blacklist cooldown, and its slot is respawned once the cooldown ended (a slot "
+                        "evicted twice is not respawned again); off: nothing is measured. A world slow everywhere "
+                        "names nobody. Passed to workers as ELASTIC_STRAGGLER_POLICY (default: %(default)s)")
+    p.add_argument("--straggler-factor", type=float, default=slow.factor, metavar="F",
+                   help="a worker is slow in a window when its compute time is above F times its world's median "
+                        "(ELASTIC_STRAGGLER_FACTOR; default: %(default)g)")
+    p.add_argument("--straggler-windows", type=int, default=slow.windows, metavar="K",
+                   help="slow windows in a row that make a worker a straggler: one slow window (a garbage "
+                        "collection, an evaluation on one rank) names nobody (ELASTIC_STRAGGLER_WINDOWS; default: "
+                        "%(default)s)")
+    p.add_argument("--straggler-window", type=float, default=slow.window_s, metavar="S",
+                   help="the shortest window: the commits of at least S seconds of training count as one; a job "
+                        "that commits less often has one window per commit (ELASTIC_STRAGGLER_WINDOW; default: "
+                        "%(default)g)")
     level = p.add_mutually_exclusive_group()
     level.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
                        help="what the workers' elastic runtime logs (ELASTIC_LOG_LEVEL: rank of each world, standby, "
@@ -354,6 +381,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
     except ValueError as e:
         raise UsageError(str(e)) from None
     collective_timeout = _collective_timeout(a.collective_timeout)
+    stragglers = _stragglers(a)
     metrics_host = _metrics_endpoint(a, rendezvous)
     events = _events_file(a.events)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
@@ -367,7 +395,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         log_level="WARNING" if a.quiet else a.log_level.upper(),
                         omp_num_threads=None if env.get("OMP_NUM_THREADS") or np_ == 1 else "1",
                         metrics_port=a.metrics_port, metrics_host=metrics_host,
-                        events=events, token=token,
+                        events=events, token=token, stragglers=stragglers,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
                                                   if env.get(k)),
                         embedded_host=embedded_host, slurm=slurm, slurm_role=role, announce_dir=announce_dir)
@@ -405,6 +433,17 @@ def _collective_timeout(seconds: Optional[float]) -> Optional[float]:
     except ValueError as e:
         raise UsageError(f"--collective-timeout {seconds:g}: {e}") from None
     return seconds
+
+
+def _stragglers(a: argparse.Namespace) -> StragglerConfig:
+    """The --straggler-* flags, checked where the settings are defined (elastic.stragglers)."""
+    given = {"policy": a.straggler_policy, "factor": a.straggler_factor, "windows": a.straggler_windows,
+             "window_s": a.straggler_window}
+    for name, value in given.items():
+        why = StragglerConfig.problem(name, value)
+        if why is not None:
+            raise UsageError(f"{StragglerConfig.flag(name)} {value}: {why}")
+    return StragglerConfig(**given)
 
 
 def _metrics_endpoint(a: argparse.Namespace, rendezvous: Tuple[str, ...]) -> str:

@@ -49,7 +49,8 @@ class EmbeddedServer:
         self.token = secrets.token_urlsafe(32)
         try:
             files.replace(self.token_file, (self.token + "\n").encode(), mode=0o600)
-            # No blacklisting: on one machine the only host would be refused after three respawns.
+            # No blacklisting for failures: on one machine the only host would be refused after
+            # three respawns. A straggler's leave still cools the host down (a short first cooldown).
             self.proc = subprocess.Popen(
                 with_parent_death_signal([sys.executable, "-m", "rendezvous", "serve", "--token-file",
                  self.token_file, "--host", host, "--port", str(port), "--port-file", self._port_file,

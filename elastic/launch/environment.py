@@ -38,6 +38,7 @@ def spawn_env(base: Mapping[str, str], cfg: LaunchConfig, *, slot: int, incarnat
         **limits_env(cfg),
         **({"ELASTIC_COLLECTIVE_TIMEOUT": f"{cfg.collective_timeout:g}"} if cfg.collective_timeout else {}),
         **torchrun_env(cfg, slot, local_slots), "ELASTIC_LOG_LEVEL": cfg.log_level,
+        **cfg.stragglers.to_env(),
         "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
         "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(incarnation), **credential_env(cfg, token_file),
         **metrics_env,

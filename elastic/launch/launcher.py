@@ -48,6 +48,7 @@ from .procs import Output, Worker, describe_exit, raise_open_files_limit, signal
 from .report import Reporter
 from .signals import StopSignals
 from .slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
+from .stragglers import StragglerWatch, host_cooling
 
 POLL_S = 0.05            # reap workers / check signals
 STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
@@ -102,6 +103,7 @@ class Launcher:
         self.events = EventLog(None)                # --events, opened in _run
         self.metrics: Optional[WorkerMetrics] = None   # --metrics-port, started in _run
         self._exits_noted: set = set()              # worker ids whose worker_exited is written
+        self.stragglers = StragglerWatch(cfg.stragglers.policy, cfg.host)
 
     # ------------------------------------------------------------------ entry
     def run(self) -> int:
@@ -436,10 +438,18 @@ class Launcher:
             # It exited 0 while the job runs: it left gracefully (SIGTERM, elastic.request_leave()).
             w.left = True
             self.reporter.note_left(w.worker_id)
-            self._event("preempted", worker_id=w.worker_id, slot=slot,
-                        why="drained by discovery" if w.stopping else "left the job")
-            self.out.note(f"{self._label(w)} left (" + (f"drained: discovery gives this host {self.target} slot(s)"
-                                                         if w.stopping else "preempted") + "); not respawned")
+            straggler = None if w.stopping else self.stragglers.left(w.worker_id, slot, self._status_now())
+            self._event("preempted", worker_id=w.worker_id, slot=slot, why="drained by discovery" if w.stopping
+                        else "a straggler" if straggler is not None else "left the job")
+            if straggler is not None:   # --straggler-policy evict: respawned once its host cooled down
+                self.out.note(f"{self._label(w)} {straggler.line}")
+                if straggler.respawn:
+                    self.respawn_at[slot] = now
+                    self.ends.append(WorkerEnd(w.worker_id, rank, code, left=True))
+                    return
+            else:
+                self.out.note(f"{self._label(w)} left (" + (f"drained: discovery gives this host {self.target} "
+                              "slot(s)" if w.stopping else "preempted") + "); not respawned")
         if w.stopping or w.left or code == 0:
             self.ends.append(WorkerEnd(w.worker_id, rank, code, stopped=w.stopping, left=w.left))
             if not w.stopping:
@@ -485,6 +495,9 @@ class Launcher:
                 del self.respawn_at[slot]
                 if self.view is not None and self.view.terminal:
                     continue
+                if host_cooling(self.view, self.cfg.host):   # its join would be refused: after the cooldown
+                    self.respawn_at[slot] = now + STATUS_EVERY_S
+                    continue
                 replaces = self.workers[slot].worker_id if slot in self.workers else None
                 w = self._spawn(slot)
                 if self.metrics is not None:
@@ -523,6 +536,9 @@ class Launcher:
             (self.out.note if msg.notable else self.out.info)(msg)
         self.view = view
         self._job_events(view, before, recoveries)
+        for named in self.stragglers.update(view, {w.worker_id for w in self.workers.values()}):
+            self.out.note(named.line)
+            self._event("straggler_detected", **named.fields)
         if view.phase == "FAILED":
             self._wait_local_exit(FAILED_GRACE_S)
             more = f" (last failure on this host: {self.last_failure})" if self.last_failure else ""

@@ -64,6 +64,8 @@ WORKER_METRICS = (
     ("elastic_recovery_lost_seconds", "counter", "Training seconds since the last commit that failures threw away."),
     ("elastic_world_version", "gauge", "Version of the world this worker is in (0 before the first)."),
     ("elastic_world_size", "gauge", "Workers in this worker's world."),
+    ("elastic_straggler_score", "gauge", "This worker's compute time over its world's median in the last commit "
+                                         "window (1: typical; a straggler stays above --straggler-factor)."),
     ("elastic_worker_snapshot_age_seconds", "gauge", "Seconds since this worker's last snapshot arrived."),
 )
 
@@ -262,6 +264,8 @@ class _Collector(Collector):
             fam["elastic_recovery_lost_seconds"].add_metric(labels, s.lost_seconds)
             fam["elastic_world_version"].add_metric(labels, s.world_version)
             fam["elastic_world_size"].add_metric(labels, s.size)
+            if s.straggler_score is not None:
+                fam["elastic_straggler_score"].add_metric(labels, s.straggler_score)
             fam["elastic_worker_snapshot_age_seconds"].add_metric(labels, age)
         yield from fam.values()
         with src._lock:

@@ -79,7 +79,7 @@ class Reporter:
         msgs: List[Line] = []
         current = self.last.world_version if self.last is not None else None
         for ev in view.events:   # the server's word: these left cleanly, whichever host they ran on
-            if ev.event == "worker_left" and ev.worker_id:
+            if ev.event in ("worker_left", "straggler_left") and ev.worker_id:
                 self.note_left(ev.worker_id)
             elif ev.event == "ring_broken" and ev.world_version == current and current not in self._broken:
                 # Every member alive, the ring broken all the same (a collective timed out on a

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rendezvous.proto\x12\x15\x65lastic.rendezvous.v1\"D\n\x07JobSpec\x12\x0e\n\x06min_np\x18\x01 \x01(\r\x12\x0e\n\x06max_np\x18\x02 \x01(\r\x12\x19\n\x11\x65lastic_timeout_s\x18\x03 \x01(\x01\"\xe3\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x14\n\x0cring_address\x18\x04 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x05 \x01(\x03\x12,\n\x04spec\x18\x06 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x33\n\x0bspec_if_new\x18\x08 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\"|\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x13\n\x0bring_secret\x18\x04 \x01(\x0c\":\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\"\xb5\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cring_address\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ommitted_step\x18\t \x01(\x03\"\xb4\x01\n\x05World\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\":\n\x11MembershipPending\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x0c\x41\x62ortVersion\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"0\n\x07Standby\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"/\n\nJobOutcome\x12\x11\n\tsucceeded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd0\x02\n\nWatchEvent\x12-\n\x05world\x18\x01 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.WorldH\x00\x12;\n\x07pending\x18\x02 \x01(\x0b\x32(.elastic.rendezvous.v1.MembershipPendingH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.elastic.rendezvous.v1.AbortVersionH\x00\x12\x31\n\x07standby\x18\x04 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.StandbyH\x00\x12-\n\x05probe\x18\x05 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.ProbeH\x00\x12\x35\n\x08\x66inished\x18\x06 \x01(\x0b\x32!.elastic.rendezvous.v1.JobOutcomeH\x00\x42\x07\n\x05\x65vent\"l\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x13\n\x0bprobe_nonce\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x62orted_version\x18\x05 \x01(\x04\"*\n\x11HeartbeatResponse\x12\x15\n\rworld_version\x18\x01 \x01(\x04\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x99\x01\n\x14ReportFailureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12\x19\n\x11suspect_worker_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10unusable_address\x18\x05 \x01(\x08\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\"8\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"A\n\x14ReportSuccessRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x17\n\x15ReportSuccessResponse\"/\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65vents\x18\x02 \x01(\r\"a\n\x08JobEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\r\n\x05\x65vent\x18\x02 \x01(\t\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"p\n\x0cMemberStatus\x12-\n\x06member\x18\x01 \x01(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x10\n\x08in_world\x18\x02 \x01(\x08\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\"\x81\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x04spec\x18\x02 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.elastic.rendezvous.v1.MemberStatus\x12\x19\n\x11\x62lacklisted_hosts\x18\x07 \x03(\t\x12/\n\x06\x65vents\x18\x08 \x03(\x0b\x32\x1f.elastic.rendezvous.v1.JobEvent\"S\n\x0eStatusResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12.\n\x04jobs\x18\x02 \x03(\x0b\x32 .elastic.rendezvous.v1.JobStatus2\x93\x05\n\nRendezvous\x12O\n\x04Join\x12\".elastic.rendezvous.v1.JoinRequest\x1a#.elastic.rendezvous.v1.JoinResponse\x12Q\n\x05Watch\x12#.elastic.rendezvous.v1.WatchRequest\x1a!.elastic.rendezvous.v1.WatchEvent0\x01\x12^\n\tHeartbeat\x12\'.elastic.rendezvous.v1.HeartbeatRequest\x1a(.elastic.rendezvous.v1.HeartbeatResponse\x12R\n\x05Leave\x12#.elastic.rendezvous.v1.LeaveRequest\x1a$.elastic.rendezvous.v1.LeaveResponse\x12j\n\rReportFailure\x12+.elastic.rendezvous.v1.ReportFailureRequest\x1a,.elastic.rendezvous.v1.ReportFailureResponse\x12j\n\rReportSuccess\x12+.elastic.rendezvous.v1.ReportSuccessRequest\x1a,.elastic.rendezvous.v1.ReportSuccessResponse\x12U\n\x06Status\x12$.elastic.rendezvous.v1.StatusRequest\x1a%.elastic.rendezvous.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rendezvous.proto\x12\x15\x65lastic.rendezvous.v1\"D\n\x07JobSpec\x12\x0e\n\x06min_np\x18\x01 \x01(\r\x12\x0e\n\x06max_np\x18\x02 \x01(\r\x12\x19\n\x11\x65lastic_timeout_s\x18\x03 \x01(\x01\"\xe3\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x14\n\x0cring_address\x18\x04 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x05 \x01(\x03\x12,\n\x04spec\x18\x06 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x33\n\x0bspec_if_new\x18\x08 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\"|\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x13\n\x0bring_secret\x18\x04 \x01(\x0c\":\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\"\xb5\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cring_address\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ommitted_step\x18\t \x01(\x03\"\xb4\x01\n\x05World\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\":\n\x11MembershipPending\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x0c\x41\x62ortVersion\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"0\n\x07Standby\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"/\n\nJobOutcome\x12\x11\n\tsucceeded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd0\x02\n\nWatchEvent\x12-\n\x05world\x18\x01 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.WorldH\x00\x12;\n\x07pending\x18\x02 \x01(\x0b\x32(.elastic.rendezvous.v1.MembershipPendingH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.elastic.rendezvous.v1.AbortVersionH\x00\x12\x31\n\x07standby\x18\x04 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.StandbyH\x00\x12-\n\x05probe\x18\x05 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.ProbeH\x00\x12\x35\n\x08\x66inished\x18\x06 \x01(\x0b\x32!.elastic.rendezvous.v1.JobOutcomeH\x00\x42\x07\n\x05\x65vent\"\\\n\x0fStragglerReport\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x14\n\x0cslow_windows\x18\x03 \x01(\r\x12\r\n\x05named\x18\x04 \x01(\x08\"\xa7\x01\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x13\n\x0bprobe_nonce\x18\x03 \x01(\x04\x12\x39\n\tstraggler\x18\x04 \x01(\x0b\x32&.elastic.rendezvous.v1.StragglerReport\x12\x17\n\x0f\x61\x62orted_version\x18\x05 \x01(\x04\":\n\x11HeartbeatResponse\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06spares\x18\x02 \x01(\r\"5\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstraggler\x18\x02 \x01(\x08\"\x0f\n\rLeaveResponse\"\x99\x01\n\x14ReportFailureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12\x19\n\x11suspect_worker_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10unusable_address\x18\x05 \x01(\x08\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\"8\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"A\n\x14ReportSuccessRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x17\n\x15ReportSuccessResponse\"/\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65vents\x18\x02 \x01(\r\"\xd0\x01\n\x08JobEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\r\n\x05\x65vent\x18\x02 \x01(\t\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12=\n\x07numbers\x18\x06 \x03(\x0b\x32,.elastic.rendezvous.v1.JobEvent.NumbersEntry\x1a.\n\x0cNumbersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xab\x01\n\x0cMemberStatus\x12-\n\x06member\x18\x01 \x01(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x10\n\x08in_world\x18\x02 \x01(\x08\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x39\n\tstraggler\x18\x05 \x01(\x0b\x32&.elastic.rendezvous.v1.StragglerReport\"\x81\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x04spec\x18\x02 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.elastic.rendezvous.v1.MemberStatus\x12\x19\n\x11\x62lacklisted_hosts\x18\x07 \x03(\t\x12/\n\x06\x65vents\x18\x08 \x03(\x0b\x32\x1f.elastic.rendezvous.v1.JobEvent\"S\n\x0eStatusResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12.\n\x04jobs\x18\x02 \x03(\x0b\x32 .elastic.rendezvous.v1.JobStatus2\x93\x05\n\nRendezvous\x12O\n\x04Join\x12\".elastic.rendezvous.v1.JoinRequest\x1a#.elastic.rendezvous.v1.JoinResponse\x12Q\n\x05Watch\x12#.elastic.rendezvous.v1.WatchRequest\x1a!.elastic.rendezvous.v1.WatchEvent0\x01\x12^\n\tHeartbeat\x12\'.elastic.rendezvous.v1.HeartbeatRequest\x1a(.elastic.rendezvous.v1.HeartbeatResponse\x12R\n\x05Leave\x12#.elastic.rendezvous.v1.LeaveRequest\x1a$.elastic.rendezvous.v1.LeaveResponse\x12j\n\rReportFailure\x12+.elastic.rendezvous.v1.ReportFailureRequest\x1a,.elastic.rendezvous.v1.ReportFailureResponse\x12j\n\rReportSuccess\x12+.elastic.rendezvous.v1.ReportSuccessRequest\x1a,.elastic.rendezvous.v1.ReportSuccessResponse\x12U\n\x06Status\x12$.elastic.rendezvous.v1.StatusRequest\x1a%.elastic.rendezvous.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_JOBEVENT_NUMBERSENTRY']._loaded_options = None
+  _globals['_JOBEVENT_NUMBERSENTRY']._serialized_options = b'8\001'
   _globals['_JOBSPEC']._serialized_start=43
   _globals['_JOBSPEC']._serialized_end=111
   _globals['_JOINREQUEST']._serialized_start=114
@@ -55,32 +57,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBOUTCOME']._serialized_end=1132
   _globals['_WATCHEVENT']._serialized_start=1135
   _globals['_WATCHEVENT']._serialized_end=1471
-  _globals['_HEARTBEATREQUEST']._serialized_start=1473
-  _globals['_HEARTBEATREQUEST']._serialized_end=1581
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1583
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1625
-  _globals['_LEAVEREQUEST']._serialized_start=1627
-  _globals['_LEAVEREQUEST']._serialized_end=1661
-  _globals['_LEAVERESPONSE']._serialized_start=1663
-  _globals['_LEAVERESPONSE']._serialized_end=1678
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1681
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1834
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1836
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1892
-  _globals['_REPORTSUCCESSREQUEST']._serialized_start=1894
-  _globals['_REPORTSUCCESSREQUEST']._serialized_end=1959
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=1961
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=1984
-  _globals['_STATUSREQUEST']._serialized_start=1986
-  _globals['_STATUSREQUEST']._serialized_end=2033
-  _globals['_JOBEVENT']._serialized_start=2035
-  _globals['_JOBEVENT']._serialized_end=2132
-  _globals['_MEMBERSTATUS']._serialized_start=2134
-  _globals['_MEMBERSTATUS']._serialized_end=2246
-  _globals['_JOBSTATUS']._serialized_start=2249
-  _globals['_JOBSTATUS']._serialized_end=2506
-  _globals['_STATUSRESPONSE']._serialized_start=2508
-  _globals['_STATUSRESPONSE']._serialized_end=2591
-  _globals['_RENDEZVOUS']._serialized_start=2594
-  _globals['_RENDEZVOUS']._serialized_end=3253
+  _globals['_STRAGGLERREPORT']._serialized_start=1473
+  _globals['_STRAGGLERREPORT']._serialized_end=1565
+  _globals['_HEARTBEATREQUEST']._serialized_start=1568
+  _globals['_HEARTBEATREQUEST']._serialized_end=1735
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1737
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1795
+  _globals['_LEAVEREQUEST']._serialized_start=1797
+  _globals['_LEAVEREQUEST']._serialized_end=1850
+  _globals['_LEAVERESPONSE']._serialized_start=1852
+  _globals['_LEAVERESPONSE']._serialized_end=1867
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1870
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=2023
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=2025
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=2081
+  _globals['_REPORTSUCCESSREQUEST']._serialized_start=2083
+  _globals['_REPORTSUCCESSREQUEST']._serialized_end=2148
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=2150
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=2173
+  _globals['_STATUSREQUEST']._serialized_start=2175
+  _globals['_STATUSREQUEST']._serialized_end=2222
+  _globals['_JOBEVENT']._serialized_start=2225
+  _globals['_JOBEVENT']._serialized_end=2433
+  _globals['_JOBEVENT_NUMBERSENTRY']._serialized_start=2387
+  _globals['_JOBEVENT_NUMBERSENTRY']._serialized_end=2433
+  _globals['_MEMBERSTATUS']._serialized_start=2436
+  _globals['_MEMBERSTATUS']._serialized_end=2607
+  _globals['_JOBSTATUS']._serialized_start=2610
+  _globals['_JOBSTATUS']._serialized_end=2867
+  _globals['_STATUSRESPONSE']._serialized_start=2869
+  _globals['_STATUSRESPONSE']._serialized_end=2952
+  _globals['_RENDEZVOUS']._serialized_start=2955
+  _globals['_RENDEZVOUS']._serialized_end=3614
 # @@protoc_insertion_point(module_scope)

@@ -152,29 +152,47 @@ class WatchEvent(_message.Message):
     finished: JobOutcome
     def __init__(self, world: _Optional[_Union[World, _Mapping]] = ..., pending: _Optional[_Union[MembershipPending, _Mapping]] = ..., abort: _Optional[_Union[AbortVersion, _Mapping]] = ..., standby: _Optional[_Union[Standby, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., finished: _Optional[_Union[JobOutcome, _Mapping]] = ...) -> None: ...
 
+class StragglerReport(_message.Message):
+    __slots__ = ("world_version", "score", "slow_windows", "named")
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    SLOW_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FIELD_NUMBER: _ClassVar[int]
+    world_version: int
+    score: float
+    slow_windows: int
+    named: bool
+    def __init__(self, world_version: _Optional[int] = ..., score: _Optional[float] = ..., slow_windows: _Optional[int] = ..., named: _Optional[bool] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "committed_step", "probe_nonce", "aborted_version")
+    __slots__ = ("session_id", "committed_step", "probe_nonce", "straggler", "aborted_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     PROBE_NONCE_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     ABORTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_step: int
     probe_nonce: int
+    straggler: StragglerReport
     aborted_version: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ..., aborted_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ..., aborted_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("world_version",)
+    __slots__ = ("world_version", "spares")
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
     world_version: int
-    def __init__(self, world_version: _Optional[int] = ...) -> None: ...
+    spares: int
+    def __init__(self, world_version: _Optional[int] = ..., spares: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "straggler")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    straggler: bool
+    def __init__(self, session_id: _Optional[str] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
@@ -225,30 +243,41 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., events: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("time", "event", "world_version", "worker_id", "detail")
+    __slots__ = ("time", "event", "world_version", "worker_id", "detail", "numbers")
+    class NumbersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TIME_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    NUMBERS_FIELD_NUMBER: _ClassVar[int]
     time: float
     event: str
     world_version: int
     worker_id: str
     detail: str
-    def __init__(self, time: _Optional[float] = ..., event: _Optional[str] = ..., world_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    numbers: _containers.ScalarMap[str, float]
+    def __init__(self, time: _Optional[float] = ..., event: _Optional[str] = ..., world_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., detail: _Optional[str] = ..., numbers: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("member", "in_world", "attached", "age_s")
+    __slots__ = ("member", "in_world", "attached", "age_s", "straggler")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     IN_WORLD_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     member: Member
     in_world: bool
     attached: bool
     age_s: float
-    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., in_world: _Optional[bool] = ..., attached: _Optional[bool] = ..., age_s: _Optional[float] = ...) -> None: ...
+    straggler: StragglerReport
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., in_world: _Optional[bool] = ..., attached: _Optional[bool] = ..., age_s: _Optional[float] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "spec", "world_version", "phase", "reason", "members", "blacklisted_hosts", "events")

@@ -102,6 +102,7 @@ class RendezvousServicer:
 
     def Leave(self, request, context):
         """Leave cleanly: not a failure; the rest of the job sees a membership change, not an abort.
+        A straggler leaving (LeaveRequest.straggler) puts its host in the blacklist cooldown.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -62,6 +62,9 @@ def test_bytes_that_are_not_a_snapshot_are_rejected(data, reason):
     ({"rank": -2}, "schema", "rank"),
     ({"final": "yes"}, "schema", "final"),
     ({"lost_seconds": -0.5}, "schema", "lost_seconds"),
+    ({"straggler_score": -1.0}, "schema", "straggler_score"),
+    ({"straggler_score": "2x"}, "schema", "straggler_score"),
+    ({"straggler_score": 1e300}, "schema", "straggler_score"),
     ({"allreduce": {"infiniband": [1, 1, 0.1]}}, "schema", "transports"),
     ({"allreduce": {"tcp": [1, 1]}}, "schema", "calls, bytes, seconds"),
     ({"allreduce": {"tcp": [1, -8, 0.1]}}, "schema", "bytes"),
@@ -122,6 +125,13 @@ def test_a_recovery_counts_from_the_failure_to_the_next_sync_and_the_commits_rol
     assert (snap.recoveries, snap.steps_redone, snap.steps, snap.committed_step) == (1, 2, 1, 2)
     assert sum(snap.hist["recovery"][1]) == 1 and sum(snap.hist["sync"][1]) == 2
     assert snap.lost_seconds > 0
+
+
+def test_the_straggler_score_is_sent_once_a_window_was_judged():
+    rec = Recorder("w", "t")
+    assert parse_snapshot(rec.snapshot(), {"w": "t"}).straggler_score is None
+    rec.straggler_score = 2.5
+    assert parse_snapshot(rec.snapshot(), {"w": "t"}).straggler_score == 2.5
 
 
 def test_a_commit_that_took_no_copy_is_not_a_step():

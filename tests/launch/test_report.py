@@ -69,6 +69,7 @@ def test_a_world_re_formed_with_every_member_alive_says_why_and_counts_as_a_reco
 
 @pytest.mark.parametrize("event,reported", [
     ("worker_left", "world 2: 1 worker(s); left: b"),
+    ("straggler_left", "world 2: 1 worker(s); left: b"),
     ("worker_evicted", "world 2: 1 worker(s); left: b; recovered 0.50 s after b left the world"),
 ])
 def test_the_servers_events_tell_a_leave_from_a_failure_before_any_exit_is_seen(event, reported):

@@ -233,6 +233,44 @@ def test_clean_leaves_do_not_count_toward_blacklist():
     assert s.hosts.get("h") is None or s.hosts["h"].blacklistings == 0
 
 
+def test_a_stragglers_leave_is_clean_and_puts_its_host_in_the_cooldown_at_once():
+    s = formed([("a", "slow"), ("b", "h2"), ("c", "h2")])
+    s, acts = run(s, [(2.0, Leave("a", straggler=True))])
+    dropped = [a for _, a in acts if isinstance(a, Dropped)]
+    assert dropped[0].cause.value == "STRAGGLER" and dropped[0].cause.eviction is None   # no eviction
+    assert any(isinstance(a, AnnouncePending) for _, a in acts)                           # not an abort
+    assert not any(isinstance(a, AnnounceAbort) for _, a in acts)
+    assert s.blacklisted_hosts(2.0) == ["slow"] and s.hosts["slow"].blacklisted_until == pytest.approx(12.0)
+    s, acts = run(s, [(2.5, Tick())])
+    assert [ids(a) for a in announces(acts)] == [["b", "c"]]
+    s, acts = run(s, [(3.0, Join("a-r1", "slow", "slow:2"))])         # nothing of the slow host comes back ...
+    assert isinstance(acts[0][1], Rejected) and acts[0][1].kind is Refusal.BLACKLISTED
+    s, acts = run(s, [(12.5, Join("a-r1", "slow", "slow:2"))])        # ... until its cooldown ended
+    assert not any(isinstance(a, Rejected) for _, a in acts)
+
+
+def test_a_straggler_on_a_host_that_straggles_again_cools_down_twice_as_long():
+    s = formed([("a", "slow"), ("b", "h2"), ("c", "h2")])
+    s, _ = run(s, [(2.0, Leave("a", straggler=True)), (3.0, Tick()), (13.0, Join("a2", "slow", "slow:2")),
+                   (14.0, Tick()), (20.0, Leave("a2", straggler=True))])
+    assert s.hosts["slow"].blacklisted_until == pytest.approx(20.0 + 20.0)
+
+
+def test_a_spare_on_another_host_takes_the_stragglers_place_but_not_one_on_its_host():
+    s, _ = run(job(min_np=2, max_np=2), [(0.0, Join("a", "slow", "s:1")), (0.0, Join("b", "h2", "h2:1")),
+                                         (0.0, Join("c", "slow", "s:2")), (0.0, Join("d", "h3", "h3:1")),
+                                         (1.0, Tick())])
+    assert [m.worker_id for m in s.world] == ["a", "b"]
+    s, acts = run(s, [(2.0, Leave("a", straggler=True)), (3.0, Tick())])
+    assert [ids(a) for a in announces(acts)] == [["b", "d"]]
+
+
+def test_a_stragglers_leave_blacklists_nothing_where_the_server_never_blacklists():
+    s = formed([("a", "slow"), ("b", "h2")])
+    s, _ = run(s, [(2.0, Leave("a", straggler=True))], replace(CFG, blacklist_after=0))
+    assert s.blacklisted_hosts(2.0) == []
+
+
 def test_below_min_np_waits_then_fails_with_reason():
     s = formed([("a", "h"), ("b", "h")], min_np=2)
     s, acts = run(s, [(10.0, Evict("b", "x")), (20.0, Tick())])
@@ -510,4 +548,4 @@ def test_a_standby_worker_is_told_what_it_waits_for():
                                               "member that fails or leaves")
     assert standby_reason(job(), "a", 0.0) == "no world formed yet"
     cooling = replace(s, hosts={**s.hosts, "h2": HostRecord(blacklistings=1, blacklisted_until=32.0)})
-    assert standby_reason(cooling, "c", 2.0) == "host h2 is blacklisted for 30 s more after repeated failures"
+    assert standby_reason(cooling, "c", 2.0) == "host h2 is blacklisted for 30 s more after repeated failures or a straggler"

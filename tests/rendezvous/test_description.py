@@ -50,6 +50,7 @@ def test_only_a_session_that_ended_by_failure_counts_as_an_eviction_with_its_cau
     what = describe(d.Dropped("b", "why", cause), 3)
     assert what.eviction == cause.eviction
     assert (what.event == "worker_left") is (cause is d.Departure.LEFT)
+    assert (what.event == "straggler_left") is (cause is d.Departure.STRAGGLER)
 
 
 @pytest.mark.parametrize("action", [d.AnnouncePending(3, "x"), d.AnnounceAbort(3, "x"),

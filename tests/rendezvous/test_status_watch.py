@@ -11,7 +11,8 @@ import pytest
 
 from rdzv_helpers import REPO, ServerProc, child_env, unique, wait_until
 from rendezvous.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo, StatusInfo
-from rendezvous.status_view import fit, format_age, format_status, frame, safe
+from rendezvous.membership import StragglerReport
+from rendezvous.status_view import fit, format_age, format_pace, format_status, frame, safe
 
 
 @pytest.mark.parametrize("seconds, text", [
@@ -46,6 +47,19 @@ def test_nothing_the_server_sent_reaches_the_terminal_unescaped():
     out = format_status(_hostile_status(), events=10)
     assert "\x1b" not in out and "\x07" not in out
     assert "\\x1b[31m" in out and "recent events:" in out and "worker_evicted" in out
+
+
+def test_the_pace_column_shows_each_members_score_and_names_a_straggler():
+    slow = StragglerReport(world_version=2, score=2.13, slow_windows=3, named=True)
+    members = (MemberStatusInfo("w0", "h", 0, True, 7, "h:1", 0, 2, 0, 1, 3.0,
+                                StragglerReport(2, 0.98, 0, False)),
+               MemberStatusInfo("w1", "h", 1, True, 7, "h:2", 1, 2, 0, 1, 3.0, slow),
+               MemberStatusInfo("w2", "h", None, True, -1, "h:3", age_s=1.0))
+    out = format_status(StatusInfo("l", (JobStatusInfo("j", "RUNNING", "", 2, 1, 8, 60.0, members),)))
+    header, *rows = [line for line in out.splitlines() if line.startswith(("RANK", "0 ", "1 ", "standby"))]
+    pace = header.index("PACE")
+    assert [row[pace:].split("  ")[0].strip() for row in rows] == ["0.98x", "2.13x STRAGGLER", "-"]
+    assert format_pace(None) == "-"
 
 
 def test_a_frame_redraws_in_place_and_fits_the_terminal():
