@@ -190,6 +190,13 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def name(self) -> str:  # type: ignore[override]
         return BACKEND
 
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        # torch's own property reads the name from a registered C++ backend, which this group
+        # has none of; DeviceMesh.from_group (FSDP2) and functional collectives resolve the
+        # group by this name.
+        return GROUP_NAME
+
     def shutdown(self) -> None:
         """``dist.destroy_process_group()``: the ring is the session's; nothing to close here."""
 
