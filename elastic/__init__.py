@@ -44,6 +44,9 @@ def __getattr__(name):
     if name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"):
         from . import optimizer
         return getattr(optimizer, name)
+    if name in ("ShardedState", "CommitLostError"):
+        from . import sharded
+        return getattr(sharded, name)
     if name in ("DistributedDataParallel", "process_group"):
         from . import distributed
         return getattr(distributed, name)
@@ -58,5 +61,5 @@ __all__ = [
     "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank",
     "local_size", "cross_rank", "cross_size", "world_version", "ElasticSampler", "State", "ObjectState",
     "TorchState", "DistributedOptimizer", "DistributedDataParallel", "process_group",
-    "broadcast_parameters", "broadcast_optimizer_state",
+    "broadcast_parameters", "broadcast_optimizer_state", "ShardedState", "CommitLostError",
 ]

@@ -308,6 +308,7 @@ class Session:
                     state.sync()
                     first = False
                     result = _call(func, state, args, kwargs)
+                    state.on_finish()
                     success = True
                     return result
                 except WorkerLostError as e:   # BadPeerError too: reported as an unusable address

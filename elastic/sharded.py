@@ -1,0 +1,574 @@
+"""``elastic.ShardedState``: a model sharded with FSDP2 over the elastic ring, committed in
+memory on each rank and on its buddy, and resharded live onto every new world.
+
+    state = elastic.ShardedState(build, shard, optimizer=lambda params: torch.optim.AdamW(params),
+                                 sampler=sampler, step=0)
+
+For every world the state makes ``state.model`` and ``state.optimizer`` afresh: ``build()`` (a
+full, unsharded model; the meta device is allowed), ``shard(model, mesh)`` (the user's FSDP2
+plan) with the world's 1-D mesh, ``optimizer(params)`` over the sharded parameters, and then
+the committed state loaded onto them. Plain FSDP2 code runs unchanged in between.
+
+A commit copies this rank's shards (parameters, and optimizer states shaped like them) and the
+replicated rest (attributes, buffers, optimizer settings and scalars) in memory, and sends the
+shards to the buddy, the next rank round the ring (``Communicator.shift``, in
+``elastic.serialization``'s format). Its agreement is the membership allreduce every commit
+ends with: a rank promotes the new copies only once that allreduce completed, which proves
+every rank had its copies before (see ``elastic.reshard.decide``). So the loss of any worker,
+and of any set of workers that are not each other's buddies, loses nothing.
+
+On a new world (``sync``) every rank announces which committed layout it holds, all decide the
+same way (``elastic.reshard``) which commit to resume from and who sends which rows, the rows
+that change owner travel in one ring allgather, and every rank loads its new shards: bytes are
+copied, never computed, so the full state is bitwise the commit. The new layout is then
+committed again (own copy and buddy copy), so the next failure finds it held twice. A commit
+whose shards died with both holders is restored from the newest durable commit when there is
+one (``elastic.run(checkpoint_dir=...)``), else every rank raises ``CommitLostError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import metrics, reshard, serialization, session
+from .errors import BadPeerError, ElasticError, MembershipChanged, Preempted
+from ._native import ErrorKind
+from .ops import Sum
+from .state import ObjectState
+from .sampler import committed_attrs
+
+log = logging.getLogger("elastic")
+
+_HEADER_SLACK = 1 << 20   # bytes of a buddy copy beyond its tensors' (keys, shapes): generous
+
+
+class CommitLostError(ElasticError):
+    """Both holders of some rank's committed shards are gone and there is no durable commit to
+    restore from: the job cannot go on. Raised on every rank of the world that found it."""
+
+
+def _dtensor():
+    from torch.distributed.tensor import DTensor, Shard
+    return DTensor, Shard
+
+
+def _is_dtensor(t: Any) -> bool:
+    DTensor, _ = _dtensor()
+    return isinstance(t, DTensor)
+
+
+def _local_rows(t: Any, what: str) -> torch.Tensor:
+    """The rows of a DTensor sharded on dim 0 that this rank holds (FSDP2's unpadded shard)."""
+    DTensor, Shard = _dtensor()
+    placements = tuple(t.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ValueError(f"ShardedState: {what} is placed {placements}; only FSDP2's Shard(0) on a 1-D mesh is "
+                         "supported (fully_shard(module, mesh=mesh) with the mesh shard() is given)")
+    return t.to_local()
+
+
+def world_mesh():
+    """A 1-D ``DeviceMesh`` over the current world, on the elastic process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from . import distributed
+    pg = distributed.process_group()
+    distributed.install_default_group()
+    return DeviceMesh.from_group(pg, "cpu")
+
+
+def _nbytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_clone(v) for v in tree)
+    return tree
+
+
+class ShardedState(ObjectState):
+    """Committed FSDP2 model, optimizer and attributes, resharded onto every world (module doc).
+
+    ``build()`` returns a fresh unsharded model (the meta device is allowed once a commit
+    exists: its values come from the commit); ``shard(model, mesh)`` applies FSDP2;
+    ``optimizer(params)`` makes the optimizer. Other keyword arguments are committed attributes
+    as in ``ObjectState``; one with ``state_dict``/``load_state_dict`` (an ``ElasticSampler``,
+    an lr scheduler) is committed through those, as in ``TorchState``.
+    """
+
+    _NOT_ATTRIBUTES = ("commit_step", "model", "optimizer")
+
+    def __init__(self, build: Callable[[], torch.nn.Module], shard: Callable[[torch.nn.Module, Any], Any],
+                 optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, **attrs: Any) -> None:
+        if not callable(build) or not callable(shard) or (optimizer is not None and not callable(optimizer)):
+            raise TypeError("ShardedState(build, shard, optimizer=...): build, shard and optimizer are functions "
+                            "(build() -> model; shard(model, mesh); optimizer(params) -> optimizer)")
+        for k, v in (("_build", build), ("_shard", shard), ("_make_optimizer", optimizer), ("model", None),
+                     ("optimizer", None), ("_own", None), ("_buddy", None), ("_held", None), ("_full", None),
+                     ("_pending", None), ("_reset_due", False), ("last_reshard", None)):
+            object.__setattr__(self, k, v)
+        super().__init__(**attrs)
+
+    # ------------------------------------------------------------------ the live state, in parts
+    def _handlers(self) -> Dict[str, Any]:
+        return {k: v for k, v in self._plain().items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
+
+    def _params(self) -> List[Tuple[str, Any]]:
+        return list(self.model.named_parameters())
+
+    def _parts(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """(this rank's shards by key, the replicated rest) of the live state, as references."""
+        shards: Dict[str, torch.Tensor] = {}
+        table: List[list] = []
+        for fqn, p in self._params():
+            if not _is_dtensor(p):
+                raise ValueError(f"ShardedState: parameter {fqn!r} is not sharded; shard(model, mesh) must apply "
+                                 "fully_shard to every module that holds parameters (at least the root)")
+            shards["model." + fqn] = _local_rows(p, f"parameter {fqn!r}")
+            table.append(["model." + fqn, list(p.shape), str(p.dtype)])
+        scalars: Dict[str, Any] = {}
+        groups: List[dict] = []
+        if self.optimizer is not None:
+            names = {id(p): fqn for fqn, p in self._params()}
+            for g in self.optimizer.param_groups:
+                unknown = [p for p in g["params"] if id(p) not in names]
+                if unknown:
+                    raise ValueError("ShardedState: the optimizer holds a parameter that is not the model's")
+                groups.append({**{k: v for k, v in g.items() if k != "params"},
+                               "params": [names[id(p)] for p in g["params"]]})
+                for p in g["params"]:
+                    for name, v in sorted(self.optimizer.state.get(p, {}).items()):
+                        key = f"optim.{names[id(p)]}.{name}"
+                        if _is_dtensor(v):
+                            if tuple(v.shape) != tuple(p.shape):
+                                raise ValueError(f"ShardedState: optimizer state {key!r} is a DTensor not shaped "
+                                                 "like its parameter; only states shaped like it are supported")
+                            shards[key] = _local_rows(v, f"optimizer state {key!r}")
+                            table.append([key, list(v.shape), str(v.dtype)])
+                        else:
+                            scalars[key] = v
+        handlers = self._handlers()
+        replicated = {
+            "attrs": committed_attrs({k: v for k, v in self._plain().items() if k not in handlers}, handlers),
+            "handlers": {k: v.state_dict() for k, v in handlers.items()},
+            "buffers": {fqn: b for fqn, b in self.model.named_buffers()},
+            "groups": groups, "scalars": scalars, "table": table,
+        }
+        return shards, replicated
+
+    def live(self) -> Any:
+        shards, replicated = self._parts()
+        return {"shards": shards, "replicated": replicated}
+
+    def restore(self) -> None:
+        """Nothing to roll back here: the next world's ``sync`` rebuilds the model and optimizer
+        from the committed shards (the live ones may be half-way through a step)."""
+
+    def on_reset(self) -> None:
+        # The reset callbacks act on the next world's model and optimizer, which sync() makes.
+        object.__setattr__(self, "_reset_due", True)
+
+    # ------------------------------------------------------------------ memory
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes of model and optimizer state this rank holds: ``live`` shards, its ``own``
+        committed copy, its ``buddy`` copy (the previous rank's shards), and ``full``, the whole
+        unsharded model and optimizer state (one rank's view of the job)."""
+        live = own = buddy = full = 0
+        if self.model is not None:
+            shards, replicated = self._parts()
+            live = _nbytes(shards) + _nbytes(replicated["buffers"]) + _nbytes(replicated["scalars"])
+            full = sum(math.prod(s) * torch.empty((), dtype=_dtype(d)).element_size()
+                       for _, s, d in replicated["table"])
+            full += _nbytes(replicated["buffers"]) + _nbytes(replicated["scalars"])
+        if self._own is not None:
+            own = _nbytes(self._own["shards"]) + _nbytes(self._own["replicated"]["buffers"]) + \
+                _nbytes(self._own["replicated"]["scalars"])
+        if self._buddy is not None:
+            buddy = _nbytes(self._buddy["shards"])
+        return {"live": live, "own": own, "buddy": buddy, "full": full}
+
+    # ------------------------------------------------------------------ commit
+    def commit(self) -> None:
+        """Copies this rank's shards and the replicated state, sends the shards to the buddy,
+        then checks for a pending membership change (the commit's agreement)."""
+        with metrics.timed(self, "commit"):
+            if self.model is None:
+                raise RuntimeError("ShardedState.commit(): there is no model yet; commit inside the function "
+                                   "elastic.run runs")
+            comm = session.ring()
+            self._take_copies(comm, self.commit_step + 1, session.check_membership)
+
+    def _take_copies(self, comm, step: int, agree: Callable[[], None]) -> None:
+        shards, replicated = self._parts()
+        self._check_committable({"attrs": replicated["attrs"], "handlers": replicated["handlers"],
+                                 "optimizer": {"groups": replicated["groups"], "scalars": replicated["scalars"]}})
+        gen = reshard.Generation(step, comm.world_version, comm.size)
+        own = {"shards": _clone(shards), "replicated": _clone(replicated)}
+        buddy = self._exchange(comm, gen, own["shards"], replicated["table"]) if comm.size > 1 else None
+        agreed = False
+        try:
+            agree()
+            agreed = True
+        except (MembershipChanged, Preempted):
+            agreed = True   # raised after the allreduce completed: the commit holds
+            raise
+        finally:
+            if agreed:
+                object.__setattr__(self, "_own", own)
+                object.__setattr__(self, "_buddy", buddy)
+                object.__setattr__(self, "_held", (gen, comm.rank))
+                object.__setattr__(self, "_pending", None)
+                object.__setattr__(self, "commit_step", step)
+                s = session.active()
+                if s is not None:
+                    s.record_commit(step)
+            else:
+                # Sent and received, not agreed: kept apart, announced at the next sync as pending.
+                object.__setattr__(self, "_pending", (gen, comm.rank, own, buddy))
+
+    def _exchange(self, comm, gen: reshard.Generation, mine: Dict[str, torch.Tensor], table: List[list]):
+        """Sends this rank's shard copy to its buddy and returns the previous rank's, checked:
+        its size is bounded by what that rank's chunks hold, and what arrives must be exactly
+        those keys, rows, shapes and dtypes."""
+        prev = (comm.rank - 1) % comm.size
+        expected = _expected_shards(table, prev, comm.size)
+        bound = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in expected.values())
+        encoded = serialization.encode({"step": gen.step, "version": gen.version, "shards": mine})
+        buf = np.empty(encoded.nbytes, dtype=np.uint8)
+        encoded.copy_into(buf)
+        got = comm.shift(buf, max_bytes=bound + _HEADER_SLACK)
+        del buf
+        try:
+            value = serialization.loads(got)
+            _check_buddy(value, gen, expected)
+        except ValueError as e:
+            comm.abort(f"buddy copy from rank {prev}: {e}")
+            raise BadPeerError(f"commit in world version {comm.world_version}: the buddy copy rank {prev} sent "
+                               f"cannot be kept: {e}", op="commit", world_version=comm.world_version, rank=comm.rank,
+                               peer=prev, kind=ErrorKind.BadPeer) from None
+        return value
+
+    # ------------------------------------------------------------------ a new world
+    def sync(self) -> None:
+        """Builds this world's model and optimizer and loads the commit every rank agreed on,
+        resharded (module doc); then commits that layout again."""
+        with metrics.timed(self, "sync"):
+            comm = session.ring()
+            started = time.monotonic()
+            holdings = _agree_holdings(comm, self._held, self._pending)
+            decision = reshard.decide(holdings)
+            if isinstance(decision, reshard.Lost):
+                raise CommitLostError(
+                    f"world version {comm.world_version}: commit {decision.generation.step} of the "
+                    f"{decision.generation.size}-rank world version {decision.generation.version} is lost: rank(s) "
+                    f"{list(decision.missing)} of that world and their buddies (the next rank of each) are all gone, "
+                    "and there is no durable commit to restore from (elastic.run(checkpoint_dir=...) keeps one)")
+            model = self._build()
+            initial = None
+            if isinstance(decision, reshard.Fresh):
+                if any(p.is_meta for p in model.parameters()):
+                    raise ValueError("ShardedState: build() made parameters on the meta device and there is no commit "
+                                     "to fill them from; build the first world's model on the CPU")
+                # The job's first state is rank 0's build(): its full tensors, sharded by the plan below.
+                initial = {"model." + fqn: p.detach() for fqn, p in model.named_parameters()}
+                gen = reshard.Generation(-1, 0, 1)
+                decision = reshard.Resume(gen, (((0, reshard.OWN),),), root=0)
+            mesh = world_mesh()
+            self._shard(model, mesh)
+            if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+                model.to_empty(device="cpu")
+            opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
+            object.__setattr__(self, "model", model)
+            object.__setattr__(self, "optimizer", opt)
+            own, buddy = self._copies_of(decision.generation)
+            if initial is not None and comm.rank == 0:
+                own = {"shards": initial, "replicated": self._parts()[1]}
+            replicated = comm.broadcast_object(own["replicated"] if comm.rank == decision.root else None,
+                                               root_rank=decision.root, op="ShardedState sync")
+            table = _check_table(replicated, model, comm.rank, decision.root)
+            moved, new = _move(comm, decision, table, own, buddy)
+            self._load(table, new, replicated)
+            object.__setattr__(self, "last_reshard", {"from": decision.generation, "moved_bytes": moved,
+                                                      "seconds": time.monotonic() - started})
+            if self._reset_due:
+                object.__setattr__(self, "_reset_due", False)
+                super().on_reset()
+            self._take_copies(comm, decision.generation.step, lambda: comm.allreduce_(np.zeros(1, dtype=np.int32), Sum))
+            log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
+                     "in %.3f s", comm.world_version, decision.generation.step, decision.generation.size,
+                     decision.generation.version, moved, time.monotonic() - started)
+        torch_group = session._torch_distributed()
+        if torch_group is not None:
+            torch_group.after_sync(self, decision.root)
+
+    def _copies_of(self, gen: reshard.Generation):
+        """This rank's own and buddy copies of ``gen`` (None where it holds none)."""
+        if self._held is not None and self._held[0] == gen:
+            return self._own, self._buddy
+        pending = self._pending
+        if pending is not None and pending[0] == gen:
+            return pending[2], pending[3]
+        return None, None
+
+    def _load(self, table: List[list], new: Dict[str, torch.Tensor], replicated: Dict[str, Any]) -> None:
+        DTensor, _ = _dtensor()
+        params = dict(self._params())
+        with torch.no_grad():
+            for key, _, _ in table:
+                if key.startswith("model."):
+                    _local_rows(params[key[6:]], key).copy_(new[key])
+            for fqn, b in self.model.named_buffers():
+                if fqn not in replicated["buffers"]:
+                    raise ValueError(f"ShardedState: the commit holds no buffer {fqn!r}")
+                b.copy_(replicated["buffers"][fqn])
+        if self.optimizer is not None:
+            by_fqn = {fqn: p for fqn, p in params.items()}
+            if len(replicated["groups"]) != len(self.optimizer.param_groups):
+                raise ValueError(f"ShardedState: the commit has {len(replicated['groups'])} optimizer param groups, "
+                                 f"this optimizer {len(self.optimizer.param_groups)}")
+            for g, saved in zip(self.optimizer.param_groups, replicated["groups"]):
+                if [by_fqn.get(f) for f in saved["params"]] != g["params"]:
+                    raise ValueError("ShardedState: the optimizer's param groups hold other parameters than the "
+                                     "commit's")
+                g.update({k: v for k, v in saved.items() if k != "params"})
+            self.optimizer.state.clear()
+            for key, _, _ in table:
+                if key.startswith("optim."):
+                    fqn, name = key[6:].rsplit(".", 1)
+                    p = by_fqn[fqn]
+                    self.optimizer.state.setdefault(p, {})[name] = DTensor.from_local(
+                        new[key], p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            for key, v in replicated["scalars"].items():
+                fqn, name = key[6:].rsplit(".", 1)
+                if fqn not in by_fqn:
+                    raise ValueError(f"ShardedState: the commit holds optimizer state for {fqn!r}, not a parameter")
+                self.optimizer.state.setdefault(by_fqn[fqn], {})[name] = v
+            self.optimizer.zero_grad(set_to_none=True)
+        handlers = self._handlers()
+        for k, sd in replicated["handlers"].items():
+            if k in handlers:
+                handlers[k].load_state_dict(sd)
+        snapshot = {"attrs": replicated["attrs"]}
+        self._check_attribute_names(snapshot)
+        self._load_attributes(snapshot["attrs"])
+
+    # ------------------------------------------------------------------ the whole state
+    def on_finish(self) -> None:
+        """``elastic.run``'s function returned on every rank: gather the full model while the
+        ring is still up, for ``full_state_dict()`` after the run."""
+        try:
+            object.__setattr__(self, "_full", self.full_state_dict())
+        except ElasticError as e:
+            log.warning("ShardedState: could not gather the full model at the end of the run: %s", e)
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The whole model as a plain torch state dict (full tensors on the CPU).
+
+        Inside ``elastic.run`` a collective: every rank calls it and gets the same dict. After
+        the run, the model as the function left it, gathered when it returned."""
+        if session.active() is None and self._full is not None:
+            return self._full
+        if self.model is None:
+            raise RuntimeError("ShardedState.full_state_dict(): no model yet (it is made by elastic.run)")
+        comm = session.ring()
+        out: Dict[str, torch.Tensor] = {fqn: _gather(comm, p, fqn) for fqn, p in self._params()}
+        for fqn, b in self.model.named_buffers():
+            out[fqn] = b.detach().clone()
+        sd = self.model.state_dict()
+        return {k: out[k] for k in sd if k in out}
+
+
+    def full_optimizer_state(self) -> Dict[str, Dict[str, Any]]:
+        """The whole optimizer state by parameter name (full tensors; scalars as they are), a
+        collective inside ``elastic.run``: every rank calls it."""
+        if self.optimizer is None:
+            return {}
+        comm = session.ring()
+        out: Dict[str, Dict[str, Any]] = {}
+        for fqn, p in self._params():
+            for name, v in sorted(self.optimizer.state.get(p, {}).items()):
+                out.setdefault(fqn, {})[name] = _gather(comm, v, fqn) if _is_dtensor(v) else v
+        return out
+
+
+def _gather(comm, t: Any, what: str) -> torch.Tensor:
+    """The full tensor of a DTensor sharded on dim 0, gathered from every rank's rows."""
+    local = _local_rows(t, what).detach().contiguous()
+    per_row = math.prod(t.shape[1:])
+    full = torch.empty(tuple(t.shape), dtype=t.dtype)
+    comm.allgather_into_(full.view(-1), local.view(-1),
+                         counts=[(b - a) * per_row for a, b in reshard.chunk_rows(t.shape[0], comm.size)])
+    return full
+
+
+# ---------------------------------------------------------------------- helpers of sync
+_NONE = -1
+
+
+def _holding_row(held: Optional[Tuple[reshard.Generation, int]]) -> List[int]:
+    if held is None:
+        return [_NONE] * 4
+    g, r = held
+    return [g.step, g.version, g.size, r]
+
+
+def _parse_holding(row: List[int]) -> Optional[Tuple[reshard.Generation, int]]:
+    step, version, size, rank = row
+    # A peer's words: anything out of range is taken as holding nothing (it is then no holder).
+    if size < 1 or size > (1 << 20) or not 0 <= rank < size or version < 0 or step < -1:
+        return None
+    return reshard.Generation(step, version, size), rank
+
+
+def _agree_holdings(comm, held, pending) -> List[reshard.Holding]:
+    mine = np.array(_holding_row(held) + _holding_row(pending[:2] if pending else None), dtype=np.int64)
+    rows = comm.allgather_equal(mine).tolist()
+    return [reshard.Holding(_parse_holding(r[:4]), _parse_holding(r[4:])) for r in rows]
+
+
+def _dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return d
+
+
+def _expected_shards(table: List[list], rank: int, size: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each shard old rank ``rank`` of ``size`` holds."""
+    out = {}
+    for key, shape, dtype in table:
+        a, b = reshard.chunk_rows(shape[0], size)[rank]
+        out[key] = ((b - a, *shape[1:]), _dtype(dtype))
+    return out
+
+
+def _check_buddy(value: Any, gen: reshard.Generation, expected) -> None:
+    if type(value) is not dict or set(value) != {"step", "version", "shards"}:
+        raise ValueError("not a buddy copy (step, version, shards)")
+    if value["step"] != gen.step or value["version"] != gen.version:
+        raise ValueError(f"it is commit {value['step']} of world version {value['version']}, not {gen.step} of "
+                         f"{gen.version}")
+    _check_shards(value["shards"], expected)
+
+
+def _check_shards(shards: Any, expected) -> None:
+    if type(shards) is not dict or set(shards) != set(expected):
+        raise ValueError("its shards are not this state's tensors")
+    for k, (shape, dtype) in expected.items():
+        t = shards[k]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"shard {k!r} is not a {dtype} tensor of shape {list(shape)}")
+
+
+def _check_table(replicated: Any, model: torch.nn.Module, me: int, root: int) -> List[list]:
+    """The root's table of sharded tensors, checked against this rank's own model: only keys
+    of its parameters, with their shapes and dtypes (so every size below is this rank's own)."""
+    try:
+        if type(replicated) is not dict or not {"attrs", "handlers", "buffers", "groups", "scalars",
+                                                "table"} <= set(replicated):
+            raise ValueError("not a ShardedState commit")
+        params = dict(model.named_parameters())
+        table = replicated["table"]
+        if type(table) is not list:
+            raise ValueError("its table is not a list")
+        seen = set()
+        for entry in table:
+            key, shape, dtype = entry
+            if key.startswith("model."):
+                fqn = key[6:]
+            elif key.startswith("optim."):
+                fqn = key[6:].rsplit(".", 1)[0]
+            else:
+                raise ValueError(f"unknown key {key!r}")
+            p = params.get(fqn)
+            if p is None or list(p.shape) != list(shape) or (key.startswith("model.") and str(p.dtype) != dtype):
+                raise ValueError(f"{key!r} of shape {shape} does not fit this model")
+            _dtype(dtype)
+            if key in seen:
+                raise ValueError(f"{key!r} twice")
+            seen.add(key)
+        missing = [f for f in params if "model." + f not in seen]
+        if missing:
+            raise ValueError(f"no parameter {missing[0]!r}")
+        return table
+    except (ValueError, TypeError) as e:
+        if me == root:
+            raise ValueError(f"ShardedState: the commit does not fit the model build() made: {e}") from None
+        raise BadPeerError(f"ShardedState sync: the state rank {root} sent does not fit the model build() made: {e}",
+                           op="sync", peer=root, kind=ErrorKind.BadPeer) from None
+
+
+def _move(comm, decision: reshard.Resume, table: List[list], own, buddy) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """This rank's new shards, assembled from the holders' copies: the rows that change owner
+    travel in one allgather of per-rank byte counts every rank computes alike."""
+    g = decision.generation
+    me, size = comm.rank, comm.size
+    rows = [shape[0] for _, shape, _ in table]
+    transfers = reshard.plan(rows, g.size, decision.holders, size)
+    per_row = [math.prod(shape[1:]) * _dtype(d).itemsize for _, shape, d in table]
+    old_chunks = [reshard.chunk_rows(n, g.size) for n in rows]
+
+    def source(t: reshard.Transfer) -> torch.Tensor:
+        copy = own if t.copy == reshard.OWN else buddy
+        if copy is None:
+            raise RuntimeError(f"ShardedState sync: this rank was chosen to send rows of old rank {t.old} but holds "
+                               "no such copy")
+        key = table[t.key][0]
+        base = old_chunks[t.key][t.old][0]
+        return copy["shards"][key][t.start - base:t.stop - base]
+
+    counts = [0] * size
+    for t in transfers:
+        if t.src != t.dst:
+            counts[t.src] += (t.stop - t.start) * per_row[t.key]
+    send = torch.empty(counts[me], dtype=torch.uint8)
+    at = 0
+    for t in transfers:
+        if t.src == me and t.dst != me:
+            chunk = source(t).contiguous().view(-1).view(torch.uint8)
+            send[at:at + chunk.numel()] = chunk
+            at += chunk.numel()
+    got = torch.empty(sum(counts), dtype=torch.uint8)
+    if sum(counts):
+        comm.allgather_into_(got, send, counts=counts)
+    offsets = [sum(counts[:r]) for r in range(size)]
+    new: Dict[str, torch.Tensor] = {}
+    for k, (key, shape, dtype) in enumerate(table):
+        a, b = reshard.chunk_rows(shape[0], size)[me]
+        new[key] = torch.empty((b - a, *shape[1:]), dtype=_dtype(dtype))
+    for t in transfers:
+        nbytes = (t.stop - t.start) * per_row[t.key]
+        if t.src != t.dst:
+            src_bytes = got[offsets[t.src]:offsets[t.src] + nbytes]
+            offsets[t.src] += nbytes
+        if t.dst != me:
+            continue
+        key, shape, dtype = table[t.key]
+        a = reshard.chunk_rows(shape[0], size)[me][0]
+        dst = new[key][t.start - a:t.stop - a]
+        if t.src == me:
+            dst.copy_(source(t))
+        else:
+            dst.view(-1).view(torch.uint8).copy_(src_bytes) if dst.numel() else None
+    return sum(counts), new
+
+
+__all__ = ["ShardedState", "CommitLostError", "world_mesh"]
