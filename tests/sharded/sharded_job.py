@@ -7,6 +7,7 @@ Knobs (environment):
   JOB_KILL         "WORKER:STEP[,WORKER:STEP]": that worker SIGKILLs itself inside backward at that step
   JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more
   JOB_META         1: build() makes the model on the meta device (values come from the commit)
+  JOB_STOP_FILE    after JOB_STEPS, go on until this file exists (decided collectively each step)
 
 The model is a tiny transformer-like stack whose width (10) and vocabulary (37) no world size
 here divides. The batch of a step is a function of (step, rank). Every commit and every world's
@@ -34,6 +35,7 @@ STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0.05"))
 KILL = dict(k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k)
 UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
 META = os.environ.get("JOB_META") == "1"
+STOP_FILE = os.environ.get("JOB_STOP_FILE", "")
 DIM, VOCAB = 10, 37
 
 
@@ -120,13 +122,18 @@ def batch(step, rank):
     return tokens, torch.roll(tokens, 1, dims=1)
 
 
+def stop_requested():
+    flag = torch.tensor([1 if os.path.exists(STOP_FILE) else 0], dtype=torch.int32)
+    return bool(elastic.allreduce(flag, elastic.Max).item())
+
+
 @elastic.run
 def train(state):
     event("world", step=state.step, commit=state.commit_step, v=elastic.world_version(), size=elastic.size(),
           rank=elastic.rank(), digest=digest(), memory=state.memory_bytes(),
           moved=state.last_reshard["moved_bytes"] if state.last_reshard else 0)
     model, opt = state.model, state.optimizer
-    while state.step < STEPS or (UNTIL_SIZE and state.tail < 5):
+    while state.step < STEPS or (UNTIL_SIZE and state.tail < 5) or (STOP_FILE and not stop_requested()):
         tokens, target = batch(state.step, elastic.rank())
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
         loss.backward()
@@ -139,11 +146,11 @@ def train(state):
         event("step", step=state.step, v=elastic.world_version(), size=elastic.size(), rank=elastic.rank())
         time.sleep(STEP_SLEEP)
         if state.step % COMMIT_EVERY == 0:
-            try:
-                state.commit()
-            finally:
-                event("commit", step=state.step, commit=state.commit_step, v=elastic.world_version(),
-                      digest=digest() if state.commit_step >= 0 else None)
+            # The live state is what the commit copies: its digest is the commit's, whether the
+            # commit then completes, ends in a change of world, or is cut short.
+            event("commit", step=state.step, commit=state.commit_step + 1, v=elastic.world_version(),
+                  digest=digest())
+            state.commit()
     state.commit()
     return state.step
 

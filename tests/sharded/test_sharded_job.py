@@ -1,0 +1,115 @@
+"""A 4-worker FSDP2 job under elastic.ShardedState, with real processes and a real rendezvous
+server: workers killed mid-backward, joining, leaving gracefully, killed two at a time."""
+
+import os
+import signal
+
+from tests.waiting import wait_until
+
+
+def worlds(job, workers):
+    """Every 'world' event of ``workers``, in time order."""
+    evs = [e for w in workers for e in job.events(w) if e["ev"] == "world"]
+    return sorted(evs, key=lambda e: e["t"])
+
+
+def commit_digests(job, workers):
+    """commit number -> the set of digests recorded for it (one when all agree)."""
+    out = {}
+    for w in workers:
+        for e in job.events(w):
+            if e["ev"] == "commit":
+                out.setdefault(e["commit"], set()).add(e["digest"])
+    return out
+
+
+def wait_world(job, workers, size, after_version=0, timeout=90):
+    def found():
+        ws = [e for e in worlds(job, workers) if e["size"] == size and e["v"] > after_version]
+        return ws[-1] if ws else None
+    wait_until(lambda: found() is not None, timeout, f"a world of {size} after version {after_version}")
+    return found()
+
+
+def rank_of(job, worker, version):
+    return next(e["rank"] for e in job.events(worker) if e["ev"] == "world" and e["v"] == version)
+
+
+def assert_resumed_bitwise(job, workers, world, at_least):
+    """The new world's gathered full state is bitwise the state of the commit it resumed from,
+    and that commit is no older than ``at_least``."""
+    digests = commit_digests(job, workers)
+    assert world["commit"] >= at_least, (world, at_least)
+    assert digests.get(world["commit"]) == {world["digest"]}, (world, digests.get(world["commit"]))
+
+
+def last_commit(job, workers):
+    return max(commit_digests(job, workers))
+
+
+def test_a_killed_worker_is_resharded_away_a_new_one_resharded_in_and_a_leaver_redoes_nothing(sharded_job, tmp_path):
+    stop = os.path.join(str(tmp_path), "stop")
+    job = sharded_job(min_np=2, max_np=4, JOB_STEPS="8", JOB_STOP_FILE=stop, JOB_KILL="b:5")
+    first = ["a", "b", "c", "d"]
+    for w in first:
+        job.start(w)
+    w4 = wait_world(job, first, 4)
+    # b kills itself inside backward at step 5: the three others reshard its shards from its buddy
+    w3 = wait_world(job, first, 3, after_version=w4["v"])
+    survivors = ["a", "c", "d"]
+    assert_resumed_bitwise(job, survivors, w3, at_least=1)
+    job.wait_step(w3["step"] + 3, survivors)
+    # a new worker joins: 3 -> 4 at a commit, nothing rolled back
+    job.start("e")
+    grown = wait_world(job, survivors + ["e"], 4, after_version=w3["v"])
+    assert_resumed_bitwise(job, survivors, grown, at_least=last_commit(job, survivors) - 1)
+    job.wait_step(grown["step"] + 3, survivors + ["e"])
+    # c is told to go (SIGTERM): it leaves at the next commit, the others keep everything
+    job.kill("c", signal.SIGTERM)
+    shrunk = wait_world(job, ["a", "d", "e"], 3, after_version=grown["v"])
+    steps_before = [e["step"] for e in job.events("a") if e["ev"] == "step" and e["v"] == grown["v"]]
+    assert shrunk["step"] == max(steps_before), "a graceful leave redid steps"
+    assert_resumed_bitwise(job, ["a", "c", "d", "e"], shrunk, at_least=last_commit(job, ["a", "d", "e"]))
+    job.wait_step(shrunk["step"] + 2, ["a", "d", "e"])
+    with open(stop, "w"):
+        pass
+    codes = job.wait(["a", "c", "d", "e"], timeout=90)
+    assert codes == {"a": 0, "c": 0, "d": 0, "e": 0}, {w: job.log(w) for w in codes if codes[w]}
+    # the layouts differ in every world (4, 3, 4, 3 ranks of a width 10 and a vocabulary 37)
+    mem = [e["memory"] for e in job.events("a") if e["ev"] == "world"]
+    assert all(m["live"] < m["full"] for m in mem)
+
+
+def test_two_non_buddies_lose_nothing_and_a_buddy_pair_without_durable_commits_is_a_clear_error(sharded_job,
+                                                                                                    tmp_path):
+    job = sharded_job(min_np=1, max_np=4, JOB_STEPS="1000")
+    first = ["a", "b", "c", "d"]
+    for w in first:
+        job.start(w)
+    w4 = wait_world(job, first, 4)
+    job.wait_step(w4["step"] + 5, first)
+    by_rank = {rank_of(job, w, w4["v"]): w for w in first}
+    before = last_commit(job, first)
+    # ranks 0 and 2 are not each other's buddies (1 holds 0's copy, 3 holds 2's)
+    for r in (0, 2):
+        job.kill(by_rank[r])
+    survivors = [by_rank[1], by_rank[3]]
+    w2 = wait_world(job, survivors, 2, after_version=w4["v"])
+    assert_resumed_bitwise(job, survivors, w2, at_least=before)
+    # two newcomers: 2 -> 4, resharded from the survivors' layout
+    job.start("e")
+    job.start("f")
+    grown = wait_world(job, survivors + ["e", "f"], 4, after_version=w2["v"])
+    assert_resumed_bitwise(job, survivors, grown, at_least=w2["commit"])
+    everyone = survivors + ["e", "f"]
+    job.wait_step(grown["step"] + 3, everyone)
+    by_rank = {rank_of(job, w, grown["v"]): w for w in everyone}
+    # ranks 1 and 2 are buddies (2 holds 1's copy): 1's shards are gone with both
+    for r in (1, 2):
+        job.kill(by_rank[r])
+    rest = [by_rank[0], by_rank[3]]
+    codes = job.wait(rest, timeout=90)
+    for w in rest:
+        assert codes[w] != 0
+        log = job.log(w)
+        assert "CommitLostError" in log and "no durable commit" in log, log
