@@ -36,7 +36,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import metrics, reshard, serialization, session
+from . import checkpoint, metrics, reshard, serialization, session
+from . import sharded_checkpoint as durable_format
 from .errors import BadPeerError, ElasticError, MembershipChanged, Preempted
 from ._native import ErrorKind
 from .ops import Sum
@@ -123,7 +124,8 @@ class ShardedState(ObjectState):
                             "(build() -> model; shard(model, mesh); optimizer(params) -> optimizer)")
         for k, v in (("_build", build), ("_shard", shard), ("_make_optimizer", optimizer), ("model", None),
                      ("optimizer", None), ("_own", None), ("_buddy", None), ("_held", None), ("_full", None),
-                     ("_pending", None), ("_reset_due", False), ("last_reshard", None)):
+                     ("_pending", None), ("_reset_due", False), ("last_reshard", None),
+                     ("_written", None)):
             object.__setattr__(self, k, v)
         super().__init__(**attrs)
 
@@ -214,7 +216,53 @@ class ShardedState(ObjectState):
                 raise RuntimeError("ShardedState.commit(): there is no model yet; commit inside the function "
                                    "elastic.run runs")
             comm = session.ring()
-            self._take_copies(comm, self.commit_step + 1, session.check_membership)
+            try:
+                self._take_copies(comm, self.commit_step + 1, session.check_membership)
+            finally:
+                if self._checkpoint_dir and self._held is not None and self._held[0].step == self.commit_step and \
+                        self.commit_step % self._checkpoint_every == 0 and self._written != self.commit_step:
+                    self._write_durable(comm)
+
+    def enable_durable_commits(self, directory: str, every: int) -> None:
+        """Every ``every``-th commit, each rank also writes its shards to ``directory`` in DCP's
+        format (``elastic.sharded_checkpoint``); a world that lost a commit with both its holders,
+        or a job restarted from nothing, resumes from the newest one."""
+        if every < 1:
+            raise ValueError(f"durable commits: every must be >= 1, got {every}")
+        checkpoint.prepare_directory(directory)
+        object.__setattr__(self, "_checkpoint_dir", directory)
+        object.__setattr__(self, "_checkpoint_every", every)
+
+    def _write_durable(self, comm) -> None:
+        """Every rank writes its file, then one allgather (entered once the file is on disk, or
+        its write failed) tells rank 0 where every item is; rank 0 completes the commit."""
+        step, own = self.commit_step, self._own
+        table = own["replicated"]["table"]
+        extra = {"model." + k: v for k, v in own["replicated"]["buffers"].items()}
+        extra.update({durable_format.dcp_key(k): v for k, v in own["replicated"]["scalars"].items()
+                      if isinstance(v, torch.Tensor)})
+        n = 2 * (len(table) + len(extra)) + 4 * (len(table) + len(extra))
+        try:
+            written = durable_format.write_rank(self._checkpoint_dir, step, comm.rank, table, own["shards"], extra)
+            ok = 1
+        except OSError as e:
+            log.error("durable commit %d: rank %d could not write its shards to %s: %s", step, comm.rank,
+                      self._checkpoint_dir, e)
+            written, ok = np.zeros(n, dtype=np.int64), 0
+        every = comm.allgather_equal(np.concatenate([np.array([ok], dtype=np.int64), written]))
+        object.__setattr__(self, "_written", step)
+        if comm.rank != 0:
+            return
+        if not every[:, 0].all():
+            log.error("durable commit %d not completed: rank(s) %s could not write their shards", step,
+                      [r for r in range(comm.size) if not every[r, 0]])
+            return
+        try:
+            path = durable_format.finish(self._checkpoint_dir, step, comm.size, table, extra, own["replicated"],
+                                         every[:, 1:])
+            log.info("durable commit %d written to %s", step, path)
+        except (OSError, TypeError) as e:
+            log.error("durable commit %d could not be completed in %s: %s", step, self._checkpoint_dir, e)
 
     def _take_copies(self, comm, step: int, agree: Callable[[], None]) -> None:
         shards, replicated = self._parts()
@@ -275,6 +323,16 @@ class ShardedState(ObjectState):
             started = time.monotonic()
             holdings = _agree_holdings(comm, self._held, self._pending)
             decision = reshard.decide(holdings)
+            disk = None
+            if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
+                disk = self._agree_durable(comm)
+            if disk is not None:
+                if isinstance(decision, reshard.Lost):
+                    log.warning("world version %d: commit %d is lost with both holders of rank(s) %s; restoring the "
+                                "durable commit %d from %s", comm.world_version, decision.generation.step,
+                                list(decision.missing), disk.step, disk.path)
+                self._resume_from_disk(comm, disk, started)
+                return
             if isinstance(decision, reshard.Lost):
                 raise CommitLostError(
                     f"world version {comm.world_version}: commit {decision.generation.step} of the "
@@ -318,6 +376,52 @@ class ShardedState(ObjectState):
         torch_group = session._torch_distributed()
         if torch_group is not None:
             torch_group.after_sync(self, decision.root)
+
+    def _agree_durable(self, comm) -> Optional[durable_format.Durable]:
+        """The newest complete durable commit, the same on every rank (one allgather of its step)."""
+        try:
+            disk = durable_format.read_latest(self._checkpoint_dir)
+        except (OSError, ValueError) as e:
+            log.error("durable commits in %s cannot be read: %s", self._checkpoint_dir, e)
+            disk = None
+        steps = comm.allgather_equal(np.array([disk.step if disk is not None else -1], dtype=np.int64))[:, 0]
+        if len(set(steps.tolist())) != 1:
+            raise CommitLostError(f"world version {comm.world_version}: the ranks see different durable commits in "
+                                  f"{self._checkpoint_dir} (steps by rank: {steps.tolist()}); checkpoint_dir must be "
+                                  "one directory every worker shares")
+        return disk
+
+    def _resume_from_disk(self, comm, disk: durable_format.Durable, started: float) -> None:
+        """Every rank reads its new shards straight from the durable commit's files (any world
+        size wrote them) and the replicated state from its index; then commits in memory."""
+        model = self._build()
+        self._shard(model, world_mesh())
+        if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+            model.to_empty(device="cpu")
+        opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", opt)
+        try:
+            table = _check_table(disk.replicated, model, 0, 0)
+            new = {}
+            for key, shape, dtype in table:
+                a, b = reshard.chunk_rows(shape[0], comm.size)[comm.rank]
+                new[key] = disk.rows(key, shape, _dtype(dtype), a, b)
+        except (ValueError, TypeError) as e:
+            raise CommitLostError(f"durable commit {disk.path} cannot be loaded into this model: {e}") from None
+        self._load(table, new, disk.replicated)
+        object.__setattr__(self, "last_reshard", {"from": ("disk", disk.step), "moved_bytes": 0,
+                                                  "seconds": time.monotonic() - started})
+        if self._reset_due:
+            object.__setattr__(self, "_reset_due", False)
+            super().on_reset()
+        object.__setattr__(self, "_written", disk.step)
+        self._take_copies(comm, disk.step, lambda: comm.allreduce_(np.zeros(1, dtype=np.int32), Sum))
+        log.info("world version %d: resumed from durable commit %d in %s (written by %d ranks) in %.3f s",
+                 comm.world_version, disk.step, disk.path, disk.size, time.monotonic() - started)
+        torch_group = session._torch_distributed()
+        if torch_group is not None:
+            torch_group.after_sync(self, 0)
 
     def _copies_of(self, gen: reshard.Generation):
         """This rank's own and buddy copies of ``gen`` (None where it holds none)."""

@@ -8,6 +8,7 @@ Knobs (environment):
   JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more
   JOB_META         1: build() makes the model on the meta device (values come from the commit)
   JOB_STOP_FILE    after JOB_STEPS, go on until this file exists (decided collectively each step)
+  JOB_CHECKPOINT   a directory: durable commits there, every JOB_DURABLE_EVERY-th commit (default 2)
 
 The model is a tiny transformer-like stack whose width (10) and vocabulary (37) no world size
 here divides. The batch of a step is a function of (step, rank). Every commit and every world's
@@ -36,6 +37,8 @@ KILL = dict(k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k
 UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
 META = os.environ.get("JOB_META") == "1"
 STOP_FILE = os.environ.get("JOB_STOP_FILE", "")
+CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
+DURABLE_EVERY = int(os.environ.get("JOB_DURABLE_EVERY", "2"))
 DIM, VOCAB = 10, 37
 
 
@@ -127,7 +130,7 @@ def stop_requested():
     return bool(elastic.allreduce(flag, elastic.Max).item())
 
 
-@elastic.run
+@elastic.run(checkpoint_dir=CHECKPOINT, checkpoint_every=DURABLE_EVERY)
 def train(state):
     event("world", step=state.step, commit=state.commit_step, v=elastic.world_version(), size=elastic.size(),
           rank=elastic.rank(), digest=digest(), memory=state.memory_bytes(),

@@ -113,3 +113,39 @@ def test_two_non_buddies_lose_nothing_and_a_buddy_pair_without_durable_commits_i
         assert codes[w] != 0
         log = job.log(w)
         assert "CommitLostError" in log and "no durable commit" in log, log
+
+
+def test_a_buddy_pair_lost_with_durable_commits_on_is_restored_from_disk_and_resharded(sharded_job, tmp_path):
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    job = sharded_job(min_np=1, max_np=4, JOB_STEPS="1000", JOB_CHECKPOINT=ckpt, JOB_DURABLE_EVERY="2")
+    first = ["a", "b", "c", "d"]
+    for w in first:
+        job.start(w)
+    w4 = wait_world(job, first, 4)
+    wait_until(lambda: len(commit_digests(job, first)) >= 5, 90, "five commits")
+    by_rank = {rank_of(job, w, w4["v"]): w for w in first}
+    for r in (1, 2):
+        job.kill(by_rank[r])
+    rest = [by_rank[0], by_rank[3]]
+    w2 = wait_world(job, rest, 2, after_version=w4["v"])
+    # resumed from a durable commit (an even one), written by four ranks, read into two
+    assert w2["commit"] % 2 == 0
+    assert_resumed_bitwise(job, rest, w2, at_least=0)
+    assert f"restoring the durable commit {w2['commit']}" in job.log(rest[0])
+    job.wait_step(w2["step"] + 2, rest)
+    for w in rest:
+        job.kill(w)
+    # the files are torch.distributed.checkpoint's: dcp.load reads them in a plain process, into
+    # full tensors, and they hold what elastic-ring's own reader (no pickle) reads
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from elastic import sharded_checkpoint
+    disk = sharded_checkpoint.read_latest(ckpt)
+    assert disk is not None and disk.size in (2, 4)
+    sd = {sharded_checkpoint.dcp_key(key): torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]))
+          for key, shape, dtype in disk.table}
+    dcp.load(sd, checkpoint_id=disk.path, no_dist=True)
+    for key, shape, dtype in disk.table:
+        ours = disk.rows(key, shape, getattr(torch, dtype.split(".")[-1]), 0, shape[0])
+        assert torch.equal(ours.view(torch.uint8), sd[sharded_checkpoint.dcp_key(key)].view(torch.uint8)), key
+    assert any(k.startswith("optim.state.") for k in sd) and any(k.startswith("model.") for k in sd)
