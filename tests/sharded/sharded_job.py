@@ -3,7 +3,8 @@
 Knobs (environment):
   JOB_OUT          directory for progress-<worker>.txt and events-<worker>.jsonl
   JOB_STEPS        optimizer steps (default 30); JOB_COMMIT_EVERY commit every N steps (default 2)
-  JOB_STEP_SLEEP   seconds per step (default 0.05)
+  JOB_STEP_SLEEP   seconds per step (default 0)
+  JOB_WIDE         1: width 64 and vocabulary 256, which 2 and 4 ranks divide (for the memory bound)
   JOB_KILL         "WORKER:STEP[,WORKER:STEP]": that worker SIGKILLs itself inside backward at that step
   JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more
   JOB_META         1: build() makes the model on the meta device (values come from the commit)
@@ -32,14 +33,15 @@ OUT = os.environ["JOB_OUT"]
 WORKER = os.environ["ELASTIC_WORKER_ID"]
 STEPS = int(os.environ.get("JOB_STEPS", "30"))
 COMMIT_EVERY = int(os.environ.get("JOB_COMMIT_EVERY", "2"))
-STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0.05"))
+STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0"))
 KILL = dict(k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k)
 UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
 META = os.environ.get("JOB_META") == "1"
 STOP_FILE = os.environ.get("JOB_STOP_FILE", "")
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
 DURABLE_EVERY = int(os.environ.get("JOB_DURABLE_EVERY", "2"))
-DIM, VOCAB = 10, 37
+DIM, VOCAB = (64, 256) if os.environ.get("JOB_WIDE") == "1" else (10, 37)
+torch.set_num_threads(1)   # four workers share two cores
 
 
 class Block(torch.nn.Module):
@@ -152,7 +154,7 @@ def train(state):
             # The live state is what the commit copies: its digest is the commit's, whether the
             # commit then completes, ends in a change of world, or is cut short.
             event("commit", step=state.step, commit=state.commit_step + 1, v=elastic.world_version(),
-                  digest=digest())
+                  size=elastic.size(), digest=digest(), memory=state.memory_bytes())
             state.commit()
     state.commit()
     return state.step
