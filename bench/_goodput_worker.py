@@ -16,6 +16,14 @@ BENCH_DEADLINE watchdog ends a worker it lost track of).
   elastic    elastic.DistributedDataParallel inside @elastic.run with state.commit() every
              --commit-every steps; a failure costs the survivors a restore of the last commit.
 
+With --fsdp the model is sharded with FSDP2 (each Linear, then the root) and trained with AdamW:
+
+  torchrun   FSDP2 over gloo; every --commit-every steps all ranks save model, optimizer and
+             step with torch.distributed.checkpoint (dcp.save, into a new directory; rank 0 then
+             points DIR/latest at it); every start reloads the latest with dcp.load.
+  elastic    elastic.ShardedState (shards committed in memory and on the buddy every
+             --commit-every steps); a failure costs the survivors a reshard of the last commit.
+
 Every worker writes its pid to DIR/pids/PID and appends JSON lines to DIR/events-PID.jsonl:
 {"ev": "step"|"commit", "step", "t" (time.time()), "gen" (elastic: the world version;
 torchrun: TORCHELASTIC_RESTART_COUNT), "size", "pid"}. "commit" is logged once the commit
@@ -126,6 +134,82 @@ def elastic_worker(args, events: Events) -> None:
     train(state)
 
 
+def shard(model, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def torchrun_fsdp_worker(args, events: Events) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = build_model()
+    shard(net, init_device_mesh("cpu", (size,)))
+    opt = adamw(net.parameters())
+    done = 0
+    latest = os.path.join(args.checkpoint, "latest")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            where = os.path.join(args.checkpoint, f.read().strip())
+        msd, osd = get_state_dict(net, opt)
+        sd = {"model": msd, "optim": osd, "step": torch.zeros(1, dtype=torch.int64)}
+        dcp.load(sd, checkpoint_id=where)
+        set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        done = int(sd["step"][0])
+    step = make_step(net, opt)
+    while True:
+        done += 1
+        step(done, rank)
+        events.log("step", done, gen, size)
+        if done % args.commit_every == 0:
+            msd, osd = get_state_dict(net, opt)
+            name = f"step-{done}"
+            dcp.save({"model": msd, "optim": osd, "step": torch.tensor([done])},
+                     checkpoint_id=os.path.join(args.checkpoint, name))
+            if rank == 0:
+                tmp = latest + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(name)
+                os.replace(tmp, latest)
+                events.log("commit", done, gen, size)
+
+
+def elastic_fsdp_worker(args, events: Events) -> None:
+    import elastic
+
+    def build():
+        torch.manual_seed(0)
+        return build_model()
+
+    state = elastic.ShardedState(build, shard, optimizer=adamw, step=0)
+
+    @elastic.run
+    def train(state):
+        gen, rank, size = elastic.world_version(), elastic.rank(), elastic.size()
+        step = make_step(state.model, state.optimizer)
+        while True:
+            step(state.step + 1, rank)
+            state.step += 1
+            events.log("step", state.step, gen, size)
+            if state.step % args.commit_every == 0:
+                state.commit()
+                events.log("commit", state.step, gen, size)
+
+    train(state)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--launcher", choices=("torchrun", "elastic"), required=True,
@@ -133,7 +217,9 @@ def main() -> None:
     p.add_argument("--run-dir", required=True, help="directory for the pid files and event logs")
     p.add_argument("--commit-every", type=int, default=10,
                    help="steps between checkpoints (torchrun) or commits (elastic) (default 10)")
-    p.add_argument("--checkpoint", default="", help="torchrun: the checkpoint file (saved by rank 0, loaded at start)")
+    p.add_argument("--checkpoint", default="", help="torchrun: the checkpoint file (saved by rank 0, loaded at start); "
+                   "with --fsdp a directory of DCP checkpoints")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 and train it with AdamW")
     args = p.parse_args()
     if args.commit_every < 1:
         p.error("--commit-every must be at least 1")
@@ -143,9 +229,9 @@ def main() -> None:
     watchdog()
     events = Events(args.run_dir)
     if args.launcher == "torchrun":
-        torchrun_worker(args, events)
+        (torchrun_fsdp_worker if args.fsdp else torchrun_worker)(args, events)
     else:
-        elastic_worker(args, events)
+        (elastic_fsdp_worker if args.fsdp else elastic_worker)(args, events)
 
 
 if __name__ == "__main__":

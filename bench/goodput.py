@@ -3,6 +3,7 @@
     python bench/goodput.py                       # 4 workers, a SIGKILL every 20 s for 120 s
     python bench/goodput.py --quick               # every 10 s for 40 s
     python bench/goodput.py --every 30 --duration 300 --commit-every 20 --seed 3
+    python bench/goodput.py --fsdp                # the model sharded with FSDP2 (see below)
 
 Both runs train bench/_goodput_worker.py (~9M-parameter MLP, 32 samples per rank and step,
 SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers:
@@ -15,6 +16,11 @@ SGD with momentum, DDP's default buckets, one torch thread per worker) on --work
                in @elastic.run with state.commit() every --commit-every steps. The survivors
                restore the last commit and go on without the killed worker; elastic-run
                respawns it, and it joins at a commit.
+
+With --fsdp both shard the model with FSDP2 and train it with AdamW: torchrun over gloo saves a
+torch.distributed.checkpoint (every rank its shards) every --commit-every steps and reloads it
+on every restart; elastic-run's workers hold it in elastic.ShardedState, which commits the
+shards in memory and on a buddy and reshards them onto the survivors after a failure.
 
 For each, a fault-free run of --fault-free-seconds before the fault runs and another after
 them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
@@ -251,11 +257,11 @@ def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, w
 
 # ---------------------------------------------------------------------- runs
 def command(launcher: str, args, run_dir: str, restarts: int) -> List[str]:
-    common = ["--run-dir", run_dir, "--commit-every", str(args.commit_every)]
+    common = ["--run-dir", run_dir, "--commit-every", str(args.commit_every)] + (["--fsdp"] if args.fsdp else [])
     if launcher == "torchrun":
         return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(args.workers),
                 "--max-restarts", str(restarts), WORKER, "--launcher", "torchrun",
-                "--checkpoint", os.path.join(run_dir, "checkpoint.pt"), *common]
+                "--checkpoint", os.path.join(run_dir, "checkpoint" if args.fsdp else "checkpoint.pt"), *common]
     return [os.path.join(BIN, "elastic-run"), "--np", str(args.workers), "--min-np", "2",
             "--max-restarts", str(restarts), "--", sys.executable, WORKER, "--launcher", "elastic", *common]
 
@@ -450,6 +456,8 @@ def parse_args(argv=None):
     ap.add_argument("--commit-every", type=int, default=10,
                     help="steps between torchrun's checkpoints and elastic-run's commits (default 10)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the choice of victims (default 0)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard the model with FSDP2: torchrun with DCP checkpoints against elastic.ShardedState")
     ap.add_argument("--start-timeout", type=float, default=180,
                     help="seconds a job may take to its first step (default 180)")
     ap.add_argument("--recovery-timeout", type=float, default=120,
@@ -478,7 +486,7 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C: every run's finally takes its processes down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = tempfile.mkdtemp(prefix="bench-goodput-")
-    print(f"# goodput: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
+    print(f"# goodput{' (FSDP2)' if args.fsdp else ''}: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
           f"commit/checkpoint every {args.commit_every} steps; run directory {out}", flush=True)
     try:
         before = {k: one(k, args, out, "fault-free-before") for k in args.launchers}
