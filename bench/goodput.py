@@ -428,7 +428,9 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
     row("steps redone per fault: median (max)", lambda k: dist_cell(faulty[k].redone, ".0f"))
     row("final committed step", lambda k: str(faulty[k].final))
     row("worker processes started", lambda k: str(faulty[k].processes))
-    titles = {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)"}
+    titles = ({"torchrun": "torchrun (FSDP2 over gloo, DCP checkpoint)", "elastic-run": "elastic-run (ShardedState, commit)"}
+              if args.fsdp else
+              {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)"})
     lines = [f"| {args.workers} workers, commit/checkpoint every {args.commit_every} steps | "
              + " | ".join(titles[k] for k in args.launchers) + " |",
              "| --- |" + " --- |" * len(args.launchers)]

@@ -38,6 +38,7 @@ import torch
 
 from . import checkpoint, metrics, reshard, serialization, session
 from . import sharded_checkpoint as durable_format
+from . import sharded_transfer as transfer
 from .errors import BadPeerError, ElasticError, MembershipChanged, Preempted
 from ._native import ErrorKind
 from .ops import Sum
@@ -52,57 +53,6 @@ _HEADER_SLACK = 1 << 20   # bytes of a buddy copy beyond its tensors' (keys, sha
 class CommitLostError(ElasticError):
     """Both holders of some rank's committed shards are gone and there is no durable commit to
     restore from: the job cannot go on. Raised on every rank of the world that found it."""
-
-
-def _dtensor():
-    from torch.distributed.tensor import DTensor, Shard
-    return DTensor, Shard
-
-
-def _is_dtensor(t: Any) -> bool:
-    DTensor, _ = _dtensor()
-    return isinstance(t, DTensor)
-
-
-def _local_rows(t: Any, what: str) -> torch.Tensor:
-    """The rows of a DTensor sharded on dim 0 that this rank holds (FSDP2's unpadded shard)."""
-    DTensor, Shard = _dtensor()
-    placements = tuple(t.placements)
-    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
-        raise ValueError(f"ShardedState: {what} is placed {placements}; only FSDP2's Shard(0) on a 1-D mesh is "
-                         "supported (fully_shard(module, mesh=mesh) with the mesh shard() is given)")
-    return t.to_local()
-
-
-def world_mesh():
-    """A 1-D ``DeviceMesh`` over the current world, on the elastic process group."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from . import distributed
-    pg = distributed.process_group()
-    distributed.install_default_group()
-    return DeviceMesh.from_group(pg, "cpu")
-
-
-def _nbytes(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(_nbytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_nbytes(v) for v in tree)
-    return 0
-
-
-def _clone(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _clone(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_clone(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_clone(v) for v in tree)
-    return tree
 
 
 class ShardedState(ObjectState):
@@ -141,10 +91,10 @@ class ShardedState(ObjectState):
         shards: Dict[str, torch.Tensor] = {}
         table: List[list] = []
         for fqn, p in self._params():
-            if not _is_dtensor(p):
+            if not transfer.is_dtensor(p):
                 raise ValueError(f"ShardedState: parameter {fqn!r} is not sharded; shard(model, mesh) must apply "
                                  "fully_shard to every module that holds parameters (at least the root)")
-            shards["model." + fqn] = _local_rows(p, f"parameter {fqn!r}")
+            shards["model." + fqn] = transfer.local_rows(p, f"parameter {fqn!r}")
             table.append(["model." + fqn, list(p.shape), str(p.dtype)])
         scalars: Dict[str, Any] = {}
         groups: List[dict] = []
@@ -159,11 +109,11 @@ class ShardedState(ObjectState):
                 for p in g["params"]:
                     for name, v in sorted(self.optimizer.state.get(p, {}).items()):
                         key = f"optim.{names[id(p)]}.{name}"
-                        if _is_dtensor(v):
+                        if transfer.is_dtensor(v):
                             if tuple(v.shape) != tuple(p.shape):
                                 raise ValueError(f"ShardedState: optimizer state {key!r} is a DTensor not shaped "
                                                  "like its parameter; only states shaped like it are supported")
-                            shards[key] = _local_rows(v, f"optimizer state {key!r}")
+                            shards[key] = transfer.local_rows(v, f"optimizer state {key!r}")
                             table.append([key, list(v.shape), str(v.dtype)])
                         else:
                             scalars[key] = v
@@ -196,15 +146,16 @@ class ShardedState(ObjectState):
         live = own = buddy = full = 0
         if self.model is not None:
             shards, replicated = self._parts()
-            live = _nbytes(shards) + _nbytes(replicated["buffers"]) + _nbytes(replicated["scalars"])
-            full = sum(math.prod(s) * torch.empty((), dtype=_dtype(d)).element_size()
+            rest = transfer.nbytes(replicated["buffers"]) + transfer.nbytes(replicated["scalars"])
+            live = transfer.nbytes(shards) + rest
+            full = sum(math.prod(s) * torch.empty((), dtype=transfer.dtype_named(d)).element_size()
                        for _, s, d in replicated["table"])
-            full += _nbytes(replicated["buffers"]) + _nbytes(replicated["scalars"])
+            full += rest
         if self._own is not None:
-            own = _nbytes(self._own["shards"]) + _nbytes(self._own["replicated"]["buffers"]) + \
-                _nbytes(self._own["replicated"]["scalars"])
+            own = transfer.nbytes(self._own["shards"]) + transfer.nbytes(self._own["replicated"]["buffers"]) + \
+                transfer.nbytes(self._own["replicated"]["scalars"])
         if self._buddy is not None:
-            buddy = _nbytes(self._buddy["shards"])
+            buddy = transfer.nbytes(self._buddy["shards"])
         return {"live": live, "own": own, "buddy": buddy, "full": full}
 
     # ------------------------------------------------------------------ commit
@@ -269,7 +220,7 @@ class ShardedState(ObjectState):
         self._check_committable({"attrs": replicated["attrs"], "handlers": replicated["handlers"],
                                  "optimizer": {"groups": replicated["groups"], "scalars": replicated["scalars"]}})
         gen = reshard.Generation(step, comm.world_version, comm.size)
-        own = {"shards": _clone(shards), "replicated": _clone(replicated)}
+        own = {"shards": transfer.clone(shards), "replicated": transfer.clone(replicated)}
         buddy = self._exchange(comm, gen, own["shards"], replicated["table"]) if comm.size > 1 else None
         agreed = False
         try:
@@ -297,7 +248,7 @@ class ShardedState(ObjectState):
         its size is bounded by what that rank's chunks hold, and what arrives must be exactly
         those keys, rows, shapes and dtypes."""
         prev = (comm.rank - 1) % comm.size
-        expected = _expected_shards(table, prev, comm.size)
+        expected = transfer.expected_shards(table, prev, comm.size)
         bound = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in expected.values())
         encoded = serialization.encode({"step": gen.step, "version": gen.version, "shards": mine})
         buf = np.empty(encoded.nbytes, dtype=np.uint8)
@@ -306,7 +257,7 @@ class ShardedState(ObjectState):
         del buf
         try:
             value = serialization.loads(got)
-            _check_buddy(value, gen, expected)
+            transfer.check_buddy(value, gen, expected)
         except ValueError as e:
             comm.abort(f"buddy copy from rank {prev}: {e}")
             raise BadPeerError(f"commit in world version {comm.world_version}: the buddy copy rank {prev} sent "
@@ -321,7 +272,7 @@ class ShardedState(ObjectState):
         with metrics.timed(self, "sync"):
             comm = session.ring()
             started = time.monotonic()
-            holdings = _agree_holdings(comm, self._held, self._pending)
+            holdings = transfer.agree_holdings(comm, self._held, self._pending)
             decision = reshard.decide(holdings)
             disk = None
             if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
@@ -349,7 +300,7 @@ class ShardedState(ObjectState):
                 initial = {"model." + fqn: p.detach() for fqn, p in model.named_parameters()}
                 gen = reshard.Generation(-1, 0, 1)
                 decision = reshard.Resume(gen, (((0, reshard.OWN),),), root=0)
-            mesh = world_mesh()
+            mesh = transfer.world_mesh()
             self._shard(model, mesh)
             if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
                 model.to_empty(device="cpu")
@@ -361,15 +312,15 @@ class ShardedState(ObjectState):
                 own = {"shards": initial, "replicated": self._parts()[1]}
             replicated = comm.broadcast_object(own["replicated"] if comm.rank == decision.root else None,
                                                root_rank=decision.root, op="ShardedState sync")
-            table = _check_table(replicated, model, comm.rank, decision.root)
-            moved, new = _move(comm, decision, table, own, buddy)
+            table = transfer.check_table(replicated, model, comm.rank, decision.root)
+            moved, new = transfer.move(comm, decision, table, own, buddy)
             self._load(table, new, replicated)
             object.__setattr__(self, "last_reshard", {"from": decision.generation, "moved_bytes": moved,
                                                       "seconds": time.monotonic() - started})
             if self._reset_due:
                 object.__setattr__(self, "_reset_due", False)
                 super().on_reset()
-            self._take_copies(comm, decision.generation.step, lambda: comm.allreduce_(np.zeros(1, dtype=np.int32), Sum))
+            self._take_copies(comm, decision.generation.step, _agreement(comm))
             log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
                      "in %.3f s", comm.world_version, decision.generation.step, decision.generation.size,
                      decision.generation.version, moved, time.monotonic() - started)
@@ -395,18 +346,18 @@ class ShardedState(ObjectState):
         """Every rank reads its new shards straight from the durable commit's files (any world
         size wrote them) and the replicated state from its index; then commits in memory."""
         model = self._build()
-        self._shard(model, world_mesh())
+        self._shard(model, transfer.world_mesh())
         if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
             model.to_empty(device="cpu")
         opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", opt)
         try:
-            table = _check_table(disk.replicated, model, 0, 0)
+            table = transfer.check_table(disk.replicated, model, 0, 0)
             new = {}
             for key, shape, dtype in table:
                 a, b = reshard.chunk_rows(shape[0], comm.size)[comm.rank]
-                new[key] = disk.rows(key, shape, _dtype(dtype), a, b)
+                new[key] = disk.rows(key, shape, transfer.dtype_named(dtype), a, b)
         except (ValueError, TypeError) as e:
             raise CommitLostError(f"durable commit {disk.path} cannot be loaded into this model: {e}") from None
         self._load(table, new, disk.replicated)
@@ -416,7 +367,7 @@ class ShardedState(ObjectState):
             object.__setattr__(self, "_reset_due", False)
             super().on_reset()
         object.__setattr__(self, "_written", disk.step)
-        self._take_copies(comm, disk.step, lambda: comm.allreduce_(np.zeros(1, dtype=np.int32), Sum))
+        self._take_copies(comm, disk.step, _agreement(comm))
         log.info("world version %d: resumed from durable commit %d in %s (written by %d ranks) in %.3f s",
                  comm.world_version, disk.step, disk.path, disk.size, time.monotonic() - started)
         torch_group = session._torch_distributed()
@@ -433,12 +384,12 @@ class ShardedState(ObjectState):
         return None, None
 
     def _load(self, table: List[list], new: Dict[str, torch.Tensor], replicated: Dict[str, Any]) -> None:
-        DTensor, _ = _dtensor()
+        DTensor, _ = transfer.dtensor_types()
         params = dict(self._params())
         with torch.no_grad():
             for key, _, _ in table:
                 if key.startswith("model."):
-                    _local_rows(params[key[6:]], key).copy_(new[key])
+                    transfer.local_rows(params[key[6:]], key).copy_(new[key])
             for fqn, b in self.model.named_buffers():
                 if fqn not in replicated["buffers"]:
                     raise ValueError(f"ShardedState: the commit holds no buffer {fqn!r}")
@@ -449,6 +400,9 @@ class ShardedState(ObjectState):
                 raise ValueError(f"ShardedState: the commit has {len(replicated['groups'])} optimizer param groups, "
                                  f"this optimizer {len(self.optimizer.param_groups)}")
             for g, saved in zip(self.optimizer.param_groups, replicated["groups"]):
+                if type(saved) is not dict or set(saved) != set(g):
+                    raise ValueError("ShardedState: the commit's optimizer settings are not this optimizer's (names "
+                                     f"{sorted(map(str, saved))[:12] if type(saved) is dict else saved!r:.80})")
                 if [by_fqn.get(f) for f in saved["params"]] != g["params"]:
                     raise ValueError("ShardedState: the optimizer's param groups hold other parameters than the "
                                      "commit's")
@@ -493,7 +447,7 @@ class ShardedState(ObjectState):
         if self.model is None:
             raise RuntimeError("ShardedState.full_state_dict(): no model yet (it is made by elastic.run)")
         comm = session.ring()
-        out: Dict[str, torch.Tensor] = {fqn: _gather(comm, p, fqn) for fqn, p in self._params()}
+        out: Dict[str, torch.Tensor] = {fqn: transfer.gather(comm, p, fqn) for fqn, p in self._params()}
         for fqn, b in self.model.named_buffers():
             out[fqn] = b.detach().clone()
         sd = self.model.state_dict()
@@ -509,170 +463,14 @@ class ShardedState(ObjectState):
         out: Dict[str, Dict[str, Any]] = {}
         for fqn, p in self._params():
             for name, v in sorted(self.optimizer.state.get(p, {}).items()):
-                out.setdefault(fqn, {})[name] = _gather(comm, v, fqn) if _is_dtensor(v) else v
+                out.setdefault(fqn, {})[name] = transfer.gather(comm, v, fqn) if transfer.is_dtensor(v) else v
         return out
 
 
-def _gather(comm, t: Any, what: str) -> torch.Tensor:
-    """The full tensor of a DTensor sharded on dim 0, gathered from every rank's rows."""
-    local = _local_rows(t, what).detach().contiguous()
-    per_row = math.prod(t.shape[1:])
-    full = torch.empty(tuple(t.shape), dtype=t.dtype)
-    comm.allgather_into_(full.view(-1), local.view(-1),
-                         counts=[(b - a) * per_row for a, b in reshard.chunk_rows(t.shape[0], comm.size)])
-    return full
+def _agreement(comm) -> Callable[[], None]:
+    """The agreement of a commit taken in a sync: a one-word allreduce (no membership check:
+    the world was just formed), which a rank completes only once every rank entered it."""
+    return lambda: comm.allreduce_(np.zeros(1, dtype=np.int32), Sum)
 
 
-# ---------------------------------------------------------------------- helpers of sync
-_NONE = -1
-
-
-def _holding_row(held: Optional[Tuple[reshard.Generation, int]]) -> List[int]:
-    if held is None:
-        return [_NONE] * 4
-    g, r = held
-    return [g.step, g.version, g.size, r]
-
-
-def _parse_holding(row: List[int]) -> Optional[Tuple[reshard.Generation, int]]:
-    step, version, size, rank = row
-    # A peer's words: anything out of range is taken as holding nothing (it is then no holder).
-    if size < 1 or size > (1 << 20) or not 0 <= rank < size or version < 0 or step < -1:
-        return None
-    return reshard.Generation(step, version, size), rank
-
-
-def _agree_holdings(comm, held, pending) -> List[reshard.Holding]:
-    mine = np.array(_holding_row(held) + _holding_row(pending[:2] if pending else None), dtype=np.int64)
-    rows = comm.allgather_equal(mine).tolist()
-    return [reshard.Holding(_parse_holding(r[:4]), _parse_holding(r[4:])) for r in rows]
-
-
-def _dtype(name: str) -> torch.dtype:
-    d = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(d, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return d
-
-
-def _expected_shards(table: List[list], rank: int, size: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of each shard old rank ``rank`` of ``size`` holds."""
-    out = {}
-    for key, shape, dtype in table:
-        a, b = reshard.chunk_rows(shape[0], size)[rank]
-        out[key] = ((b - a, *shape[1:]), _dtype(dtype))
-    return out
-
-
-def _check_buddy(value: Any, gen: reshard.Generation, expected) -> None:
-    if type(value) is not dict or set(value) != {"step", "version", "shards"}:
-        raise ValueError("not a buddy copy (step, version, shards)")
-    if value["step"] != gen.step or value["version"] != gen.version:
-        raise ValueError(f"it is commit {value['step']} of world version {value['version']}, not {gen.step} of "
-                         f"{gen.version}")
-    _check_shards(value["shards"], expected)
-
-
-def _check_shards(shards: Any, expected) -> None:
-    if type(shards) is not dict or set(shards) != set(expected):
-        raise ValueError("its shards are not this state's tensors")
-    for k, (shape, dtype) in expected.items():
-        t = shards[k]
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"shard {k!r} is not a {dtype} tensor of shape {list(shape)}")
-
-
-def _check_table(replicated: Any, model: torch.nn.Module, me: int, root: int) -> List[list]:
-    """The root's table of sharded tensors, checked against this rank's own model: only keys
-    of its parameters, with their shapes and dtypes (so every size below is this rank's own)."""
-    try:
-        if type(replicated) is not dict or not {"attrs", "handlers", "buffers", "groups", "scalars",
-                                                "table"} <= set(replicated):
-            raise ValueError("not a ShardedState commit")
-        params = dict(model.named_parameters())
-        table = replicated["table"]
-        if type(table) is not list:
-            raise ValueError("its table is not a list")
-        seen = set()
-        for entry in table:
-            key, shape, dtype = entry
-            if key.startswith("model."):
-                fqn = key[6:]
-            elif key.startswith("optim."):
-                fqn = key[6:].rsplit(".", 1)[0]
-            else:
-                raise ValueError(f"unknown key {key!r}")
-            p = params.get(fqn)
-            if p is None or list(p.shape) != list(shape) or (key.startswith("model.") and str(p.dtype) != dtype):
-                raise ValueError(f"{key!r} of shape {shape} does not fit this model")
-            _dtype(dtype)
-            if key in seen:
-                raise ValueError(f"{key!r} twice")
-            seen.add(key)
-        missing = [f for f in params if "model." + f not in seen]
-        if missing:
-            raise ValueError(f"no parameter {missing[0]!r}")
-        return table
-    except (ValueError, TypeError) as e:
-        if me == root:
-            raise ValueError(f"ShardedState: the commit does not fit the model build() made: {e}") from None
-        raise BadPeerError(f"ShardedState sync: the state rank {root} sent does not fit the model build() made: {e}",
-                           op="sync", peer=root, kind=ErrorKind.BadPeer) from None
-
-
-def _move(comm, decision: reshard.Resume, table: List[list], own, buddy) -> Tuple[int, Dict[str, torch.Tensor]]:
-    """This rank's new shards, assembled from the holders' copies: the rows that change owner
-    travel in one allgather of per-rank byte counts every rank computes alike."""
-    g = decision.generation
-    me, size = comm.rank, comm.size
-    rows = [shape[0] for _, shape, _ in table]
-    transfers = reshard.plan(rows, g.size, decision.holders, size)
-    per_row = [math.prod(shape[1:]) * _dtype(d).itemsize for _, shape, d in table]
-    old_chunks = [reshard.chunk_rows(n, g.size) for n in rows]
-
-    def source(t: reshard.Transfer) -> torch.Tensor:
-        copy = own if t.copy == reshard.OWN else buddy
-        if copy is None:
-            raise RuntimeError(f"ShardedState sync: this rank was chosen to send rows of old rank {t.old} but holds "
-                               "no such copy")
-        key = table[t.key][0]
-        base = old_chunks[t.key][t.old][0]
-        return copy["shards"][key][t.start - base:t.stop - base]
-
-    counts = [0] * size
-    for t in transfers:
-        if t.src != t.dst:
-            counts[t.src] += (t.stop - t.start) * per_row[t.key]
-    send = torch.empty(counts[me], dtype=torch.uint8)
-    at = 0
-    for t in transfers:
-        if t.src == me and t.dst != me:
-            chunk = source(t).contiguous().view(-1).view(torch.uint8)
-            send[at:at + chunk.numel()] = chunk
-            at += chunk.numel()
-    got = torch.empty(sum(counts), dtype=torch.uint8)
-    if sum(counts):
-        comm.allgather_into_(got, send, counts=counts)
-    offsets = [sum(counts[:r]) for r in range(size)]
-    new: Dict[str, torch.Tensor] = {}
-    for k, (key, shape, dtype) in enumerate(table):
-        a, b = reshard.chunk_rows(shape[0], size)[me]
-        new[key] = torch.empty((b - a, *shape[1:]), dtype=_dtype(dtype))
-    for t in transfers:
-        nbytes = (t.stop - t.start) * per_row[t.key]
-        if t.src != t.dst:
-            src_bytes = got[offsets[t.src]:offsets[t.src] + nbytes]
-            offsets[t.src] += nbytes
-        if t.dst != me:
-            continue
-        key, shape, dtype = table[t.key]
-        a = reshard.chunk_rows(shape[0], size)[me][0]
-        dst = new[key][t.start - a:t.stop - a]
-        if t.src == me:
-            dst.copy_(source(t))
-        else:
-            dst.view(-1).view(torch.uint8).copy_(src_bytes) if dst.numel() else None
-    return sum(counts), new
-
-
-__all__ = ["ShardedState", "CommitLostError", "world_mesh"]
+__all__ = ["ShardedState", "CommitLostError"]

@@ -1,0 +1,232 @@
+"""How the shards of ``elastic.ShardedState`` travel between ranks, and the checks on what
+arrives: the holdings every rank announces, the buddy copy, the rows a reshard moves (one ring
+allgather of per-rank byte counts every rank computes from its own model), and full tensors
+gathered from every rank's rows.
+
+Every size used here is this rank's own: the shapes come from the model its ``build()`` made,
+and what a peer sends is checked against them before it is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import reshard
+from ._native import ErrorKind
+from .errors import BadPeerError
+
+def dtensor_types():
+    from torch.distributed.tensor import DTensor, Shard
+    return DTensor, Shard
+
+
+def is_dtensor(t: Any) -> bool:
+    DTensor, _ = dtensor_types()
+    return isinstance(t, DTensor)
+
+
+def local_rows(t: Any, what: str) -> torch.Tensor:
+    """The rows of a DTensor sharded on dim 0 that this rank holds (FSDP2's unpadded shard)."""
+    DTensor, Shard = dtensor_types()
+    placements = tuple(t.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ValueError(f"ShardedState: {what} is placed {placements}; only FSDP2's Shard(0) on a 1-D mesh is "
+                         "supported (fully_shard(module, mesh=mesh) with the mesh shard() is given)")
+    return t.to_local()
+
+
+def world_mesh():
+    """A 1-D ``DeviceMesh`` over the current world, on the elastic process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from . import distributed
+    pg = distributed.process_group()
+    distributed.install_default_group()
+    return DeviceMesh.from_group(pg, "cpu")
+
+
+def nbytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(nbytes(v) for v in tree)
+    return 0
+
+
+def clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [clone(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(clone(v) for v in tree)
+    return tree
+
+
+def gather(comm, t: Any, what: str) -> torch.Tensor:
+    """The full tensor of a DTensor sharded on dim 0, gathered from every rank's rows."""
+    local = local_rows(t, what).detach().contiguous()
+    per_row = math.prod(t.shape[1:])
+    full = torch.empty(tuple(t.shape), dtype=t.dtype)
+    comm.allgather_into_(full.view(-1), local.view(-1),
+                         counts=[(b - a) * per_row for a, b in reshard.chunk_rows(t.shape[0], comm.size)])
+    return full
+
+
+# ---------------------------------------------------------------------- a new world
+_NONE = -1
+
+
+def holding_row(held: Optional[Tuple[reshard.Generation, int]]) -> List[int]:
+    if held is None:
+        return [_NONE] * 4
+    g, r = held
+    return [g.step, g.version, g.size, r]
+
+
+def parse_holding(row: List[int]) -> Optional[Tuple[reshard.Generation, int]]:
+    step, version, size, rank = row
+    # A peer's words: anything out of range is taken as holding nothing (it is then no holder).
+    if size < 1 or size > (1 << 20) or not 0 <= rank < size or version < 0 or step < -1:
+        return None
+    return reshard.Generation(step, version, size), rank
+
+
+def agree_holdings(comm, held, pending) -> List[reshard.Holding]:
+    mine = np.array(holding_row(held) + holding_row(pending[:2] if pending else None), dtype=np.int64)
+    rows = comm.allgather_equal(mine).tolist()
+    return [reshard.Holding(parse_holding(r[:4]), parse_holding(r[4:])) for r in rows]
+
+
+def dtype_named(name: str) -> torch.dtype:
+    d = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return d
+
+
+def expected_shards(table: List[list], rank: int, size: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each shard old rank ``rank`` of ``size`` holds."""
+    out = {}
+    for key, shape, dtype in table:
+        a, b = reshard.chunk_rows(shape[0], size)[rank]
+        out[key] = ((b - a, *shape[1:]), dtype_named(dtype))
+    return out
+
+
+def check_buddy(value: Any, gen: reshard.Generation, expected) -> None:
+    if type(value) is not dict or set(value) != {"step", "version", "shards"}:
+        raise ValueError("not a buddy copy (step, version, shards)")
+    if value["step"] != gen.step or value["version"] != gen.version:
+        raise ValueError(f"it is commit {value['step']} of world version {value['version']}, not {gen.step} of "
+                         f"{gen.version}")
+    check_shards(value["shards"], expected)
+
+
+def check_shards(shards: Any, expected) -> None:
+    if type(shards) is not dict or set(shards) != set(expected):
+        raise ValueError("its shards are not this state's tensors")
+    for k, (shape, dtype) in expected.items():
+        t = shards[k]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"shard {k!r} is not a {dtype} tensor of shape {list(shape)}")
+
+
+def check_table(replicated: Any, model: torch.nn.Module, me: int, root: int) -> List[list]:
+    """The root's table of sharded tensors, checked against this rank's own model: only keys
+    of its parameters, with their shapes and dtypes (so every size below is this rank's own)."""
+    try:
+        if type(replicated) is not dict or not {"attrs", "handlers", "buffers", "groups", "scalars",
+                                                "table"} <= set(replicated):
+            raise ValueError("not a ShardedState commit")
+        params = dict(model.named_parameters())
+        table = replicated["table"]
+        if type(table) is not list:
+            raise ValueError("its table is not a list")
+        seen = set()
+        for entry in table:
+            key, shape, dtype = entry
+            if key.startswith("model."):
+                fqn = key[6:]
+            elif key.startswith("optim."):
+                fqn = key[6:].rsplit(".", 1)[0]
+            else:
+                raise ValueError(f"unknown key {key!r}")
+            p = params.get(fqn)
+            if p is None or list(p.shape) != list(shape) or (key.startswith("model.") and str(p.dtype) != dtype):
+                raise ValueError(f"{key!r} of shape {shape} does not fit this model")
+            dtype_named(dtype)
+            if key in seen:
+                raise ValueError(f"{key!r} twice")
+            seen.add(key)
+        missing = [f for f in params if "model." + f not in seen]
+        if missing:
+            raise ValueError(f"no parameter {missing[0]!r}")
+        return table
+    except (ValueError, TypeError) as e:
+        if me == root:
+            raise ValueError(f"ShardedState: the commit does not fit the model build() made: {e}") from None
+        raise BadPeerError(f"ShardedState sync: the state rank {root} sent does not fit the model build() made: {e}",
+                           op="sync", peer=root, kind=ErrorKind.BadPeer) from None
+
+
+def move(comm, decision: reshard.Resume, table: List[list], own, buddy) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """This rank's new shards, assembled from the holders' copies: the rows that change owner
+    travel in one allgather of per-rank byte counts every rank computes alike."""
+    g = decision.generation
+    me, size = comm.rank, comm.size
+    rows = [shape[0] for _, shape, _ in table]
+    transfers = reshard.plan(rows, g.size, decision.holders, size)
+    per_row = [math.prod(shape[1:]) * dtype_named(d).itemsize for _, shape, d in table]
+    old_chunks = [reshard.chunk_rows(n, g.size) for n in rows]
+
+    def source(t: reshard.Transfer) -> torch.Tensor:
+        copy = own if t.copy == reshard.OWN else buddy
+        if copy is None:
+            raise RuntimeError(f"ShardedState sync: this rank was chosen to send rows of old rank {t.old} but holds "
+                               "no such copy")
+        key = table[t.key][0]
+        base = old_chunks[t.key][t.old][0]
+        return copy["shards"][key][t.start - base:t.stop - base]
+
+    counts = [0] * size
+    for t in transfers:
+        if t.src != t.dst:
+            counts[t.src] += (t.stop - t.start) * per_row[t.key]
+    send = torch.empty(counts[me], dtype=torch.uint8)
+    at = 0
+    for t in transfers:
+        if t.src == me and t.dst != me:
+            chunk = source(t).contiguous().view(-1).view(torch.uint8)
+            send[at:at + chunk.numel()] = chunk
+            at += chunk.numel()
+    got = torch.empty(sum(counts), dtype=torch.uint8)
+    if sum(counts):
+        comm.allgather_into_(got, send, counts=counts)
+    offsets = [sum(counts[:r]) for r in range(size)]
+    new: Dict[str, torch.Tensor] = {}
+    for k, (key, shape, dtype) in enumerate(table):
+        a, b = reshard.chunk_rows(shape[0], size)[me]
+        new[key] = torch.empty((b - a, *shape[1:]), dtype=dtype_named(dtype))
+    for t in transfers:
+        nbytes = (t.stop - t.start) * per_row[t.key]
+        if t.src != t.dst:
+            src_bytes = got[offsets[t.src]:offsets[t.src] + nbytes]
+            offsets[t.src] += nbytes
+        if t.dst != me:
+            continue
+        key, shape, dtype = table[t.key]
+        a = reshard.chunk_rows(shape[0], size)[me][0]
+        dst = new[key][t.start - a:t.stop - a]
+        if t.src == me:
+            dst.copy_(source(t))
+        else:
+            dst.view(-1).view(torch.uint8).copy_(src_bytes) if dst.numel() else None
+    return sum(counts), new
