@@ -11,8 +11,9 @@ commit onto the smaller world and train on.
 
   commit cost       mean commit time (each rank's shard copy and the buddy send, plus the
                     membership allreduce every commit has) / (--commit-every x mean step time)
-  recovery          from the SIGKILL to the first step completed in the next world (the
-                    abort, the re-form, the reshard, and that step)
+  recovery          from the SIGKILL to the first step completed in the next world: the
+                    failure noticed and the ring re-formed, the sync (build, shard, reshard,
+                    the new layout committed again), and that step
   moved bytes       what the reshard sent between ranks (rows that changed owner)
   ring bandwidth    bytes per second one ring allgather delivers to each rank, measured by the
                     workers in the same world
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
                              args.timeout, "a step in the next world")
         wait_for(lambda: [e for e in events(run_dir) if e["ev"] == "step" and e["v"] == v
                           and e["step"] >= steps_new[0]["step"] + args.after], args.timeout, "steps after recovery")
+        wait_for(lambda: [e for e in events(run_dir) if e["ev"] == "bandwidth" and e["v"] == v], args.timeout,
+                 "the ring bandwidth")
     finally:
         launch.close(grace=0)
     evs = events(run_dir)
@@ -110,24 +113,26 @@ def main(argv=None) -> int:
     step_s, commit_s = statistics.mean(steps), statistics.mean(commits)
     world = [e for e in evs if e["ev"] == "world" and e["v"] == v]
     moved = max(e["moved"] for e in world)
-    bw = statistics.mean(e["bandwidth"] for e in world)
-    first_step = min(e["t"] for e in evs if e["ev"] == "step" and e["v"] == v)
-    recovery = first_step - t_kill
-    mem = first["memory"]
+    bw = statistics.mean(e["bandwidth"] for e in evs if e["ev"] == "bandwidth" and e["v"] == v)
+    step_new = min((e for e in evs if e["ev"] == "step" and e["v"] == v), key=lambda e: e["t"])
+    recovery = step_new["t"] - t_kill
+    formed = min(e["t"] for e in world) - t_kill
+    mem = [e for e in old if e["ev"] == "commit"][-1]["memory"]
     print()
     print("| workers | parameters' full state | step | commit (copy + buddy send) | commit cost at every "
           f"{args.commit_every} | per-rank live / own / buddy (of full) |")
     print("| --- | --- | --- | --- | --- | --- |")
     print(f"| {args.workers} | {mem['full'] / 1e6:.1f} MB | {step_s * 1e3:.0f} ms | {commit_s * 1e3:.1f} ms "
-          f"({max(e['bytes'] for e in old if e['ev'] == 'commit') / 1e6:.1f} MB) | "
+          f"({mem['own'] / 1e6:.1f} MB) | "
           f"{100 * commit_s / (args.commit_every * step_s):.1f}% | "
           f"{mem['live'] / mem['full']:.2f} / {mem['own'] / mem['full']:.2f} / {mem['buddy'] / mem['full']:.2f} |")
     print()
-    print("| SIGKILL of 1 of {0} -> next step in the world of {1} | reshard | moved bytes | ring bandwidth | "
-          "target 0.5 s + moved / bandwidth |".format(args.workers, world[0]["size"]))
-    print("| --- | --- | --- | --- | --- |")
-    print(f"| {recovery:.2f} s | {max(e['reshard_s'] for e in world):.2f} s | {moved / 1e6:.1f} MB | "
-          f"{bw / 1e6:.0f} MB/s | {0.5 + moved / bw:.2f} s |")
+    print("| SIGKILL of 1 of {0} -> next step in the world of {1} | of which: to the function's restart | sync "
+          "(build, shard, reshard, commit) | first step | moved bytes | ring bandwidth | target 0.5 s + moved / "
+          "bandwidth |".format(args.workers, world[0]["size"]))
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {recovery:.2f} s | {formed:.2f} s | {max(e['reshard_s'] for e in world):.2f} s | "
+          f"{step_new['seconds']:.2f} s | {moved / 1e6:.1f} MB | {bw / 1e6:.0f} MB/s | {0.5 + moved / bw:.2f} s |")
     print(f"# load average {load()} at end")
     shutil.rmtree(run_dir, ignore_errors=True)
     return 0

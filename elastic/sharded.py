@@ -9,10 +9,10 @@ full, unsharded model; the meta device is allowed), ``shard(model, mesh)`` (the 
 plan) with the world's 1-D mesh, ``optimizer(params)`` over the sharded parameters, and then
 the committed state loaded onto them. Plain FSDP2 code runs unchanged in between.
 
-A commit copies this rank's shards (parameters, and optimizer states shaped like them) and the
-replicated rest (attributes, buffers, optimizer settings and scalars) in memory, and sends the
-shards to the buddy, the next rank round the ring (``Communicator.shift``, in
-``elastic.serialization``'s format). Its agreement is the membership allreduce every commit
+A commit copies this rank's shards (parameters, and optimizer states shaped like them) once, into
+one flat buffer, and the replicated rest (attributes, buffers, optimizer settings and scalars),
+and sends that buffer as it is to the buddy, the next rank round the ring (``Communicator.shift``;
+both sides know its layout, see ``elastic.sharded_transfer``). Its agreement is the membership allreduce every commit
 ends with: a rank promotes the new copies only once that allreduce completed, which proves
 every rank had its copies before (see ``elastic.reshard.decide``). So the loss of any worker,
 and of any set of workers that are not each other's buddies, loses nothing.
@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import checkpoint, metrics, reshard, serialization, session
+from . import checkpoint, metrics, reshard, session
 from . import sharded_checkpoint as durable_format
 from . import sharded_transfer as transfer
 from .errors import BadPeerError, ElasticError, MembershipChanged, Preempted
@@ -47,7 +47,6 @@ from .sampler import committed_attrs
 
 log = logging.getLogger("elastic")
 
-_HEADER_SLACK = 1 << 20   # bytes of a buddy copy beyond its tensors' (keys, shapes): generous
 
 
 class CommitLostError(ElasticError):
@@ -220,8 +219,9 @@ class ShardedState(ObjectState):
         self._check_committable({"attrs": replicated["attrs"], "handlers": replicated["handlers"],
                                  "optimizer": {"groups": replicated["groups"], "scalars": replicated["scalars"]}})
         gen = reshard.Generation(step, comm.world_version, comm.size)
-        own = {"shards": transfer.clone(shards), "replicated": transfer.clone(replicated)}
-        buddy = self._exchange(comm, gen, own["shards"], replicated["table"]) if comm.size > 1 else None
+        flat, views = transfer.flat_copy(shards, replicated["table"], comm.rank, comm.size, step, comm.world_version)
+        own = {"flat": flat, "shards": views, "replicated": transfer.clone(replicated)}
+        buddy = self._exchange(comm, gen, flat, replicated["table"]) if comm.size > 1 else None
         agreed = False
         try:
             agree()
@@ -243,27 +243,21 @@ class ShardedState(ObjectState):
                 # Sent and received, not agreed: kept apart, announced at the next sync as pending.
                 object.__setattr__(self, "_pending", (gen, comm.rank, own, buddy))
 
-    def _exchange(self, comm, gen: reshard.Generation, mine: Dict[str, torch.Tensor], table: List[list]):
-        """Sends this rank's shard copy to its buddy and returns the previous rank's, checked:
-        its size is bounded by what that rank's chunks hold, and what arrives must be exactly
-        those keys, rows, shapes and dtypes."""
+    def _exchange(self, comm, gen: reshard.Generation, flat: torch.Tensor, table: List[list]):
+        """Sends this rank's flat shard copy to its buddy and returns the previous rank's: its
+        size is bounded by, and must equal, what that rank's chunks hold (every rank computes
+        every rank's layout from the same table), and it must name this commit."""
         prev = (comm.rank - 1) % comm.size
-        expected = transfer.expected_shards(table, prev, comm.size)
-        bound = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in expected.values())
-        encoded = serialization.encode({"step": gen.step, "version": gen.version, "shards": mine})
-        buf = np.empty(encoded.nbytes, dtype=np.uint8)
-        encoded.copy_into(buf)
-        got = comm.shift(buf, max_bytes=bound + _HEADER_SLACK)
-        del buf
+        expected, _ = transfer.flat_layout(table, prev, comm.size)
+        got = comm.shift(flat, max_bytes=expected)
         try:
-            value = serialization.loads(got)
-            transfer.check_buddy(value, gen, expected)
+            views = transfer.check_buddy(got, table, prev, comm.size, gen.step, gen.version)
         except ValueError as e:
             comm.abort(f"buddy copy from rank {prev}: {e}")
             raise BadPeerError(f"commit in world version {comm.world_version}: the buddy copy rank {prev} sent "
                                f"cannot be kept: {e}", op="commit", world_version=comm.world_version, rank=comm.rank,
                                peer=prev, kind=ErrorKind.BadPeer) from None
-        return value
+        return {"flat": got, "shards": views}
 
     # ------------------------------------------------------------------ a new world
     def sync(self) -> None:

@@ -3,6 +3,12 @@ arrives: the holdings every rank announces, the buddy copy, the rows a reshard m
 allgather of per-rank byte counts every rank computes from its own model), and full tensors
 gathered from every rank's rows.
 
+A commit copies a rank's shards once, into one flat buffer (``flat_copy``): a 64-byte header
+(commit step, world version) and each shard at a 64-byte-aligned offset. That buffer is what
+the buddy receives, as it is, in one ``Communicator.shift``: both sides compute every rank's
+layout from the same table of tensors (``flat_layout``), so no description travels, nothing
+is parsed but the header, and a size other than the layout's is refused before it is read.
+
 Every size used here is this rank's own: the shapes come from the model its ``build()`` made,
 and what a peer sends is checked against them before it is kept.
 """
@@ -121,22 +127,57 @@ def expected_shards(table: List[list], rank: int, size: int) -> Dict[str, Tuple[
     return out
 
 
-def check_buddy(value: Any, gen: reshard.Generation, expected) -> None:
-    if type(value) is not dict or set(value) != {"step", "version", "shards"}:
-        raise ValueError("not a buddy copy (step, version, shards)")
-    if value["step"] != gen.step or value["version"] != gen.version:
-        raise ValueError(f"it is commit {value['step']} of world version {value['version']}, not {gen.step} of "
-                         f"{gen.version}")
-    check_shards(value["shards"], expected)
+_ALIGN = 64       # every shard in a flat copy starts at a multiple of this (any dtype's view is aligned)
+_HEADER = 16      # a flat copy opens with (commit step, world version), two little-endian int64
 
 
-def check_shards(shards: Any, expected) -> None:
-    if type(shards) is not dict or set(shards) != set(expected):
-        raise ValueError("its shards are not this state's tensors")
-    for k, (shape, dtype) in expected.items():
-        t = shards[k]
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"shard {k!r} is not a {dtype} tensor of shape {list(shape)}")
+def flat_layout(table: List[list], rank: int, size: int) -> Tuple[int, Dict[str, Tuple[int, Tuple[int, ...], torch.dtype]]]:
+    """Where each shard of old rank ``rank`` of ``size`` lies in its flat copy: (total bytes,
+    key -> (byte offset, shape, dtype)). Every rank computes it from the same table, so a
+    buddy copy travels as bytes whose layout neither side takes from the other."""
+    at, out = _ALIGN, {}
+    for key, (shape, dtype) in expected_shards(table, rank, size).items():
+        out[key] = (at, shape, dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        at += -(-nbytes // _ALIGN) * _ALIGN
+    return at, out
+
+
+def flat_views(flat: torch.Tensor, layout) -> Dict[str, torch.Tensor]:
+    """The shards of a flat copy, as views of it."""
+    out = {}
+    for key, (at, shape, dtype) in layout.items():
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out[key] = flat[at:at + nbytes].view(dtype).view(shape)
+    return out
+
+
+def flat_copy(shards: Dict[str, torch.Tensor], table: List[list], rank: int, size: int,
+              step: int, version: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """This rank's shards copied once into one flat buffer (what the buddy receives as it is),
+    and the views of its shards in it."""
+    total, layout = flat_layout(table, rank, size)
+    flat = torch.empty(total, dtype=torch.uint8)
+    flat[:_ALIGN].zero_()
+    flat[:_HEADER].view(torch.int64).copy_(torch.tensor([step, version], dtype=torch.int64))
+    views = flat_views(flat, layout)
+    for key, v in views.items():
+        v.copy_(shards[key])
+        at = layout[key][0] + v.numel() * v.element_size()
+        flat[at:-(-at // _ALIGN) * _ALIGN].zero_()   # the padding, so no stale memory leaves this process
+    return flat, views
+
+
+def check_buddy(flat: Any, table: List[list], prev: int, size: int, step: int, version: int) -> Dict[str, torch.Tensor]:
+    """The previous rank's shards from the bytes it sent, which must be exactly its flat copy
+    of commit ``step`` of world ``version``; ValueError otherwise."""
+    total, layout = flat_layout(table, prev, size)
+    if flat.numel() != total:
+        raise ValueError(f"{flat.numel()} bytes, its flat copy has {total}")
+    got = flat[:_HEADER].view(torch.int64).tolist()
+    if got != [step, version]:
+        raise ValueError(f"it is commit {got[0]} of world version {got[1]}, not {step} of {version}")
+    return flat_views(flat, layout)
 
 
 def check_table(replicated: Any, model: torch.nn.Module, me: int, root: int) -> List[list]:
