@@ -26,6 +26,7 @@ from .errors import (
     Preempted,
     RendezvousError,
     SettingsMismatchError,
+    StaleMeshError,
     SyncRefusedError,
     WorkerLostError,
 )
@@ -50,6 +51,9 @@ def __getattr__(name):
     if name in ("DistributedDataParallel", "process_group"):
         from . import distributed
         return getattr(distributed, name)
+    if name == "device_mesh":
+        from . import mesh
+        return mesh.device_mesh
     raise AttributeError(f"module 'elastic' has no attribute {name!r}")
 
 
@@ -57,9 +61,10 @@ __all__ = [
     "allgather", "allreduce", "allreduce_", "allreduce_async_", "barrier", "broadcast_", "broadcast_object",
     "synchronize", "CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "BadPeerError",
     "CollectiveMismatchError", "ElasticError", "ElasticTimeout", "HandshakeError", "MembershipChanged",
-    "Preempted", "RendezvousError", "SettingsMismatchError", "SyncRefusedError", "WorkerLostError", "Average", "Max",
+    "Preempted", "RendezvousError", "SettingsMismatchError", "StaleMeshError", "SyncRefusedError", "WorkerLostError",
+    "Average", "Max",
     "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank",
     "local_size", "cross_rank", "cross_size", "world_version", "ElasticSampler", "State", "ObjectState",
-    "TorchState", "DistributedOptimizer", "DistributedDataParallel", "process_group",
+    "TorchState", "DistributedOptimizer", "DistributedDataParallel", "process_group", "device_mesh",
     "broadcast_parameters", "broadcast_optimizer_state", "ShardedState", "CommitLostError",
 ]

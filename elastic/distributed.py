@@ -21,6 +21,11 @@ joiner's rebuild broadcast would meet the others' allreduce. So at every sync ev
 included, start from the same buckets and rebuild together. torch's object collectives
 (``all_gather_object`` …) pickle; on this group they run in ``elastic.objects`` instead, whose
 format calls nothing a peer names and whose sizes are bounded.
+
+FSDP2 and DTensor reach the group through a DeviceMesh, which fixes a world into what it shards:
+the mesh holds the group's view of one world (``world_view()``, named ``elastic/world<version>``),
+whose collectives raise ``StaleMeshError`` once that world is over (``elastic.mesh``). The
+gathers and reduce-scatters they call are the ring's own phases (``elastic.group_collectives``).
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import objects, session
-from .errors import RendezvousError, WorkerLostError
-from .ops import Average, Max, Min, ReduceOp, Sum
+from .group_collectives import (NATIVE, WIDEN, Contiguous, all_gather_into_tensor, all_gather_list, check_cpu,
+                                reduce_scatter_list, reduce_scatter_tensor, ring_op)
+from .errors import RendezvousError, StaleMeshError, WorkerLostError
+from .ops import Average
 
 log = logging.getLogger("elastic")
 
@@ -50,38 +57,7 @@ GROUP_NAME = "elastic"
 BACKEND = "elastic"
 DEFAULT_GROUP_ENV = "ELASTIC_DEFAULT_GROUP"
 
-# The ring reduces these natively; the other integer types are widened to int64 and back
-# (wrapping as torch's own integer arithmetic does), complex numbers as pairs of reals.
-_NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8}
-_WIDEN = {torch.int8, torch.int16, torch.uint16, torch.uint32}
 _MAX_ALLTOALL_BYTES = 1 << 36   # every rank holds the whole exchange
-
-
-def _ring_op(op: Any, dtype: torch.dtype, what: str) -> ReduceOp:
-    """The ring's reduce op for a torch ``ReduceOp`` on ``dtype``; NotImplementedError names the rest."""
-    kind = op
-    if dtype.is_complex and kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        raise NotImplementedError(f"{what}: {getattr(kind, 'op', kind)} on {dtype} (complex numbers have no order)")
-    if dtype == torch.bool and kind == dist.ReduceOp.SUM:
-        return Max   # a sum of bools is their logical or (gloo's answer); uint8 would wrap at 256 ranks
-    if kind == dist.ReduceOp.SUM:
-        return Sum
-    if kind == dist.ReduceOp.AVG:
-        if not (dtype.is_floating_point or dtype.is_complex):
-            raise NotImplementedError(f"{what}: ReduceOp.AVG on {dtype} (integer average is undefined); "
-                                      "use SUM and divide")
-        return Average
-    if kind == dist.ReduceOp.MIN:
-        return Min
-    if kind == dist.ReduceOp.MAX:
-        return Max
-    if dtype == torch.bool and kind == dist.ReduceOp.BAND:
-        return Min
-    if dtype == torch.bool and kind == dist.ReduceOp.BOR:
-        return Max
-    name = getattr(kind, "op", kind)
-    raise NotImplementedError(f"{what}: {name} on {dtype} is not supported by the elastic ring "
-                              "(it has SUM, AVG, MIN, MAX, and BAND/BOR on bool)")
 
 
 def _reduce_op(opts: Any) -> Any:
@@ -129,47 +105,36 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _check_cpu(t: Any, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: expected torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise NotImplementedError(f"{what}: the elastic ring moves CPU tensors; got one on {t.device}")
-    if t.is_sparse:
-        raise NotImplementedError(f"{what}: sparse tensors are not supported by the elastic ring")
-    return t
-
-
-class _Contiguous:
-    """The contiguous tensor a collective writes, copied back into ``t`` after when it is not."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-        self.work = t if t.is_contiguous() else t.contiguous()
-
-    def done(self) -> None:
-        if self.work is not self.t:
-            with torch.no_grad():   # a view of a Parameter takes the result in place, as with gloo
-                self.t.copy_(self.work)
-
-
 class ElasticProcessGroup(dist.ProcessGroup):
     """The current world as a ``torch.distributed.ProcessGroup`` (see the module doc).
 
     ``rank()``/``size()`` answer with the current world (after ``elastic.run`` returned: its
     last world); collectives run on ``elastic.session.ring()`` and raise what it raises:
     ``WorkerLostError`` on a peer failure, ``RendezvousError`` when no job runs.
+
+    ``world_view()`` is the same group pinned to the current world, the group a DeviceMesh
+    holds: its rank, size and name are that world's for good, and its collectives raise
+    ``StaleMeshError`` once that world is over.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, world: Any = None, name: str = GROUP_NAME,
+                 parent: "Optional[ElasticProcessGroup]" = None) -> None:
         # The C++ base's rank and size are never read through this object: every Python
         # caller gets the overrides below, and DDP's reducer (the one C++ user) takes its
         # divide factor from the comm hook, which averages over the current size.
         super().__init__(0, 1)
         self._failure: Optional[WorkerLostError] = None
         self._lock = threading.Lock()
+        self._world = world       # a world view's ring (its Communicator); None for the process's group
+        self._name = name
+        self._parent = parent     # a world view's process group, which keeps the failures
+        self._view: "Optional[ElasticProcessGroup]" = None   # the process group's view of the current world
+        self._view_names: set = set()
 
     # ------------------------------------------------------------------ identity
     def rank(self) -> int:
+        if self._world is not None:
+            return self._world.rank
         comm = session._current_ring()
         if comm is not None:
             return comm.rank
@@ -177,6 +142,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return world.rank if world is not None else 0
 
     def size(self) -> int:
+        if self._world is not None:
+            return self._world.size
         comm = session._current_ring()
         if comm is not None:
             return comm.size
@@ -192,21 +159,50 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
-        # torch's own property reads the name from a registered C++ backend, which this group
-        # has none of; DeviceMesh.from_group (FSDP2) and functional collectives resolve the
-        # group by this name.
-        return GROUP_NAME
+        """The name torch.distributed resolves the group by. For the process's group, its
+        current world view's (``elastic/world<version>``), so that a DeviceMesh made from it
+        (``DeviceMesh.from_group``, ``init_device_mesh`` on the default group) belongs to that
+        world; ``elastic`` when no ring is current."""
+        if self._world is not None or session._current_ring() is None:
+            return self._name
+        return self.world_view().group_name
+
+    def world_view(self) -> "ElasticProcessGroup":
+        """This group pinned to the current world (made on first use in each world), entered
+        in torch.distributed's tables under its own name, which stays resolvable after its
+        world so that a stale mesh finds it and raises ``StaleMeshError``."""
+        if self._world is not None:
+            return self
+        comm = self._ring("world_view")
+        with self._lock:
+            view = self._view
+            if view is None or view._world is not comm:
+                name = f"{GROUP_NAME}/world{comm.world_version}"
+                while name in self._view_names:   # rings formed by hand can repeat a version
+                    name = f"{GROUP_NAME}/world{comm.world_version}-{len(self._view_names)}"
+                self._view_names.add(name)
+                view = self._view = ElasticProcessGroup(world=comm, name=name, parent=self)
+                # torch compares meshes by their ranks: DTensor's sharding caches would hand a
+                # mesh made anew for this world (from_group) the last world's equal one.
+                from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+                _clear_sharding_prop_cache()
+            if c10d._world.pg_names.get(view) != view.group_name:   # new, or destroy_process_group() emptied them
+                _enter_view(view)
+        return view
 
     def shutdown(self) -> None:
         """``dist.destroy_process_group()``: the ring is the session's; nothing to close here."""
 
     def abort(self) -> None:
         comm = session._current_ring()
-        if comm is not None:
+        if comm is not None and (self._world is None or comm is self._world):
             comm.abort("torch.distributed ProcessGroup.abort()")
 
     # ------------------------------------------------------------------ failures
     def _record(self, err: WorkerLostError) -> None:
+        if self._parent is not None:   # elastic.run reads the failure from the process's group
+            self._parent._record(err)
+            return
         with self._lock:
             if self._failure is None or err.world_version >= self._failure.world_version:
                 self._failure = err
@@ -229,9 +225,17 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     def _ring(self, what: str):
         try:
-            return session.ring()
+            comm = session.ring()
         except RendezvousError as e:
             raise RendezvousError(f"torch.distributed {what} on the elastic group: {e}") from None
+        if self._world is not None and comm is not self._world:
+            raise StaleMeshError(
+                f"torch.distributed {what} on the elastic group of world version {self._world.world_version} "
+                f"({self._world.size} ranks), which is over: the world is now version {comm.world_version} "
+                f"({comm.size} ranks). A DeviceMesh, and every FSDP module or DTensor made on it, belongs to one "
+                "world: make them again in each world with elastic.device_mesh() (elastic.ShardedState does this "
+                "for you)", world_version=self._world.world_version, current_world_version=comm.world_version)
+        return comm
 
     def _run(self, fn, *args):
         """``fn(*args)``, keeping the ring failure it raises for ``pending_failure``."""
@@ -243,22 +247,22 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ reductions
     def _allreduce_one(self, comm, t: torch.Tensor, op: Any, what: str) -> None:
-        _check_cpu(t, what)
-        ring_op = _ring_op(op, t.dtype, what)
-        c = _Contiguous(t)
+        check_cpu(t, what)
+        rop = ring_op(op, t.dtype, what)
+        c = Contiguous(t)
         x = c.work.detach()
         if x.dtype == torch.bool:
             wide = x.to(torch.uint8)
-            self._run(comm.allreduce_, wide, ring_op)
+            self._run(comm.allreduce_, wide, rop)
             x.copy_(wide.to(torch.bool))
         elif x.dtype.is_complex:
-            self._run(comm.allreduce_, torch.view_as_real(x), ring_op)
-        elif x.dtype in _WIDEN:
+            self._run(comm.allreduce_, torch.view_as_real(x), rop)
+        elif x.dtype in WIDEN:
             wide = x.to(torch.int64)
-            self._run(comm.allreduce_, wide, ring_op)
+            self._run(comm.allreduce_, wide, rop)
             x.copy_(wide.to(x.dtype))
-        elif x.dtype in _NATIVE:
-            self._run(comm.allreduce_, x, ring_op)
+        elif x.dtype in NATIVE:
+            self._run(comm.allreduce_, x, rop)
         else:
             raise NotImplementedError(f"{what}: dtype {x.dtype} is not supported by the elastic ring")
         c.done()
@@ -290,42 +294,24 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._allreduce_one(comm, target, op, what)
         return _Done(tensors)
 
+    # The gathers and reduce-scatters FSDP2 and DTensor call are the ring's own phases
+    # (elastic.group_collectives), never built from allreduce.
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        what = "reduce_scatter"
-        comm = self._ring(what)
-        op = _reduce_op(opts)
+        comm = self._ring("reduce_scatter")
         for out, inputs in zip(output_tensors, input_tensors):
-            if len(inputs) != comm.size:
-                raise ValueError(f"{what}: expected {comm.size} input tensors (one per rank), got {len(inputs)}")
-            for i in inputs:
-                _check_cpu(i, what)
-                if i.numel() != out.numel() or i.dtype != out.dtype:
-                    raise ValueError(f"{what}: every input must match the output's size and dtype "
-                                     f"({out.numel()} x {out.dtype}), got {i.numel()} x {i.dtype}")
-            # The ring reduces the whole list and each rank keeps its part: correct, not
-            # bandwidth-optimal (a ring reduce-scatter would move 1/size of it).
-            flat = torch.cat([i.detach().reshape(-1) for i in inputs])
-            self._allreduce_one(comm, flat, op, what)
-            out.detach().copy_(flat[comm.rank * out.numel():(comm.rank + 1) * out.numel()].view_as(out))
+            reduce_scatter_list(comm, self._run, out, inputs, _reduce_op(opts))
         return _Done(output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        what = "reduce_scatter_tensor"
-        comm = self._ring(what)
-        _check_cpu(input, what)
-        if input.numel() != output.numel() * comm.size or input.dtype != output.dtype:
-            raise ValueError(f"{what}: input has {input.numel()} x {input.dtype}, expected the output's "
-                             f"{output.numel()} x {output.dtype} times world size {comm.size}")
-        op = _reduce_op(opts)
-        flat = input.detach().reshape(-1).clone()
-        self._allreduce_one(comm, flat, op, what)
-        n = output.numel()
-        output.detach().copy_(flat[comm.rank * n:(comm.rank + 1) * n].view_as(output))
+        reduce_scatter_tensor(self._ring("reduce_scatter_tensor"), self._run, output, input, _reduce_op(opts))
         return _Done([output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        comm = self._ring("reduce_scatter_tensor_coalesced")
+        if len(outputs) != len(inputs):
+            raise ValueError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
         for o, i in zip(outputs, inputs):
-            self._reduce_scatter_base(o, i, opts)
+            reduce_scatter_tensor(comm, self._run, o, i, _reduce_op(opts), "reduce_scatter_tensor_coalesced")
         return _Done(outputs)
 
     # ------------------------------------------------------------------ data movement
@@ -338,8 +324,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
         if not 0 <= root < comm.size:
             raise ValueError(f"{what}: root rank {root} is outside the world of {comm.size}")
         for t in tensors:
-            _check_cpu(t, what)
-            c = _Contiguous(t)
+            check_cpu(t, what)
+            c = Contiguous(t)
             if c.work.numel():
                 self._run(comm.broadcast_, _bytes(c.work), root)
             c.done()
@@ -356,52 +342,33 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return out
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        what = "all_gather"
-        comm = self._ring(what)
+        comm = self._ring("all_gather")
+        if len(output_tensors) != len(input_tensors):
+            raise ValueError(f"all_gather: {len(output_tensors)} output lists for {len(input_tensors)} inputs")
         for outs, inp in zip(output_tensors, input_tensors):
-            _check_cpu(inp, what)
-            for o in outs:
-                _check_cpu(o, what)
-                if o.dtype != inp.dtype:
-                    raise ValueError(f"{what}: output dtype {o.dtype} differs from the input's {inp.dtype}")
-            sizes = [o.numel() * o.element_size() for o in outs]
-            flat = self._gather_bytes(comm, what, _bytes(inp.contiguous()), sizes)
-            at = 0
-            for o, n in zip(outs, sizes):
-                c = _Contiguous(o)
-                _bytes(c.work).copy_(flat[at:at + n])
-                c.done()
-                at += n
+            all_gather_list(comm, self._run, outs, inp)
         return _Done([o for outs in output_tensors for o in outs])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
     def _allgather_base(self, output, input, opts=None):
-        what = "all_gather_into_tensor"
-        comm = self._ring(what)
-        _check_cpu(input, what)
-        _check_cpu(output, what)
-        if output.numel() != input.numel() * comm.size or output.dtype != input.dtype:
-            raise ValueError(f"{what}: output must hold world size {comm.size} x the input ({input.numel()} x "
-                             f"{input.dtype}), got {output.numel()} x {output.dtype}")
-        n = input.numel() * input.element_size()
-        flat = self._gather_bytes(comm, what, _bytes(input.contiguous()), [n] * comm.size)
-        c = _Contiguous(output)
-        _bytes(c.work).copy_(flat)
-        c.done()
+        all_gather_into_tensor(self._ring("all_gather_into_tensor"), self._run, output, input)
         return _Done([output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        comm = self._ring("all_gather_into_tensor_coalesced")
+        if len(outputs) != len(inputs):
+            raise ValueError(f"all_gather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
         for o, i in zip(outputs, inputs):
-            self._allgather_base(o, i, opts)
+            all_gather_into_tensor(comm, self._run, o, i, "all_gather_into_tensor_coalesced")
         return _Done(outputs)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
         comm = self._ring(what)
         root = opts.rootRank if opts is not None else 0
-        inp = _check_cpu(input_tensors[0], what)
+        inp = check_cpu(input_tensors[0], what)
         n = inp.numel() * inp.element_size()
         # Every rank passes the same shape (torch's contract), so the root's slots are known to all.
         flat = self._gather_bytes(comm, what, _bytes(inp.contiguous()), [n] * comm.size)
@@ -410,7 +377,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             if len(outs) != comm.size:
                 raise ValueError(f"{what}: the root needs {comm.size} output tensors, got {len(outs)}")
             for r, o in enumerate(outs):
-                c = _Contiguous(o)
+                c = Contiguous(o)
                 _bytes(c.work).copy_(flat[r * n:(r + 1) * n])
                 c.done()
         return _Done(output_tensors[0] if output_tensors else [])
@@ -419,7 +386,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         what = "scatter"
         comm = self._ring(what)
         root = opts.rootRank if opts is not None else 0
-        out = _check_cpu(output_tensors[0], what)
+        out = check_cpu(output_tensors[0], what)
         n = out.numel() * out.element_size()
         buf = torch.empty(n * comm.size, dtype=torch.uint8)
         if comm.rank == root:
@@ -432,7 +399,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 buf[r * n:(r + 1) * n].copy_(_bytes(i.contiguous()))
         if buf.numel():
             self._run(comm.broadcast_, buf, root)
-        c = _Contiguous(out)
+        c = Contiguous(out)
         _bytes(c.work).copy_(buf[comm.rank * n:(comm.rank + 1) * n])
         c.done()
         return _Done([out])
@@ -478,10 +445,10 @@ class ElasticProcessGroup(dist.ProcessGroup):
         comm = self._ring(what)
         if len(input_tensors) != comm.size or len(output_tensors) != comm.size:
             raise ValueError(f"{what}: expected {comm.size} input and output tensors (one per rank)")
-        got = self._alltoall_bytes(comm, what, [_bytes(_check_cpu(i, what).contiguous()) for i in input_tensors],
-                                   [_check_cpu(o, what).numel() * o.element_size() for o in output_tensors])
+        got = self._alltoall_bytes(comm, what, [_bytes(check_cpu(i, what).contiguous()) for i in input_tensors],
+                                   [check_cpu(o, what).numel() * o.element_size() for o in output_tensors])
         for o, data in zip(output_tensors, got):
-            c = _Contiguous(o)
+            c = Contiguous(o)
             _bytes(c.work).copy_(data)
             c.done()
         return _Done(output_tensors)
@@ -489,8 +456,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
         comm = self._ring(what)
-        _check_cpu(input, what)
-        _check_cpu(output, what)
+        check_cpu(input, what)
+        check_cpu(output, what)
         if input.dim() == 0:
             raise ValueError(f"{what}: the input needs at least one dimension")
         splits_in = list(input_split_sizes) or [input.shape[0] // comm.size] * comm.size
@@ -512,7 +479,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         out_row = (output.numel() // max(output.shape[0], 1)) * output.element_size()
         got = self._alltoall_bytes(comm, what, send, [n * out_row for n in splits_out])
         flat = torch.cat(got) if got else torch.empty(0, dtype=torch.uint8)
-        c = _Contiguous(output)
+        c = Contiguous(output)
         _bytes(c.work).copy_(flat)
         c.done()
         return _Done([output])
@@ -628,6 +595,25 @@ def _register(pg: ElasticProcessGroup) -> None:
         torch._C._distributed_c10d._set_global_rank(pg.rank())
 
 
+def _enter_view(view: ElasticProcessGroup) -> None:
+    """Makes ``view`` the elastic group's world entry in torch.distributed's tables (rooted
+    calls look ranks up there) in place of the previous world's, and registers its name with
+    torch's resolver (for good: a stale mesh resolves it and gets its clear error)."""
+    world = c10d._world
+    for old in [pg for pg in world.pg_map if isinstance(pg, ElasticProcessGroup) and pg._world is not None
+                and pg is not view]:
+        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config):
+            table.pop(old, None)
+    world.pg_map[view] = (BACKEND, _NoStore())
+    world.pg_names[view] = view.group_name
+    world.pg_group_ranks[view] = {i: i for i in range(view.size())}
+    world.pg_backend_config[view] = f"cpu:{BACKEND}"
+    try:
+        c10d._resolve_process_group(view.group_name)
+    except (RuntimeError, ValueError, KeyError):   # new, or unregistered by destroy_process_group()
+        c10d._register_process_group(view.group_name, view)
+
+
 def _registered() -> bool:
     return _group is not None and c10d._world.default_pg is _group
 
@@ -719,7 +705,7 @@ def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Futur
     fut: torch.futures.Future = torch.futures.Future()
     try:
         comm = session.ring()
-        if buf.dtype not in _NATIVE:
+        if buf.dtype not in NATIVE:
             raise NotImplementedError(f"DistributedDataParallel: gradients of dtype {buf.dtype} are not supported "
                                       "by the elastic ring")
         handle = comm.allreduce_async_(buf, Average)

@@ -47,11 +47,20 @@ _torch: dict = {}   # torch's own functions, as they were before install()
 
 
 def _elastic(group: Any) -> bool:
-    """Whether ``group`` (None: the default group) is the elastic group."""
+    """Whether ``group`` (None: the default group) is the elastic group: the process's, or one
+    world's view of it (``elastic.device_mesh()``'s group, which raises once its world is over)."""
     own = _own_group() if _own_group is not None else None
     if own is None:
         return False
-    return (c10d._world.default_pg is own) if group is None else group is own
+    g = c10d._world.default_pg if group is None else group
+    return g is own or isinstance(g, type(own))
+
+
+def _comm(group: Any, op: str) -> Communicator:
+    """The ring a call on the elastic group ``group`` runs on (its own check: a view of an
+    earlier world raises instead of running on this one)."""
+    g = c10d._world.default_pg if group is None else group
+    return g._ring(op) if g is not _own_group() else _ring(op)
 
 
 def _gather(comm: Communicator, obj: Any, op: str) -> List[Any]:
@@ -78,7 +87,7 @@ def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> No
     if not _elastic(group):
         return _torch["all_gather_object"](object_list, obj, group=group)
     op = "all_gather_object"
-    comm = _ring(op)
+    comm = _comm(group, op)
     got = [comm.decode_object(data, r, op) for r, data in enumerate(_gather(comm, obj, op))]
     for r, value in enumerate(got):
         object_list[r] = value
@@ -91,7 +100,7 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
     if not _elastic(group):
         return _torch["gather_object"](obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
     op = "gather_object"
-    comm = _ring(op)
+    comm = _comm(group, op)
     root = _root(comm, dst, group_dst, op)
     encoded = _gather(comm, obj, op)
     if comm.rank != root:
@@ -110,7 +119,7 @@ def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, gro
         return _torch["broadcast_object_list"](object_list, src=src, group=group, device=device,
                                                group_src=group_src)
     op = "broadcast_object_list"
-    comm = _ring(op)
+    comm = _comm(group, op)
     root = _root(comm, src, group_src, op)
     got = comm.broadcast_object(list(object_list) if comm.rank == root else None, root, op=op)
     if comm.rank == root:
@@ -131,7 +140,7 @@ def scatter_object_list(scatter_object_output_list: List[Any], scatter_object_in
     op = "scatter_object_list"
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError(f"{op}: expected scatter_object_output_list to be a list of at least 1 entry")
-    comm = _ring(op)
+    comm = _comm(group, op)
     root = _root(comm, src, group_src, op)
     if comm.rank == root and (scatter_object_input_list is None or len(scatter_object_input_list) != comm.size):
         raise ValueError(f"{op}: rank {root} scatters, so it needs a scatter_object_input_list of {comm.size} "

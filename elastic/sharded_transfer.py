@@ -46,12 +46,11 @@ def local_rows(t: Any, what: str) -> torch.Tensor:
 
 
 def world_mesh():
-    """A 1-D ``DeviceMesh`` over the current world, on the elastic process group."""
-    from torch.distributed.device_mesh import DeviceMesh
+    """A 1-D ``DeviceMesh`` over the current world (``elastic.device_mesh()``)."""
     from . import distributed
-    pg = distributed.process_group()
+    from .mesh import device_mesh
     distributed.install_default_group()
-    return DeviceMesh.from_group(pg, "cpu")
+    return device_mesh()
 
 
 def nbytes(tree: Any) -> int:

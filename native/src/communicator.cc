@@ -376,8 +376,16 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     const DType run_dtype = wide ? DType::Float32 : dtype;
     const size_t run_esize = dtype_size(run_dtype);
     if (work_.size() < total * run_esize) work_.resize(total * run_esize);
+    // The plan reads the caller's input where it lies and finishes the own block in `out`;
+    // the input is copied first only when it must be widened, or when `out` overlaps the
+    // input other than exactly as its own block (the plan would write where it still reads).
+    const char* in_bytes = static_cast<const char*>(in);
+    char* out_bytes = static_cast<char*>(out);
+    const bool out_overlaps = out_bytes < in_bytes + total * esize && in_bytes < out_bytes + mine * esize &&
+                              out_bytes != in_bytes + before * esize;
+    const bool copy_in = wide || out_overlaps;
     if (wide) widen_to_f32(reinterpret_cast<float*>(work_.data()), in, total, dtype);
-    else std::memcpy(work_.data(), in, total * esize);
+    else if (copy_in) std::memcpy(work_.data(), in, total * esize);
     Blocks b;
     size_t at = 0;
     for (int c = 0; c < n; ++c) {
@@ -388,8 +396,10 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     }
     OpInfo info = make_op("reduce_scatter", tag, std::string(dtype_name(dtype)) + ", " + std::to_string(total) +
                                                      " elements, " + op_name(op));
-    ReduceScatterPlan plan(work_.data(), std::move(b), run_dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
+    ReduceScatterPlan plan(copy_in ? work_.data() : in_bytes, work_.data(), copy_in ? nullptr : out_bytes,
+                           std::move(b), run_dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
     links_->run(plan, info);
+    if (!copy_in) return;
     const char* block = work_.data() + before * run_esize;
     if (wide) narrow_from_f32(out, reinterpret_cast<const float*>(block), mine, dtype);
     else if (mine) std::memcpy(out, block, mine * esize);

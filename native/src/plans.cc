@@ -100,9 +100,10 @@ size_t AllreducePlan::recv_block(size_t g) const {
 
 // ---------------------------------------------------------------- ReduceScatterPlan
 
-ReduceScatterPlan::ReduceScatterPlan(char* buf, Blocks blocks, DType dtype, ReduceOp op, int rank, int n,
-                                     size_t seg_bytes, std::vector<char>& scratch)
-    : buf_(buf), blocks_(std::move(blocks)), dtype_(dtype), op_(op), r_(rank), n_(n), esize_(dtype_size(dtype)) {
+ReduceScatterPlan::ReduceScatterPlan(const char* in, char* work, char* own, Blocks blocks, DType dtype, ReduceOp op,
+                                     int rank, int n, size_t seg_bytes, std::vector<char>& scratch)
+    : in_(in), work_(work), own_(own), blocks_(std::move(blocks)), dtype_(dtype), op_(op), r_(rank), n_(n),
+      esize_(dtype_size(dtype)) {
   // Segments hold whole elements, so a reduction never straddles two of them.
   seg_ = std::max(esize_, seg_bytes / esize_ * esize_);
   k_ = segments_for(blocks_.max_len, seg_);
@@ -116,30 +117,43 @@ ReduceScatterPlan::ReduceScatterPlan(char* buf, Blocks blocks, DType dtype, Redu
 size_t ReduceScatterPlan::send_block(size_t g) const { return mod(long(r_) - long(g) - 1, n_); }
 size_t ReduceScatterPlan::recv_block(size_t g) const { return mod(long(r_) - long(g) - 2, n_); }
 
-Span ReduceScatterPlan::send_span(size_t i) { return segment(buf_, blocks_, send_block(i / k_), i % k_, seg_); }
+Span ReduceScatterPlan::send_span(size_t i) {
+  size_t g = i / k_;
+  // The contribution is only read: a Span is the links' one type for both directions.
+  char* from = g == 0 ? const_cast<char*>(in_) : work_;
+  return segment(from, blocks_, send_block(g), i % k_, seg_);
+}
 
 Span ReduceScatterPlan::recv_span(size_t i) {
-  Span s = segment(buf_, blocks_, recv_block(i / k_), i % k_, seg_);
+  Span s = segment(work_, blocks_, recv_block(i / k_), i % k_, seg_);
   return {scratch_, s.bytes};
+}
+
+char* ReduceScatterPlan::target(size_t i) const {
+  size_t g = i / k_, block = recv_block(g);
+  if (g == size_t(n_ - 2) && own_ != nullptr)   // the own block, complete: straight to the caller
+    return own_ + std::min(blocks_.len[block], (i % k_) * seg_);
+  return segment(work_, blocks_, block, i % k_, seg_).ptr;
 }
 
 void ReduceScatterPlan::received(size_t i) {
   size_t g = i / k_;
-  Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
-  reduce_into(s.ptr, scratch_, s.bytes / esize_, dtype_, op_);
-  if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+  Span s = segment(const_cast<char*>(in_), blocks_, recv_block(g), i % k_, seg_);
+  char* dst = target(i);
+  reduce_to(dst, s.ptr, scratch_, s.bytes / esize_, dtype_, op_);
+  if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) scale_down(dst, s.bytes / esize_, dtype_, n_);
 }
 
 void ReduceScatterPlan::deliver(size_t i, size_t offset, const char* src, size_t n) {
-  Span s = segment(buf_, blocks_, recv_block(i / k_), i % k_, seg_);
-  reduce_into(s.ptr + offset, src, n / esize_, dtype_, op_);
+  Span s = segment(const_cast<char*>(in_), blocks_, recv_block(i / k_), i % k_, seg_);
+  reduce_to(target(i) + offset, s.ptr + offset, src, n / esize_, dtype_, op_);
 }
 
 void ReduceScatterPlan::delivered(size_t i) {
   size_t g = i / k_;
   if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) {
-    Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
-    scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+    Span s = segment(work_, blocks_, recv_block(g), i % k_, seg_);
+    scale_down(target(i), s.bytes / esize_, dtype_, n_);
   }
 }
 

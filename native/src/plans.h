@@ -59,14 +59,17 @@ class AllreducePlan : public Plan {
   char* scratch_;
 };
 
-// Ring reduce-scatter of `blocks` of buf (one per rank, in rank order, any sizes): n-1
-// steps, each rank sends (n-1)/n of the buffer. Block b travels b+1 -> b+2 -> ... -> b and
-// is reduced at each hop, so it ends complete on its owner, rank b (Average divides there,
-// once). buf is the work buffer: every block but the owner's holds partial sums afterwards.
+// Ring reduce-scatter of `blocks` (one per rank, in rank order, any sizes): n-1 steps, each
+// rank sends (n-1)/n of the buffer. Block b travels b+1 -> b+2 -> ... -> b and is reduced at
+// each hop, so it ends complete on its owner, rank b (Average divides there, once).
+// `in` is this rank's contribution, only read: the first step sends from it, and every
+// arriving segment is reduced with it into `work` (same block layout), whose partial sums
+// later steps send; the own block's last reduction lands in `own` instead. `in` may be `work`
+// itself (contributions copied there first: then `own` is null and the block stays in work).
 class ReduceScatterPlan : public Plan {
  public:
-  ReduceScatterPlan(char* buf, Blocks blocks, DType dtype, ReduceOp op, int rank, int n, size_t seg_bytes,
-                    std::vector<char>& scratch);
+  ReduceScatterPlan(const char* in, char* work, char* own, Blocks blocks, DType dtype, ReduceOp op, int rank, int n,
+                    size_t seg_bytes, std::vector<char>& scratch);
   size_t num_sends() const override { return size_t(n_ - 1) * k_; }
   size_t num_recvs() const override { return num_sends(); }
   ptrdiff_t send_after(size_t i) const override { return i < k_ ? -1 : ptrdiff_t(i - k_); }
@@ -80,7 +83,11 @@ class ReduceScatterPlan : public Plan {
  private:
   size_t send_block(size_t g) const;
   size_t recv_block(size_t g) const;
-  char* buf_;
+  // Where segment i's reduction goes: its block in work, or in `own` at the last step.
+  char* target(size_t i) const;
+  const char* in_;
+  char* work_;
+  char* own_;
   Blocks blocks_;
   DType dtype_;
   ReduceOp op_;

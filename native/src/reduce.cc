@@ -49,6 +49,12 @@ inline __attribute__((always_inline)) void loop_native(T* __restrict d, const T*
   for (size_t i = 0; i < n; ++i) d[i] = Op::apply(d[i], s[i]);
 }
 
+template <class T, class Op>
+inline __attribute__((always_inline)) void loop_native3(T* __restrict d, const T* __restrict a,
+                                                        const T* __restrict b, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = Op::apply(a[i], b[i]);
+}
+
 #ifdef ERING_F16C
 #define ERING_AVX __attribute__((target("avx2,f16c"), always_inline)) inline
 struct SumV { ERING_AVX static __m256 apply(__m256 a, __m256 b) { return _mm256_add_ps(a, b); } };
@@ -56,16 +62,17 @@ struct SumV { ERING_AVX static __m256 apply(__m256 a, __m256 b) { return _mm256_
 struct MinV { ERING_AVX static __m256 apply(__m256 a, __m256 b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(b, a, _CMP_LT_OQ)); } };
 struct MaxV { ERING_AVX static __m256 apply(__m256 a, __m256 b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); } };
 
+// d = x op s elementwise; d may be x itself (reduce_into), else overlaps neither.
 template <class V>
-__attribute__((target("avx2,f16c"))) void half_f16c(half* __restrict d, const half* __restrict s, size_t n) {
+__attribute__((target("avx2,f16c"))) void half_f16c(half* d, const half* x, const half* __restrict s, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i)));
+    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
     __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(V::apply(a, b), _MM_FROUND_TO_NEAREST_INT));
   }
   for (; i < n; ++i) {
-    __m128 a = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(d + i)));
+    __m128 a = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(x + i)));
     __m128 b = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(s + i)));
     __m256 r = V::apply(_mm256_castps128_ps256(a), _mm256_castps128_ps256(b));
     uint16_t out = uint16_t(_mm_cvtsi128_si32(_mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT)));
@@ -92,33 +99,60 @@ bool have_f16c() {
 }
 #endif
 
+// 16-bit floats: d = x op s, through float32, rounded once; d may be x itself.
 template <class Op>
-inline __attribute__((always_inline)) void loop_half(half* __restrict d, const half* __restrict s, size_t n) {
+inline __attribute__((always_inline)) void loop_half(half* d, const half* x, const half* __restrict s, size_t n) {
 #ifdef ERING_F16C
   if (have_f16c()) {
-    if constexpr (std::is_same_v<Op, Sum>) return half_f16c<SumV>(d, s, n);
-    else if constexpr (std::is_same_v<Op, Min>) return half_f16c<MinV>(d, s, n);
-    else return half_f16c<MaxV>(d, s, n);
+    if constexpr (std::is_same_v<Op, Sum>) return half_f16c<SumV>(d, x, s, n);
+    else if constexpr (std::is_same_v<Op, Min>) return half_f16c<MinV>(d, x, s, n);
+    else return half_f16c<MaxV>(d, x, s, n);
   }
 #endif
-  for (size_t i = 0; i < n; ++i) d[i] = half(Op::apply(float(d[i]), float(s[i])));
+  for (size_t i = 0; i < n; ++i) d[i] = half(Op::apply(float(x[i]), float(s[i])));
 }
 
 template <class Op>
-inline __attribute__((always_inline)) void loop_bf16(uint16_t* __restrict d, const uint16_t* __restrict s, size_t n) {
-  for (size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(Op::apply(bf16_to_f32(d[i]), bf16_to_f32(s[i])));
+inline __attribute__((always_inline)) void loop_bf16(uint16_t* d, const uint16_t* x, const uint16_t* __restrict s,
+                                                     size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(Op::apply(bf16_to_f32(x[i]), bf16_to_f32(s[i])));
 }
 
+// The native types: two loops, each with no aliasing for the compiler to fear, so both vectorize.
+template <class T, class Op>
+inline __attribute__((always_inline)) void loop_any(T* d, const T* x, const T* s, size_t n) {
+  if (d == x) loop_native<T, Op>(d, s, n);
+  else loop_native3<T, Op>(d, x, s, n);
+}
+
+// d = x op s elementwise (x == d: reduce in place).
 template <class Op>
-inline __attribute__((always_inline)) void dispatch(void* d, const void* s, size_t n, DType t) {
+inline __attribute__((always_inline)) void dispatch(void* d, const void* x, const void* s, size_t n, DType t) {
   switch (t) {
-    case DType::Float16: loop_half<Op>(static_cast<half*>(d), static_cast<const half*>(s), n); break;
-    case DType::BFloat16: loop_bf16<Op>(static_cast<uint16_t*>(d), static_cast<const uint16_t*>(s), n); break;
-    case DType::Float32: loop_native<float, Op>(static_cast<float*>(d), static_cast<const float*>(s), n); break;
-    case DType::Float64: loop_native<double, Op>(static_cast<double*>(d), static_cast<const double*>(s), n); break;
-    case DType::Int32: loop_native<int32_t, Op>(static_cast<int32_t*>(d), static_cast<const int32_t*>(s), n); break;
-    case DType::Int64: loop_native<int64_t, Op>(static_cast<int64_t*>(d), static_cast<const int64_t*>(s), n); break;
-    case DType::UInt8: loop_native<uint8_t, Op>(static_cast<uint8_t*>(d), static_cast<const uint8_t*>(s), n); break;
+    case DType::Float16:
+      loop_half<Op>(static_cast<half*>(d), static_cast<const half*>(x), static_cast<const half*>(s), n);
+      break;
+    case DType::BFloat16:
+      loop_bf16<Op>(static_cast<uint16_t*>(d), static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(s), n);
+      break;
+    case DType::Float32:
+      loop_any<float, Op>(static_cast<float*>(d), static_cast<const float*>(x), static_cast<const float*>(s), n);
+      break;
+    case DType::Float64:
+      loop_any<double, Op>(static_cast<double*>(d), static_cast<const double*>(x), static_cast<const double*>(s), n);
+      break;
+    case DType::Int32:
+      loop_any<int32_t, Op>(static_cast<int32_t*>(d), static_cast<const int32_t*>(x),
+                            static_cast<const int32_t*>(s), n);
+      break;
+    case DType::Int64:
+      loop_any<int64_t, Op>(static_cast<int64_t*>(d), static_cast<const int64_t*>(x),
+                            static_cast<const int64_t*>(s), n);
+      break;
+    case DType::UInt8:
+      loop_any<uint8_t, Op>(static_cast<uint8_t*>(d), static_cast<const uint8_t*>(x),
+                            static_cast<const uint8_t*>(s), n);
+      break;
   }
 }
 
@@ -134,6 +168,21 @@ inline __attribute__((always_inline)) void loop_native<int64_t, Sum>(int64_t* __
 template <>
 inline __attribute__((always_inline)) void loop_native<uint8_t, Sum>(uint8_t* __restrict d, const uint8_t* __restrict s, size_t n) {
   for (size_t i = 0; i < n; ++i) d[i] = uint8_t(d[i] + s[i]);
+}
+template <>
+inline __attribute__((always_inline)) void loop_native3<int32_t, Sum>(int32_t* __restrict d, const int32_t* __restrict a,
+                                                                     const int32_t* __restrict b, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = int32_t(uint32_t(a[i]) + uint32_t(b[i]));
+}
+template <>
+inline __attribute__((always_inline)) void loop_native3<int64_t, Sum>(int64_t* __restrict d, const int64_t* __restrict a,
+                                                                     const int64_t* __restrict b, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = int64_t(uint64_t(a[i]) + uint64_t(b[i]));
+}
+template <>
+inline __attribute__((always_inline)) void loop_native3<uint8_t, Sum>(uint8_t* __restrict d, const uint8_t* __restrict a,
+                                                                     const uint8_t* __restrict b, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = uint8_t(a[i] + b[i]);
 }
 
 template <class T>
@@ -183,12 +232,16 @@ const char* op_name(ReduceOp op) {
   return "?";
 }
 
-ERING_CLONES
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
+  reduce_to(dst, dst, src, count, dtype, op);
+}
+
+ERING_CLONES
+void reduce_to(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: case ReduceOp::Average: dispatch<Sum>(dst, src, count, dtype); break;
-    case ReduceOp::Min: dispatch<Min>(dst, src, count, dtype); break;
-    case ReduceOp::Max: dispatch<Max>(dst, src, count, dtype); break;
+    case ReduceOp::Sum: case ReduceOp::Average: dispatch<Sum>(dst, a, b, count, dtype); break;
+    case ReduceOp::Min: dispatch<Min>(dst, a, b, count, dtype); break;
+    case ReduceOp::Max: dispatch<Max>(dst, a, b, count, dtype); break;
   }
 }
 

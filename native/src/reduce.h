@@ -10,6 +10,11 @@ namespace ering {
 // dst[i] = dst[i] op src[i]. Average reduces like Sum; the division happens once, in scale_down().
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
 
+// dst[i] = a[i] op b[i]: the same operands in the same order as reduce_into(a, b), written
+// elsewhere (so a caller's buffer is read, not copied first). dst may be a itself; otherwise
+// it overlaps neither a nor b.
+void reduce_to(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op);
+
 // dst[i] = dst[i] / divisor (floats: IEEE division; integers: truncating division).
 void scale_down(void* dst, size_t count, DType dtype, int divisor);
 

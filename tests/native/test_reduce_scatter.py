@@ -74,6 +74,30 @@ def test_allgather_into_lays_every_rank_block_out_in_rank_order(n, transport):
         assert failures == [], f"rank {rank}: {failures}"
 
 
+def _output_inside_the_input(comm):
+    # The output as a view of the input: exactly the rank's own block (an in-place
+    # reduce-scatter), or straddling other ranks' blocks, which the ring still reads.
+    n, c = comm.size, 4099
+    got = {}
+    for dtype in ("float32", "bfloat16", "int64"):
+        for op in (elastic.Sum, elastic.Average, elastic.Max):
+            want = reference([make_input(r, dtype, n * c, op) for r in range(n)], dtype, op)
+            mine = want[comm.rank * c:(comm.rank + 1) * c]
+            for where, lo in (("own block", comm.rank * c), ("straddling", (comm.rank * c + c // 2) % ((n - 1) * c))):
+                inp = make_input(comm.rank, dtype, n * c, op)
+                out = inp[lo:lo + c]
+                comm.reduce_scatter_(out, inp, op)
+                got[f"{dtype}/{op.name}/{where}"] = raw(out) == raw(mine)
+    return got
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_output_inside_the_input_gets_the_right_block(transport):
+    for rank, got in enumerate(run_world(3, _output_inside_the_input, transport=transport,
+                                         config=CONFIGS["short-segments"])):
+        assert all(got.values()), f"rank {rank}: {got}"
+
+
 def _bad_calls(comm):
     said = []
     inp = torch.ones(6)

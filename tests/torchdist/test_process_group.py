@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from elastic import distributed, session
+from elastic import distributed, group_collectives, session
 from tests.native.harness import TRANSPORTS, World, run_world
 
 
@@ -161,9 +161,9 @@ def test_a_lost_peer_raises_worker_lost_from_dist_calls_never_silently():
 def test_reduce_op_table(op, dtype, expected):
     if expected is NotImplementedError:
         with pytest.raises(NotImplementedError, match="all_reduce"):
-            distributed._ring_op(op, dtype, "all_reduce")
+            group_collectives.ring_op(op, dtype, "all_reduce")
     else:
-        assert distributed._ring_op(op, dtype, "all_reduce") == expected
+        assert group_collectives.ring_op(op, dtype, "all_reduce") == expected
 
 
 def _script_owns_default_group(rank: int, size: int):
