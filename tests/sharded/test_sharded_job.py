@@ -141,11 +141,14 @@ def test_non_buddies_lose_nothing_and_a_buddy_pair_is_restored_from_durable_comm
         ours = disk.rows(key, shape, getattr(torch, dtype.split(".")[-1]), 0, shape[0])
         assert torch.equal(ours.view(torch.uint8), sd[sharded_checkpoint.dcp_key(key)].view(torch.uint8)), key
     assert any(k.startswith("optim.state.") for k in sd) and any(k.startswith("model.") for k in sd)
-    # a job restarted from nothing, in another size, resumes from the newest durable commit
+    # a job started again from nothing (a new job, three workers) resumes from the newest durable
+    # commit, resharded onto its size
+    restarted = sharded_job(job_id="restarted", min_np=3, max_np=3, JOB_STEPS="1000", JOB_WIDE="1",
+                            JOB_CHECKPOINT=ckpt, JOB_DURABLE_EVERY="3")
     again = ["x", "y", "z"]
     for w in again:
-        job.start(w)
-    w3 = wait_world(job, again, 3)
+        restarted.start(w)
+    w3 = wait_world(restarted, again, 3)
     assert w3["commit"] == disk.step
     assert_resumed_bitwise(job, rest, w3, at_least=disk.step)
 
