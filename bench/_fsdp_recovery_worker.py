@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 
@@ -19,7 +20,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 import elastic
-from elastic import session
+from elastic import logs, session
 
 
 class Block(torch.nn.Module):
@@ -64,6 +65,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--commit-every", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--meta-build", action="store_true", help="build() on the meta device once a commit is held")
     args = p.parse_args()
     torch.set_num_threads(1)
     pid = os.getpid()
@@ -75,7 +77,28 @@ def main() -> None:
     def log(ev: str, **fields) -> None:
         out.write(json.dumps({"ev": ev, "t": time.time(), "pid": pid, **fields}) + "\n")
 
-    state = elastic.ShardedState(lambda: build_model(args.width, args.depth), shard,
+    class Events(logging.Handler):
+        """elastic's own log lines, timed: when a failure surfaced, when the next ring formed."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            out.write(json.dumps({"ev": "log", "t": record.created, "pid": pid, "msg": record.getMessage()}) + "\n")
+
+    elastic_log = logging.getLogger("elastic")   # configured here, so elastic leaves it as it is
+    stderr = logging.StreamHandler()
+    stderr.setFormatter(logging.Formatter(logs.FORMAT))
+    elastic_log.addHandler(stderr)
+    elastic_log.addHandler(Events())
+    elastic_log.setLevel(logging.INFO)
+
+    def build() -> torch.nn.Module:
+        # Once this worker holds a commit every value comes from it: the meta device skips the
+        # random initialisation that would be overwritten (README, Sharded models).
+        if args.meta_build and state.commit_step >= 0:
+            with torch.device("meta"):
+                return build_model(args.width, args.depth)
+        return build_model(args.width, args.depth)
+
+    state = elastic.ShardedState(build, shard,
                                  optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4), step=0)
 
     @elastic.run
@@ -83,7 +106,7 @@ def main() -> None:
         v, rank, size = elastic.world_version(), elastic.rank(), elastic.size()
         r = state.last_reshard or {}
         log("world", v=v, rank=rank, size=size, step=state.step, moved=r.get("moved_bytes", 0),
-            reshard_s=r.get("seconds", 0.0))
+            reshard_s=r.get("seconds", 0.0), phases=r.get("phases", {}))
         measured = False
         model, opt = state.model, state.optimizer
         loss_fn = torch.nn.CrossEntropyLoss()
@@ -91,11 +114,16 @@ def main() -> None:
             g = torch.Generator().manual_seed(1000 * state.step + rank)
             x, y = torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
             started = time.perf_counter()
-            loss_fn(model(x), y).backward()
+            loss = loss_fn(model(x), y)
+            t_fwd = time.perf_counter()
+            loss.backward()
+            t_bwd = time.perf_counter()
             opt.step()
             opt.zero_grad()
             state.step += 1
-            log("step", v=v, size=size, step=state.step, seconds=time.perf_counter() - started)
+            done = time.perf_counter()
+            log("step", v=v, size=size, step=state.step, seconds=done - started,
+                parts=[t_fwd - started, t_bwd - t_fwd, done - t_bwd])
             if not measured:   # after the world's first step, which the recovery time includes
                 log("bandwidth", v=v, size=size, bandwidth=ring_bandwidth())
                 measured = True

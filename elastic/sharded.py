@@ -214,18 +214,30 @@ class ShardedState(ObjectState):
         except (OSError, TypeError) as e:
             log.error("durable commit %d could not be completed in %s: %s", step, self._checkpoint_dir, e)
 
-    def _take_copies(self, comm, step: int, agree: Callable[[], None]) -> None:
+    def _take_copies(self, comm, step: int, agree: Callable[[], None], clock: Optional["_Phases"] = None,
+                     taken: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None) -> None:
+        """Commits the live state as ``step``: own copy, buddy copy, then ``agree``. ``taken``
+        is the own flat copy when the caller already holds it (a sync loaded the live shards
+        from it)."""
+        clock = clock or _Phases()
         shards, replicated = self._parts()
         self._check_committable({"attrs": replicated["attrs"], "handlers": replicated["handlers"],
                                  "optimizer": {"groups": replicated["groups"], "scalars": replicated["scalars"]}})
         gen = reshard.Generation(step, comm.world_version, comm.size)
-        flat, views = transfer.flat_copy(shards, replicated["table"], comm.rank, comm.size, step, comm.world_version)
+        if taken is not None:
+            flat, views = taken
+        else:
+            flat, views = transfer.flat_copy(shards, replicated["table"], comm.rank, comm.size, step,
+                                             comm.world_version)
         own = {"flat": flat, "shards": views, "replicated": transfer.clone(replicated)}
+        clock.mark("copy")
         buddy = self._exchange(comm, gen, flat, replicated["table"]) if comm.size > 1 else None
+        clock.mark("buddy")
         agreed = False
         try:
             agree()
             agreed = True
+            clock.mark("agreement")
         except (MembershipChanged, Preempted):
             agreed = True   # raised after the allreduce completed: the commit holds
             raise
@@ -266,7 +278,9 @@ class ShardedState(ObjectState):
         with metrics.timed(self, "sync"):
             comm = session.ring()
             started = time.monotonic()
+            clock = _Phases()
             holdings = transfer.agree_holdings(comm, self._held, self._pending)
+            clock.mark("agree")
             decision = reshard.decide(holdings)
             disk = None
             if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
@@ -285,6 +299,7 @@ class ShardedState(ObjectState):
                     f"{list(decision.missing)} of that world and their buddies (the next rank of each) are all gone, "
                     "and there is no durable commit to restore from (elastic.run(checkpoint_dir=...) keeps one)")
             model = self._build()
+            clock.mark("build")
             initial = None
             if isinstance(decision, reshard.Fresh):
                 if any(p.is_meta for p in model.parameters()):
@@ -301,20 +316,29 @@ class ShardedState(ObjectState):
             opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
             object.__setattr__(self, "model", model)
             object.__setattr__(self, "optimizer", opt)
+            clock.mark("shard")
             own, buddy = self._copies_of(decision.generation)
             if initial is not None and comm.rank == 0:
                 own = {"shards": initial, "replicated": self._parts()[1]}
             replicated = comm.broadcast_object(own["replicated"] if comm.rank == decision.root else None,
                                                root_rank=decision.root, op="ShardedState sync")
             table = transfer.check_table(replicated, model, comm.rank, decision.root)
-            moved, new = transfer.move(comm, decision, table, own, buddy)
-            self._load(table, new, replicated)
-            object.__setattr__(self, "last_reshard", {"from": decision.generation, "moved_bytes": moved,
-                                                      "seconds": time.monotonic() - started})
+            clock.mark("replicated")
+            # The new shards are assembled straight into this rank's next own copy (the commit
+            # taken again below): the live state is loaded from it, nothing is copied twice.
+            flat, views = transfer.flat_buffer(table, comm.rank, comm.size, decision.generation.step,
+                                               comm.world_version)
+            moved = transfer.move(comm, decision, table, own, buddy, views)
+            clock.mark("move")
+            self._load(table, views, replicated)
+            clock.mark("load")
             if self._reset_due:
                 object.__setattr__(self, "_reset_due", False)
                 super().on_reset()
-            self._take_copies(comm, decision.generation.step, _agreement(comm))
+            self._take_copies(comm, decision.generation.step, _agreement(comm), clock, taken=(flat, views))
+            object.__setattr__(self, "last_reshard", {"from": decision.generation, "moved_bytes": moved,
+                                                      "seconds": time.monotonic() - started,
+                                                      "phases": clock.phases})
             log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
                      "in %.3f s", comm.world_version, decision.generation.step, decision.generation.size,
                      decision.generation.version, moved, time.monotonic() - started)
@@ -406,13 +430,15 @@ class ShardedState(ObjectState):
                 if key.startswith("optim."):
                     fqn, name = key[6:].rsplit(".", 1)
                     p = by_fqn[fqn]
+                    # A copy: ``new`` may be a commit's own copy, which the optimizer must not update.
                     self.optimizer.state.setdefault(p, {})[name] = DTensor.from_local(
-                        new[key], p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                        new[key].clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                        stride=p.stride())
             for key, v in replicated["scalars"].items():
                 fqn, name = key[6:].rsplit(".", 1)
                 if fqn not in by_fqn:
                     raise ValueError(f"ShardedState: the commit holds optimizer state for {fqn!r}, not a parameter")
-                self.optimizer.state.setdefault(by_fqn[fqn], {})[name] = v
+                self.optimizer.state.setdefault(by_fqn[fqn], {})[name] = transfer.clone(v)
             self.optimizer.zero_grad(set_to_none=True)
         handlers = self._handlers()
         for k, sd in replicated["handlers"].items():
@@ -459,6 +485,19 @@ class ShardedState(ObjectState):
             for name, v in sorted(self.optimizer.state.get(p, {}).items()):
                 out.setdefault(fqn, {})[name] = transfer.gather(comm, v, fqn) if transfer.is_dtensor(v) else v
         return out
+
+
+class _Phases:
+    """Seconds spent in each named phase of a sync, in order (for ``last_reshard``)."""
+
+    def __init__(self) -> None:
+        self.phases: Dict[str, float] = {}
+        self._at = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._at
+        self._at = now
 
 
 def _agreement(comm) -> Callable[[], None]:

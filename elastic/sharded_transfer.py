@@ -151,19 +151,28 @@ def flat_views(flat: torch.Tensor, layout) -> Dict[str, torch.Tensor]:
     return out
 
 
-def flat_copy(shards: Dict[str, torch.Tensor], table: List[list], rank: int, size: int,
-              step: int, version: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """This rank's shards copied once into one flat buffer (what the buddy receives as it is),
-    and the views of its shards in it."""
+def flat_buffer(table: List[list], rank: int, size: int, step: int,
+                version: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """An empty flat copy of rank ``rank``'s shards (header written, padding zeroed, so no
+    stale memory leaves this process) and the views of its shards, to be filled."""
     total, layout = flat_layout(table, rank, size)
     flat = torch.empty(total, dtype=torch.uint8)
     flat[:_ALIGN].zero_()
     flat[:_HEADER].view(torch.int64).copy_(torch.tensor([step, version], dtype=torch.int64))
     views = flat_views(flat, layout)
     for key, v in views.items():
-        v.copy_(shards[key])
         at = layout[key][0] + v.numel() * v.element_size()
-        flat[at:-(-at // _ALIGN) * _ALIGN].zero_()   # the padding, so no stale memory leaves this process
+        flat[at:-(-at // _ALIGN) * _ALIGN].zero_()
+    return flat, views
+
+
+def flat_copy(shards: Dict[str, torch.Tensor], table: List[list], rank: int, size: int,
+              step: int, version: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """This rank's shards copied once into one flat buffer (what the buddy receives as it is),
+    and the views of its shards in it."""
+    flat, views = flat_buffer(table, rank, size, step, version)
+    for key, v in views.items():
+        v.copy_(shards[key])
     return flat, views
 
 
@@ -217,9 +226,10 @@ def check_table(replicated: Any, model: torch.nn.Module, me: int, root: int) -> 
                            op="sync", peer=root, kind=ErrorKind.BadPeer) from None
 
 
-def move(comm, decision: reshard.Resume, table: List[list], own, buddy) -> Tuple[int, Dict[str, torch.Tensor]]:
-    """This rank's new shards, assembled from the holders' copies: the rows that change owner
-    travel in one allgather of per-rank byte counts every rank computes alike."""
+def move(comm, decision: reshard.Resume, table: List[list], own, buddy, new: Dict[str, torch.Tensor]) -> int:
+    """Fills ``new`` (this rank's new shards, by key: views of its new flat copy) from the
+    holders' copies: the rows that change owner travel in one allgather of per-rank byte counts
+    every rank computes alike. Returns the bytes that travelled."""
     g = decision.generation
     me, size = comm.rank, comm.size
     rows = [shape[0] for _, shape, _ in table]
@@ -251,10 +261,6 @@ def move(comm, decision: reshard.Resume, table: List[list], own, buddy) -> Tuple
     if sum(counts):
         comm.allgather_into_(got, send, counts=counts)
     offsets = [sum(counts[:r]) for r in range(size)]
-    new: Dict[str, torch.Tensor] = {}
-    for k, (key, shape, dtype) in enumerate(table):
-        a, b = reshard.chunk_rows(shape[0], size)[me]
-        new[key] = torch.empty((b - a, *shape[1:]), dtype=dtype_named(dtype))
     for t in transfers:
         nbytes = (t.stop - t.start) * per_row[t.key]
         if t.src != t.dst:
@@ -269,4 +275,4 @@ def move(comm, decision: reshard.Resume, table: List[list], own, buddy) -> Tuple
             dst.copy_(source(t))
         else:
             dst.view(-1).view(torch.uint8).copy_(src_bytes) if dst.numel() else None
-    return sum(counts), new
+    return sum(counts)
