@@ -5,7 +5,10 @@ Knobs (environment):
   JOB_STEPS        optimizer steps (default 30); JOB_COMMIT_EVERY commit every N steps (default 2)
   JOB_STEP_SLEEP   seconds per step (default 0)
   JOB_WIDE         1: width 64 and vocabulary 256, which 2 and 4 ranks divide (for the memory bound)
-  JOB_KILL         "WORKER:STEP[,WORKER:STEP]": that worker SIGKILLs itself inside backward at that step
+  JOB_KILL         "WORKER:STEP[,WORKER:STEP]": that worker SIGKILLs itself inside backward at the first
+                   step >= STEP taken in a world of JOB_KILL_SIZE workers (default: any size)
+  JOB_GO_FILE      wait (up to 120 s) for this file before joining: the worker is started early, so
+                   its imports are done by the time the test lets it join
   JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more
   JOB_META         1: build() makes the model on the meta device (values come from the commit)
   JOB_STOP_FILE    after JOB_STEPS, go on until this file exists (decided collectively each step)
@@ -34,7 +37,9 @@ WORKER = os.environ["ELASTIC_WORKER_ID"]
 STEPS = int(os.environ.get("JOB_STEPS", "30"))
 COMMIT_EVERY = int(os.environ.get("JOB_COMMIT_EVERY", "2"))
 STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0"))
-KILL = dict(k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k)
+KILL = {w: int(s) for w, s in (k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k)}
+KILL_SIZE = int(os.environ.get("JOB_KILL_SIZE", "0"))
+GO_FILE = os.environ.get("JOB_GO_FILE", "")
 UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
 META = os.environ.get("JOB_META") == "1"
 STOP_FILE = os.environ.get("JOB_STOP_FILE", "")
@@ -67,7 +72,7 @@ class Tiny(torch.nn.Module):
         h = self.embed(tokens) * self.scale
         for i, block in enumerate(self.layers):
             h = block(h)
-            if i == 0 and str(STATE.step) == KILL.get(WORKER):
+            if i == 0 and WORKER in KILL and STATE.step >= KILL[WORKER] and elastic.size() >= KILL_SIZE:
                 h.register_hook(_die)   # runs mid-backward, after the head's gradients are reduced
         return self.head(h)
 
@@ -161,6 +166,9 @@ def train(state):
 
 
 if __name__ == "__main__":
+    if GO_FILE:
+        from tests.waiting import wait_until
+        wait_until(lambda: os.path.exists(GO_FILE), 120, f"the go file {GO_FILE}", interval=0.05)
     steps = train(STATE)
     full = STATE.full_state_dict()
     event("done", step=steps, params=sum(t.numel() for t in full.values()))
