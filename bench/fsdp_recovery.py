@@ -7,7 +7,7 @@
 
 Each run is bench/_fsdp_recovery_worker.py under ``elastic-run --np W --min-np 2
 --max-restarts 0``: the workers train, committing every --commit-every steps; once every
-worker passed step --kill-at, one of them (--victim, by start order) is SIGKILLed and the
+worker passed step --kill-at, rank --victim-rank is SIGKILLed and the
 survivors reshard the last commit onto the smaller world and train on.
 
   commit cost       mean commit time (each rank's shard copy and the buddy send, plus the
@@ -93,7 +93,8 @@ def one_run(args) -> dict:
                          args.timeout, "first world")[0]
         wait_for(lambda: len({e["pid"] for e in events(run_dir) if e["ev"] == "step" and e["step"] > args.kill_at})
                  == args.workers, args.timeout, f"step {args.kill_at} on every worker")
-        victim = sorted(int(p) for p in os.listdir(os.path.join(run_dir, "pids")))[args.victim % args.workers]
+        ranks = {e["rank"]: e["pid"] for e in events(run_dir) if e["ev"] == "world" and e["v"] == first["v"]}
+        victim = ranks[args.victim_rank % args.workers]
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
         new = wait_for(lambda: [e for e in events(run_dir) if e["ev"] == "world" and e["v"] > first["v"]],
@@ -145,14 +146,16 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-at", type=int, default=25, help="SIGKILL one worker once all passed this step")
     ap.add_argument("--after", type=int, default=5, help="steps the survivors run after the recovery")
     ap.add_argument("--repeat", type=int, default=1, help="jobs to run (one SIGKILL each), one row each")
-    ap.add_argument("--victim", type=int, default=1,
-                    help="which worker to kill, by start order (its rank is whatever the rendezvous gave it)")
+    ap.add_argument("--victim-rank", type=int, default=3,
+                    help="the rank to kill (which decides the bytes that move: none for rank 0, half the state for "
+                         "the last rank of 4)")
     ap.add_argument("--meta-build", action="store_true",
                     help="the workers' build() makes the model on the meta device once they hold a commit")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
     print(f"# fsdp recovery: {args.workers} workers, width {args.width}, depth {args.depth}, commit every "
-          f"{args.commit_every}, {os.cpu_count()} CPUs, load average {load()}", flush=True)
+          f"{args.commit_every}, rank {args.victim_rank} killed, {os.cpu_count()} CPUs, load average {load()}",
+          flush=True)
     runs = []
     for i in range(args.repeat):
         runs.append(one_run(args))
