@@ -20,7 +20,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 import elastic
-from elastic import logs, session
+from elastic import logs, world
 
 
 class Block(torch.nn.Module):
@@ -47,7 +47,7 @@ def shard(model, mesh) -> None:
 
 def ring_bandwidth(nbytes: int = 32 << 20, rounds: int = 3) -> float:
     """Bytes per second that one ring allgather of ``nbytes`` in all delivers to each rank."""
-    comm = session.ring()
+    comm = world.ring()
     counts = [nbytes // comm.size] * comm.size
     out = np.empty(sum(counts), dtype=np.uint8)
     mine = np.ones(counts[comm.rank], dtype=np.uint8)

@@ -11,7 +11,7 @@ survivors' commit events measure it, plus 0.5 s), and the steps the survivors re
 leave restores nothing).
 
 It starts a rendezvous server (in-memory store, heartbeat timeout --heartbeat-timeout) and
-the chaos suite's training job (tests/runtime/job.py: a per-sample counter in the model,
+the chaos suite's training job (tests/elastic/job.py: a per-sample counter in the model,
 state hashes, JSON event logs) on --workers processes. Then, --kills times: wait a random
 0.5-2.5 s, pick a random worker and SIGKILL it (a new worker is started in its place) or
 SIGSTOP it (it is sent SIGCONT once the others have recovered, and must come back as a new
@@ -41,7 +41,7 @@ sys.path.insert(0, REPO)
 
 from tests.chaos.checks import lost_commits  # noqa: E402
 from tests.rendezvous.rdzv_helpers import ServerProc  # noqa: E402
-from tests.runtime.jobs import Job  # noqa: E402
+from tests.elastic.jobs import Job  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
 

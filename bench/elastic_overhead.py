@@ -109,7 +109,7 @@ def worker(steps: int, rounds: int) -> None:
     # What recording adds to one allreduce, alone: the hooks of an async allreduce and its wait
     # on this ring (what DistributedOptimizer runs per gradient), recording on.
     grad = next(ours_model.parameters()).detach()
-    comm = elastic.session.ring()
+    comm = elastic.world.ring()
     metrics_on("+metrics", True)
     t0 = time.perf_counter()
     for _ in range(20000):

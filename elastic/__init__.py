@@ -32,12 +32,15 @@ from .errors import (
 )
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .run import run
-from .session import (cross_rank, cross_size, init, local_rank, local_size, rank, request_leave, shutdown, size,
-                      world_version)
+from .session import init, request_leave, shutdown
+from .world import cross_rank, cross_size, local_rank, local_size, rank, size, world_version
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
 from rendezvous import __version__  # the distribution's version, from its metadata
+from . import torch_guidance
+
+torch_guidance.install_when_torch_loads()   # under elastic-run: torch's errors name our fix
 
 
 def __getattr__(name):
@@ -48,9 +51,12 @@ def __getattr__(name):
     if name in ("ShardedState", "CommitLostError"):
         from . import sharded
         return getattr(sharded, name)
-    if name in ("DistributedDataParallel", "process_group"):
-        from . import distributed
-        return getattr(distributed, name)
+    if name == "DistributedDataParallel":
+        from . import ddp
+        return ddp.DistributedDataParallel
+    if name == "process_group":
+        from . import group
+        return group.process_group
     if name == "device_mesh":
         from . import mesh
         return mesh.device_mesh

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import session
+from . import world
 from .communicator import Communicator, Handle
 from .ops import ReduceOp
 
@@ -12,12 +12,12 @@ from .ops import ReduceOp
 def set_communicator(comm: Optional[Communicator]) -> None:
     """Makes ``comm`` the ring the module-level collectives use while no session runs (tools
     and tests that form a ring by hand); the session's own ring always comes first."""
-    session.use_ring(comm)
+    world.use_ring(comm)
 
 
 def current_communicator() -> Communicator:
-    """The ring the collectives run on now (see ``elastic.session.ring``)."""
-    return session.ring()
+    """The ring the collectives run on now (see ``elastic.world.ring``)."""
+    return world.ring()
 
 
 def allreduce(tensor: Any, op: ReduceOp = ReduceOp.Average) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -473,14 +473,6 @@ class Communicator:
         self._native.allgather_(arr, out, [nbytes] * self.size)
         return out
 
-    def allgather_bytes(self, mine: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-        """Every rank's bytes in rank order, rank r's ``sizes[r]`` long (``mine`` is this rank's).
-        ``sizes`` must be agreed by every rank (``allgather_equal``) and bounded first: they set
-        what this rank allocates."""
-        out = np.empty(sum(sizes), dtype=np.uint8)
-        self._native.allgather_(_native_array(mine, "allgather_bytes", read_only=True), out, [int(n) for n in sizes])
-        return out
-
     def _blame(self, message: str, op: str, peer: int) -> BadPeerError:
         """What rank ``peer`` sent cannot be received: its failure (see ``BadPeerError``)."""
         return BadPeerError(f"{op} in world version {self.world_version}: {message}", op=op,
@@ -546,24 +538,56 @@ class Communicator:
         ``BadPeerError`` naming the root on the others, before anything is allocated.
         """
         root_rank = int(root_rank)
+        encoded, failure, size = encode_object(obj) if self.rank == root_rank else (None, None, 0)
+
+        def check(announced: int) -> None:
+            if failure is not None:   # raised after the size went out: no rank waits for an object not coming
+                raise failure
+            self.raise_for_object_size(announced, root_rank, op)
+
+        buf = self.broadcast_encoded(encoded, root_rank, check, announced=size)
         if self.rank == root_rank:
-            encoded, failure, size = encode_object(obj)
-            length = np.array([size], dtype=np.int64)
-        else:
-            length = np.zeros(1, dtype=np.int64)
-        # Told before failing, no rank waits for an object that is not coming.
+            return obj
+        return self.decode_object(buf, root_rank, op)
+
+    def broadcast_encoded(self, encoded: Any, root_rank: int, check: Callable[[int], None],
+                          announced: Optional[int] = None) -> np.ndarray:
+        """``root_rank``'s encoded bytes (``serialization.Encoded``) on every rank, size first: the
+        root announces ``announced`` (default ``encoded.nbytes``; a negative number says it has
+        nothing to send), every rank passes the size to ``check``, which raises to stop before
+        anything is allocated (every rank must stop alike: with a verdict from the size alone,
+        or after agreeing in collectives of its own), then the bytes follow. Returns them as a
+        uint8 array (the root's own too, so every rank can decode the same bytes)."""
+        length = np.zeros(1, dtype=np.int64)
+        if self.rank == root_rank:
+            length[0] = encoded.nbytes if announced is None else announced
         self.broadcast_(length, root_rank)
-        if self.rank == root_rank and failure is not None:
-            raise failure
         size = int(length[0])
-        self.raise_for_object_size(size, root_rank, op)
+        check(size)
         buf = np.empty(size, dtype=np.uint8)
         if self.rank == root_rank:
             encoded.copy_into(buf)
         self.broadcast_(buf, root_rank)
-        if self.rank == root_rank:
-            return obj
-        return self.decode_object(buf, root_rank, op)
+        return buf
+
+    def allgather_encoded(self, encoded: Any, announced: int, check: Callable[[int, int], None]) -> list:
+        """Every rank's encoded bytes, in rank order, sizes first: each rank announces
+        ``announced`` (its ``encoded.nbytes``, or a negative number when it has nothing to send),
+        ``check(rank, size)`` runs for every rank in rank order on every rank (it raises to stop
+        before anything is allocated: the same sizes, so the same verdict everywhere), then the
+        bytes. Returns one uint8 array per rank."""
+        sizes = [int(n) for n in self.allgather_equal(np.array([announced], dtype=np.int64))[:, 0]]
+        for r, n in enumerate(sizes):
+            check(r, n)
+        mine = np.empty(announced, dtype=np.uint8)
+        encoded.copy_into(mine)
+        data = np.empty(sum(sizes), dtype=np.uint8)
+        self._native.allgather_(mine, data, sizes)
+        out, at = [], 0
+        for n in sizes:
+            out.append(data[at:at + n])
+            at += n
+        return out
 
     def raise_for_object_size(self, size: int, sender: int, op: str) -> None:
         """Raises unless ``size``, what rank ``sender`` announced for its object, may be received."""

@@ -1,25 +1,38 @@
 """Worker configuration: the one place the runtime reads the environment the launcher sets.
 
-| variable | meaning | default |
-| --- | --- | --- |
-| ``ELASTIC_RENDEZVOUS`` | rendezvous server(s), ``HOST:PORT[,HOST:PORT…]`` | required for ``init()`` |
-| ``ELASTIC_JOB_ID`` | job id (``[A-Za-z0-9._-]``, 1-128 chars) | ``default`` |
-| ``ELASTIC_WORKER_ID`` | unique worker id within the job | ``HOST-PID`` |
-| ``ELASTIC_HOST`` | host name; ranks of one host are contiguous | ``socket.gethostname()`` |
-| ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address (which must then not be loopback) |
-| ``ELASTIC_TOKEN`` / ``ELASTIC_TOKEN_FILE`` | rendezvous token (gRPC metadata) | none (insecure server) |
-| ``ELASTIC_TLS_CA`` | connect to the rendezvous with TLS, trusting this CA (PEM) | plaintext |
-| ``ELASTIC_TLS_CERT`` / ``ELASTIC_TLS_KEY`` | client certificate and key (servers with ``--tls-client-ca``) | none |
-| ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits this worker insists on: a running job with others refuses it | unset: the job's, whenever it joins |
-| ``ELASTIC_MIN_NP_IF_NEW`` / ``ELASTIC_MAX_NP_IF_NEW`` | the limits of a job this worker's join creates, where the two above are unset | 1 / 1024 |
-| ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | server default |
-| ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 |
-| ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 |
-| ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 |
-| ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form | ``ELASTIC_WORLD_TIMEOUT`` |
-| ``ELASTIC_COLLECTIVE_TIMEOUT`` etc. | ring settings, see ``elastic.CommConfig`` | |
-| ``ELASTIC_LOG_LEVEL`` | log the runtime's lines at this level without the script configuring logging (``elastic.logs``) | unset: Python's defaults |
-| ``ELASTIC_METRICS_SOCKET`` / ``ELASTIC_METRICS_TOKEN`` | where to push this worker's metrics, and its token (``elastic-run --metrics-port`` sets both, see ``elastic.metrics``) | no metrics |
+This is the one table of a worker's environment (README's "Configuration" points here).
+"default" is what a worker started by hand gets; "elastic-run" is what the launcher sets.
+
+| variable | meaning | default | elastic-run |
+| --- | --- | --- | --- |
+| ``ELASTIC_RENDEZVOUS`` | rendezvous server(s), ``HOST:PORT[,HOST:PORT…]`` | required for ``init()`` | its embedded server, or ``--rendezvous`` |
+| ``ELASTIC_JOB_ID`` | job id (``[A-Za-z0-9._-]``, 1-128 chars) | ``default`` | ``--job-id`` |
+| ``ELASTIC_WORKER_ID`` | unique worker id within the job | ``HOST-PID`` | ``HOST-SLOT``, ``HOST-SLOT-rN`` after respawns |
+| ``ELASTIC_HOST`` | host name; ranks of one host are contiguous | ``socket.gethostname()`` | ``--host`` |
+| ``ELASTIC_RING_HOST`` | address this worker's ring listener binds and announces | ``127.0.0.1`` if the rendezvous is on loopback, else the host's address (which must then not be loopback: a loopback one stops the worker) | inherited |
+| ``ELASTIC_TOKEN_FILE`` / ``ELASTIC_TOKEN`` | rendezvous token (gRPC metadata) | none (insecure server) | ``--token-file``; the embedded server's private token file |
+| ``ELASTIC_TLS_CA`` | connect to the rendezvous with TLS, trusting this CA (PEM) | plaintext | ``--tls-ca`` |
+| ``ELASTIC_TLS_CERT`` / ``ELASTIC_TLS_KEY`` | client certificate and key (servers with ``--tls-client-ca``) | none | ``--tls-cert`` / ``--tls-key`` |
+| ``ELASTIC_MIN_NP`` / ``ELASTIC_MAX_NP`` | job size limits this worker insists on: a running job with others refuses it | unset: the job's, whenever it joins | ``--min-np`` / ``--max-np`` when given |
+| ``ELASTIC_MIN_NP_IF_NEW`` / ``ELASTIC_MAX_NP_IF_NEW`` | the limits of a job this worker's join creates, where the two above are unset | 1 / 1024 | ``--min-np`` (= ``--np``) / ``--max-np`` (1024) |
+| ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | the server's (600) | ``--elastic-timeout`` (600) |
+| ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 | inherited |
+| ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form (the rendezvous aborts it sooner when a peer fails) | ``ELASTIC_WORLD_TIMEOUT`` | inherited |
+| ``ELASTIC_COLLECTIVE_TIMEOUT`` | seconds a worker may stay in one collective before it fails and the world re-forms (README: "The collective timeout") | 1800 | ``--collective-timeout`` |
+| ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 | inherited |
+| ``ELASTIC_DEFAULT_GROUP`` | ``0`` (``false``, ``no``, ``off``): ``elastic.run`` leaves torch.distributed's default group unset (``elastic.process_group()`` still works) | ``1`` | inherited |
+| ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 | ``--preempt-grace`` |
+| ``ELASTIC_LOG_LEVEL`` | log the runtime's lines (rank of each world, standby, recoveries) on stderr at this level, unless the script configured logging itself (``elastic.logs``) | unset: Python's defaults | ``--log-level`` (``info``; ``--quiet``: ``warning``) |
+| ``ELASTIC_METRICS_SOCKET`` / ``ELASTIC_METRICS_TOKEN`` | where to push this worker's metrics, and its token (``elastic.metrics``) | no metrics | ``--metrics-port`` sets both |
+| ``ELASTIC_TRANSPORT`` | ``auto``: shared memory between ring neighbours on the same host, TCP otherwise; ``tcp``: TCP only (``elastic.CommConfig``) | ``auto`` | inherited |
+| ``ELASTIC_ALLREDUCE_ALGORITHM``, ``ELASTIC_HIERARCHICAL_BYTES`` | ``auto``: hierarchical (per host, then across hosts) in mixed worlds above the byte threshold, the ring otherwise; ``ring``; ``hierarchical``. Ring settings must be the same on every worker (checked when a ring forms) | ``auto``, 4 MiB | inherited |
+| ``ELASTIC_SEGMENT_BYTES``, ``ELASTIC_SMALL_BYTES``, ``ELASTIC_FUSION_THRESHOLD`` | ring pipeline segment, small-message cut-off, async fusion bucket | 1 MiB, 32 KiB, 64 MiB | inherited |
+| ``ELASTIC_LOCAL_SLOT`` | the worker's slot on its host, stable across respawns (read by scripts, not here) | unset | the slot |
+| ``ELASTIC_RESTART_COUNT`` | times this slot was started before (read by scripts, not here) | unset | the count |
+
+elastic-run also sets torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS``
+(README: "From torchrun"), and, unless they are set already, ``PYTHONUNBUFFERED=1``,
+``GRPC_VERBOSITY=ERROR`` and ``GRPC_ENABLE_FORK_SUPPORT=0`` (``elastic.launch.environment``).
 
 The ring secret is not configured: the rendezvous server makes a random one per job and hands it
 to each worker it admits (``RendezvousClient.ring_secret``).
@@ -63,6 +76,7 @@ class WorkerConfig:
     log_level: Optional[str] = None         # ELASTIC_LOG_LEVEL: install the "elastic" log handler (elastic.logs)
     metrics_socket: Optional[str] = None    # elastic-run --metrics-port: push metrics there
     metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
+    default_group: bool = True              # ELASTIC_DEFAULT_GROUP: elastic.run makes the elastic group torch's default
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
 
     @classmethod
@@ -117,6 +131,7 @@ class WorkerConfig:
             log_level=_log_level(env.get("ELASTIC_LOG_LEVEL", "")),
             metrics_socket=metrics_socket,
             metrics_token=metrics_token,
+            default_group=default_group_from_env(env),
             comm=CommConfig.from_env(env),
         )
         if env.get("ELASTIC_FORM_TIMEOUT", "") == "":
@@ -132,6 +147,17 @@ class WorkerConfig:
     def channel_credentials(self):
         """TLS credentials for the rendezvous channel (None: plaintext)."""
         return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, names=TLS_VARIABLES)
+
+
+DEFAULT_GROUP_ENV = "ELASTIC_DEFAULT_GROUP"
+
+
+def default_group_from_env(env: Optional[Mapping[str, str]] = None) -> bool:
+    """ELASTIC_DEFAULT_GROUP: ``0``, ``false``, ``no`` or ``off`` keep ``elastic.run`` from making
+    the elastic group torch.distributed's default group; anything else, or unset, lets it. Read
+    here for ``WorkerConfig`` and for ``elastic.group.install_default_group`` called outside a session."""
+    env = os.environ if env is None else env
+    return env.get(DEFAULT_GROUP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _log_level(raw: str) -> Optional[str]:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Tuple
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from .distributed import ElasticProcessGroup, process_group
+from .group import ElasticProcessGroup, process_group
 
 _lock = threading.Lock()
 _made: Optional[Tuple[ElasticProcessGroup, DeviceMesh]] = None   # the last world's view and its mesh

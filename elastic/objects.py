@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -67,19 +66,13 @@ def _gather(comm: Communicator, obj: Any, op: str) -> List[Any]:
     """Every rank's encoded object, in rank order: one size exchange (every size checked
     before anything is allocated), then the bytes."""
     encoded, failure, size = encode_object(obj)
-    sizes = [int(n) for n in comm.allgather_equal(np.array([size], dtype=np.int64))[:, 0]]
-    for r, n in enumerate(sizes):   # the same order on every rank: the same error on every rank
+
+    def check(r: int, n: int) -> None:   # the same order on every rank: the same error on every rank
         if r == comm.rank and failure is not None:
             raise failure
         comm.raise_for_object_size(n, r, op)
-    mine = np.empty(size, dtype=np.uint8)
-    encoded.copy_into(mine)
-    data = comm.allgather_bytes(mine, sizes)
-    out, at = [], 0
-    for n in sizes:
-        out.append(data[at:at + n])
-        at += n
-    return out
+
+    return comm.allgather_encoded(encoded, size, check)
 
 
 def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:

@@ -4,7 +4,7 @@ and the grace period it has to do so.
 Preemptible VMs, Kubernetes eviction and Slurm all announce the end with SIGTERM and a grace
 period. The request is only recorded here; the session carries it out at the next commit
 boundary, where every rank learns of it through the same membership allreduce as a join
-(``elastic.session.check_membership``), so the survivors keep their state. If no boundary comes
+(``Session.check_membership``, see ``elastic.session``), so the survivors keep their state. If no boundary comes
 within the grace (``ELASTIC_PREEMPT_GRACE``), the worker ends as a failure: a log line, then
 ``os._exit(GRACE_EXPIRED_EXIT)``, and the survivors restore their last commit as for any lost peer.
 

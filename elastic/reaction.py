@@ -3,7 +3,7 @@
 The rendezvous server decides who is in the job (``rendezvous/decision.py``); each worker then has
 to decide what an announcement means for the ring it holds right now. That decision lives here,
 without sockets, threads or clocks, so every rule is a row of a table test
-(``tests/runtime/test_reaction.py``); the session object feeds it the events its pump thread reads
+(``tests/elastic/test_reaction.py``); the session object feeds it the events its pump thread reads
 and carries out the actions.
 
 Rules:
@@ -18,6 +18,14 @@ Rules:
 * An ended session aborts the ring: its peers will not hear from this membership again.
 * Standby (a world without this worker) is recorded; an older ring keeps running until its next
   commit boundary, where the pending change moves this worker out.
+
+And what the session's loop does after an error (``after_error``), when it forms a ring
+(``must_form``) and when a ring that just connected is already dead (``aborted_while_forming``):
+* A lost worker (``WorkerLostError``, ``BadPeerError`` too): restore the last commit, report the
+  suspect, take a world newer than both the ring held and the one the error names.
+* A neighbour at another world version (``HandshakeError``): ours is stale; restore, and take a
+  world newer than the one held. Nothing to report: the neighbour is alive.
+* A clean join or leave (``MembershipChanged``): keep the state, take a world newer than the one held.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import dataclasses
 from typing import Optional, Tuple, Union
 
 from rendezvous.watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
+
+from .errors import HandshakeError, MembershipChanged, WorkerLostError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,3 +136,36 @@ def rejoined(view: View) -> Tuple[View, int]:
     """The view after joining again as a new member, and the lowest world version to take:
     a new member makes a new world, so no world seen before will do."""
     return dataclasses.replace(view, latest=None, ended=None), view.seen_version + 1
+
+
+def aborted_while_forming(view: View, version: int) -> bool:
+    """The ring of world ``version`` connected, but an abort of that version (or a newer one)
+    arrived meanwhile: its peers are gone or going, so it must fail now, not at its first collective."""
+    return view.aborted_version >= version
+
+
+def must_form(ring_version: int, ring_failed: bool, min_version: int) -> bool:
+    """Whether the loop forms a new ring before it syncs: it holds none (``ring_version`` 0),
+    the one it holds failed, or that one is older than the world it must take."""
+    return ring_version <= 0 or ring_failed or ring_version < min_version
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What the loop does after an error the training function (or a form, or a sync) raised."""
+
+    min_version: int   # the lowest world version to take next
+    restore: bool      # roll the state back to the last commit (a failure), else keep it (a clean change)
+    report: bool       # tell the rendezvous which peer broke
+
+
+def after_error(error: BaseException, ring_version: int) -> Optional[Recovery]:
+    """The next-world rule for ``error`` while holding the ring of ``ring_version`` (0: none);
+    None for an error that is not the loop's to handle (it ends the worker)."""
+    if isinstance(error, WorkerLostError):   # BadPeerError too: reported as an unusable address
+        return Recovery(max(error.world_version, ring_version) + 1, restore=True, report=True)
+    if isinstance(error, HandshakeError):
+        return Recovery(ring_version + 1, restore=True, report=False)
+    if isinstance(error, MembershipChanged):
+        return Recovery(ring_version + 1, restore=False, report=False)
+    return None

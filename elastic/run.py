@@ -1,19 +1,9 @@
 """``elastic.run``: the decorator that runs a training function under the worker's session,
-which keeps it going across failures and world changes (``elastic.session`` owns the loop):
-
-    join and form the ring -> sync state -> func(state)
-      WorkerLostError   : restore the last commit, report the suspect, wait for the next world
-                          (BadPeerError too: a neighbour with an unusable address, or one that
-                          does not prove the job's secret, is reported to be evicted)
-      HandshakeError    : an authenticated neighbour is at another world version: restore and
-                          take the next world
-      MembershipChanged : keep the state, form the next world
-      asked to leave    : (SIGTERM, SIGINT, elastic.request_leave()) leave at the next commit and
-                          raise elastic.Preempted; the others keep their state (a MembershipChanged)
-    then reset callbacks, sync, and call func again. A failure while forming or syncing is
-    handled like any other. Any other exception ends this worker with its traceback, among
-    them SettingsMismatchError (the workers' ring settings differ: no later world fixes that).
-    What to do is decided by the exception's type, never by its text.
+which keeps it going across failures and world changes. The step protocol it runs (form, sync,
+the function, commits; what each error leads to) is described once, in ``elastic.session``.
+Any exception the protocol does not handle ends this worker with its traceback, among them
+SettingsMismatchError (the workers' ring settings differ: no later world fixes that). What to
+do is decided by the exception's type, never by its text (``elastic.reaction.after_error``).
 """
 
 from __future__ import annotations
@@ -62,8 +52,22 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
             raise TypeError(f"elastic.run: the first argument must be an elastic State, got {type(state).__name__}")
         if checkpoint_dir:
             state.enable_durable_commits(checkpoint_dir, checkpoint_every)
+        _plug_in_torch()
         s = session.init(form=False)  # join only: forming happens in the loop, with recovery
         limit = s.config.reset_limit if reset_limit is None else reset_limit
         return s.run(func, state, args, kwargs, limit)
 
     return wrapper
+
+
+def _plug_in_torch() -> None:
+    """Imports the torch layer where torch.distributed is there (numpy-only installs lack it):
+    ``elastic.ddp`` and the ``elastic.group`` it imports register their step hooks, on every
+    rank alike (the default group, DDP's reducers after each sync, torch errors made of ring
+    failures)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available():
+        from . import ddp  # noqa: F401  (importing it registers the hooks)

@@ -96,8 +96,8 @@ class ElasticSampler:
     def _world(self):
         if self._fixed_size is not None:
             return (self._fixed_rank or 0), self._fixed_size
-        from . import session
-        world = session.current_world()
+        from .world import current_world
+        world = current_world()
         if world is None:
             return 0, 1
         return world.rank, world.size

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import checkpoint, metrics, reshard, session
+from . import checkpoint, hooks, metrics, reshard, session, world
 from . import sharded_checkpoint as durable_format
 from . import sharded_transfer as transfer
 from .errors import BadPeerError, ElasticError, MembershipChanged, Preempted
@@ -165,9 +165,16 @@ class ShardedState(ObjectState):
             if self.model is None:
                 raise RuntimeError("ShardedState.commit(): there is no model yet; commit inside the function "
                                    "elastic.run runs")
-            comm = session.ring()
+            comm = world.ring()
+            step = self.commit_step + 1
+
+            def boundary() -> None:   # as the step protocol's commit: the hooks, then the membership check
+                for h in hooks.registered():
+                    h.committed(self, step)
+                session.protocol().check_membership()
+
             try:
-                self._take_copies(comm, self.commit_step + 1, session.check_membership)
+                self._take_copies(comm, step, boundary)
             finally:
                 if self._checkpoint_dir and self._held is not None and self._held[0].step == self.commit_step and \
                         self.commit_step % self._checkpoint_every == 0 and self._written != self.commit_step:
@@ -248,9 +255,7 @@ class ShardedState(ObjectState):
                 object.__setattr__(self, "_held", (gen, comm.rank))
                 object.__setattr__(self, "_pending", None)
                 object.__setattr__(self, "commit_step", step)
-                s = session.active()
-                if s is not None:
-                    s.record_commit(step)
+                session.protocol().record_commit(step)
             else:
                 # Sent and received, not agreed: kept apart, announced at the next sync as pending.
                 object.__setattr__(self, "_pending", (gen, comm.rank, own, buddy))
@@ -276,7 +281,9 @@ class ShardedState(ObjectState):
         """Builds this world's model and optimizer and loads the commit every rank agreed on,
         resharded (module doc); then commits that layout again."""
         with metrics.timed(self, "sync"):
-            comm = session.ring()
+            comm = world.ring()
+            for h in hooks.registered():
+                h.before_sync(self)
             started = time.monotonic()
             clock = _Phases()
             holdings = transfer.agree_holdings(comm, self._held, self._pending)
@@ -342,9 +349,8 @@ class ShardedState(ObjectState):
             log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
                      "in %.3f s", comm.world_version, decision.generation.step, decision.generation.size,
                      decision.generation.version, moved, time.monotonic() - started)
-        torch_group = session._torch_distributed()
-        if torch_group is not None:
-            torch_group.after_sync(self, decision.root)
+        for h in hooks.registered():   # the torch group and DDP follow the new world
+            h.after_sync(self, decision.root)
 
     def _agree_durable(self, comm) -> Optional[durable_format.Durable]:
         """The newest complete durable commit, the same on every rank (one allgather of its step)."""
@@ -388,9 +394,8 @@ class ShardedState(ObjectState):
         self._take_copies(comm, disk.step, _agreement(comm))
         log.info("world version %d: resumed from durable commit %d in %s (written by %d ranks) in %.3f s",
                  comm.world_version, disk.step, disk.path, disk.size, time.monotonic() - started)
-        torch_group = session._torch_distributed()
-        if torch_group is not None:
-            torch_group.after_sync(self, 0)
+        for h in hooks.registered():
+            h.after_sync(self, 0)
 
     def _copies_of(self, gen: reshard.Generation):
         """This rank's own and buddy copies of ``gen`` (None where it holds none)."""
@@ -466,7 +471,7 @@ class ShardedState(ObjectState):
             return self._full
         if self.model is None:
             raise RuntimeError("ShardedState.full_state_dict(): no model yet (it is made by elastic.run)")
-        comm = session.ring()
+        comm = world.ring()
         out: Dict[str, torch.Tensor] = {fqn: transfer.gather(comm, p, fqn) for fqn, p in self._params()}
         for fqn, b in self.model.named_buffers():
             out[fqn] = b.detach().clone()
@@ -479,7 +484,7 @@ class ShardedState(ObjectState):
         collective inside ``elastic.run``: every rank calls it."""
         if self.optimizer is None:
             return {}
-        comm = session.ring()
+        comm = world.ring()
         out: Dict[str, Dict[str, Any]] = {}
         for fqn, p in self._params():
             for name, v in sorted(self.optimizer.state.get(p, {}).items()):

@@ -47,9 +47,7 @@ def local_rows(t: Any, what: str) -> torch.Tensor:
 
 def world_mesh():
     """A 1-D ``DeviceMesh`` over the current world (``elastic.device_mesh()``)."""
-    from . import distributed
     from .mesh import device_mesh
-    distributed.install_default_group()
     return device_mesh()
 
 

@@ -1,17 +1,12 @@
 """Committed training state: commit() takes a copy, restore() rolls back to it, sync() makes
 every rank hold the commit of the most advanced rank.
 
-A ``State`` takes and loads snapshots; when it does is the step protocol of the worker's
-session (``elastic.session``), which ``elastic.run`` drives:
-- ``commit()`` copies everything (state dicts and attributes: copies, not references), then runs
-  ``check_membership()``, so a clean join or leave takes effect at the same commit on every rank.
-- on ``WorkerLostError`` every survivor ``restore()``s its last commit;
-- after every re-form (and the reset callbacks), ``sync()`` agrees (one allgather) on the highest
-  commit step and broadcasts that rank's state to everyone, newcomers included; everyone loads
-  the same bytes, so all ranks then hold the same bits. The broadcast state is the root's live
-  state: after a failure that is its restored commit, after a clean change it is where every
-  rank stopped (nothing is rolled back), and either way it includes what the reset callbacks
-  changed (a learning rate rescaled by ``size()``, say).
+A ``State`` takes, encodes and adopts snapshots; when it does is the step protocol of the
+worker's session, described in ``elastic.session``: ``commit()``, ``sync()`` and
+``check_membership()`` hand this state to it. A commit copies everything (state dicts and
+attributes: copies, not references); on a failure every survivor ``restore()``s its last commit;
+a sync makes every rank hold the most advanced rank's live state, including what the reset
+callbacks changed (a learning rate rescaled by ``size()``, say).
 
 What is sent and stored is in ``elastic.serialization``'s format, never pickle: reading a
 peer's sync payload or a checkpoint file builds tensors, arrays and plain values and runs no
@@ -131,7 +126,7 @@ class State:
         raises ``TypeError`` naming it, before anything is copied: the last commit stays.
         """
         with metrics.timed(self, "commit"):
-            session.commit(self)
+            session.protocol().commit(self)
 
     def restore(self) -> None:
         """Rolls the live state back to the last commit (no-op before the first)."""
@@ -140,12 +135,12 @@ class State:
 
     def check_membership(self) -> None:
         """Raises MembershipChanged on every rank at once when a clean join/leave is pending."""
-        session.check_membership()
+        session.protocol().check_membership()
 
     def sync(self) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""
         with metrics.timed(self, "sync"):
-            session.sync(self)
+            session.protocol().sync(self)
 
     # -- snapshots, as the session's step protocol takes and loads them
     def take_snapshot(self) -> None:

@@ -1,14 +1,13 @@
-"""A plain torch DDP training script on elastic-ring: three lines differ from torchrun's version.
+"""A plain torch DDP training script on elastic-ring, with a commit every few batches.
 
     elastic-run --np 4 -- python examples/train_ddp.py
     elastic-run --np 4 -- python examples/train_ddp.py --epochs 30 --step-sleep 0.05   # time to kill one
 
-The same script under torchrun would say ``dist.init_process_group("gloo")`` and
-``model = DDP(net)``, and would lose every worker to one failure. Here the lines marked
-``# elastic`` wrap the model, name the state to keep, and run the loop under ``elastic.run``:
-a failed worker costs the others a restore of the last ``state.commit()``, nothing more.
-Everything else (``dist.get_rank()``, ``dist.all_reduce``, the DDP forward/backward, the
-optimizer) is torch's own, on the elastic ring.
+The lines marked ``# elastic`` wrap the model, name the state to keep, and run the loop
+under ``elastic.run``: a failed worker costs the others a restore of the last
+``state.commit()``, nothing more. Everything else (``dist.get_rank()``, ``dist.all_reduce``,
+the DDP forward/backward, the optimizer) is torch's own, on the elastic ring.
+examples/from_torchrun/ shows a torchrun script next to its elastic-ring version.
 """
 
 import argparse

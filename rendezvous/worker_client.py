@@ -100,8 +100,8 @@ class RendezvousClient:
         self._closed = threading.Event()
         self._watch_thread: Optional[threading.Thread] = None
         self._watch_call = None
-        # Guards the session number, session id, event queue pushes and the watching flag.
-        self._session_lock = threading.Condition()
+        # Guards what a join changes: the rendezvous session number and id, event queue pushes, the watching flag.
+        self._join_lock = threading.Condition()
         self._gen = 0                       # session number: bumped by every join()
         self._watching = False              # a watch thread runs (or is about to) for this client
         self._committed_step = -1           # resent on every (re)attach: the server keeps it soft
@@ -174,7 +174,7 @@ class RendezvousClient:
         emptied and nothing from the old session is delivered any more. The previous session id is
         sent along: the server lets a worker id that is still registered join again only with it.
         """
-        with self._session_lock:
+        with self._join_lock:
             self._gen += 1
             old_sid, self.session_id = self.session_id, None   # the watch thread pauses meanwhile
             self._committed_step = max(self._committed_step, committed_step)
@@ -194,12 +194,12 @@ class RendezvousClient:
                                          f"server sent no ring secret ({len(resp.ring_secret)} "
                                          f"bytes); it is too old for this client")
         except BaseException:
-            with self._session_lock:
+            with self._join_lock:
                 if self.session_id is None:
                     self.session_id = old_sid
-                self._session_lock.notify_all()
+                self._join_lock.notify_all()
             raise
-        with self._session_lock:
+        with self._join_lock:
             self.session_id = resp.session_id
             self.ring_secret = resp.ring_secret
             self._drain_queue()
@@ -207,7 +207,7 @@ class RendezvousClient:
             self.world = None
             start = not self._watching
             self._watching = True
-            self._session_lock.notify_all()
+            self._join_lock.notify_all()
             call = self._watch_call
         if call is not None and old_sid is not None:
             call.cancel()   # stop reading the replaced session's stream now
@@ -307,8 +307,8 @@ class RendezvousClient:
     def close(self) -> None:
         """Stop the watch thread and close connections (without leaving: the server evicts us)."""
         self._closed.set()
-        with self._session_lock:
-            self._session_lock.notify_all()
+        with self._join_lock:
+            self._join_lock.notify_all()
         call = self._watch_call
         if call is not None:
             call.cancel()
@@ -328,9 +328,9 @@ class RendezvousClient:
     def _watch_loop(self) -> None:
         backoff, down_since = 0.02, None
         while not self._closed.is_set():
-            with self._session_lock:
+            with self._join_lock:
                 while self.session_id is None and not self._closed.is_set():
-                    self._session_lock.wait(0.5)    # a join() is replacing the session
+                    self._join_lock.wait(0.5)    # a join() is replacing the session
                 sid, gen = self.session_id, self._gen
             if sid is None:
                 break
@@ -372,12 +372,12 @@ class RendezvousClient:
                 continue
             self._closed.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.backoff_max_s)
-        with self._session_lock:
+        with self._join_lock:
             self._watching = False
 
     def _stop_if(self, gen: int) -> bool:
         """End the watch thread if session `gen` is still current (the next join() starts another)."""
-        with self._session_lock:
+        with self._join_lock:
             if gen != self._gen:
                 return False
             self._watching = False
@@ -385,7 +385,7 @@ class RendezvousClient:
 
     def _push(self, ev: Event, gen: int) -> bool:
         """Queue `ev` if it belongs to the current session; False if the session was replaced."""
-        with self._session_lock:
+        with self._join_lock:
             if gen != self._gen:
                 return False
             self._last = ev
@@ -405,7 +405,7 @@ class RendezvousClient:
         elif kind == "world":
             world = _world(ev.world)
             key = (world.version, world.members)
-            with self._session_lock:
+            with self._join_lock:
                 if gen != self._gen:
                     return
                 self.world = world
@@ -418,7 +418,7 @@ class RendezvousClient:
         elif kind == "pending":
             self._push(Pending(ev.pending.world_version, ev.pending.reason), gen)
         elif kind == "abort":
-            with self._session_lock:
+            with self._join_lock:
                 if gen != self._gen or self._last_abort == ev.abort.world_version:
                     return
                 self._last_abort = ev.abort.world_version

@@ -38,15 +38,13 @@ from rendezvous.channel import channel_credentials, is_loopback
 from rendezvous.event_log import EventLog
 from rendezvous.status_client import JobStatusInfo, StatusClient, StatusError, StatusFailure
 
-from ..config import TLS_VARIABLES
-from ..metrics import ENV_SOCKET, ENV_TOKEN
 from .config import LaunchConfig, UsageError, parse
 from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
 from .embedded import EmbeddedServer, EmbeddedServerFailed
+from .environment import spawn_env
 from .metrics import WorkerMetrics
 from .outcome import WorkerEnd, completion_failure
-from .procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all,
-                    worker_env)
+from .procs import Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all
 from .report import Reporter
 from .signals import StopSignals
 from .slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
@@ -376,16 +374,9 @@ class Launcher:
         n = self.spawns.get(slot, 0)
         self.spawns[slot] = n + 1
         worker_id = f"{cfg.host}-{slot}" + (f"-r{n}" if n else "")
-        env = worker_env(os.environ, {
-            "ELASTIC_RENDEZVOUS": ",".join(self._addresses), "ELASTIC_JOB_ID": cfg.job_id,
-            "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
-            **self._limits_env(),
-            **({"ELASTIC_COLLECTIVE_TIMEOUT": f"{cfg.collective_timeout:g}"} if cfg.collective_timeout else {}),
-            **self._torchrun_env(slot), "ELASTIC_LOG_LEVEL": cfg.log_level,
-            "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
-            "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(n), **self._credential_env(),
-            **(self.metrics.worker_env(worker_id) if self.metrics is not None else {}),
-        }, drop=_CREDENTIAL_VARIABLES + _METRICS_VARIABLES + _LIMIT_VARIABLES + _TORCHRUN_VARIABLES)
+        env = spawn_env(os.environ, cfg, slot=slot, incarnation=n, worker_id=worker_id, addresses=self._addresses,
+                        local_slots=self.target, token_file=self._token_file,
+                        metrics_env=self.metrics.worker_env(worker_id) if self.metrics is not None else {})
         try:
             w = Worker(slot, n, worker_id, cfg.command, env, self.out)
         except OSError as e:
@@ -396,46 +387,6 @@ class Launcher:
         self.all_workers.append(w)
         self.reporter.note_start(worker_id, time.monotonic())
         return w
-
-    def _torchrun_env(self, slot: int) -> Dict[str, str]:
-        """The variables torchrun sets that stay true across re-forms: LOCAL_RANK is the worker's
-        slot on this host (0..slots-1, its own for the process's life and its respawns': what
-        device selection needs), LOCAL_WORLD_SIZE the slots of this host; OMP_NUM_THREADS=1
-        unless the environment has one, as torchrun. RANK and WORLD_SIZE change with every
-        world: the runtime sets them in the worker's own environment as each world forms
-        (elastic.world_env); MASTER_ADDR/MASTER_PORT are not set: there is no master."""
-        env = {"LOCAL_RANK": str(slot), "LOCAL_WORLD_SIZE": str(max(self.target, slot + 1))}
-        if self.cfg.omp_num_threads is not None:
-            env["OMP_NUM_THREADS"] = self.cfg.omp_num_threads
-        return env
-
-    def _limits_env(self) -> Dict[str, str]:
-        """The job size limits its workers join with: the --min-np/--max-np given, as limits they
-        insist on; the others left to the job (whenever its workers join: a job another launcher
-        created meanwhile keeps its own), with this launcher's defaults (--min-np = --np) for a
-        job its worker's join creates."""
-        cfg = self.cfg
-        env = {"ELASTIC_MIN_NP_IF_NEW": str(cfg.min_np), "ELASTIC_MAX_NP_IF_NEW": str(cfg.max_np)}
-        if cfg.min_np_given:
-            env["ELASTIC_MIN_NP"] = str(cfg.min_np)
-        if cfg.max_np_given:
-            env["ELASTIC_MAX_NP"] = str(cfg.max_np)
-        return env
-
-    def _credential_env(self) -> Dict[str, str]:
-        """How workers authenticate, in place of those variables in the launcher's environment:
-        the embedded server's token file, else --token-file, else the inherited ELASTIC_TOKEN /
-        ELASTIC_TOKEN_FILE; the TLS files this launcher uses itself (none for the embedded server)."""
-        cfg = self.cfg
-        token_file = self._token_file
-        if token_file:
-            env = {"ELASTIC_TOKEN_FILE": os.path.abspath(token_file)}
-        else:
-            env = dict(cfg.inherited_token_env)
-        for name, path in zip(TLS_VARIABLES, (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)):
-            if path:
-                env[name] = path
-        return env
 
     def _scale(self) -> None:
         """Runs slots 0..target-1 (those not finished or waiting to respawn); stops the others."""
@@ -682,17 +633,6 @@ def _strip_job(reason: str, job_id: str) -> str:
     return reason[len(prefix):] if reason.startswith(prefix) else reason
 
 
-# Replaced in every worker's environment by what _credential_env gives (if anything).
-_CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
-# torchrun's variables: LOCAL_* are set for each worker; RANK and WORLD_SIZE inherited from this
-# launcher's environment would be false (the runtime sets them as worlds form).
-_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
-# Set from --min-np/--max-np only: a variable left in the launcher's environment must not pin a
-# limit the flags leave to the job.
-_LIMIT_VARIABLES = ("ELASTIC_MIN_NP", "ELASTIC_MAX_NP", "ELASTIC_MIN_NP_IF_NEW", "ELASTIC_MAX_NP_IF_NEW")
-# Never inherited: only this launcher's own --metrics-port socket (a worker of an elastic-run
-# started by a worker must not push to the outer launcher).
-_METRICS_VARIABLES = (ENV_SOCKET, ENV_TOKEN)
 MAX_EVENT_WORKERS = 64   # a world_formed line names at most this many workers (size says how many)
 
 

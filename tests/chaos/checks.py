@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Dict, Iterable, List
 
-# Epochs of the job of tests/runtime/job.py as the chaos tests run it (its default).
+# Epochs of the job of tests/elastic/job.py as the chaos tests run it (its default).
 EPOCHS = 3
 
 

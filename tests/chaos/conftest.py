@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.rendezvous.rdzv_helpers import ServerProc
-from tests.runtime.conftest import server  # noqa: F401  (the same in-memory server, heartbeat timeout 2 s)
-from tests.runtime.jobs import Job
+from tests.elastic.conftest import server  # noqa: F401  (the same in-memory server, heartbeat timeout 2 s)
+from tests.elastic.jobs import Job
 
 # Every scenario waits at most this long for its job; together they stay well inside CI's budget.
 JOB_TIMEOUT_S = 120

@@ -111,9 +111,9 @@ def process_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def test_worker_hung_while_forming_is_refused_as_stale_then_rejoins(server, jobs, fault_free_loss):
+def test_worker_hung_while_forming_is_fenced_then_rejoins_as_a_new_member(server, jobs, fault_free_loss):
     # w1 stops itself (SIGSTOP) right before it connects its first ring, so when SIGCONT wakes
-    # it, it knocks on its neighbour with world version 1 while the others are long in world 2.
+    # it, the others are long in world 2 without it.
     job = jobs(server.address, min_np=2, max_np=3, JOB_STEP_SLEEP="0.1")
     workers = ["w0", "w1", "w2"]
     start(job, ["w0", "w2"])
@@ -126,8 +126,11 @@ def test_worker_hung_while_forming_is_refused_as_stale_then_rejoins(server, jobs
     job.kill("w1", signal.SIGCONT)
     results = check_outcome(job, workers, fault_free_loss=fault_free_loss, max_repartitions=3 * (EPOCHS + 2))
     assert all(r["final_size"] == 3 for r in results)
+    # Woken, w1 learns it was fenced whichever way comes first: its neighbour refuses its
+    # handshake of world version 1 as stale (tests/native/test_handshake.py tests that refusal),
+    # or its rendezvous stream reports its session ended. Either way it joins again as a new
+    # member, and the others never took it back into a stale world (check_outcome above).
     log = job.log("w1")
-    assert "stale world version 1: this worker is at world version" in log, log
     assert "joining again as a new member" in log, log
 
 

@@ -66,7 +66,8 @@ def test_a_launcher_of_a_shared_job_that_gives_up_says_it_gave_up_and_the_job_go
     a.wait_training(2)
     b = launch("--np", "1", "--host", "hostB", *args, LW_STEPS="200", LW_RAISE_ON="hostB-0:3")
     assert b.wait(60) == 1, b.text()
-    assert re.fullmatch(r"elastic-run: error: worker hostB-0 \(rank \d\) exited with status 1: ValueError: "
+    # The rank is named once a Status answer gave it; a worker failing at its third step may beat that.
+    assert re.fullmatch(r"elastic-run: error: worker hostB-0( \(rank \d\))? exited with status 1: ValueError: "
                         r"deterministic user error at step \d+; elastic-run on host hostB gave up and stopped its "
                         r"workers; job exp8 is not stopped by it \(it goes on while its other workers keep it at "
                         r"min-np\)", _last(b)), b.text()
@@ -194,7 +195,7 @@ def test_a_second_sigint_a_second_later_kills_at_once(launch):
     time.sleep(1.2)   # a person's second Ctrl-C, past the window for echoes (fault injection)
     os.kill(p.proc.pid, signal.SIGINT)
     assert p.wait(30) == 128 + signal.SIGINT, p.text()
-    p.wait_for(r"^elastic-run: worker hA-0 \(rank 0\) did not leave; killing it \(signalled again\)$", 1)
+    p.wait_for(r"^elastic-run: worker hA-0( \(rank 0\))? did not leave; killing it \(signalled again\)$", 1)
     p.wait_no_leftovers()
 
 

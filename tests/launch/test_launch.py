@@ -245,8 +245,8 @@ def test_every_line_of_a_worker_carries_its_worker_id_for_its_whole_life(launch)
     assert p.wait(60) == 0, p.text()
     for w in ("hA-0", "hA-1"):
         words = [line.split()[1] for line in p.stdout if line.startswith(f"[{w}] ")]
-        assert words == ["start"] + ["step"] * 6 + ["done", "result", "after", "collective"], p.text()
-    assert len(p.stdout) == 2 * 11, p.text()
+        assert words == ["start"] + ["step"] * 6 + ["done", "result", "after", "collective", "collective"], p.text()
+    assert len(p.stdout) == 2 * 12, p.text()
     # The runtime's log lines too (stderr), rank announcements included.
     worker_err = [line for line in p.stderr if not line.startswith(("elastic-run: ", "[rendezvous] "))]
     assert worker_err and all(re.match(r"\[hA-[01]\] ", line) for line in worker_err), p.text()
@@ -266,14 +266,15 @@ def test_a_worker_failing_after_the_job_completed_fails_the_launcher_naming_it(l
     p.wait_no_leftovers()
 
 
-def test_after_run_returns_every_worker_has_its_result_and_last_world_and_collectives_say_finished(launch):
+def test_after_run_returns_every_worker_has_its_result_its_last_world_and_ring_until_shutdown(launch):
     p = launch("--np", "2", "--host", "hA", LW_STEPS="6")
     assert p.wait(60) == 0, p.text()
     out = "\n".join(p.stdout)
     for w in ("hA-0", "hA-1"):
         # Six steps of an allreduce of ones over two workers: 12.0, returned on every worker.
         assert f"[{w}] result 12.0" in out, p.text()
-        assert f"[{w}] collective after run: RendezvousError: job default has finished" in out, p.text()
+        assert f"[{w}] collective after run: 2" in out, p.text()
+        assert f"[{w}] collective after shutdown: RendezvousError: job default has finished" in out, p.text()
     ranks = sorted(int(m.group(1)) for m in re.finditer(r"\] after rank (\d) size 2 version \d+", out))
     assert ranks == [0, 1], p.text()
 

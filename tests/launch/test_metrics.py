@@ -263,17 +263,21 @@ def test_a_graceful_leave_is_logged_as_preempted_and_counted_as_no_recovery(laun
             all(value(s, "elastic_world_size", worker=w) == 2 for w in ("hA-0", "hA-1")) else None
 
     s = wait_until(shrunk, 30, "the survivors to report the world of 2")
-    for w in ("hA-0", "hA-1"):
-        assert value(s, "elastic_recoveries_total", worker=w) == 0      # a clean leave keeps the state
-        assert value(s, "elastic_sync_seconds_count", worker=w) == 2    # the first world's sync, and this one's
     assert value(s, "elastic_worker_restarts_total", slot="2") is None
     stop(p)
     recs = [json.loads(line) for line in events.read_text().splitlines()]
+    # A world of three, then of two after the leave; a first world of two comes before when the
+    # third worker starts after the settle window (a loaded machine).
+    worlds = [r["size"] for r in recs if r["event"] == "world_formed"]
+    assert worlds[-2:] == [3, 2] and len(worlds) <= 3, worlds
+    for w in ("hA-0", "hA-1"):
+        assert value(s, "elastic_recoveries_total", worker=w) == 0      # a clean leave keeps the state
+        # One sync per world it was in: the last two at least, and at most every world.
+        assert 2 <= value(s, "elastic_sync_seconds_count", worker=w) <= len(worlds)
     names = [(r["event"], r.get("worker_id")) for r in recs]
     assert names.index(("worker_exited", "hA-2")) < names.index(("preempted", "hA-2"))
     left = next(r for r in recs if r["event"] == "worker_exited" and r["worker_id"] == "hA-2")
     assert left["code"] == 0 and left["signal"] is None
-    assert [r["size"] for r in recs if r["event"] == "world_formed"] == [3, 2]
     assert not any(r["event"] in ("recovery", "worker_respawned") for r in recs), \
         [(r["event"], r.get("worker_id"), r.get("after")) for r in recs]
     assert recs[-1]["event"] == "job_finished" and recs[-1]["exit_code"] == 128 + signal.SIGTERM

@@ -11,7 +11,8 @@ world ("world env ...");
 LW_JOIN_AFTER=PATH joins the job only once PATH exists (a test orders joins of two launchers).
 Prints "start" first (before any world), "step S size N" after every step, "done" at the end,
 then what the worker sees after elastic.run returned: "result R", "after rank R size N
-version V", and the class of the error a collective raises then.
+version V", the sum of an allreduce of ones on the last world's ring, and the error a
+collective raises once elastic.shutdown() closed that ring.
 """
 
 import logging
@@ -77,10 +78,16 @@ print("done", flush=True)
 print(f"result {result}", flush=True)
 print(f"after rank {elastic.rank()} size {elastic.size()} version {elastic.world_version()}", flush=True)
 try:
-    elastic.allreduce(np.ones(1, dtype=np.float32))
-    print("collective after run: ran", flush=True)
-except elastic.RendezvousError as e:
+    total = elastic.allreduce(np.ones(1, dtype=np.float32), op=elastic.Sum)   # on the last world's ring
+    print(f"collective after run: {float(total[0]):g}", flush=True)
+except elastic.ElasticError as e:
     print(f"collective after run: {type(e).__name__}: {e}", flush=True)
+elastic.shutdown()   # closes that ring
+try:
+    elastic.allreduce(np.ones(1, dtype=np.float32))
+    print("collective after shutdown: ran", flush=True)
+except elastic.RendezvousError as e:
+    print(f"collective after shutdown: {type(e).__name__}: {e}", flush=True)
 if os.environ.get("LW_RAISE_AFTER_RUN") == WORKER:
     raise RuntimeError("failed after training")
 after, _, code = os.environ.get("LW_EXIT_AFTER_RUN", "").partition(":")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import elastic
+from elastic.session import Ending
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.wire import pb, pb_grpc
 from rendezvous.channel import RendezvousRPCError
@@ -83,7 +84,7 @@ def test_a_stranger_with_the_old_derived_secret_is_refused_by_a_real_workers_rin
         assert all(b[0] == 3.0 for b in bufs)   # the ring never noticed
     finally:
         for rt in rts:
-            rt.shutdown(None)
+            rt.shutdown(Ending.CLOSED)
         s.stop()
 
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.runtime.conftest import job_factory, server  # noqa: F401  (the runtime tests' server and jobs)
+from tests.elastic.conftest import job_factory, server  # noqa: F401  (the elastic tests' server and jobs)
 
 JOB_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_job.py")
 

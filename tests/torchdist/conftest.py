@@ -1,6 +1,6 @@
 import pytest
 
-from tests.runtime.conftest import job_factory, server  # noqa: F401  (the runtime tests' server and jobs)
+from tests.elastic.conftest import job_factory, server  # noqa: F401  (the runtime tests' server and jobs)
 
 from . import JOB_SCRIPT
 

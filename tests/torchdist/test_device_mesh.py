@@ -5,6 +5,8 @@ StaleMeshError instead of running on the next one."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -15,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import elastic
-from elastic import distributed, session
-from tests.native.harness import run_world
+from elastic import group, world
+from tests.native.harness import World, run_world
 
 from .fsdp_job import batch, build, optimizer, reference, shard, train_step
 
@@ -26,12 +28,12 @@ STEPS = 4
 def _on_default_group(body):
     def fn(comm):
         torch.manual_seed(1234)   # the same on every rank, as a script's seeding would make it
-        session.use_ring(comm)
+        world.use_ring(comm)
         try:
-            assert distributed.install_default_group()
+            assert group.install_default_group()
             return body(comm)
         finally:
-            session.use_ring(None)
+            world.use_ring(None)
     return fn
 
 
@@ -61,6 +63,11 @@ def _fsdp2_and_dtensor(comm):
         train_step(model, opt, *batch(step, rank))
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
         got[f"step {step}"] = _close(full, want_steps[step])
+    # FSDP2's explicit prefetch: an async all-gather whose Work is waited on later.
+    handle = model[0].unshard(async_op=True)
+    handle.wait()
+    got["unshard(async_op=True)"] = _close({"w": model[0].weight.detach()}, {"w": want_steps[-1]["0.weight"]})
+    model[0].reshard()
     options = StateDictOptions(full_state_dict=True)
     got["get_model_state_dict"] = _close(get_model_state_dict(model, options=options), want_steps[-1])
     osd = get_optimizer_state_dict(model, opt, options=options)
@@ -115,7 +122,7 @@ def _stale_mesh(comm):
     old_name = elastic.process_group().group_name
 
     new = _next_world_reversed(comm)   # a world of the same size: the meshes compare equal in torch
-    session.use_ring(new)
+    world.use_ring(new)
     try:
         for what, call in [("FSDP2 forward", lambda: models["device_mesh"](x)),
                            ("from_group FSDP2 forward", lambda: models["from_group"](x)),
@@ -135,9 +142,9 @@ def _stale_mesh(comm):
             shard(fresh, mesh)
             train_step(fresh, optimizer(fresh), x, y)
             got[f"rebuilt on {how} trains"] = True
-        got["pending failure"] = distributed.pending_failure()
+        got["pending failure"] = group.pending_failure()
     finally:
-        session.use_ring(comm)
+        world.use_ring(comm)
         new.close()
     return got
 
@@ -148,6 +155,33 @@ def test_a_mesh_of_a_world_that_is_over_raises_stale_mesh_error_and_a_rebuilt_mo
             assert got.pop(what) == (True, 1, 2), f"rank {rank}: {what}"
         assert got == {"new mesh": (True, 1 - rank, True), "rebuilt on device_mesh trains": True,
                        "rebuilt on from_group trains": True, "pending failure": None}
+
+
+def _lose_a_peer_in_backward(comm):
+    model = build()
+    shard(model, elastic.device_mesh())
+    opt = optimizer(model)
+    x, y = batch(0, comm.rank)
+    train_step(model, opt, x, y)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if comm.rank == comm.size - 1:
+        os._exit(0)   # gone between forward and backward, without a word
+    try:
+        loss.backward()   # FSDP2's reduce-scatters run in backward's hooks
+        raised = "nothing"
+    except Exception as e:  # noqa: BLE001 (what autograd hands back is the point)
+        raised = type(e).__name__
+    return raised, type(group.pending_failure()).__name__
+
+
+def test_a_peer_lost_in_fsdp2_backward_is_the_rings_worker_lost_error():
+    with World(3, _on_default_group(_lose_a_peer_in_backward)) as world:
+        world.wait_formed()
+        for rank in (0, 1):
+            msg = world.message(rank, timeout=120)
+            assert msg[0] == "ok", msg
+            # elastic.run raises the recorded failure for whatever torch made of it.
+            assert msg[1] == ("WorkerLostError", "WorkerLostError"), msg[1]
 
 
 def test_device_mesh_needs_a_world_and_has_one_dimension():

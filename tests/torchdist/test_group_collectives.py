@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from elastic import distributed, group_collectives, session
+from elastic import group_collectives, world
+from elastic.group import pending_failure
+from elastic.config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
 R = dist.ReduceOp
@@ -80,8 +82,8 @@ def _against_gloo(path: str):
     ``group=``; every case is run on both and checked against torch's arithmetic."""
     def body(comm):
         rank, size = comm.rank, comm.size
-        os.environ[distributed.DEFAULT_GROUP_ENV] = "0"
-        session.use_ring(comm)
+        os.environ[DEFAULT_GROUP_ENV] = "0"
+        world.use_ring(comm)
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=size)
         pg = elastic.process_group()
         wrong = {}
@@ -184,7 +186,7 @@ def _against_gloo(path: str):
             return wrong, refused
         finally:
             dist.destroy_process_group()
-            session.use_ring(None)
+            world.use_ring(None)
     return body
 
 
@@ -229,7 +231,7 @@ def test_contiguous_tensors_go_to_the_ring_as_they_are():
 
 
 def _lose_a_peer_mid_fsdp_call(comm):
-    session.use_ring(comm)
+    world.use_ring(comm)
     pg = elastic.process_group()
     dist.barrier(group=pg)
     if comm.rank == comm.size - 1:
@@ -247,7 +249,7 @@ def _lose_a_peer_mid_fsdp_call(comm):
             caught[name] = "returned"
         except elastic.WorkerLostError as e:
             caught[name] = type(e).__name__
-    caught["pending"] = type(distributed.pending_failure()).__name__
+    caught["pending"] = type(pending_failure()).__name__
     return caught
 
 

@@ -11,18 +11,19 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from elastic import distributed, group_collectives, session
+from elastic import group, group_collectives, world
+from elastic.config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
 
 def _on_default_group(body):
     def fn(comm):
-        session.use_ring(comm)
+        world.use_ring(comm)
         try:
-            assert distributed.install_default_group()
+            assert group.install_default_group()
             return body(comm.rank, comm.size)
         finally:
-            session.use_ring(None)
+            world.use_ring(None)
     return fn
 
 
@@ -132,7 +133,7 @@ def _lose_a_peer(rank: int, size: int):
             caught[name] = "returned"
         except elastic.WorkerLostError as e:
             caught[name] = type(e).__name__
-    caught["pending"] = type(distributed.pending_failure()).__name__
+    caught["pending"] = type(group.pending_failure()).__name__
     return caught
 
 
@@ -172,7 +173,7 @@ def _script_owns_default_group(rank: int, size: int):
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        installed = distributed.install_default_group()
+        installed = group.install_default_group()
         return installed, dist.get_backend(), elastic.process_group().size()
     finally:
         dist.destroy_process_group()
@@ -184,9 +185,9 @@ def test_a_default_group_the_script_made_is_left_alone():
 
 def test_elastic_default_group_0_opts_out():
     def fn(comm):
-        os.environ[distributed.DEFAULT_GROUP_ENV] = "0"
-        session.use_ring(comm)
-        return distributed.install_default_group(), dist.is_initialized()
+        os.environ[DEFAULT_GROUP_ENV] = "0"
+        world.use_ring(comm)
+        return group.install_default_group(), dist.is_initialized()
     assert run_world(2, fn) == [(False, False)] * 2
 
 
@@ -210,9 +211,9 @@ def _rooted_ops_with_group_argument(rank: int, size: int):
 
 def test_group_argument_works_for_rooted_ops_without_the_default_group():
     def fn(comm):
-        os.environ[distributed.DEFAULT_GROUP_ENV] = "0"
-        session.use_ring(comm)
-        assert not distributed.install_default_group()
+        os.environ[DEFAULT_GROUP_ENV] = "0"
+        world.use_ring(comm)
+        assert not group.install_default_group()
         return _rooted_ops_with_group_argument(comm.rank, comm.size)
     for got in run_world(3, fn):
         assert got == {"is_initialized": False, "broadcast": True, "reduce": True, "gather": True, "rank": True}

@@ -1,7 +1,11 @@
 """The worker's reactions to rendezvous events, as rules (elastic/reaction.py)."""
 
-from elastic.reaction import (AbortRing, Note, View, holding, membership_pending, react, rejoined, superseded,
-                              world_to_take)
+import pytest
+
+from elastic.errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged, SettingsMismatchError,
+                            WorkerLostError)
+from elastic.reaction import (AbortRing, Note, Recovery, View, aborted_while_forming, after_error, holding,
+                              membership_pending, must_form, react, rejoined, superseded, world_to_take)
 from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.membership import Member
 
@@ -116,3 +120,47 @@ def test_an_ended_session_aborts_the_ring_and_rejoining_takes_only_newer_worlds(
 def test_no_ring_means_nothing_pending():
     view, _ = react(View(), Pending(1, "w1 joined"))
     assert not membership_pending(view)
+
+
+
+# ---------------------------------------------------------------------- the loop's rules
+@pytest.mark.parametrize("error, held, recovery", [
+    # a lost peer: restore, report, and take a world newer than both the ring held and the error's
+    (WorkerLostError("peer 1 closed", world_version=4), 4, Recovery(5, restore=True, report=True)),
+    (WorkerLostError("aborted: a newer world failed", world_version=6), 4, Recovery(7, restore=True, report=True)),
+    (WorkerLostError("from an older ring", world_version=2), 4, Recovery(5, restore=True, report=True)),
+    (WorkerLostError("while forming the first ring", world_version=1), 0, Recovery(2, restore=True, report=True)),
+    # an unusable neighbour address is a lost peer too, reported so the server evicts it
+    (BadPeerError("rank 1 does not prove the secret", world_version=3, peer=1), 3,
+     Recovery(4, restore=True, report=True)),
+    # a neighbour at another world version: ours is stale; nobody to report
+    (HandshakeError("rank 1 is at world version 5", world_version=4), 4, Recovery(5, restore=True, report=False)),
+    (HandshakeError("before any ring", world_version=1), 0, Recovery(1, restore=True, report=False)),
+    # a clean join or leave keeps the state
+    (MembershipChanged("w2 joined"), 4, Recovery(5, restore=False, report=False)),
+])
+def test_after_each_error_the_next_world_and_the_state(error, held, recovery):
+    assert after_error(error, held) == recovery
+
+
+@pytest.mark.parametrize("error", [SettingsMismatchError("ring settings differ", setting="algorithm"),
+                                   ElasticTimeout("no world"), ValueError("a bug in the training function")])
+def test_an_error_no_later_world_fixes_is_not_the_loops_to_handle(error):
+    assert after_error(error, 4) is None
+
+
+@pytest.mark.parametrize("ring_version, failed, min_version, form", [
+    (0, False, 1, True),     # no ring yet
+    (3, True, 3, True),      # the ring held failed
+    (3, False, 4, True),     # the ring held is older than the world to take
+    (3, False, 3, False),    # a kept ring after a sync refused nothing: sync again on it
+    (5, False, 4, False),    # a ring newer than needed is kept
+])
+def test_a_ring_is_formed_only_when_none_usable_is_held(ring_version, failed, min_version, form):
+    assert must_form(ring_version, failed, min_version) is form
+
+
+@pytest.mark.parametrize("aborted, version, dead", [(-1, 3, False), (2, 3, False), (3, 3, True), (4, 3, True)])
+def test_a_ring_that_connected_after_its_world_was_aborted_fails_at_once(aborted, version, dead):
+    view = holding(View(aborted_version=aborted), version, formed=True)
+    assert aborted_while_forming(view, version) is dead

@@ -1,6 +1,6 @@
 """A member nobody can use as a ring neighbour is evicted; the healthy workers re-form and finish.
 
-Real server, real worker processes (tests/runtime/job.py), and one member that joins through the
+Real server, real worker processes (tests/elastic/job.py), and one member that joins through the
 rendezvous client with a ring address that passes the server's checks but leads nowhere: a
 closed port, or a squatter that answers the handshake with an unauthenticated refusal saying
 "forms no ..." (a settings verdict it cannot prove). Each healthy worker that meets it raises

@@ -1,4 +1,4 @@
-"""Runs tests/runtime/job.py as real worker processes against a real rendezvous server."""
+"""Runs tests/elastic/job.py as real worker processes against a real rendezvous server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Dict, Optional, Sequence
 from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(REPO, "tests", "runtime", "job.py")
+JOB = os.path.join(REPO, "tests", "elastic", "job.py")
 
 
 

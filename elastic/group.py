@@ -1,4 +1,4 @@
-"""torch.distributed on the elastic ring: one ProcessGroup that follows re-forms, and DDP on it.
+"""torch.distributed on the elastic ring: the one ProcessGroup that follows re-forms.
 
 ``process_group()`` is the process's one ``torch.distributed.ProcessGroup`` whose ``rank()`` and
 ``size()`` are the current world's and whose collectives run on the session's current ring, so
@@ -8,19 +8,11 @@ group (``install_default_group``): ``dist.get_rank()``, ``dist.all_reduce(t)`` �
 Failures never vanish. Every collective runs synchronously and raises the ring's own
 ``WorkerLostError`` (``async_op=True`` hands back a finished ``Work``): torch loses the error of a
 ``Work`` whose future failed, and DDP's reducer crashes on one. The one asynchronous path is
-DDP's gradient allreduce, which must overlap backward: it runs in a comm hook, whose failed
-future torch turns into a ``RuntimeError`` from ``backward()`` (DDP survives it); the ring's
-error is kept here (``pending_failure``) and ``elastic.run`` handles what escaped the training
-function as that ``WorkerLostError``.
-
-DDP rebuilds its gradient buckets in its second iteration, in the order gradients became ready,
-and broadcasts rank 0's order. After a re-form a joiner's DDP is new and a survivor's has
-rebuilt: the first iteration would reduce different parameters in the same bucket slots, and the
-joiner's rebuild broadcast would meet the others' allreduce. So at every sync every
-``DistributedDataParallel`` builds a fresh reducer (``after_sync``), and all ranks, joiners
-included, start from the same buckets and rebuild together. torch's object collectives
-(``all_gather_object`` …) pickle; on this group they run in ``elastic.objects`` instead, whose
-format calls nothing a peer names and whose sizes are bounded.
+DDP's gradient allreduce (``elastic.ddp``), which must overlap backward; the ring's error it
+hits is kept here (``pending_failure``) and ``elastic.run`` handles what escaped the training
+function as that ``WorkerLostError``. torch's object collectives (``all_gather_object`` …)
+pickle; on this group they run in ``elastic.objects`` instead, whose format calls nothing a peer
+names and whose sizes are bounded.
 
 FSDP2 and DTensor reach the group through a DeviceMesh, which fixes a world into what it shards:
 the mesh holds the group's view of one world (``world_view()``, named ``elastic/world<version>``),
@@ -30,14 +22,8 @@ gathers and reduce-scatters they call are the ring's own phases (``elastic.group
 
 from __future__ import annotations
 
-import gc
-import hashlib
 import logging
-import os
-import queue
 import threading
-import warnings
-import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
@@ -45,17 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import objects, session
+from . import hooks, objects, world
+from .config import default_group_from_env
+from .errors import RendezvousError, StaleMeshError, WorkerLostError
 from .group_collectives import (NATIVE, WIDEN, Contiguous, all_gather_into_tensor, all_gather_list, check_cpu,
                                 reduce_scatter_list, reduce_scatter_tensor, ring_op)
-from .errors import RendezvousError, StaleMeshError, WorkerLostError
-from .ops import Average
 
 log = logging.getLogger("elastic")
 
 GROUP_NAME = "elastic"
 BACKEND = "elastic"
-DEFAULT_GROUP_ENV = "ELASTIC_DEFAULT_GROUP"
 
 _MAX_ALLTOALL_BYTES = 1 << 36   # every rank holds the whole exchange
 
@@ -67,6 +52,13 @@ def _reduce_op(opts: Any) -> Any:
     if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         return opts
     return opts.reduceOp
+
+
+def _not_compiled(fn):
+    """Keeps torch.compile from tracing into the ring (DDP's reducer calls the group's broadcast
+    from inside a compiled forward when it rebuilds its buckets)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 class _Done(dist.Work):
@@ -109,7 +101,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
     """The current world as a ``torch.distributed.ProcessGroup`` (see the module doc).
 
     ``rank()``/``size()`` answer with the current world (after ``elastic.run`` returned: its
-    last world); collectives run on ``elastic.session.ring()`` and raise what it raises:
+    last world); collectives run on ``elastic.world.ring()`` and raise what it raises:
     ``WorkerLostError`` on a peer failure, ``RendezvousError`` when no job runs.
 
     ``world_view()`` is the same group pinned to the current world, the group a DeviceMesh
@@ -132,23 +124,19 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self._view_names: set = set()
 
     # ------------------------------------------------------------------ identity
+    @_not_compiled
     def rank(self) -> int:
         if self._world is not None:
             return self._world.rank
-        comm = session._current_ring()
-        if comm is not None:
-            return comm.rank
-        world = session.current_world()
-        return world.rank if world is not None else 0
+        where = world.position()
+        return where[0] if where is not None else 0
 
+    @_not_compiled
     def size(self) -> int:
         if self._world is not None:
             return self._world.size
-        comm = session._current_ring()
-        if comm is not None:
-            return comm.size
-        world = session.current_world()
-        return world.size if world is not None else 1
+        where = world.position()
+        return where[1] if where is not None else 1
 
     def getBackendName(self) -> str:   # noqa: N802 (torch's name)
         return BACKEND
@@ -163,7 +151,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         current world view's (``elastic/world<version>``), so that a DeviceMesh made from it
         (``DeviceMesh.from_group``, ``init_device_mesh`` on the default group) belongs to that
         world; ``elastic`` when no ring is current."""
-        if self._world is not None or session._current_ring() is None:
+        if self._world is not None or world.current_ring() is None:
             return self._name
         return self.world_view().group_name
 
@@ -177,9 +165,10 @@ class ElasticProcessGroup(dist.ProcessGroup):
         with self._lock:
             view = self._view
             if view is None or view._world is not comm:
-                name = f"{GROUP_NAME}/world{comm.world_version}"
+                name, again = f"{GROUP_NAME}/world{comm.world_version}", 1
                 while name in self._view_names:   # rings formed by hand can repeat a version
-                    name = f"{GROUP_NAME}/world{comm.world_version}-{len(self._view_names)}"
+                    again += 1
+                    name = f"{GROUP_NAME}/world{comm.world_version}-{again}"
                 self._view_names.add(name)
                 view = self._view = ElasticProcessGroup(world=comm, name=name, parent=self)
                 # torch compares meshes by their ranks: DTensor's sharding caches would hand a
@@ -191,10 +180,12 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return view
 
     def shutdown(self) -> None:
-        """``dist.destroy_process_group()``: the ring is the session's; nothing to close here."""
+        """``dist.destroy_process_group()``: closes the ring kept for collectives after
+        ``elastic.run`` returned; a running session's ring is the session's to close."""
+        world.close_after_run()
 
     def abort(self) -> None:
-        comm = session._current_ring()
+        comm = world.current_ring()
         if comm is not None and (self._world is None or comm is self._world):
             comm.abort("torch.distributed ProcessGroup.abort()")
 
@@ -214,7 +205,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             err = self._failure
         if err is None:
             return None
-        comm = session._current_ring()
+        comm = world.current_ring()
         if comm is None or comm.failed or comm.world_version <= err.world_version:
             return err
         return None
@@ -225,7 +216,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     def _ring(self, what: str):
         try:
-            comm = session.ring()
+            comm = world.ring()
         except RendezvousError as e:
             raise RendezvousError(f"torch.distributed {what} on the elastic group: {e}") from None
         if self._world is not None and comm is not self._world:
@@ -267,6 +258,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             raise NotImplementedError(f"{what}: dtype {x.dtype} is not supported by the elastic ring")
         c.done()
 
+    @_not_compiled
     def allreduce(self, tensors, opts=None):
         what = "all_reduce"
         if isinstance(tensors, torch.Tensor):
@@ -276,6 +268,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._allreduce_one(comm, t, _reduce_op(opts), what)
         return _Done(tensors)
 
+    @_not_compiled
     def allreduce_coalesced(self, tensors, opts=None):
         comm = self._ring("all_reduce_coalesced")
         op = _reduce_op(opts)
@@ -283,6 +276,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._allreduce_one(comm, t, op, "all_reduce_coalesced")
         return _Done(tensors)
 
+    @_not_compiled
     def reduce(self, tensors, opts=None):
         what = "reduce"
         comm = self._ring(what)
@@ -296,16 +290,19 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     # The gathers and reduce-scatters FSDP2 and DTensor call are the ring's own phases
     # (elastic.group_collectives), never built from allreduce.
+    @_not_compiled
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         comm = self._ring("reduce_scatter")
         for out, inputs in zip(output_tensors, input_tensors):
             reduce_scatter_list(comm, self._run, out, inputs, _reduce_op(opts))
         return _Done(output_tensors)
 
+    @_not_compiled
     def _reduce_scatter_base(self, output, input, opts=None):
         reduce_scatter_tensor(self._ring("reduce_scatter_tensor"), self._run, output, input, _reduce_op(opts))
         return _Done([output])
 
+    @_not_compiled
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         comm = self._ring("reduce_scatter_tensor_coalesced")
         if len(outputs) != len(inputs):
@@ -315,6 +312,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return _Done(outputs)
 
     # ------------------------------------------------------------------ data movement
+    @_not_compiled
     def broadcast(self, tensors, opts=None):
         what = "broadcast"
         if isinstance(tensors, torch.Tensor):
@@ -338,9 +336,10 @@ class ElasticProcessGroup(dist.ProcessGroup):
         if mine.numel() != sizes[comm.rank]:
             raise ValueError(f"{what}: this rank's input has {mine.numel()} bytes, its output slot {sizes[comm.rank]}")
         out = torch.empty(sum(sizes), dtype=torch.uint8)
-        self._run(comm._native.allgather_, mine, out, list(sizes))
+        self._run(comm.allgather_into_, out, mine, list(sizes))
         return out
 
+    @_not_compiled
     def allgather(self, output_tensors, input_tensors, opts=None):
         comm = self._ring("all_gather")
         if len(output_tensors) != len(input_tensors):
@@ -349,13 +348,16 @@ class ElasticProcessGroup(dist.ProcessGroup):
             all_gather_list(comm, self._run, outs, inp)
         return _Done([o for outs in output_tensors for o in outs])
 
+    @_not_compiled
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
+    @_not_compiled
     def _allgather_base(self, output, input, opts=None):
         all_gather_into_tensor(self._ring("all_gather_into_tensor"), self._run, output, input)
         return _Done([output])
 
+    @_not_compiled
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         comm = self._ring("all_gather_into_tensor_coalesced")
         if len(outputs) != len(inputs):
@@ -364,6 +366,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             all_gather_into_tensor(comm, self._run, o, i, "all_gather_into_tensor_coalesced")
         return _Done(outputs)
 
+    @_not_compiled
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
         comm = self._ring(what)
@@ -382,6 +385,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 c.done()
         return _Done(output_tensors[0] if output_tensors else [])
 
+    @_not_compiled
     def scatter(self, output_tensors, input_tensors, opts=None):
         what = "scatter"
         comm = self._ring(what)
@@ -411,18 +415,14 @@ class ElasticProcessGroup(dist.ProcessGroup):
         rank holds the whole exchange for a moment). ``expect[src]``: the bytes this rank's
         outputs hold for ``src``."""
         counts = torch.tensor([s.numel() for s in send], dtype=torch.int64)
-        every = torch.empty(comm.size * comm.size, dtype=torch.int64)
-        self._run(comm._native.allgather_, counts, every, [counts.numel() * 8] * comm.size)
-        table = every.view(comm.size, comm.size).tolist()
+        table = self._run(comm.allgather_equal, counts).tolist()
         # What the senders announce must be what this rank's outputs hold, and the whole within
         # bounds, before anything is allocated. Every rank says whether it agrees, so all of them
         # raise together instead of the others waiting in the exchange for one that gave up.
         column = [table[src][comm.rank] for src in range(comm.size)]
         total = sum(map(sum, table))
         ok = column == list(expect) and all(c >= 0 for row in table for c in row) and total <= _MAX_ALLTOALL_BYTES
-        verdicts = torch.empty(comm.size, dtype=torch.int64)
-        self._run(comm._native.allgather_, torch.tensor([int(ok)], dtype=torch.int64), verdicts,
-                  [8] * comm.size)
+        verdicts = self._run(comm.allgather_equal, torch.tensor([int(ok)], dtype=torch.int64))[:, 0]
         if not ok:
             raise ValueError(f"{what}: rank {comm.rank} expects {list(expect)} bytes from the ranks and they send "
                              f"{column} (all ranks: {total} bytes, at most {_MAX_ALLTOALL_BYTES}); every rank "
@@ -440,6 +440,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             at += sum(table[src])
         return got
 
+    @_not_compiled
     def alltoall(self, output_tensors, input_tensors, opts=None):
         what = "all_to_all"
         comm = self._ring(what)
@@ -453,6 +454,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             c.done()
         return _Done(output_tensors)
 
+    @_not_compiled
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
         comm = self._ring(what)
@@ -485,21 +487,27 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return _Done([output])
 
     # torch 2.13's names for the single-tensor forms; older torch calls the underscored ones.
+    @_not_compiled
     def all_gather_single(self, output, input, opts=None):
         return self._allgather_base(output, input, opts)
 
+    @_not_compiled
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
+    @_not_compiled
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
 
+    @_not_compiled
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
+    @_not_compiled
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
+    @_not_compiled
     def barrier(self, opts=None):
         comm = self._ring("barrier")
         self._run(comm.barrier)
@@ -618,15 +626,16 @@ def _registered() -> bool:
     return _group is not None and c10d._world.default_pg is _group
 
 
-def install_default_group() -> bool:
+def install_default_group(enabled: Optional[bool] = None) -> bool:
     """Makes the elastic group torch.distributed's default group (inside ``elastic.run``).
 
-    Skipped when ``ELASTIC_DEFAULT_GROUP=0`` or when the script initialized a default group
-    itself (that one is left alone and does not follow re-forms; a warning says so). Returns
-    whether the elastic group is the default group now. torch's tables are private: if they
-    change shape, this logs why and training goes on without the default group.
+    Skipped when not ``enabled`` (default: ``ELASTIC_DEFAULT_GROUP``, read by ``elastic.config``)
+    or when the script initialized a default group itself (that one is left alone and does not
+    follow re-forms; a warning says so). Returns whether the elastic group is the default group
+    now. torch's tables are private: if they change shape, this logs why and training goes on
+    without the default group.
     """
-    if os.environ.get(DEFAULT_GROUP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not (default_group_from_env() if enabled is None else enabled):
         return False
     if _registered():
         _register(_group)
@@ -652,211 +661,23 @@ def install_default_group() -> bool:
     return True
 
 
-# ---------------------------------------------------------------------- DDP
-# Every live DistributedDataParallel, in the order they were made: the same order on every rank
-# (the same script makes them), which the broadcasts at sync rely on.
-_ddps: "List[weakref.ref]" = []
-_ddps_lock = threading.Lock()
+class _GroupHooks(hooks.StepHooks):
+    """The group's part in the step protocol: the default group inside ``elastic.run``, torch's
+    tables after every sync, and the ring failure behind a torch error."""
+
+    def run_starting(self, default_group: bool) -> None:
+        install_default_group(default_group)
+
+    def after_sync(self, state: Any, root: int) -> None:
+        group = process_group()
+        group.clear_failure()
+        _register(group)
+
+    def failure_behind(self, error: BaseException) -> Optional[WorkerLostError]:
+        return pending_failure()
 
 
-def _live_ddps() -> "List[DistributedDataParallel]":
-    with _ddps_lock:
-        live = [(r, r()) for r in _ddps]
-        _ddps[:] = [r for r, d in live if d is not None]
-        return [d for _, d in live if d is not None]
+hooks.add_hooks(_GroupHooks())
 
 
-class _Completions:
-    """Completes DDP's bucket futures in order as the ring finishes their allreduces, on one
-    thread, so backward goes on computing while the ring moves the earlier buckets."""
-
-    def __init__(self) -> None:
-        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-
-    def put(self, comm, handle, fut: torch.futures.Future, buf: torch.Tensor) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="elastic-ddp-completions", daemon=True)
-                self._thread.start()
-        self._q.put((comm, handle, fut, buf))
-
-    def _loop(self) -> None:
-        while True:
-            comm, handle, fut, buf = self._q.get()
-            try:
-                comm.synchronize(handle)   # bounded by the ring's collective timeout or an abort
-            except WorkerLostError as e:
-                process_group()._record(e)
-                fut.set_exception(RuntimeError(f"elastic ring: {e}"))
-            except Exception as e:  # the future must finish, or DDP's backward waits forever
-                fut.set_exception(RuntimeError(f"elastic ring: gradient allreduce failed: {e}"))
-            else:
-                fut.set_result(buf)
-
-
-_completions = _Completions()
-
-
-def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP's comm hook: the bucket averaged over the current world, asynchronously."""
-    buf = bucket.buffer()
-    fut: torch.futures.Future = torch.futures.Future()
-    try:
-        comm = session.ring()
-        if buf.dtype not in NATIVE:
-            raise NotImplementedError(f"DistributedDataParallel: gradients of dtype {buf.dtype} are not supported "
-                                      "by the elastic ring")
-        handle = comm.allreduce_async_(buf, Average)
-        # Its own operation: the core fuses open async allreduces until something waits, and
-        # the completion thread waits at times of its own, so fusing would differ by rank.
-        comm.flush()
-    except WorkerLostError as e:
-        process_group()._record(e)
-        fut.set_exception(RuntimeError(f"elastic ring: {e}"))
-        return fut
-    except Exception as e:
-        fut.set_exception(RuntimeError(f"elastic ring: {e}"))
-        return fut
-    _completions.put(comm, handle, fut, buf)
-    return fut
-
-
-class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
-    """``torch.nn.parallel.DistributedDataParallel`` whose gradient allreduce runs on the
-    elastic ring: averaged over the current world, re-formed with it.
-
-    Takes DDP's keyword arguments except ``process_group`` (always ``elastic.process_group()``),
-    ``init_sync`` (parameters and buffers are synced by ``elastic.run`` at every sync, from the
-    rank holding the most advanced commit, not at construction) and ``mixed_precision``; the
-    module's parameters must be on the CPU. Build it before ``elastic.run`` (no ring is needed).
-    ``register_comm_hook`` is taken: the ring's allreduce is the hook.
-    """
-
-    def __init__(self, module: torch.nn.Module, **kwargs: Any) -> None:
-        refused = {
-            "process_group": "the process group is the elastic ring's",
-            "device_mesh": "the process group is the elastic ring's",
-            "init_sync": "parameters and buffers are synced by elastic.run at every sync",
-            "mixed_precision": "its comm hook would replace the ring's",
-            "delay_all_reduce_named_params": "it broadcasts at construction, before any ring exists",
-        }
-        for name, why in refused.items():
-            value = kwargs.pop(name, None)
-            if value not in (None, False, []):
-                raise ValueError(f"elastic.DistributedDataParallel: {name}= is not supported ({why})")
-        dynamo = getattr(getattr(torch, "_dynamo", None), "config", None)
-        if getattr(dynamo, "optimize_ddp", None) == "python_reducer":
-            raise NotImplementedError("elastic.DistributedDataParallel: torch._dynamo.config.optimize_ddp="
-                                      "'python_reducer' (compiled autograd) needs functional collectives, which "
-                                      "the elastic group does not have; keep the default ('ddp_optimizer')")
-        for p in module.parameters():
-            if p.device.type != "cpu":
-                raise NotImplementedError("elastic.DistributedDataParallel: the elastic ring moves CPU tensors; "
-                                          f"this module has a parameter on {p.device}")
-        if kwargs.get("device_ids"):
-            raise NotImplementedError("elastic.DistributedDataParallel: device_ids= needs a GPU data plane, "
-                                      "which the elastic ring does not have yet")
-        super().__init__(module, process_group=process_group(), init_sync=False, **kwargs)
-        dist._register_comm_hook(self.reducer, None, _allreduce_hook)
-        with _ddps_lock:
-            _ddps.append(weakref.ref(self))
-
-    def register_comm_hook(self, state: object, hook: Any) -> None:
-        raise NotImplementedError("elastic.DistributedDataParallel runs the elastic ring's allreduce as its "
-                                  "comm hook; another hook cannot be registered")
-
-    def _elastic_reset(self) -> None:
-        """A fresh reducer, as at construction: every rank's buckets are the same again, and
-        they rebuild together (see the module doc). Also clears what a failed backward left."""
-        self.reducer._remove_autograd_hooks()
-        parameters, expect_sparse_gradient = self._build_params_for_reducer()
-        mapping = self._build_debug_param_to_name_mapping(parameters)
-        static = bool(self.static_graph)   # given to the constructor, or _set_static_graph() later
-        self._ddp_init_helper(parameters, expect_sparse_gradient, mapping, static)
-        dist._register_comm_hook(self.reducer, None, _allreduce_hook)
-        self._has_rebuilt_buckets = False
-        if static:
-            # torch's own switch, so the new reducer's first iteration is a static graph's first
-            # (it would otherwise skip the delayed allreduce, leaving each rank its own gradients).
-            self.static_graph = False
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")   # its find_unused_parameters note, said at construction
-                self._set_static_graph()
-
-    def _elastic_broadcast(self, root: int) -> None:
-        tensors = [p.detach() for _, p in self.module.named_parameters()
-                   if _ not in self.parameters_to_ignore]
-        tensors += [b.detach() for _, b in self.module.named_buffers() if _ not in self.parameters_to_ignore]
-        if tensors:
-            with torch.no_grad():
-                dist._broadcast_coalesced(process_group(), tensors, self.broadcast_bucket_size, root)
-
-
-def _covered(state: Any, ddp: DistributedDataParallel) -> bool:
-    """Whether the state carries this DDP's module (as its model or any attribute)."""
-    held = getattr(state, "__dict__", {}).values()
-    return any(v is ddp or v is ddp.module for v in held)
-
-
-def _signature(ddps: Sequence[DistributedDataParallel]) -> int:
-    """A number every rank must agree on before the DDPs outside the state are broadcast: how
-    many, and each one's tensors (sizes, dtypes), in order."""
-    h = hashlib.sha256()
-    for ddp in ddps:
-        h.update(b"ddp")
-        for t in list(ddp.module.parameters()) + list(ddp.module.buffers()):
-            h.update(f"{t.numel()}:{t.dtype};".encode())
-    return int.from_bytes(h.digest()[:7], "little")
-
-
-def after_sync(state: Any, root: int) -> None:
-    """Called on every rank at the end of each sync (``elastic.session.sync``): the ring is new
-    or kept, the state is everyone's. Each DDP's module the state does not carry gets the root's
-    parameters and buffers, and every DDP a fresh reducer; torch's tables follow the new world.
-
-    One 16-byte allgather first checks that every rank has the same DDPs outside the state: a
-    DDP one rank made and another did not would otherwise take another module's weights."""
-    group = process_group()
-    group.clear_failure()
-    _register(group)
-    ddps = _live_ddps()
-    outside = [d for d in ddps if not _covered(state, d)]
-    if outside:
-        gc.collect()   # a DDP dropped since (built in an earlier attempt) must not count on this rank only
-        ddps = _live_ddps()
-        outside = [d for d in ddps if not _covered(state, d)]
-    comm = session.ring()
-    mine = torch.tensor([len(outside), _signature(outside)], dtype=torch.int64)
-    every = torch.empty(2 * comm.size, dtype=torch.int64)
-    comm._native.allgather_(mine, every, [16] * comm.size)
-    rows = every.view(comm.size, 2).tolist()
-    if any(row != rows[0] for row in rows):
-        raise ValueError("elastic.DistributedDataParallel: the ranks hold different DDP modules outside the state "
-                         f"(count and shape signature by rank: {rows}); make the same DDPs, in the same order, on "
-                         "every worker, or hold their modules in the State")
-    for ddp in outside:
-        ddp._elastic_broadcast(root)
-    for ddp in ddps:
-        ddp._elastic_reset()
-
-
-def _not_compiled(fn):
-    """Keeps torch.compile from tracing into the ring (DDP's reducer calls the group's broadcast
-    from inside a compiled forward when it rebuilds its buckets)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
-for _name in ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
-              "reduce_scatter_tensor_coalesced", "broadcast", "allgather", "allgather_coalesced", "_allgather_base",
-              "allgather_into_tensor_coalesced", "gather", "scatter", "alltoall", "alltoall_base",
-              "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
-              "reduce_scatter_single_coalesced", "all_to_all_single", "barrier", "rank", "size"):
-    setattr(ElasticProcessGroup, _name, _not_compiled(getattr(ElasticProcessGroup, _name)))
-_allreduce_hook = _not_compiled(_allreduce_hook)
-
-
-__all__ = ["DistributedDataParallel", "ElasticProcessGroup", "process_group", "install_default_group",
-           "pending_failure", "after_sync"]
+__all__ = ["ElasticProcessGroup", "process_group", "install_default_group", "pending_failure"]

@@ -11,7 +11,7 @@ import pytest
 
 import elastic
 from elastic.communicator import MAX_ALLGATHER_BYTES, allgather_counts_problem
-from elastic.session import SyncVerdict, judge_sync, sync_size_problem
+from elastic.state_sync import SyncVerdict, judge_sync, sync_size_problem
 from tests.native.harness import run_world
 
 T, F = True, False

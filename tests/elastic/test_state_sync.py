@@ -17,6 +17,7 @@ import elastic
 from elastic import checkpoint, collectives, serialization
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.native.harness import run_world
+from tests.waiting import wait_until
 
 from .bait import planted_pickle, planted_torch_save, prove_it_bites
 from .digest import bits_digest
@@ -315,14 +316,20 @@ def test_replacing_a_method_of_the_state_is_not_committed_state(alone):
 
 
 # --------------------------------------------------------------------------- real jobs
-def test_a_joining_worker_receives_model_adamw_and_sampler_state_bit_exact(job_factory):
-    job = job_factory(min_np=2, max_np=3, JOB_OPTIMIZER="adamw", JOB_STEP_SLEEP="0.2")
+def test_a_joining_worker_receives_model_adamw_and_sampler_state_bit_exact(job_factory, tmp_path):
+    # Epochs enough for the newcomer's start however slow (torch's import under load); the
+    # job ends at the first epoch boundary after it has trained in the world of three.
+    stop = os.path.join(str(tmp_path), "stop")
+    job = job_factory(min_np=2, max_np=3, JOB_OPTIMIZER="adamw", JOB_STEP_SLEEP="0.2", JOB_EPOCHS="100",
+                      JOB_STOP_FILE=stop)
     for w in ["w0", "w1"]:
         job.start(w)
     job.wait_step(5, ["w0", "w1"])
     job.start("w2")
+    wait_until(lambda: (job.progress("w2") or (0, 0, 0))[1] == 3, 120, "w2 to train in the world of three")
+    open(stop, "w").close()
     workers = ["w0", "w1", "w2"]
-    assert job.wait(workers) == {w: 0 for w in workers}
+    assert job.wait(workers) == {w: 0 for w in workers}, job.log("w2")[-3000:]
     check_identical([job.result(w) for w in workers])
     syncs = {}
     for w in workers:
