@@ -17,11 +17,13 @@ ends with: a rank promotes the new copies only once that allreduce completed, wh
 every rank had its copies before (see ``elastic.reshard.decide``). So the loss of any worker,
 and of any set of workers that are not each other's buddies, loses nothing.
 
-On a new world (``sync``) every rank announces which committed layout it holds, all decide the
-same way (``elastic.reshard``) which commit to resume from and who sends which rows, the rows
-that change owner travel in one ring allgather, and every rank loads its new shards: bytes are
-copied, never computed, so the full state is bitwise the commit. The new layout is then
-committed again (own copy and buddy copy), so the next failure finds it held twice. A commit
+On a new world, as soon as its ring forms (the step protocol's ``world_changed`` hook, which
+the state registers at its first sync), every rank announces which committed layout it holds,
+all decide the same way (``elastic.reshard``) which commit to resume from and who sends which
+rows, the rows that change owner travel in one ring allgather, and every rank loads its new
+shards: bytes are copied, never computed, so the full state is bitwise the commit. The reset
+callbacks then run on the new model and optimizer, and ``sync`` commits the new layout again
+(own copy and buddy copy), so the next failure finds it held twice. A commit
 whose shards died with both holders is restored from the newest durable commit when there is
 one (``elastic.run(checkpoint_dir=...)``), else every rank raises ``CommitLostError``.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -74,7 +77,8 @@ class ShardedState(ObjectState):
         for k, v in (("_build", build), ("_shard", shard), ("_make_optimizer", optimizer), ("model", None),
                      ("optimizer", None), ("_own", None), ("_buddy", None), ("_held", None), ("_full", None),
                      ("_pending", None), ("_reset_due", False), ("last_reshard", None),
-                     ("_written", None)):
+                     ("_written", None), ("_resharded", None), ("_sync_timer", None),
+                     ("_hooks", _ReshardOnNewWorld(self))):
             object.__setattr__(self, k, v)
         super().__init__(**attrs)
 
@@ -132,10 +136,6 @@ class ShardedState(ObjectState):
     def restore(self) -> None:
         """Nothing to roll back here: the next world's ``sync`` rebuilds the model and optimizer
         from the committed shards (the live ones may be half-way through a step)."""
-
-    def on_reset(self) -> None:
-        # The reset callbacks act on the next world's model and optimizer, which sync() makes.
-        object.__setattr__(self, "_reset_due", True)
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> Dict[str, int]:
@@ -277,80 +277,129 @@ class ShardedState(ObjectState):
         return {"flat": got, "shards": views}
 
     # ------------------------------------------------------------------ a new world
+    def _new_world(self) -> None:
+        """``world_changed``: this world's model and optimizer built and the commit every rank
+        agreed on loaded onto them, resharded (module doc), before the reset callbacks run, so
+        they act on them. ``sync`` then commits that layout again."""
+        comm = world.ring()
+        timer = metrics.timed(self, "sync")   # closed by sync(): the whole of a world's sync
+        timer.__enter__()
+        try:
+            object.__setattr__(self, "_resharded", self._reshard(comm))
+        except BaseException as e:
+            timer.__exit__(type(e), e, e.__traceback__)
+            raise
+        object.__setattr__(self, "_sync_timer", timer)
+
+    def on_reset(self) -> None:
+        resharded = self._resharded
+        if resharded is not None and resharded["version"] == world.ring().world_version:
+            super().on_reset()   # the new world's model and optimizer are there already
+        else:   # resharded by sync() itself: the callbacks run there, on the new model
+            object.__setattr__(self, "_reset_due", True)
+
     def sync(self) -> None:
-        """Builds this world's model and optimizer and loads the commit every rank agreed on,
-        resharded (module doc); then commits that layout again."""
-        with metrics.timed(self, "sync"):
-            comm = world.ring()
-            for h in hooks.registered():
-                h.before_sync(self)
-            started = time.monotonic()
-            clock = _Phases()
-            holdings = transfer.agree_holdings(comm, self._held, self._pending)
-            clock.mark("agree")
-            decision = reshard.decide(holdings)
-            disk = None
-            if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
-                disk = self._agree_durable(comm)
-            if disk is not None:
-                if isinstance(decision, reshard.Lost):
-                    log.warning("world version %d: commit %d is lost with both holders of rank(s) %s; restoring the "
-                                "durable commit %d from %s", comm.world_version, decision.generation.step,
-                                list(decision.missing), disk.step, disk.path)
-                self._resume_from_disk(comm, disk, started)
-                return
-            if isinstance(decision, reshard.Lost):
-                raise CommitLostError(
-                    f"world version {comm.world_version}: commit {decision.generation.step} of the "
-                    f"{decision.generation.size}-rank world version {decision.generation.version} is lost: rank(s) "
-                    f"{list(decision.missing)} of that world and their buddies (the next rank of each) are all gone, "
-                    "and there is no durable commit to restore from (elastic.run(checkpoint_dir=...) keeps one)")
-            model = self._build()
-            clock.mark("build")
-            initial = None
-            if isinstance(decision, reshard.Fresh):
-                if any(p.is_meta for p in model.parameters()):
-                    raise ValueError("ShardedState: build() made parameters on the meta device and there is no commit "
-                                     "to fill them from; build the first world's model on the CPU")
-                # The job's first state is rank 0's build(): its full tensors, sharded by the plan below.
-                initial = {"model." + fqn: p.detach() for fqn, p in model.named_parameters()}
-                gen = reshard.Generation(-1, 0, 1)
-                decision = reshard.Resume(gen, (((0, reshard.OWN),),), root=0)
-            mesh = transfer.world_mesh()
-            self._shard(model, mesh)
-            if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-                model.to_empty(device="cpu")
-            opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
-            object.__setattr__(self, "model", model)
-            object.__setattr__(self, "optimizer", opt)
-            clock.mark("shard")
-            own, buddy = self._copies_of(decision.generation)
-            if initial is not None and comm.rank == 0:
-                own = {"shards": initial, "replicated": self._parts()[1]}
-            replicated = comm.broadcast_object(own["replicated"] if comm.rank == decision.root else None,
-                                               root_rank=decision.root, op="ShardedState sync")
-            table = transfer.check_table(replicated, model, comm.rank, decision.root)
-            clock.mark("replicated")
-            # The new shards are assembled straight into this rank's next own copy (the commit
-            # taken again below): the live state is loaded from it, nothing is copied twice.
-            flat, views = transfer.flat_buffer(table, comm.rank, comm.size, decision.generation.step,
-                                               comm.world_version)
-            moved = transfer.move(comm, decision, table, own, buddy, views)
-            clock.mark("move")
-            self._load(table, views, replicated)
-            clock.mark("load")
+        """Commits the layout ``world_changed`` loaded (own copy, buddy copy); without one for
+        this world (its first), builds and reshards first."""
+        comm = world.ring()
+        hooks.add_hooks(self._hooks)   # from now on each new world is resharded as its ring forms
+        for h in hooks.registered():
+            h.before_sync(self)
+        r, timer = self._resharded, self._sync_timer
+        object.__setattr__(self, "_resharded", None)
+        object.__setattr__(self, "_sync_timer", None)
+        if r is None or r["version"] != comm.world_version:
+            timer = metrics.timed(self, "sync")
+            timer.__enter__()
+            r = None
+        try:
+            if r is None:
+                r = self._reshard(comm)
             if self._reset_due:
                 object.__setattr__(self, "_reset_due", False)
                 super().on_reset()
-            self._take_copies(comm, decision.generation.step, _agreement(comm), clock, taken=(flat, views))
-            object.__setattr__(self, "last_reshard", {"from": decision.generation, "moved_bytes": moved,
-                                                      "seconds": time.monotonic() - started,
-                                                      "phases": clock.phases})
+            if r["disk"] is not None:
+                object.__setattr__(self, "_written", r["disk"].step)
+            self._take_copies(comm, r["step"], _agreement(comm), r["clock"], taken=r["taken"])
+        except BaseException as e:
+            timer.__exit__(type(e), e, e.__traceback__)
+            raise
+        timer.__exit__(None, None, None)
+        seconds = time.monotonic() - r["started"]
+        object.__setattr__(self, "last_reshard", {"from": r["from"], "moved_bytes": r["moved"], "seconds": seconds,
+                                                  "phases": r["clock"].phases})
+        if r["disk"] is not None:
+            log.info("world version %d: resumed from durable commit %d in %s (written by %d ranks) in %.3f s",
+                     comm.world_version, r["disk"].step, r["disk"].path, r["disk"].size, seconds)
+        else:
+            g = r["from"]
             log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
-                     "in %.3f s", comm.world_version, decision.generation.step, decision.generation.size,
-                     decision.generation.version, moved, time.monotonic() - started)
+                     "in %.3f s", comm.world_version, g.step, g.size, g.version, r["moved"], seconds)
         for h in hooks.registered():   # the torch group and DDP follow the new world
-            h.after_sync(self, decision.root)
+            h.after_sync(self, r["root"])
+
+    def _reshard(self, comm) -> Dict[str, Any]:
+        """Builds this world's model and optimizer and loads the agreed commit onto them; what
+        the commit taken again in ``sync`` needs."""
+        started = time.monotonic()
+        clock = _Phases()
+        holdings = transfer.agree_holdings(comm, self._held, self._pending)
+        clock.mark("agree")
+        decision = reshard.decide(holdings)
+        disk = None
+        if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
+            disk = self._agree_durable(comm)
+        if disk is not None:
+            if isinstance(decision, reshard.Lost):
+                log.warning("world version %d: commit %d is lost with both holders of rank(s) %s; restoring the "
+                            "durable commit %d from %s", comm.world_version, decision.generation.step,
+                            list(decision.missing), disk.step, disk.path)
+            self._resume_from_disk(comm, disk)
+            clock.mark("disk")
+            return {"version": comm.world_version, "step": disk.step, "root": 0, "taken": None, "moved": 0,
+                    "from": ("disk", disk.step), "disk": disk, "clock": clock, "started": started}
+        if isinstance(decision, reshard.Lost):
+            raise CommitLostError(
+                f"world version {comm.world_version}: commit {decision.generation.step} of the "
+                f"{decision.generation.size}-rank world version {decision.generation.version} is lost: rank(s) "
+                f"{list(decision.missing)} of that world and their buddies (the next rank of each) are all gone, "
+                "and there is no durable commit to restore from (elastic.run(checkpoint_dir=...) keeps one)")
+        model = self._build()
+        clock.mark("build")
+        initial = None
+        if isinstance(decision, reshard.Fresh):
+            if any(p.is_meta for p in model.parameters()):
+                raise ValueError("ShardedState: build() made parameters on the meta device and there is no commit "
+                                 "to fill them from; build the first world's model on the CPU")
+            # The job's first state is rank 0's build(): its full tensors, sharded by the plan below.
+            initial = {"model." + fqn: p.detach() for fqn, p in model.named_parameters()}
+            gen = reshard.Generation(-1, 0, 1)
+            decision = reshard.Resume(gen, (((0, reshard.OWN),),), root=0)
+        self._shard(model, transfer.world_mesh())
+        if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+            model.to_empty(device="cpu")
+        opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", opt)
+        clock.mark("shard")
+        own, buddy = self._copies_of(decision.generation)
+        if initial is not None and comm.rank == 0:
+            own = {"shards": initial, "replicated": self._parts()[1]}
+        replicated = comm.broadcast_object(own["replicated"] if comm.rank == decision.root else None,
+                                           root_rank=decision.root, op="ShardedState sync")
+        table = transfer.check_table(replicated, model, comm.rank, decision.root)
+        clock.mark("replicated")
+        # The new shards are assembled straight into this rank's next own copy (the commit
+        # taken again in sync): the live state is loaded from it, nothing is copied twice.
+        flat, views = transfer.flat_buffer(table, comm.rank, comm.size, decision.generation.step,
+                                           comm.world_version)
+        moved = transfer.move(comm, decision, table, own, buddy, views)
+        clock.mark("move")
+        self._load(table, views, replicated)
+        clock.mark("load")
+        return {"version": comm.world_version, "step": decision.generation.step, "root": decision.root,
+                "taken": (flat, views), "moved": moved, "from": decision.generation, "disk": None, "clock": clock,
+                "started": started}
 
     def _agree_durable(self, comm) -> Optional[durable_format.Durable]:
         """The newest complete durable commit, the same on every rank (one allgather of its step)."""
@@ -366,9 +415,9 @@ class ShardedState(ObjectState):
                                   "one directory every worker shares")
         return disk
 
-    def _resume_from_disk(self, comm, disk: durable_format.Durable, started: float) -> None:
+    def _resume_from_disk(self, comm, disk: durable_format.Durable) -> None:
         """Every rank reads its new shards straight from the durable commit's files (any world
-        size wrote them) and the replicated state from its index; then commits in memory."""
+        size wrote them) and the replicated state from its index."""
         model = self._build()
         self._shard(model, transfer.world_mesh())
         if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
@@ -385,17 +434,6 @@ class ShardedState(ObjectState):
         except (ValueError, TypeError) as e:
             raise CommitLostError(f"durable commit {disk.path} cannot be loaded into this model: {e}") from None
         self._load(table, new, disk.replicated)
-        object.__setattr__(self, "last_reshard", {"from": ("disk", disk.step), "moved_bytes": 0,
-                                                  "seconds": time.monotonic() - started})
-        if self._reset_due:
-            object.__setattr__(self, "_reset_due", False)
-            super().on_reset()
-        object.__setattr__(self, "_written", disk.step)
-        self._take_copies(comm, disk.step, _agreement(comm))
-        log.info("world version %d: resumed from durable commit %d in %s (written by %d ranks) in %.3f s",
-                 comm.world_version, disk.step, disk.path, disk.size, time.monotonic() - started)
-        for h in hooks.registered():
-            h.after_sync(self, 0)
 
     def _copies_of(self, gen: reshard.Generation):
         """This rank's own and buddy copies of ``gen`` (None where it holds none)."""
@@ -457,6 +495,7 @@ class ShardedState(ObjectState):
     def on_finish(self) -> None:
         """``elastic.run``'s function returned on every rank: gather the full model while the
         ring is still up, for ``full_state_dict()`` after the run."""
+        hooks.remove_hooks(self._hooks)
         try:
             object.__setattr__(self, "_full", self.full_state_dict())
         except ElasticError as e:
@@ -490,6 +529,20 @@ class ShardedState(ObjectState):
             for name, v in sorted(self.optimizer.state.get(p, {}).items()):
                 out.setdefault(fqn, {})[name] = transfer.gather(comm, v, fqn) if transfer.is_dtensor(v) else v
         return out
+
+
+class _ReshardOnNewWorld(hooks.StepHooks):
+    """A sharded state's part in the step protocol: every new world's model is built and
+    resharded as soon as its ring forms, so the reset callbacks that follow act on it.
+    Registered by the state's first sync (a state made but never run reshards nothing)."""
+
+    def __init__(self, state: "ShardedState") -> None:
+        self._state = weakref.ref(state)
+
+    def world_changed(self, change: hooks.WorldChange) -> None:
+        state = self._state()
+        if state is not None:
+            state._new_world()
 
 
 class _Phases:
