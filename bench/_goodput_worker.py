@@ -18,16 +18,24 @@ BENCH_DEADLINE watchdog ends a worker it lost track of).
 
 With --fsdp the model is sharded with FSDP2 (each Linear, then the root) and trained with AdamW:
 
-  torchrun   FSDP2 over gloo; every --commit-every steps all ranks save model, optimizer and
-             step with torch.distributed.checkpoint (dcp.save, into a new directory; rank 0 then
-             points DIR/latest at it); every start reloads the latest with dcp.load.
+  torchrun   FSDP2 over gloo; every --commit-every steps all ranks save model, optimizer,
+             step and stream position with torch.distributed.checkpoint (dcp.save, into a
+             new directory; rank 0 then points DIR/latest at it); every start reloads the
+             latest with dcp.load.
   elastic    elastic.ShardedState (shards committed in memory and on the buddy every
              --commit-every steps); a failure costs the survivors a reshard of the last commit.
 
+Data: one stream of samples numbered from 0. A step of a world of N ranks trains the next
+N x 32 of them, rank r the r-th 32; the stream position (samples consumed) is part of the
+checkpoint (torchrun) or of the committed state (elastic), so a restore replays exactly the
+samples of the steps it undid and a smaller world skips none. A batch is a function of its
+sample indices (batch_for), whichever rank or system trains it.
+
 Every worker writes its pid to DIR/pids/PID and appends JSON lines to DIR/events-PID.jsonl:
 {"ev": "step"|"commit", "step", "t" (time.time()), "gen" (elastic: the world version;
-torchrun: TORCHELASTIC_RESTART_COUNT), "size", "pid"}. "commit" is logged once the commit
-is held: after state.commit() returned, after the checkpoint's rename.
+torchrun: TORCHELASTIC_RESTART_COUNT), "size", "pid"}, and on "step" "samples": [start, stop,
+stride], the indices this rank trained in it (range(start, stop, stride)). "commit" is logged
+once the commit is held: after state.commit() returned, after the checkpoint's rename.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import json
 import os
 import threading
 import time
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,9 +63,11 @@ class Events:
             f.write(str(self.pid))
         self._f = open(os.path.join(run_dir, f"events-{self.pid}.jsonl"), "a", buffering=1)
 
-    def log(self, ev: str, step: int, gen: int, size: int) -> None:
-        self._f.write(json.dumps({"ev": ev, "step": step, "t": time.time(), "gen": gen, "size": size,
-                                  "pid": self.pid}) + "\n")
+    def log(self, ev: str, step: int, gen: int, size: int, samples: Optional[Tuple[int, int, int]] = None) -> None:
+        line = {"ev": ev, "step": step, "t": time.time(), "gen": gen, "size": size, "pid": self.pid}
+        if samples is not None:
+            line["samples"] = list(samples)
+        self._f.write(json.dumps(line) + "\n")
 
 
 def watchdog() -> None:
@@ -73,12 +84,23 @@ def watchdog() -> None:
     threading.Thread(target=run, name="bench-deadline", daemon=True).start()
 
 
+def batch_for(samples: Tuple[int, int, int]):
+    """The batch of these sample indices: the same inputs wherever and whenever they are trained."""
+    start, stop, stride = samples
+    g = torch.Generator().manual_seed((start * 1_000_003 + stride) % (1 << 62))
+    return torch.randn(BATCH, 1024, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def rank_samples(cursor: int, rank: int) -> Tuple[int, int, int]:
+    """This rank's indices in the step that starts at stream position ``cursor``."""
+    return (cursor + rank * BATCH, cursor + (rank + 1) * BATCH, 1)
+
+
 def make_step(model, opt):
     loss_fn = torch.nn.CrossEntropyLoss()
 
-    def step(number: int, rank: int) -> None:
-        g = torch.Generator().manual_seed(number * 1000 + rank)   # step n's batch, wherever it is redone
-        x, y = torch.randn(BATCH, 1024, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    def step(samples: Tuple[int, int, int]) -> None:
+        x, y = batch_for(samples)
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
@@ -92,21 +114,24 @@ def torchrun_worker(args, events: Events) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     net = build_model()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    done = 0
+    done = cursor = 0
     if os.path.exists(args.checkpoint):
         ckpt = torch.load(args.checkpoint, weights_only=True)   # tensors and numbers only: nothing unpickled
         net.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        done = int(ckpt["step"])
+        done, cursor = int(ckpt["step"]), int(ckpt["cursor"])
     model = torch.nn.parallel.DistributedDataParallel(net)   # broadcasts rank 0's parameters
     step = make_step(model, opt)
     while True:
         done += 1
-        step(done, rank)
-        events.log("step", done, gen, size)
+        samples = rank_samples(cursor, rank)
+        step(samples)
+        cursor += size * BATCH
+        events.log("step", done, gen, size, samples)
         if done % args.commit_every == 0 and rank == 0:
             tmp = args.checkpoint + ".tmp"
-            torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "step": done}, tmp)
+            torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "step": done, "cursor": cursor},
+                       tmp)
             os.replace(tmp, args.checkpoint)
             events.log("commit", done, gen, size)
 
@@ -117,16 +142,18 @@ def elastic_worker(args, events: Events) -> None:
     net = build_model()
     model = elastic.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    state = elastic.TorchState(model=net, optimizer=opt, step=0)
+    state = elastic.TorchState(model=net, optimizer=opt, step=0, cursor=0)
     step = make_step(model, opt)
 
     @elastic.run
     def train(state):
         gen, rank, size = elastic.world_version(), dist.get_rank(), dist.get_world_size()
         while True:
-            step(state.step + 1, rank)
+            samples = rank_samples(state.cursor, rank)
+            step(samples)
             state.step += 1
-            events.log("step", state.step, gen, size)
+            state.cursor += size * BATCH
+            events.log("step", state.step, gen, size, samples)
             if state.step % args.commit_every == 0:
                 state.commit()
                 events.log("commit", state.step, gen, size)
@@ -158,25 +185,28 @@ def torchrun_fsdp_worker(args, events: Events) -> None:
     net = build_model()
     shard(net, init_device_mesh("cpu", (size,)))
     opt = adamw(net.parameters())
-    done = 0
+    done = cursor = 0
     latest = os.path.join(args.checkpoint, "latest")
     if os.path.exists(latest):
         with open(latest) as f:
             where = os.path.join(args.checkpoint, f.read().strip())
         msd, osd = get_state_dict(net, opt)
-        sd = {"model": msd, "optim": osd, "step": torch.zeros(1, dtype=torch.int64)}
+        sd = {"model": msd, "optim": osd, "step": torch.zeros(1, dtype=torch.int64),
+              "cursor": torch.zeros(1, dtype=torch.int64)}
         dcp.load(sd, checkpoint_id=where)
         set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        done = int(sd["step"][0])
+        done, cursor = int(sd["step"][0]), int(sd["cursor"][0])
     step = make_step(net, opt)
     while True:
         done += 1
-        step(done, rank)
-        events.log("step", done, gen, size)
+        samples = rank_samples(cursor, rank)
+        step(samples)
+        cursor += size * BATCH
+        events.log("step", done, gen, size, samples)
         if done % args.commit_every == 0:
             msd, osd = get_state_dict(net, opt)
             name = f"step-{done}"
-            dcp.save({"model": msd, "optim": osd, "step": torch.tensor([done])},
+            dcp.save({"model": msd, "optim": osd, "step": torch.tensor([done]), "cursor": torch.tensor([cursor])},
                      checkpoint_id=os.path.join(args.checkpoint, name))
             if rank == 0:
                 tmp = latest + ".tmp"
@@ -193,16 +223,18 @@ def elastic_fsdp_worker(args, events: Events) -> None:
         torch.manual_seed(0)
         return build_model()
 
-    state = elastic.ShardedState(build, shard, optimizer=adamw, step=0)
+    state = elastic.ShardedState(build, shard, optimizer=adamw, step=0, cursor=0)
 
     @elastic.run
     def train(state):
         gen, rank, size = elastic.world_version(), elastic.rank(), elastic.size()
-        step = make_step(state.model, state.optimizer)
+        step = make_step(state.model, state.optimizer)   # this world's model and optimizer
         while True:
-            step(state.step + 1, rank)
+            samples = rank_samples(state.cursor, rank)
+            step(samples)
             state.step += 1
-            events.log("step", state.step, gen, size)
+            state.cursor += size * BATCH
+            events.log("step", state.step, gen, size, samples)
             if state.step % args.commit_every == 0:
                 state.commit()
                 events.log("commit", state.step, gen, size)

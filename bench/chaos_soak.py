@@ -23,11 +23,22 @@ Printed: faults survived, recovery p50/p95/max per signal, commits lost (a sync 
 the ranks did not all load the newest commit any of them held), whether the final replicas
 are bit-identical and every sample was counted, and the final loss against the fault-free
 run. Exit status 1 if any of those fails or a recovery target is missed.
+
+Also printed, per fault and in total (the targets of a failure that costs at most the step in
+flight; reported, not yet part of the exit status):
+  steps redone     steps a survivor trained again after the fault (it had completed them
+                   before it; only a restore goes back), the most any survivor redid.
+  samples dropped  from the job's per-sample counter in the final model: samples trained
+                   fewer times than the epochs run. The counter holds the whole soak, so the
+                   per-fault figure is that total divided by the faults.
+  false evictions  workers the server evicted (its --events log) that were neither killed,
+                   stopped nor sent SIGTERM by the soak.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -71,8 +82,9 @@ class Soak:
         self.out = out
         self.rng = random.Random(args.seed)
         # Every worker runs on this one host and is killed on purpose: no host blacklisting.
+        self.server_events = os.path.join(out, "server-events.jsonl")
         self.server = ServerProc(_Path(out), "--insecure", "--heartbeat-timeout", str(args.heartbeat_timeout),
-                                 "--settle", "0.2", "--blacklist-after", "0")
+                                 "--settle", "0.2", "--blacklist-after", "0", "--events", self.server_events)
         self.stop_file = os.path.join(out, "stop")
         self.job = Job(_Path(out), self.server.address, min_np=1, max_np=args.workers, JOB_EPOCHS=100000,
                        JOB_STEP_SLEEP=0.02, JOB_STOP_FILE=self.stop_file, ELASTIC_WORLD_TIMEOUT=120)
@@ -81,6 +93,8 @@ class Soak:
         self.recoveries = {"SIGKILL": [], "SIGSTOP": []}
         self.shrinks: list = []          # --preempt: seconds from SIGTERM to the smaller world
         self.leaver_codes: list = []     # --preempt: exit status of every worker sent SIGTERM
+        self.victims: set = set()        # every worker the soak signalled
+        self.redone: list = []           # per fault: the most steps a survivor trained again
         self.failure = ""
 
     def spawn(self) -> str:
@@ -119,8 +133,20 @@ class Soak:
                     break
         return first
 
+    def redone_since(self, victim: str, t_fault: float) -> int:
+        """The most steps a survivor completed again after ``t_fault`` (it had completed them before)."""
+        most = 0
+        for w in self.live:
+            if w == victim:
+                continue
+            steps = [e for e in self.job.events(w) if e["ev"] == "step"]
+            top = max((e["step"] for e in steps if e["t"] <= t_fault), default=0)
+            most = max(most, sum(1 for e in steps if e["t"] > t_fault and e["step"] <= top))
+        return most
+
     def preempt(self, n: int) -> None:
         victim = self.rng.choice(self.live)
+        self.victims.add(victim)
         version = max((e["v"] for w in self.live for e in self.job.events(w) if e["ev"] == "step"), default=0)
         t_fault = time.time()
         self.job.kill(victim, signal.SIGTERM)
@@ -136,6 +162,7 @@ class Soak:
               f"exit status {code}", flush=True)
         recovered_version = max(e["v"] for w in self.live if w != victim for e in self.job.events(w)
                                 if e["ev"] == "step")
+        self.redone.append(self.redone_since(victim, t_fault))
         self.live.remove(victim)
         self.spawn()
         wait_until(lambda: self.full_world(recovered_version), 60,
@@ -146,6 +173,7 @@ class Soak:
             return self.preempt(n)
         sig = signal.SIGSTOP if self.rng.random() < self.args.stop_share else signal.SIGKILL
         victim = self.rng.choice(self.live)
+        self.victims.add(victim)
         # The world at the fault: the newest any worker has stepped in.
         version = max((e["v"] for w in self.live for e in self.job.events(w) if e["ev"] == "step"), default=0)
         t_fault = time.time()
@@ -157,8 +185,11 @@ class Soak:
         recovered_version = max(e["v"] for w in self.live if w != victim for e in self.job.events(w)
                                 if e["ev"] == "step")
         self.recoveries[name].append(t - t_fault)
-        print(f"fault {n:3d}: {name} {victim:>4} in world {version:3d} -> recovered in {t - t_fault:6.3f} s",
-              flush=True)
+        # Redone steps follow the restore at once: counted when the survivors step in the new world.
+        redone = self.redone_since(victim, t_fault)
+        self.redone.append(redone)
+        print(f"fault {n:3d}: {name} {victim:>4} in world {version:3d} -> recovered in {t - t_fault:6.3f} s, "
+              f"{redone} steps redone", flush=True)
         if sig == signal.SIGKILL:
             self.job.procs[victim].wait(10)
             self.live.remove(victim)
@@ -239,6 +270,16 @@ class Soak:
                                  ("SIGSTOP", f"<= heartbeat timeout + 1 = {self.args.heartbeat_timeout + 1:g} s")):
                 p50, p95, mx = dist(self.recoveries[name])
                 print(f"| {name} | {len(self.recoveries[name])} | {p50} | {p95} | {mx} | {target} |")
+        dropped = sum(max(0, epochs - int(s)) for s in results[0]["seen"]) if results else 0
+        false = false_evictions(self.server_events, self.victims)
+        faults = len(self.redone)
+        print("| faults | steps redone per fault p50 | max | total (target 0) | samples dropped, total "
+              "(per fault) (target 0) | false evictions (target 0) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        print(f"| {faults} | {statistics.median(self.redone) if self.redone else '-'} | "
+              f"{max(self.redone) if self.redone else '-'} | {sum(self.redone)} | "
+              f"{dropped} ({dropped / faults if faults else 0:.1f}) | {len(false)}"
+              + (f": {', '.join(sorted(false))}" if false else "") + " |")
         print(f"commits lost: {len(lost)}" + "".join(f"\n  {p}" for p in lost))
         print(f"workers finished: {len(results)}/{len(self.live)} (exit codes {codes}); epochs {epochs}; "
               f"replicas bit-identical: {identical}; every sample counted, repeats <= {pad_bound}: {counted}")
@@ -255,6 +296,23 @@ class Soak:
     def close(self) -> None:
         self.job.close()
         self.server.kill()
+
+
+def false_evictions(path: str, victims: set) -> set:
+    """Workers the server's event log shows evicted that the soak never signalled."""
+    evicted = set()
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    e = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(e, dict) and e.get("event") == "worker_evicted" and isinstance(e.get("worker_id"), str):
+                    evicted.add(e["worker_id"])
+    except OSError:
+        pass
+    return evicted - victims
 
 
 def commit_interval(events) -> float:

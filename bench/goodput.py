@@ -1,12 +1,13 @@
-"""Goodput under faults: the same DDP job under torchrun and elastic-run, one worker SIGKILLed every F s.
+"""Goodput under faults: the same DDP job under torchrun, elastic-run and TorchFT, one worker SIGKILLed every F s.
 
-    python bench/goodput.py                       # 4 workers, a SIGKILL every 20 s for 120 s
-    python bench/goodput.py --quick               # every 10 s for 40 s
+    python bench/goodput.py                       # 4 workers, a SIGKILL every 20 s and every 60 s, 300 s each
+    python bench/goodput.py --quick --plot g.png  # every 10 s and 20 s for 30 s (7-10 minutes)
     python bench/goodput.py --every 30 --duration 300 --commit-every 20 --seed 3
     python bench/goodput.py --fsdp                # the model sharded with FSDP2 (see below)
 
-Both runs train bench/_goodput_worker.py (~9M-parameter MLP, 32 samples per rank and step,
-SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers:
+Every run trains bench/_goodput_worker.py's model (~9M-parameter MLP, 32 samples per rank and
+step, SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers
+(TorchFT needs `pip install -e '.[bench]'`):
 
   torchrun     torchrun --standalone (c10d rendezvous) --nproc-per-node W --max-restarts R;
                torch DDP over gloo; rank 0 checkpoints model, optimizer and step to disk every
@@ -16,33 +17,49 @@ SGD with momentum, DDP's default buckets, one torch thread per worker) on --work
                in @elastic.run with state.commit() every --commit-every steps. The survivors
                restore the last commit and go on without the killed worker; elastic-run
                respawns it, and it joins at a commit.
+  torchft      TorchFT (bench/_torchft_launch.py, bench/_torchft_worker.py): its lighthouse,
+               one replica group per worker (one process each) with torchft.Manager,
+               torchft.ProcessGroupGloo and torchft.DistributedDataParallel, TorchFT's default
+               timeouts; the launch script restarts a killed group, as TorchFT expects of a
+               scheduler, and it heals from a live peer. A step a peer's failure broke is not
+               committed: its batches are dropped, nothing is redone.
 
-With --fsdp both shard the model with FSDP2 and train it with AdamW: torchrun over gloo saves a
-torch.distributed.checkpoint (every rank its shards) every --commit-every steps and reloads it
-on every restart; elastic-run's workers hold it in elastic.ShardedState, which commits the
-shards in memory and on a buddy and reshards them onto the survivors after a failure.
+With --fsdp torchrun and elastic-run shard the model with FSDP2 (each Linear, then the root)
+and train it with AdamW, on the same sample stream and with the same figures: torchrun over
+gloo saves a torch.distributed.checkpoint (every rank its shards, the step and the stream
+position) every --commit-every steps and reloads it on every restart; elastic-run's workers
+hold it in elastic.ShardedState, which commits the shards in memory and on a buddy and
+reshards them onto the survivors after a failure. TorchFT is not part of --fsdp (its sharded
+mode, FT-HSDP, shards inside a replica group; not measured here).
 
 For each, a fault-free run of --fault-free-seconds before the fault runs and another after
 them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
 and the fault run: from the job's first step, every --every seconds for --duration seconds
 one worker process chosen at random (--seed) among those training is sent SIGKILL (when the
-previous fault has not recovered by then, the next one waits for it). Every worker appends
-a line per step and per commit to a file (bench/_goodput_worker.py); all figures come from
-those timestamps:
+previous fault has not recovered by then, the next one waits for it); one fault run per
+--every value. Every worker appends a line per step and per commit to a file, each step with
+the sample indices it trained (bench/_goodput_worker.py); all figures come from those lines:
 
   fault-free steps/s   steps completed in a fault-free run / its length (checkpoint or
                        commit cost included); the mean of the run before and the one after.
   useful steps/s       steps that count toward the final model: the last step committed (or
                        checkpointed) by the end of the fault run / --duration. The ratio to
                        fault-free is the goodput.
-  useful samples/s     the same, counting each useful step's samples (32 x the world size it
-                       ran in): a world of 3 after a fault does 3/4 of the samples per step
-                       (and, on a machine with fewer cores than workers, can step faster).
+  useful samples/s     distinct samples trained in the steps the final model holds (each
+                       step's newest run: a step undone by a restore and trained again counts
+                       once; a batch TorchFT dropped counts nothing) / --duration: a world of
+                       3 after a fault does 3/4 of the samples per step (and, on a machine with
+                       fewer cores than workers, can step faster).
+  samples dropped      samples the job's data stream moved past that no held step trained (a
+                       dropped batch, a skipped shard): the streams are torchrun's and
+                       elastic-run's one global position (in the checkpoint / committed state)
+                       and TorchFT's one shard per replica group (torchft.DistributedSampler's).
   recovery per fault   from the SIGKILL to the first step completed in the next world (a new
                        world version, or torchrun's next restart) by a process other than the
                        victim.
-  steps redone         the highest step reached before the fault minus the step the next world
-                       restarted from (what was trained since the last commit or checkpoint).
+  steps redone         the highest step completed before the fault minus the step the next
+                       world restarted from (what was trained since the last commit or
+                       checkpoint); the step in flight at the SIGKILL is not counted.
   steps/s by world     in the fault run, the rate while the world had all --workers and while
                        it had fewer (between two steps of one world; the pauses of re-forms,
                        restarts and joins are left out): shows how much of the useful rate
@@ -54,12 +71,16 @@ torchrun's restarts fail here (see TORCH_STORE_ENV below).
 The launchers start in sessions of their own; at the end, on an error and on Ctrl-C every
 process of a run is SIGKILLed (found by a tag in its environment), and workers end themselves
 at a deadline in any case. Nothing is asserted: the numbers are printed, noisy on a machine
-shared with other work (the load average is printed with them).
+shared with other work (the load average is printed with them). elastic-run's targets are
+printed next to its figures, met or MISSED: goodput >= 0.97 at one SIGKILL a minute and >= 0.95
+at one per 20 s, recovery p95 <= 0.1 s, 0 steps redone, 0 samples dropped. --plot FILE.png
+draws useful steps over time per system and fault rate, faults marked (bench/_goodput_plot.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -82,7 +103,9 @@ WORKER = os.path.join(REPO, "bench", "_goodput_worker.py")
 BIN = os.path.dirname(sys.executable)   # torchrun and elastic-run of this environment
 BATCH = 32                              # samples per rank and step (bench/_ddp_worker.py)
 MAX_LINE = 4096                         # an event line longer than this is not one of ours
-LAUNCHERS = ("torchrun", "elastic-run")
+LAUNCHERS = ("torchrun", "elastic-run", "torchft")
+TORCHFT_LAUNCH = os.path.join(REPO, "bench", "_torchft_launch.py")
+MAX_BATCH_SAMPLES = 1 << 16             # a "samples" range longer than this is not one of ours
 # torchrun's c10d rendezvous shares its TCPStore with the workers by default, and a restarted
 # worker group then reads the previous group's gloo addresses from it: every restart fails in
 # connectFullMesh ("Connection refused"; pytorch/pytorch#135712). Its documented opt-out is set
@@ -93,12 +116,23 @@ TORCH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # ---------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class Event:
-    ev: str      # "step" or "commit"
+    ev: str      # "step", "commit" or "drop" (TorchFT: a batch trained in a step that did not count)
     step: int
     t: float
-    gen: int     # world version (elastic) or restart count (torchrun)
+    gen: int     # world version (elastic), restart count (torchrun) or quorum id (TorchFT)
     size: int
     pid: int
+    samples: Optional[Tuple[int, int, int]] = None   # the indices range(start, stop, stride) it trained
+
+
+def parse_samples(value) -> Optional[Tuple[int, int, int]]:
+    """An event's "samples" [start, stop, stride], or None when it is not a well-formed, bounded range."""
+    if not (isinstance(value, list) and len(value) == 3 and all(type(v) is int for v in value)):
+        return None
+    start, stop, stride = value
+    if start < 0 or stride < 1 or stop <= start or (stop - start) // stride > MAX_BATCH_SAMPLES:
+        return None
+    return start, stop, stride
 
 
 def parse_event(line: str) -> Optional[Event]:
@@ -109,12 +143,17 @@ def parse_event(line: str) -> Optional[Event]:
         d = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(d, dict) or d.get("ev") not in ("step", "commit"):
+    if not isinstance(d, dict) or d.get("ev") not in ("step", "commit", "drop"):
         return None
     try:
         e = Event(d["ev"], d["step"], d["t"], d["gen"], d["size"], d["pid"])
     except KeyError:
         return None
+    if "samples" in d:
+        samples = parse_samples(d["samples"])
+        if samples is None:
+            return None
+        e = Event(e.ev, e.step, e.t, e.gen, e.size, e.pid, samples)
     ints = (e.step, e.gen, e.size, e.pid)
     if not all(type(v) is int for v in ints) or type(e.t) not in (int, float) or not math.isfinite(e.t):
         return None
@@ -180,15 +219,52 @@ def final_commit(events: List[Event], t_end: float) -> int:
     return max((e.step for e in events if e.ev == "commit" and e.t <= t_end), default=0)
 
 
-def useful_samples(events: List[Event], final: int, t_end: float) -> int:
-    """Samples in the steps 1..final that the final model holds: each step's last run before
-    ``t_end`` (the one its successors built on), at the world size it ran in."""
-    last: Dict[int, Event] = {}
+def held_runs(events: List[Event], final: int, t_end: float) -> List[Event]:
+    """Every rank's step event of the runs the final model holds: for each step 1..final, its
+    newest run by ``t_end`` (a restore re-runs a step in a newer world; the old run was undone)."""
+    newest: Dict[int, int] = {}
     for e in events:
         if e.ev == "step" and e.step <= final and e.t <= t_end:
-            if e.step not in last or e.t > last[e.step].t:
-                last[e.step] = e
-    return sum(e.size * BATCH for e in last.values())
+            newest[e.step] = max(newest.get(e.step, -1), e.gen)
+    return [e for e in events if e.ev == "step" and e.t <= t_end and newest.get(e.step) == e.gen]
+
+
+@dataclass
+class SampleCount:
+    useful: int = 0      # distinct samples the final model was trained on
+    dropped: int = 0     # samples its data streams moved past without a held step training them
+    repeated: int = 0    # samples the held steps trained more than once
+    dropped_batches: int = 0   # TorchFT: batches trained in steps that did not count
+
+
+def count_samples(events: List[Event], final: int, t_end: float) -> SampleCount:
+    """Per-sample accounting of the final model. A data stream is a residue class of the
+    sample indices (``start % stride``): one stream for torchrun and elastic-run, one per
+    replica group for TorchFT. A sample is dropped when its stream has a held sample after
+    it while it is held in no step (trained in a step that was thrown away, or skipped)."""
+    count = SampleCount(dropped_batches=sum(1 for e in events if e.ev == "drop" and e.t <= t_end))
+    streams: Dict[Tuple[int, int], set] = {}
+    for e in held_runs(events, final, t_end):
+        if e.samples is None:
+            continue
+        start, stop, stride = e.samples
+        seen = streams.setdefault((stride, start % stride), set())
+        for i in range(start, stop, stride):
+            if i in seen:
+                count.repeated += 1
+            seen.add(i)
+    for (stride, residue), seen in streams.items():
+        count.useful += len(seen)
+        count.dropped += (max(seen) - residue) // stride + 1 - len(seen)
+    return count
+
+
+def useful_timeline(events: List[Event], final: int, t_end: float) -> List[float]:
+    """When each held step completed (its first rank's event), in order: useful steps over time."""
+    first: Dict[int, float] = {}
+    for e in held_runs(events, final, t_end):
+        first[e.step] = min(first.get(e.step, e.t), e.t)
+    return sorted(first.values())
 
 
 def recovered_at(events: List[Event], fault: Fault) -> Optional[Event]:
@@ -229,7 +305,11 @@ class RunResult:
     seconds: float
     rate: float = float("nan")          # fault-free runs: steps/s
     final: int = 0                      # fault runs: last committed step
-    samples: int = 0
+    samples: int = 0                    # distinct samples the final model holds
+    every: float = 0.0                  # fault runs: seconds between SIGKILLs
+    t0: float = 0.0                     # the run's first step (time.time())
+    sample_count: SampleCount = field(default_factory=SampleCount)
+    timeline: List[float] = field(default_factory=list)   # held steps' completion times
     faults: List[Fault] = field(default_factory=list)
     recoveries: List[float] = field(default_factory=list)
     redone: List[int] = field(default_factory=list)
@@ -245,7 +325,9 @@ def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, w
         return result
     result.final = final_commit(events, t_end)
     result.by_size = rate_by_size([e for e in events if e.t <= t_end])
-    result.samples = useful_samples(events, result.final, t_end)
+    result.sample_count = count_samples(events, result.final, t_end)
+    result.samples = result.sample_count.useful
+    result.timeline = useful_timeline(events, result.final, t_end)
     for f in result.faults:
         rec = recovered_at(events, f)
         if rec is None:
@@ -262,6 +344,10 @@ def command(launcher: str, args, run_dir: str, restarts: int) -> List[str]:
         return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(args.workers),
                 "--max-restarts", str(restarts), WORKER, "--launcher", "torchrun",
                 "--checkpoint", os.path.join(run_dir, "checkpoint" if args.fsdp else "checkpoint.pt"), *common]
+    if launcher == "torchft":
+        # TorchFT commits every step: --commit-every has nothing to set.
+        return [sys.executable, TORCHFT_LAUNCH, "--run-dir", run_dir, "--groups", str(args.workers),
+                "--min-replicas", "2", "--max-restarts", str(restarts)]
     return [os.path.join(BIN, "elastic-run"), "--np", str(args.workers), "--min-np", "2",
             "--max-restarts", str(restarts), "--", sys.executable, WORKER, "--launcher", "elastic", *common]
 
@@ -281,8 +367,9 @@ def alive_worker(pid: int, tag: str) -> bool:
 class Run:
     """One launch of the job, with or without faults; ``close()`` leaves no process behind."""
 
-    def __init__(self, launcher: str, args, out: str, with_faults: bool, label: str):
+    def __init__(self, launcher: str, args, out: str, with_faults: bool, label: str, every: float = 0.0):
         self.launcher, self.args, self.with_faults = launcher, args, with_faults
+        self.every = every
         self.seconds = args.duration if with_faults else args.fault_free_seconds
         self.run_dir = os.path.join(out, f"{launcher}-{label}")
         os.makedirs(self.run_dir)
@@ -302,7 +389,7 @@ class Run:
     def planned_faults(self) -> int:
         if not self.with_faults:
             return 0
-        return max(0, math.ceil(self.args.duration / self.args.every) - 1)
+        return max(0, math.ceil(self.args.duration / self.every) - 1)
 
     def check_launcher(self) -> None:
         code = self.launch.proc.poll()
@@ -349,12 +436,12 @@ class Run:
               f"({steps_redone(self.logs.events, fault, rec)} redone)", flush=True)
 
     def run(self) -> RunResult:
-        result = RunResult(self.launcher, self.seconds)
-        self.t0 = self.wait_for(lambda: first_step(self.logs.events), self.args.start_timeout, "first step")
+        result = RunResult(self.launcher, self.seconds, every=self.every)
+        self.t0 = result.t0 = self.wait_for(lambda: first_step(self.logs.events), self.args.start_timeout, "first step")
         t_end = self.t0 + self.seconds
         try:
             for n in range(1, self.planned_faults() + 1):
-                self.sleep_until(max(self.t0 + n * self.args.every, time.time()))
+                self.sleep_until(max(self.t0 + n * self.every, time.time()))
                 if time.time() >= t_end:
                     break
                 self.inject(n, result)
@@ -371,12 +458,12 @@ class Run:
         self.launch.close(grace=0)
 
 
-def one(launcher: str, args, out: str, label: str) -> RunResult:
-    with_faults = label == "faults"
-    kind = (f"a SIGKILL every {args.every:g} s for {args.duration:g} s" if with_faults
+def one(launcher: str, args, out: str, label: str, every: float = 0.0) -> RunResult:
+    with_faults = label.startswith("faults")
+    kind = (f"a SIGKILL every {every:g} s for {args.duration:g} s" if with_faults
             else f"fault-free ({label.split('-')[-1]}) for {args.fault_free_seconds:g} s")
     print(f"# {launcher}, {kind}, load average {load()} ...", flush=True)
-    run = Run(launcher, args, out, with_faults, label)
+    run = Run(launcher, args, out, with_faults, label, every)
     try:
         result = run.run()
         if not with_faults:
@@ -389,52 +476,98 @@ def one(launcher: str, args, out: str, label: str) -> RunResult:
 
 
 # ---------------------------------------------------------------------- table
-def dist_cell(xs, fmt: str) -> str:
-    if not xs:
-        return "-"
-    return f"{format(statistics.median(xs), fmt)} (max {format(max(xs), fmt)})"
+def goodput_target(every: float) -> Optional[float]:
+    """elastic-run's goodput target at one SIGKILL per ``every`` s (none more often than every 20 s)."""
+    if every >= 60:
+        return 0.97
+    if every >= 20:
+        return 0.95
+    return None
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def percentile(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
-          faulty: Dict[str, RunResult]) -> List[str]:
-    rows: List[Tuple[str, List[str]]] = []
+          faulty: Dict[Tuple[str, float], RunResult]) -> List[str]:
+    """One row per figure, one column per system, and elastic-run's target (met or not) last."""
+    rows: List[Tuple[str, List[str], str]] = []
     rate = {k: (before[k].rate + after[k].rate) / 2 for k in args.launchers}
+    elastic = "elastic-run" in args.launchers
 
-    def row(name, fn):
-        rows.append((name, [fn(launcher) for launcher in args.launchers]))
-
-    def useful(launcher):
-        return faulty[launcher].final / faulty[launcher].seconds
-
-    def samples_ratio(launcher):
-        ff = rate[launcher] * args.workers * BATCH
-        got = faulty[launcher].samples / faulty[launcher].seconds
-        return f"{got:.0f} ({got / ff:.2f} of fault-free {ff:.0f})"
-
-    def by_size(launcher):
-        r = faulty[launcher].by_size
-        full = f"{r[args.workers]:.2f}" if args.workers in r else "-"
-        fewer = [f"{r[n]:.2f} ({n})" for n in sorted(r, reverse=True) if n < args.workers]
-        return f"{full} / " + (", ".join(fewer) if fewer else "-")
+    def row(name, fn, target=None):
+        """``target``: a function of elastic-run's result giving the target's cell."""
+        rows.append((name, [fn(launcher) for launcher in args.launchers],
+                     target() if target is not None and elastic else "-"))
 
     row("fault-free steps/s (run before / after)",
         lambda k: f"{rate[k]:.2f} ({before[k].rate:.2f} / {after[k].rate:.2f})")
-    row(f"useful steps/s, SIGKILL every {args.every:g} s for {args.duration:g} s", lambda k: f"{useful(k):.2f}")
-    row("useful / fault-free (target for elastic-run: >= 0.9)", lambda k: f"{useful(k) / rate[k]:.2f}")
-    row("useful samples/s", samples_ratio)
-    row(f"fault run steps/s: {args.workers} workers / fewer", by_size)
-    row("faults injected (recovered)", lambda k: f"{len(faulty[k].faults)} ({len(faulty[k].recoveries)})")
-    row("recovery per fault, s: median (max)", lambda k: dist_cell(faulty[k].recoveries, ".2f"))
-    row("steps redone per fault: median (max)", lambda k: dist_cell(faulty[k].redone, ".0f"))
-    row("final committed step", lambda k: str(faulty[k].final))
-    row("worker processes started", lambda k: str(faulty[k].processes))
+    row("fault-free samples/s", lambda k: f"{rate[k] * args.workers * BATCH:.0f}")
+    for every in args.every:
+        res = {k: faulty[(k, every)] for k in args.launchers}
+
+        def useful(k):
+            return res[k].final / res[k].seconds
+
+        def goodput(k):
+            return useful(k) / rate[k]
+
+        def samples_ratio(k):
+            ff = rate[k] * args.workers * BATCH
+            got = res[k].samples / res[k].seconds
+            return f"{got:.0f} ({got / ff:.2f})"
+
+        def by_size(k):
+            r = res[k].by_size
+            full = f"{r[args.workers]:.2f}" if args.workers in r else "-"
+            fewer = [f"{r[n]:.2f} ({n})" for n in sorted(r, reverse=True) if n < args.workers]
+            return f"{full} / " + (", ".join(fewer) if fewer else "-")
+
+        def recovery(k):
+            xs = res[k].recoveries
+            if not xs:
+                return "-"
+            return f"{percentile(xs, 0.5):.2f} / {percentile(xs, 0.95):.2f}"
+
+        def redone(k):
+            xs = res[k].redone
+            return f"{sum(xs)} ({statistics.median(xs):.0f}, {max(xs)})" if xs else "-"
+
+        def dropped(k):
+            c = res[k].sample_count
+            return f"{c.dropped}" + (f" ({c.dropped_batches} batches)" if c.dropped_batches else "")
+
+        target = goodput_target(every)
+        e = "elastic-run"
+        head = f"SIGKILL every {every:g} s for {args.duration:g} s"
+        row(f"**{head}**: useful steps/s", lambda k: f"{useful(k):.2f}")
+        row("goodput (useful / fault-free steps/s)", lambda k: f"{goodput(k):.2f}",
+            lambda: f">= {target:g} ({met(goodput(e) >= target)})" if target else "-")
+        row("useful samples/s (/ fault-free)", samples_ratio)
+        row(f"steps/s in the fault run: {args.workers} workers / fewer", by_size)
+        row("faults injected (recovered)", lambda k: f"{len(res[k].faults)} ({len(res[k].recoveries)})")
+        row("recovery per fault, s: p50 / p95", recovery,
+            lambda: f"<= 0.1 ({met(bool(res[e].recoveries) and percentile(res[e].recoveries, 0.95) <= 0.1)})")
+        row("steps redone beyond the one in flight: total (per fault median, max)", redone,
+            lambda: f"0 ({met(sum(res[e].redone) == 0)})")
+        row("samples dropped", dropped, lambda: f"0 ({met(res[e].sample_count.dropped == 0)})")
+        row("samples trained twice in the final model", lambda k: str(res[k].sample_count.repeated))
+        row("final committed step", lambda k: str(res[k].final))
+        row("worker processes started", lambda k: str(res[k].processes))
     titles = ({"torchrun": "torchrun (FSDP2 over gloo, DCP checkpoint)", "elastic-run": "elastic-run (ShardedState, commit)"}
               if args.fsdp else
-              {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)"})
+              {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)",
+               "torchft": "TorchFT (Manager + DDP, per-step quorum)"})
     lines = [f"| {args.workers} workers, commit/checkpoint every {args.commit_every} steps | "
-             + " | ".join(titles[k] for k in args.launchers) + " |",
-             "| --- |" + " --- |" * len(args.launchers)]
-    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+             + " | ".join(titles[k] for k in args.launchers) + " | target (elastic-run) |",
+             "| --- |" + " --- |" * (len(args.launchers) + 1)]
+    lines += [f"| {name} | " + " | ".join(cells) + f" | {target} |" for name, cells, target in rows]
     return lines
 
 
@@ -449,37 +582,58 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4, help="workers in the job (default 4)")
-    ap.add_argument("--every", type=float, default=None, help="seconds between SIGKILLs, F (default 20; --quick 10)")
+    ap.add_argument("--every", type=float, nargs="+", default=None, metavar="F",
+                    help="seconds between SIGKILLs; several values make one fault run each (default 20 60; "
+                         "--quick 10 20)")
     ap.add_argument("--duration", type=float, default=None,
-                    help="seconds of the fault run from its first step, T (default 120; --quick 40)")
+                    help="seconds of each fault run from its first step, T (default 300; --quick 30)")
     ap.add_argument("--fault-free-seconds", type=float, default=None,
-                    help="length of each fault-free run (default 40; --quick 20)")
-    ap.add_argument("--quick", action="store_true", help="shorter defaults: F=10, T=40, fault-free runs of 20 s")
+                    help="length of each fault-free run (default 60; --quick 15)")
+    ap.add_argument("--quick", action="store_true",
+                    help="shorter defaults: F=10 and 20, T=30, fault-free runs of 15 s (7-10 minutes)")
+    ap.add_argument("--plot", metavar="FILE.png", default=None,
+                    help="also draw useful steps over time of every fault run, faults marked (matplotlib)")
     ap.add_argument("--commit-every", type=int, default=10,
                     help="steps between torchrun's checkpoints and elastic-run's commits (default 10)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the choice of victims (default 0)")
     ap.add_argument("--fsdp", action="store_true",
-                    help="shard the model with FSDP2: torchrun with DCP checkpoints against elastic.ShardedState")
+                    help="shard the model with FSDP2: torchrun with DCP checkpoints against elastic.ShardedState "
+                         "(TorchFT is not part of this mode)")
     ap.add_argument("--start-timeout", type=float, default=180,
                     help="seconds a job may take to its first step (default 180)")
     ap.add_argument("--recovery-timeout", type=float, default=120,
                     help="give up on a run when a fault is not recovered within this many seconds (default 120)")
-    ap.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS),
-                    help="which launchers to run (default: both)")
+    ap.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=None,
+                    help="which systems to run (default: all three; with --fsdp torchrun and elastic-run)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (event logs, launcher logs)")
     args = ap.parse_args(argv)
-    defaults = (10.0, 40.0, 20.0) if args.quick else (20.0, 120.0, 40.0)
+    defaults = ([10.0, 20.0], 30.0, 15.0) if args.quick else ([20.0, 60.0], 300.0, 60.0)
     for name, default in zip(("every", "duration", "fault_free_seconds"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, default)
+    for v in args.every:
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"--every must be positive numbers of seconds, got {v:g}")
+    args.every = sorted(set(args.every))
+    if args.launchers is None:
+        args.launchers = [k for k in LAUNCHERS if not (args.fsdp and k == "torchft")]
+    if args.fsdp and "torchft" in args.launchers:
+        ap.error("--fsdp runs torchrun and elastic-run only: TorchFT's sharded mode (FT-HSDP) is not part of "
+                 "this bench (leave torchft out of --launchers)")
     if args.workers < 3:
         ap.error("--workers must be at least 3 (elastic-run runs with --min-np 2 while a worker is respawned)")
-    for name in ("every", "duration", "fault_free_seconds", "start_timeout", "recovery_timeout"):
+    for name in ("duration", "fault_free_seconds", "start_timeout", "recovery_timeout"):
         v = getattr(args, name)
         if not (math.isfinite(v) and v > 0):
             ap.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v:g}")
     if args.commit_every < 1:
         ap.error("--commit-every must be at least 1")
+    # Checked before a run of minutes, not after it.
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
+    if "torchft" in args.launchers and importlib.util.find_spec("torchft") is None:
+        ap.error("the torchft system needs torchft-nightly: pip install -e '.[bench]' "
+                     "(or leave it out: --launchers torchrun elastic-run)")
     return args
 
 
@@ -492,7 +646,8 @@ def main(argv=None) -> int:
           f"commit/checkpoint every {args.commit_every} steps; run directory {out}", flush=True)
     try:
         before = {k: one(k, args, out, "fault-free-before") for k in args.launchers}
-        faulty = {k: one(k, args, out, "faults") for k in args.launchers}
+        faulty = {(k, every): one(k, args, out, f"faults-{every:g}", every)
+                  for every in args.every for k in args.launchers}
         after = {k: one(k, args, out, "fault-free-after") for k in args.launchers}
     except KeyboardInterrupt:
         print("# interrupted: every process of the run was stopped", flush=True)
@@ -504,6 +659,11 @@ def main(argv=None) -> int:
     print()
     for line in table(args, before, after, faulty):
         print(line)
+    if args.plot:
+        from _goodput_plot import plot
+
+        plot(args.plot, args, faulty)
+        print(f"# plot written to {args.plot}")
     errors = [f"{r.launcher}: {r.error}" for r in (*before.values(), *faulty.values(), *after.values()) if r.error]
     for e in errors:
         print(f"# stopped early: {e}")

@@ -80,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                         "seconds; workers get heartbeat timeout + S + 2 s to reattach "
                         "(default: %(default)s)")
     s.add_argument("--settle", type=float, default=default("settle_s"), metavar="S",
-                   help="batch membership changes arriving within S seconds into one world "
-                        "(default: %(default)s)")
+                   help="batch membership changes arriving within S seconds into one world; after "
+                        "a failure the world forms sooner, as soon as every live member acknowledged "
+                        "the abort (default: %(default)s)")
     s.add_argument("--settle-max", type=float, default=default("settle_max_s"), metavar="S",
                    help="under a steady trickle of changes, form the world at most S seconds after "
                         "the first one (default: 10 x --settle, at least 2)")

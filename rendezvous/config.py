@@ -45,6 +45,7 @@ class ServerConfig:
     heartbeat_timeout_s: float = 3.0
     # Membership changes arriving within settle_s of each other become one new world; under a steady
     # trickle a world still forms settle_max_s after the first change (None: 10 x settle_s, >= 2 s).
+    # After an abort it forms as soon as every live member acknowledged it (decision.py).
     settle_s: float = 0.2
     settle_max_s: Optional[float] = None
     blacklist_after: int = 3                # failures that blacklist a host; 0: never

@@ -9,6 +9,10 @@ exactly where the last one stopped.
 Rules:
 * A world forms once at least `min_np` workers are registered and no change arrived for `settle_s`
   (simultaneous changes become one new world; `settle_max_s` bounds the wait under a steady trickle).
+* After an abort, the next world forms as soon as every member still registered has acknowledged the
+  abort (AbortAck), without waiting out the settle window: a member that died with the first one
+  never acknowledges, so it is evicted (or the window ends) before the world forms, and workers
+  killed together still cost one re-form.
 * At most `max_np` workers are in the world; the rest are hot spares that fill a failed member's place in
   the next world without waiting for a new join.
 * Stable ranks: survivors keep their relative order, newcomers are appended, the member with the highest
@@ -129,6 +133,7 @@ class JobState:
     aborted_version: int = 0                 # last version an abort was announced for
     pending_version: int = 0                 # last version a pending change was announced for (once
                                              # per version is enough)
+    abort_acks: tuple[str, ...] = ()         # members that acknowledged the abort of `aborted_version`
     workers: Mapping[str, Worker] = field(default_factory=dict)
     hosts: Mapping[str, HostRecord] = field(default_factory=dict)
     change_first: Optional[float] = None     # first unapplied change (settle window opened)
@@ -246,6 +251,14 @@ class RingBroken:
 
 
 @dataclass(frozen=True)
+class AbortAck:
+    """A member received the abort of `version`: it is alive and waits for the next world."""
+
+    worker_id: str
+    version: int
+
+
+@dataclass(frozen=True)
 class Progress:
     worker_id: str
     committed_step: int
@@ -262,7 +275,7 @@ class Tick:
     """Time passed; lets settle windows and elastic timeouts fire."""
 
 
-Event = Union[Join, Attach, Leave, Evict, RingBroken, Progress, Success, Tick]
+Event = Union[Join, Attach, Leave, Evict, RingBroken, AbortAck, Progress, Success, Tick]
 
 
 # ---------------------------------------------------------------------------------------------- actions
@@ -361,6 +374,10 @@ def decide(state: JobState, event: Event, now: float,
             state = replace(state, workers={**state.workers, w.worker_id: replace(w, attached=True)})
             if not state.in_world(w.worker_id):
                 state = _mark_change(state, now)
+    elif isinstance(event, AbortAck):
+        if (event.version == state.version == state.aborted_version and state.in_world(event.worker_id)
+                and event.worker_id in state.workers and event.worker_id not in state.abort_acks):
+            state = replace(state, abort_acks=state.abort_acks + (event.worker_id,))
     elif isinstance(event, Progress):
         w = state.workers.get(event.worker_id)
         if w is not None and event.committed_step > w.committed_step:
@@ -405,6 +422,15 @@ def next_deadline(state: JobState, config: DecisionConfig) -> Optional[float]:
         times += [blacklisted[w.host] for w in state.workers.values()
                   if w.host in blacklisted and w.attached and w.worker_id not in in_world]
     return min(times) if times else None
+
+
+def abort_acknowledged(state: JobState) -> bool:
+    """The current world was aborted and every member of it still registered acknowledged that:
+    nobody the next world could wait for is left, so it need not wait out the settle window."""
+    if state.aborted_version != state.version or not state.world:
+        return False
+    alive = [m.worker_id for m in state.world if m.worker_id in state.workers]
+    return bool(alive) and all(w in state.abort_acks for w in alive)
 
 
 def eligible_count(state: JobState, now: Optional[float] = None) -> int:
@@ -540,10 +566,10 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
     if state.change_last is None:
         return state, actions
     due = min(state.change_last + config.settle_s, state.change_first + config.settle_max_s)
-    if now < due:
+    if now < due and not abort_acknowledged(state):
         return state, actions
     members = compute_world(state, now)
-    state = replace(state, change_first=None, change_last=None)
+    state = replace(state, change_first=None, change_last=None, abort_acks=())
     unchanged = (tuple((m.worker_id, m.rank, m.ring_address) for m in members)
                  == tuple((m.worker_id, m.rank, m.ring_address) for m in state.world))
     # Re-announcing an unchanged world is needed after an abort (the ring broke) and after a pending
@@ -627,7 +653,7 @@ def from_json(data: bytes) -> JobState:
         job_id=d["job_id"], spec=JobSpec(**d["spec"]), created_at=d["created_at"],
         phase=Phase(d["phase"]), version=d["version"],
         world=tuple(Member(**m) for m in d["world"]), aborted_version=d["aborted_version"],
-        pending_version=d.get("pending_version", 0),
+        pending_version=d.get("pending_version", 0), abort_acks=tuple(d.get("abort_acks", ())),
         workers={k: Worker(**v) for k, v in d["workers"].items()},
         hosts={k: HostRecord(**v) for k, v in d["hosts"].items()},
         change_first=d["change_first"], change_last=d["change_last"],

@@ -68,9 +68,10 @@ class Journal:
         state, actions = d.decide(job.state, event, now, self.config)
         if state is not job.state:
             job.state = state
-            if isinstance(event, d.Progress) and not actions:
+            if isinstance(event, (d.Progress, d.AbortAck)) and not actions:
                 # Soft state: not worth a write of the whole job per report. It is stored with the
-                # next real change, and resent by the client on reattach / next heartbeat.
+                # next real change, and resent by the client on reattach / next heartbeat. (An
+                # abort's acknowledgements lost to a failover cost the settle window, nothing more.)
                 return job.seq, actions
             job.seq += 1
             for a in actions:

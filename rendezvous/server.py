@@ -538,6 +538,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                 fut.set_result(w.worker_id)
         if request.committed_step > w.committed_step:
             self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))
+        if request.aborted_version:
+            self.journal.apply(job, d.AbortAck(w.worker_id, request.aborted_version))
         return pb.HeartbeatResponse(world_version=job.state.version)
 
     async def Leave(self, request, context):

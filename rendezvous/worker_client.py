@@ -392,16 +392,19 @@ class RendezvousClient:
             self._events.put(ev)
             return True
 
+    def _answer(self, address: str, request: pb.HeartbeatRequest, what: str) -> None:
+        """A Heartbeat to the server whose Watch sent `address` the notice it answers."""
+        try:
+            self._stub(address).Heartbeat(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            log.warning("worker %s: %s failed: %s", self.worker_id, what, e.details())
+
     def _handle(self, ev: pb.WatchEvent, address: str, gen: int) -> None:
         kind = ev.WhichOneof("event")
         if kind == "probe":
             # Answer at once, from this thread: proof that this process is alive and not wedged.
-            try:
-                self._stub(address).Heartbeat(pb.HeartbeatRequest(
-                    session_id=self.session_id, committed_step=-1, probe_nonce=ev.probe.nonce),
-                    timeout=self.rpc_timeout_s, metadata=self._metadata)
-            except grpc.RpcError as e:
-                log.warning("worker %s: answering probe failed: %s", self.worker_id, e.details())
+            self._answer(address, pb.HeartbeatRequest(session_id=self.session_id, committed_step=-1,
+                                                      probe_nonce=ev.probe.nonce), "answering a probe")
         elif kind == "world":
             world = _world(ev.world)
             key = (world.version, world.members)
@@ -418,12 +421,17 @@ class RendezvousClient:
         elif kind == "pending":
             self._push(Pending(ev.pending.world_version, ev.pending.reason), gen)
         elif kind == "abort":
+            version = ev.abort.world_version
             with self._join_lock:
-                if gen != self._gen or self._last_abort == ev.abort.world_version:
+                if gen != self._gen or self._last_abort == version:
                     return
-                self._last_abort = ev.abort.world_version
-                self._last = ev = Abort(ev.abort.world_version, ev.abort.reason)
+                self._last_abort = version
+                self._last = ev = Abort(version, ev.abort.reason)
                 self._events.put(ev)
+            # Acknowledge at once, from this thread, as a probe is answered: the next world forms
+            # as soon as every live member has, instead of after the server's settle window.
+            self._answer(address, pb.HeartbeatRequest(session_id=self.session_id, committed_step=-1,
+                                                      aborted_version=version), "acknowledging the abort")
         elif kind == "standby":
             self._push(Standby(ev.standby.world_version, ev.standby.reason), gen)
         elif kind == "finished":

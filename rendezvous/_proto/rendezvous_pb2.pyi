@@ -153,14 +153,16 @@ class WatchEvent(_message.Message):
     def __init__(self, world: _Optional[_Union[World, _Mapping]] = ..., pending: _Optional[_Union[MembershipPending, _Mapping]] = ..., abort: _Optional[_Union[AbortVersion, _Mapping]] = ..., standby: _Optional[_Union[Standby, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., finished: _Optional[_Union[JobOutcome, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "committed_step", "probe_nonce")
+    __slots__ = ("session_id", "committed_step", "probe_nonce", "aborted_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     PROBE_NONCE_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_step: int
     probe_nonce: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ...) -> None: ...
+    aborted_version: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ..., aborted_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("world_version",)

@@ -4,7 +4,10 @@ Faults (killed, stopped, failing workers; lost servers and links) are in tests/c
 
 from __future__ import annotations
 
+import os
+
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
+from tests.waiting import wait_until
 
 
 def test_fault_free_job_completes_identically(job_factory):
@@ -19,12 +22,17 @@ def test_fault_free_job_completes_identically(job_factory):
     assert all(r["restores"] == 0 for r in results)
 
 
-def test_worker_joining_receives_state_and_world_grows_at_one_step(job_factory):
-    job = job_factory(min_np=2, max_np=3, JOB_STEP_SLEEP="0.2")  # ~9 s: the newcomer arrives mid-run
+def test_worker_joining_receives_state_and_world_grows_at_one_step(job_factory, tmp_path):
+    # Long enough for a newcomer that starts slowly on a loaded machine: the job ends at the first
+    # epoch boundary after the newcomer has trained in the world of three.
+    stop = os.path.join(str(tmp_path), "stop")
+    job = job_factory(min_np=2, max_np=3, JOB_STEP_SLEEP="0.2", JOB_EPOCHS="100", JOB_STOP_FILE=stop)
     for w in ["w0", "w1"]:
         job.start(w)
     job.wait_step(5, ["w0", "w1"])
     job.start("w2")
+    wait_until(lambda: (job.progress("w2") or (0, 0, 0))[1] == 3, 120, "w2 to train in the world of three")
+    open(stop, "w").close()
     workers = ["w0", "w1", "w2"]
     assert job.wait(workers) == {w: 0 for w in workers}
     results = [job.result(w) for w in workers]

@@ -5,9 +5,9 @@ import pytest
 
 from dataclasses import replace
 
-from rendezvous.decision import (AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld, Attach,
+from rendezvous.decision import (AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld, Attach,
                                  DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave, Phase, Progress,
-                                 Refusal, Rejected, SpecConflict, Success, Tick,
+                                 Refusal, Rejected, RingBroken, SpecConflict, Success, Tick,
                                  decide, from_json, join_spec, new_job, next_deadline, standby_reason, to_json)
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
@@ -113,6 +113,63 @@ def test_two_failures_in_one_window_give_one_abort_and_one_world():
     s, acts = run(s, [(5.0, Evict("b", "x")), (5.1, Evict("c", "y")), (5.5, Tick())])
     assert len([a for _, a in acts if isinstance(a, AnnounceAbort)]) == 1
     assert [ids(a) for a in announces(acts)] == [["a", "d"]]
+
+
+def first_world_after_abort(acks, *, evictions=(("b", 5.0),), members="abcd", tick_at=5.05):
+    """The first world announced after evicting `evictions` [(id, t)] from a world of `members`,
+    with `acks` [(id, t, version)] acknowledging the abort; returns (time, ids) or None by `tick_at`."""
+    s = formed([(w, "h") for w in members])
+    evs = [(t, Evict(w, "stream broken")) for w, t in evictions] + [(t, AbortAck(w, v)) for w, t, v in acks]
+    s, acts = run(s, sorted(evs, key=lambda e: e[0]) + [(tick_at, Tick())])
+    worlds = [(t, ids(a)) for t, a in acts if isinstance(a, AnnounceWorld)]
+    assert len(worlds) <= 1, worlds
+    return worlds[0] if worlds else None
+
+
+@pytest.mark.parametrize("acks, evictions, expected", [
+    # every survivor acknowledged: the world forms at the last acknowledgement, not after the 0.2 s window
+    ([("a", 5.01, 1), ("c", 5.02, 1), ("d", 5.03, 1)], (("b", 5.0),), (5.03, ["a", "c", "d"])),
+    # one survivor has not (yet): nothing before the window ends
+    ([("a", 5.01, 1), ("c", 5.02, 1)], (("b", 5.0),), None),
+    # two killed together: the second never acknowledges; its eviction completes the set (one world)
+    ([("a", 5.01, 1), ("c", 5.02, 1)], (("b", 5.0), ("d", 5.03)), (5.03, ["a", "c"])),
+    # an acknowledgement of another version, or from the evicted worker, counts for nothing
+    ([("a", 5.01, 1), ("c", 5.02, 1), ("d", 5.03, 0), ("d", 5.03, 2), ("b", 5.03, 1)], (("b", 5.0),), None),
+    # repeated acknowledgements are one
+    ([("a", 5.01, 1), ("a", 5.02, 1), ("c", 5.02, 1)], (("b", 5.0),), None),
+])
+def test_a_world_after_an_abort_forms_once_every_live_member_acknowledged_it(acks, evictions, expected):
+    assert first_world_after_abort(acks, evictions=evictions) == expected
+
+
+def test_without_every_acknowledgement_the_settle_window_still_forms_the_world():
+    got = first_world_after_abort([("a", 5.01, 1)], tick_at=5.2)
+    assert got == (5.2, ["a", "c", "d"])
+
+
+def test_an_acknowledgement_before_any_abort_or_from_a_standby_changes_nothing():
+    s = formed([("a", "h"), ("b", "h")], max_np=2)
+    s, _ = run(s, [(2.0, Join("spare", "h", "h:9")), (2.5, Tick())])
+    before = s
+    s, acts = run(s, [(3.0, AbortAck("a", 1)), (3.0, AbortAck("spare", 1))])
+    assert acts == [] and s == before
+    # After an abort, the spare's acknowledgement does not stand in for a member's.
+    s, _ = run(s, [(4.0, Evict("b", "x")), (4.01, AbortAck("spare", 1)), (4.02, Tick())])
+    assert s.version == 1 and s.abort_acks == ()
+    s, acts = run(s, [(4.03, AbortAck("a", 1))])
+    assert [ids(a) for a in announces(acts)] == [["a", "spare"]] and s.abort_acks == ()
+
+
+def test_a_ring_broken_report_re_forms_the_same_world_once_everyone_acknowledged():
+    s = formed([("a", "h"), ("b", "h")])
+    s, acts = run(s, [(2.0, RingBroken("a", 1, "timed out")), (2.01, AbortAck("a", 1)), (2.02, AbortAck("b", 1))])
+    assert [(a.version, ids(a)) for a in announces(acts)] == [(2, ["a", "b"])]
+
+
+def test_abort_acknowledgements_round_trip_through_json():
+    s = formed([("a", "h"), ("b", "h"), ("c", "h")])
+    s, _ = run(s, [(2.0, Evict("c", "x")), (2.01, AbortAck("a", 1))])
+    assert s.abort_acks == ("a",) and from_json(to_json(s)) == s
 
 
 def test_clean_join_and_leave_announce_pending_not_abort():
