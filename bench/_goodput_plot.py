@@ -26,7 +26,8 @@ def plot(path: str, args, faulty: Dict[Tuple[str, float], object]) -> None:
                     label=f"{launcher} ({r.final / r.seconds:.2f} useful steps/s)")
             for f in r.faults:
                 ax.axvline(f.t - r.t0, color=color, linestyle="--", linewidth=0.8, alpha=0.7)
-        ax.set_title(f"{args.workers} workers, one SIGKILL every {every:g} s (dashed: the faults)")
+        sharded = ", FSDP2" if getattr(args, "fsdp", False) else ""
+        ax.set_title(f"{args.workers} workers{sharded}, one SIGKILL every {every:g} s (dashed: the faults)")
         ax.set_xlim(0, args.duration)
         ax.set_xlabel("seconds since the run's first step")
         ax.set_ylabel("useful steps")

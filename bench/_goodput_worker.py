@@ -16,6 +16,15 @@ BENCH_DEADLINE watchdog ends a worker it lost track of).
   elastic    elastic.DistributedDataParallel inside @elastic.run with state.commit() every
              --commit-every steps; a failure costs the survivors a restore of the last commit.
 
+With --fsdp the model is sharded with FSDP2 (each Linear, then the root) and trained with AdamW:
+
+  torchrun   FSDP2 over gloo; every --commit-every steps all ranks save model, optimizer,
+             step and stream position with torch.distributed.checkpoint (dcp.save, into a
+             new directory; rank 0 then points DIR/latest at it); every start reloads the
+             latest with dcp.load.
+  elastic    elastic.ShardedState (shards committed in memory and on the buddy every
+             --commit-every steps); a failure costs the survivors a reshard of the last commit.
+
 Data: one stream of samples numbered from 0. A step of a world of N ranks trains the next
 N x 32 of them, rank r the r-th 32; the stream position (samples consumed) is part of the
 checkpoint (torchrun) or of the committed state (elastic), so a restore replays exactly the
@@ -152,6 +161,87 @@ def elastic_worker(args, events: Events) -> None:
     train(state)
 
 
+def shard(model, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def torchrun_fsdp_worker(args, events: Events) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = build_model()
+    shard(net, init_device_mesh("cpu", (size,)))
+    opt = adamw(net.parameters())
+    done = cursor = 0
+    latest = os.path.join(args.checkpoint, "latest")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            where = os.path.join(args.checkpoint, f.read().strip())
+        msd, osd = get_state_dict(net, opt)
+        sd = {"model": msd, "optim": osd, "step": torch.zeros(1, dtype=torch.int64),
+              "cursor": torch.zeros(1, dtype=torch.int64)}
+        dcp.load(sd, checkpoint_id=where)
+        set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        done, cursor = int(sd["step"][0]), int(sd["cursor"][0])
+    step = make_step(net, opt)
+    while True:
+        done += 1
+        samples = rank_samples(cursor, rank)
+        step(samples)
+        cursor += size * BATCH
+        events.log("step", done, gen, size, samples)
+        if done % args.commit_every == 0:
+            msd, osd = get_state_dict(net, opt)
+            name = f"step-{done}"
+            dcp.save({"model": msd, "optim": osd, "step": torch.tensor([done]), "cursor": torch.tensor([cursor])},
+                     checkpoint_id=os.path.join(args.checkpoint, name))
+            if rank == 0:
+                tmp = latest + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(name)
+                os.replace(tmp, latest)
+                events.log("commit", done, gen, size)
+
+
+def elastic_fsdp_worker(args, events: Events) -> None:
+    import elastic
+
+    def build():
+        torch.manual_seed(0)
+        return build_model()
+
+    state = elastic.ShardedState(build, shard, optimizer=adamw, step=0, cursor=0)
+
+    @elastic.run
+    def train(state):
+        gen, rank, size = elastic.world_version(), elastic.rank(), elastic.size()
+        step = make_step(state.model, state.optimizer)   # this world's model and optimizer
+        while True:
+            samples = rank_samples(state.cursor, rank)
+            step(samples)
+            state.step += 1
+            state.cursor += size * BATCH
+            events.log("step", state.step, gen, size, samples)
+            if state.step % args.commit_every == 0:
+                state.commit()
+                events.log("commit", state.step, gen, size)
+
+    train(state)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--launcher", choices=("torchrun", "elastic"), required=True,
@@ -159,7 +249,9 @@ def main() -> None:
     p.add_argument("--run-dir", required=True, help="directory for the pid files and event logs")
     p.add_argument("--commit-every", type=int, default=10,
                    help="steps between checkpoints (torchrun) or commits (elastic) (default 10)")
-    p.add_argument("--checkpoint", default="", help="torchrun: the checkpoint file (saved by rank 0, loaded at start)")
+    p.add_argument("--checkpoint", default="", help="torchrun: the checkpoint file (saved by rank 0, loaded at start); "
+                   "with --fsdp a directory of DCP checkpoints")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 and train it with AdamW")
     args = p.parse_args()
     if args.commit_every < 1:
         p.error("--commit-every must be at least 1")
@@ -169,9 +261,9 @@ def main() -> None:
     watchdog()
     events = Events(args.run_dir)
     if args.launcher == "torchrun":
-        torchrun_worker(args, events)
+        (torchrun_fsdp_worker if args.fsdp else torchrun_worker)(args, events)
     else:
-        elastic_worker(args, events)
+        (elastic_fsdp_worker if args.fsdp else elastic_worker)(args, events)
 
 
 if __name__ == "__main__":

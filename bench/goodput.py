@@ -3,6 +3,7 @@
     python bench/goodput.py                       # 4 workers, a SIGKILL every 20 s and every 60 s, 300 s each
     python bench/goodput.py --quick --plot g.png  # every 10 s and 20 s for 30 s (7-10 minutes)
     python bench/goodput.py --every 30 --duration 300 --commit-every 20 --seed 3
+    python bench/goodput.py --fsdp                # the model sharded with FSDP2 (see below)
 
 Every run trains bench/_goodput_worker.py's model (~9M-parameter MLP, 32 samples per rank and
 step, SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers
@@ -22,6 +23,14 @@ step, SGD with momentum, DDP's default buckets, one torch thread per worker) on 
                timeouts; the launch script restarts a killed group, as TorchFT expects of a
                scheduler, and it heals from a live peer. A step a peer's failure broke is not
                committed: its batches are dropped, nothing is redone.
+
+With --fsdp torchrun and elastic-run shard the model with FSDP2 (each Linear, then the root)
+and train it with AdamW, on the same sample stream and with the same figures: torchrun over
+gloo saves a torch.distributed.checkpoint (every rank its shards, the step and the stream
+position) every --commit-every steps and reloads it on every restart; elastic-run's workers
+hold it in elastic.ShardedState, which commits the shards in memory and on a buddy and
+reshards them onto the survivors after a failure. TorchFT is not part of --fsdp (its sharded
+mode, FT-HSDP, shards inside a replica group; not measured here).
 
 For each, a fault-free run of --fault-free-seconds before the fault runs and another after
 them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
@@ -330,11 +339,11 @@ def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, w
 
 # ---------------------------------------------------------------------- runs
 def command(launcher: str, args, run_dir: str, restarts: int) -> List[str]:
-    common = ["--run-dir", run_dir, "--commit-every", str(args.commit_every)]
+    common = ["--run-dir", run_dir, "--commit-every", str(args.commit_every)] + (["--fsdp"] if args.fsdp else [])
     if launcher == "torchrun":
         return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(args.workers),
                 "--max-restarts", str(restarts), WORKER, "--launcher", "torchrun",
-                "--checkpoint", os.path.join(run_dir, "checkpoint.pt"), *common]
+                "--checkpoint", os.path.join(run_dir, "checkpoint" if args.fsdp else "checkpoint.pt"), *common]
     if launcher == "torchft":
         # TorchFT commits every step: --commit-every has nothing to set.
         return [sys.executable, TORCHFT_LAUNCH, "--run-dir", run_dir, "--groups", str(args.workers),
@@ -551,8 +560,10 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
         row("samples trained twice in the final model", lambda k: str(res[k].sample_count.repeated))
         row("final committed step", lambda k: str(res[k].final))
         row("worker processes started", lambda k: str(res[k].processes))
-    titles = {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)",
-              "torchft": "TorchFT (Manager + DDP, per-step quorum)"}
+    titles = ({"torchrun": "torchrun (FSDP2 over gloo, DCP checkpoint)", "elastic-run": "elastic-run (ShardedState, commit)"}
+              if args.fsdp else
+              {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)",
+               "torchft": "TorchFT (Manager + DDP, per-step quorum)"})
     lines = [f"| {args.workers} workers, commit/checkpoint every {args.commit_every} steps | "
              + " | ".join(titles[k] for k in args.launchers) + " | target (elastic-run) |",
              "| --- |" + " --- |" * (len(args.launchers) + 1)]
@@ -585,12 +596,15 @@ def parse_args(argv=None):
     ap.add_argument("--commit-every", type=int, default=10,
                     help="steps between torchrun's checkpoints and elastic-run's commits (default 10)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the choice of victims (default 0)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard the model with FSDP2: torchrun with DCP checkpoints against elastic.ShardedState "
+                         "(TorchFT is not part of this mode)")
     ap.add_argument("--start-timeout", type=float, default=180,
                     help="seconds a job may take to its first step (default 180)")
     ap.add_argument("--recovery-timeout", type=float, default=120,
                     help="give up on a run when a fault is not recovered within this many seconds (default 120)")
-    ap.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS),
-                    help="which systems to run (default: all three)")
+    ap.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=None,
+                    help="which systems to run (default: all three; with --fsdp torchrun and elastic-run)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (event logs, launcher logs)")
     args = ap.parse_args(argv)
     defaults = ([10.0, 20.0], 30.0, 15.0) if args.quick else ([20.0, 60.0], 300.0, 60.0)
@@ -601,6 +615,11 @@ def parse_args(argv=None):
         if not (math.isfinite(v) and v > 0):
             ap.error(f"--every must be positive numbers of seconds, got {v:g}")
     args.every = sorted(set(args.every))
+    if args.launchers is None:
+        args.launchers = [k for k in LAUNCHERS if not (args.fsdp and k == "torchft")]
+    if args.fsdp and "torchft" in args.launchers:
+        ap.error("--fsdp runs torchrun and elastic-run only: TorchFT's sharded mode (FT-HSDP) is not part of "
+                 "this bench (leave torchft out of --launchers)")
     if args.workers < 3:
         ap.error("--workers must be at least 3 (elastic-run runs with --min-np 2 while a worker is respawned)")
     for name in ("duration", "fault_free_seconds", "start_timeout", "recovery_timeout"):
@@ -623,7 +642,7 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C: every run's finally takes its processes down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = tempfile.mkdtemp(prefix="bench-goodput-")
-    print(f"# goodput: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
+    print(f"# goodput{' (FSDP2)' if args.fsdp else ''}: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
           f"commit/checkpoint every {args.commit_every} steps; run directory {out}", flush=True)
     try:
         before = {k: one(k, args, out, "fault-free-before") for k in args.launchers}

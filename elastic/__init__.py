@@ -48,6 +48,9 @@ def __getattr__(name):
     if name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"):
         from . import optimizer
         return getattr(optimizer, name)
+    if name in ("ShardedState", "CommitLostError"):
+        from . import sharded
+        return getattr(sharded, name)
     if name == "DistributedDataParallel":
         from . import ddp
         return ddp.DistributedDataParallel
@@ -64,9 +67,10 @@ __all__ = [
     "allgather", "allreduce", "allreduce_", "allreduce_async_", "barrier", "broadcast_", "broadcast_object",
     "synchronize", "CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "BadPeerError",
     "CollectiveMismatchError", "ElasticError", "ElasticTimeout", "HandshakeError", "MembershipChanged",
-    "Preempted", "RendezvousError", "SettingsMismatchError", "StaleMeshError", "SyncRefusedError", "WorkerLostError", "Average", "Max",
+    "Preempted", "RendezvousError", "SettingsMismatchError", "StaleMeshError", "SyncRefusedError", "WorkerLostError",
+    "Average", "Max",
     "Min", "ReduceOp", "Sum", "run", "init", "request_leave", "shutdown", "rank", "size", "local_rank",
     "local_size", "cross_rank", "cross_size", "world_version", "ElasticSampler", "State", "ObjectState",
     "TorchState", "DistributedOptimizer", "DistributedDataParallel", "process_group", "device_mesh",
-    "broadcast_parameters", "broadcast_optimizer_state",
+    "broadcast_parameters", "broadcast_optimizer_state", "ShardedState", "CommitLostError",
 ]

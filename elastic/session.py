@@ -449,6 +449,7 @@ class Session(StepProtocol):
                     state.sync()
                     first = restored = False
                     result = _call(func, state, args, kwargs)
+                    state.on_finish()
                     ending = Ending.SUCCEEDED
                     return result
                 except (WorkerLostError, HandshakeError, MembershipChanged) as e:

@@ -80,6 +80,10 @@ class State:
         for fn in self._reset_callbacks:
             fn()
 
+    def on_finish(self) -> None:
+        """Called on every rank when ``elastic.run``'s function returned, while the last world's
+        ring is still up (``ShardedState`` gathers its full model here)."""
+
     def enable_durable_commits(self, directory: str, every: int) -> None:
         """Every ``every``-th commit, rank 0 also writes it atomically to ``directory`` (on a
         background thread); after losing every worker, a relaunch resumes from it."""

@@ -1,0 +1,168 @@
+"""Which commit a new world resumes from, and who sends which rows to whom: the resharding
+decision of ``elastic.ShardedState``, as pure functions.
+
+FSDP2 shards every parameter (and every optimizer state shaped like one) on dimension 0 with
+``torch.chunk`` semantics: with ``n`` ranks, chunk ``c = ceil(rows / n)`` rows; rank ``i`` holds
+rows ``[i*c, min((i+1)*c, rows))``, so the last ranks may hold fewer rows or none
+(``chunk_rows``). A commit is held twice: each rank keeps its own shards (``OWN``) and sends a
+copy to its buddy, the next rank round the ring (``BUDDY``). A *generation* names one such
+committed layout: (commit step, world version it was taken in, that world's size).
+
+When the world changes every rank announces what it holds (``Holding``); ``decide`` picks the
+generation to resume from and ``plan`` turns (old layout, holders, new layout) into the row
+ranges each new rank receives from which new rank, and from which of its copies. Only rows
+that change owner move: a new rank that holds rows itself (own or buddy copy) takes them from
+itself. Nothing here touches a socket, a tensor or a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+OWN, BUDDY = 0, 1   # which copy a holder reads: its own shards of the old world, or its buddy copy
+
+
+def chunk_rows(rows: int, n: int) -> List[Tuple[int, int]]:
+    """The ``[start, stop)`` rows of each of ``n`` ranks, as ``torch.chunk`` (and FSDP2) split
+    ``rows`` rows: equal chunks of ``ceil(rows / n)``, the last ones short or empty."""
+    if n < 1 or rows < 0:
+        raise ValueError(f"chunk_rows: {rows} rows over {n} ranks")
+    c = -(-rows // n)
+    return [(min(i * c, rows), min((i + 1) * c, rows)) for i in range(n)]
+
+
+def buddy_of(rank: int, size: int) -> int:
+    """The rank that keeps a copy of ``rank``'s shards: the next one round the ring."""
+    return (rank + 1) % size
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Generation:
+    """One committed layout: commit ``step`` taken in world ``version`` of ``size`` ranks."""
+    step: int
+    version: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """What one rank of the new world holds: per generation, the old rank it was in it.
+
+    ``committed`` is the generation it last promoted; ``pending`` one whose copies (own and
+    buddy) it took and sent but did not see agreed (a commit cut short), or None.
+    """
+    committed: Optional[Tuple[Generation, int]] = None
+    pending: Optional[Tuple[Generation, int]] = None
+
+    def held(self) -> Dict[Generation, int]:
+        out = {}
+        for g in (self.committed, self.pending):
+            if g is not None:
+                out[g[0]] = g[1]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Resume from ``generation``: ``holders[i]`` lists (new rank, OWN|BUDDY) holding old rank
+    ``i``'s shards, the preferred first; ``root`` is a new rank holding its own copy (it sends
+    the replicated part: attributes, buffers, optimizer settings)."""
+    generation: Generation
+    holders: Tuple[Tuple[Tuple[int, int], ...], ...]
+    root: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """No complete generation survives: ``missing`` are the old ranks of the newest one that
+    no survivor holds (they and their buddies are gone)."""
+    generation: Generation
+    missing: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """No rank holds any commit: the job's first world (the state comes from a durable
+    commit, or from rank 0's ``build()``)."""
+
+
+def decide(holdings: Sequence[Holding]) -> "Resume | Lost | Fresh":
+    """The generation the new world resumes from, given what each of its ranks holds.
+
+    A rank promotes a generation only after the commit's agreement (an allreduce every rank
+    entered after its buddy copy arrived), so when any rank has promoted ``g``, every rank of
+    ``g``'s world holds ``g``'s copies, promoted or pending. The newest promoted generation
+    that the survivors still hold completely wins; pending ones count as holdings of it but
+    are never chosen on their own (their commit may not have completed everywhere). An older
+    complete generation is taken only when every newer one is incomplete.
+    """
+    promoted = sorted({h.committed[0] for h in holdings if h.committed is not None}, reverse=True)
+    if not promoted:
+        return Fresh()
+    first_lost: Optional[Lost] = None
+    for g in promoted:
+        holders: List[List[Tuple[int, int]]] = [[] for _ in range(g.size)]
+        for new_rank, h in enumerate(holdings):
+            old = h.held().get(g)
+            if old is None or not 0 <= old < g.size:
+                continue
+            holders[old].append((new_rank, OWN))
+        for old in range(g.size):
+            for new_rank, kind in list(holders[old]):
+                if kind == OWN and g.size > 1:
+                    holders[(old - 1) % g.size].append((new_rank, BUDDY))
+        missing = tuple(i for i, h in enumerate(holders) if not h)
+        if missing:
+            first_lost = first_lost or Lost(g, missing)
+            continue
+        ordered = tuple(tuple(sorted(h, key=lambda x: (x[1], x[0]))) for h in holders)
+        root = min(h[0][0] for h in ordered if h and h[0][1] == OWN)
+        return Resume(g, ordered, root)
+    return first_lost
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Rows ``[start, stop)`` of tensor ``key``: new rank ``src`` reads them from its copy
+    ``copy`` (OWN|BUDDY) of old rank ``old``'s shard and new rank ``dst`` receives them."""
+    key: int
+    src: int
+    dst: int
+    old: int
+    copy: int
+    start: int
+    stop: int
+
+
+def plan(rows: Sequence[int], old_size: int, holders: Sequence[Sequence[Tuple[int, int]]],
+         new_size: int) -> List[Transfer]:
+    """Every row range each new rank needs, from whom: tensor ``k`` has ``rows[k]`` rows, split
+    over ``old_size`` ranks before and ``new_size`` after (``chunk_rows``); ``holders[i]`` are
+    the (new rank, copy) holding old rank ``i``'s shards, preferred first. A new rank that holds
+    the rows itself takes them from itself (``src == dst``: nothing moves); otherwise the first
+    holder sends. Sorted by (key, dst, start): every rank computes the same list."""
+    if len(holders) != old_size:
+        raise ValueError(f"plan: {len(holders)} holder lists for {old_size} old ranks")
+    out: List[Transfer] = []
+    for key, n in enumerate(rows):
+        old_chunks = chunk_rows(n, old_size)
+        for dst, (a, b) in enumerate(chunk_rows(n, new_size)):
+            for old, (oa, ob) in enumerate(old_chunks):
+                start, stop = max(a, oa), min(b, ob)
+                if start >= stop:
+                    continue
+                if not holders[old]:
+                    raise ValueError(f"plan: old rank {old}'s shard has no holder")
+                src, copy = next(((r, c) for r, c in holders[old] if r == dst), holders[old][0])
+                out.append(Transfer(key, src, dst, old, copy, start, stop))
+    return out
+
+
+def moved_rows(transfers: Sequence[Transfer]) -> int:
+    """Rows that cross between ranks (a rank's rows from itself do not count)."""
+    return sum(t.stop - t.start for t in transfers if t.src != t.dst)
+
+
+__all__ = ["OWN", "BUDDY", "chunk_rows", "buddy_of", "Generation", "Holding", "Resume", "Lost", "Fresh", "decide",
+           "Transfer", "plan", "moved_rows"]

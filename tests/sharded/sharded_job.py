@@ -1,0 +1,174 @@
+"""A sharded (FSDP2) training job for the ShardedState tests; run as a worker with ELASTIC_* set.
+
+Knobs (environment):
+  JOB_OUT          directory for progress-<worker>.txt and events-<worker>.jsonl
+  JOB_STEPS        optimizer steps (default 30); JOB_COMMIT_EVERY commit every N steps (default 2)
+  JOB_STEP_SLEEP   seconds per step (default 0)
+  JOB_WIDE         1: width 64 and vocabulary 256, which 2 and 4 ranks divide (for the memory bound)
+  JOB_KILL         "WORKER:STEP[,WORKER:STEP]": that worker SIGKILLs itself inside backward at the first
+                   step >= STEP taken in a world of JOB_KILL_SIZE workers (default: any size)
+  JOB_GO_FILE      wait (up to 120 s) for this file before joining: the worker is started early, so
+                   its imports are done by the time the test lets it join
+  JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more
+  JOB_META         1: build() makes the model on the meta device (values come from the commit)
+  JOB_STOP_FILE    after JOB_STEPS, go on until this file exists (decided collectively each step)
+  JOB_CHECKPOINT   a directory: durable commits there, every JOB_DURABLE_EVERY-th commit (default 2)
+
+The model is a tiny transformer-like stack whose width (10) and vocabulary (37) no world size
+here divides. The batch of a step is a function of (step, rank). Every commit and every world's
+first step append a JSON line with the SHA-256 of the gathered full model and optimizer state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+import elastic
+
+OUT = os.environ["JOB_OUT"]
+WORKER = os.environ["ELASTIC_WORKER_ID"]
+STEPS = int(os.environ.get("JOB_STEPS", "30"))
+COMMIT_EVERY = int(os.environ.get("JOB_COMMIT_EVERY", "2"))
+STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0"))
+KILL = {w: int(s) for w, s in (k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k)}
+KILL_SIZE = int(os.environ.get("JOB_KILL_SIZE", "0"))
+GO_FILE = os.environ.get("JOB_GO_FILE", "")
+UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
+META = os.environ.get("JOB_META") == "1"
+STOP_FILE = os.environ.get("JOB_STOP_FILE", "")
+CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
+DURABLE_EVERY = int(os.environ.get("JOB_DURABLE_EVERY", "2"))
+DIM, VOCAB = (64, 256) if os.environ.get("JOB_WIDE") == "1" else (10, 37)
+torch.set_num_threads(1)   # four workers share two cores
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.up = torch.nn.Linear(DIM, 3 * DIM)
+        self.down = torch.nn.Linear(3 * DIM, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(DIM, VOCAB)
+        self.register_buffer("scale", torch.full((DIM,), 0.5))
+
+    def forward(self, tokens):
+        h = self.embed(tokens) * self.scale
+        for i, block in enumerate(self.layers):
+            h = block(h)
+            if i == 0 and WORKER in KILL and STATE.step >= KILL[WORKER] and elastic.size() >= KILL_SIZE:
+                h.register_hook(_die)   # runs mid-backward, after the head's gradients are reduced
+        return self.head(h)
+
+
+def _die(grad):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build():
+    if META:
+        with torch.device("meta"):
+            return Tiny()
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def shard(model, mesh):
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+STATE = elastic.ShardedState(build, shard, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+                             step=0, tail=0)
+
+
+def event(kind, **fields):
+    with open(os.path.join(OUT, f"events-{WORKER}.jsonl"), "a") as f:
+        f.write(json.dumps({"ev": kind, "t": time.time(), **fields}) + "\n")
+
+
+def progress():
+    tmp = os.path.join(OUT, f".progress-{WORKER}")
+    with open(tmp, "w") as f:
+        f.write(f"{STATE.step} {elastic.size()} {elastic.world_version()}")
+    os.replace(tmp, os.path.join(OUT, f"progress-{WORKER}.txt"))
+
+
+def digest():
+    """SHA-256 of the full model and optimizer state, gathered (a collective)."""
+    h = hashlib.sha256()
+    full = STATE.full_state_dict()
+    for k in sorted(full):
+        h.update(k.encode())
+        h.update(full[k].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for k, states in sorted(STATE.full_optimizer_state().items()):
+        for name, v in sorted(states.items()):
+            h.update(f"{k}.{name}".encode())
+            h.update(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(v, torch.Tensor) else
+                     repr(v).encode())
+    return h.hexdigest()
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (4, 6), generator=g)
+    return tokens, torch.roll(tokens, 1, dims=1)
+
+
+def stop_requested():
+    flag = torch.tensor([1 if os.path.exists(STOP_FILE) else 0], dtype=torch.int32)
+    return bool(elastic.allreduce(flag, elastic.Max).item())
+
+
+@elastic.run(checkpoint_dir=CHECKPOINT, checkpoint_every=DURABLE_EVERY)
+def train(state):
+    event("world", step=state.step, commit=state.commit_step, v=elastic.world_version(), size=elastic.size(),
+          rank=elastic.rank(), digest=digest(), memory=state.memory_bytes(),
+          moved=state.last_reshard["moved_bytes"] if state.last_reshard else 0)
+    model, opt = state.model, state.optimizer
+    while state.step < STEPS or (UNTIL_SIZE and state.tail < 5) or (STOP_FILE and not stop_requested()):
+        tokens, target = batch(state.step, elastic.rank())
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        state.step += 1
+        if state.step > STEPS and UNTIL_SIZE:
+            state.tail = state.tail + 1 if elastic.size() >= UNTIL_SIZE else 0
+        progress()
+        event("step", step=state.step, v=elastic.world_version(), size=elastic.size(), rank=elastic.rank())
+        time.sleep(STEP_SLEEP)
+        if state.step % COMMIT_EVERY == 0:
+            # The live state is what the commit copies: its digest is the commit's, whether the
+            # commit then completes, ends in a change of world, or is cut short.
+            event("commit", step=state.step, commit=state.commit_step + 1, v=elastic.world_version(),
+                  size=elastic.size(), digest=digest(), memory=state.memory_bytes())
+            state.commit()
+    state.commit()
+    return state.step
+
+
+if __name__ == "__main__":
+    if GO_FILE:
+        from tests.waiting import wait_until
+        wait_until(lambda: os.path.exists(GO_FILE), 120, f"the go file {GO_FILE}", interval=0.05)
+    steps = train(STATE)
+    full = STATE.full_state_dict()
+    event("done", step=steps, params=sum(t.numel() for t in full.values()))

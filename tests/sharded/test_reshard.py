@@ -1,0 +1,136 @@
+"""The resharding decision (elastic.reshard) as tables: which commit a new world resumes from,
+and which rows each new rank receives from whom."""
+
+import pytest
+import torch
+
+from elastic.reshard import (BUDDY, OWN, Fresh, Generation, Holding, Lost, Resume, Transfer, chunk_rows, decide,
+                             moved_rows, plan)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 13, 64, 100])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_chunk_rows_are_torch_chunk_with_empty_ranks_at_the_end(rows, n):
+    t = torch.arange(rows)
+    chunks = list(torch.chunk(t, n)) if rows else []
+    chunks += [t[:0]] * (n - len(chunks))          # FSDP2's _chunk_with_empty
+    got = chunk_rows(rows, n)
+    assert [b - a for a, b in got] == [len(c) for c in chunks]
+    assert [t[a:b].tolist() for a, b in got] == [c.tolist() for c in chunks]
+
+
+G4 = Generation(step=7, version=3, size=4)
+
+
+def h(committed=None, pending=None):
+    return Holding(committed=committed, pending=pending)
+
+
+@pytest.mark.parametrize("name, holdings, expected", [
+    ("nobody holds a commit: the job's first world",
+     [h(), h(), h()], Fresh()),
+    ("one of four died: its shard is on its buddy",
+     [h((G4, 0)), h((G4, 2)), h((G4, 3))],
+     Resume(G4, (((0, OWN),), ((1, BUDDY),), ((1, OWN), (2, BUDDY)), ((2, OWN), (0, BUDDY))), root=0)),
+    ("rank 0 of four died: rank 1 holds its copy",
+     [h((G4, 1)), h((G4, 2)), h((G4, 3))],
+     Resume(G4, (((0, BUDDY),), ((0, OWN), (1, BUDDY)), ((1, OWN), (2, BUDDY)), ((2, OWN),)), root=0)),
+    ("two non-buddies died (0 and 2): 1 and 3 hold their copies",
+     [h((G4, 1)), h((G4, 3))],
+     Resume(G4, (((0, BUDDY),), ((0, OWN),), ((1, BUDDY),), ((1, OWN),)), root=0)),
+    ("a buddy pair died (1 and 2): rank 1's shards are lost",
+     [h((G4, 0)), h((G4, 3))], Lost(G4, (1,))),
+    ("a newcomer holds nothing and is never a holder",
+     [h((G4, 0)), h((G4, 1)), h((G4, 2)), h((G4, 3)), h()],
+     Resume(G4, (((0, OWN), (1, BUDDY)), ((1, OWN), (2, BUDDY)), ((2, OWN), (3, BUDDY)), ((3, OWN), (0, BUDDY))),
+            root=0)),
+])
+def test_decide(name, holdings, expected):
+    assert decide(holdings) == expected, name
+
+
+def test_a_commit_cut_short_resumes_from_it_when_any_rank_promoted_it():
+    g8 = Generation(8, 3, 4)
+    # rank 0 saw the agreement and promoted 8; the others hold 8 pending and 7 promoted.
+    got = decide([h((g8, 0)), h((G4, 1), (g8, 1)), h((G4, 2), (g8, 2))])
+    assert isinstance(got, Resume) and got.generation == g8
+    assert got.holders[3] == ((0, BUDDY),)
+
+
+def test_a_commit_no_rank_promoted_is_dropped_for_the_one_before():
+    g8 = Generation(8, 3, 4)
+    got = decide([h((G4, 0), (g8, 0)), h((G4, 1), (g8, 1)), h((G4, 3))])
+    assert isinstance(got, Resume) and got.generation == G4
+
+
+def test_the_newest_layout_of_a_step_wins_and_an_incomplete_one_falls_back_to_an_older():
+    resharded = Generation(7, 4, 3)   # the same commit, taken again in the 3-rank world
+    got = decide([h((resharded, 0)), h((resharded, 1)), h((resharded, 2))])
+    assert got.generation == resharded
+    # the 3-rank layout lost ranks 1 and 2 (buddies), but the 4-rank one is complete: take it
+    got = decide([h((resharded, 0), (G4, 0)), h((G4, 1)), h((G4, 2)), h((G4, 3))])
+    assert got.generation == G4
+
+
+def test_the_root_is_the_lowest_new_rank_holding_its_own_copy():
+    # new rank 0 is a newcomer; new rank 1 was old rank 2
+    got = decide([h(), h((G4, 2)), h((G4, 3)), h((G4, 0)), h((G4, 1))])
+    assert got.root == 1 and got.holders[2][0] == (1, OWN)
+
+
+def test_one_rank_world_has_no_buddy():
+    g1 = Generation(3, 2, 1)
+    assert decide([h((g1, 0)), h()]) == Resume(g1, (((0, OWN),),), root=0)
+    assert decide([h(), h()]) == Fresh()
+
+
+# -------------------------------------------------------------------- plan
+def own(size):
+    return [((i, OWN),) for i in range(size)]
+
+
+def check_covers(rows, transfers, new_size):
+    """Every new rank receives exactly its chunk of every tensor, once."""
+    for key, n in enumerate(rows):
+        for dst, (a, b) in enumerate(chunk_rows(n, new_size)):
+            got = sorted((t.start, t.stop) for t in transfers if t.key == key and t.dst == dst)
+            covered = [r for s, e in got for r in range(s, e)]
+            assert covered == list(range(a, b)), (key, dst, got)
+
+
+@pytest.mark.parametrize("rows", [[0], [1], [5], [7, 13, 1], [64, 3]])
+@pytest.mark.parametrize("old_size, new_size", [(4, 3), (3, 4), (4, 4), (1, 4), (4, 1), (5, 2), (2, 7)])
+def test_plan_gives_every_new_rank_exactly_its_rows(rows, old_size, new_size):
+    holders = [((i % new_size, OWN),) for i in range(old_size)]
+    check_covers(rows, plan(rows, old_size, holders, new_size), new_size)
+
+
+def test_same_world_moves_nothing():
+    rows = [7, 13, 64]
+    transfers = plan(rows, 4, own(4), 4)
+    assert all(t.src == t.dst and t.copy == OWN for t in transfers)
+    assert moved_rows(transfers) == 0
+
+
+def test_one_of_four_lost_moves_only_what_changes_owner():
+    # 12 rows: old chunks of 3 on ranks 0..3, new chunks of 4 on three. Old rank 1 died; its
+    # buddy (old 2, new 1) holds its copy.
+    holders = [((0, OWN),), ((1, BUDDY),), ((1, OWN),), ((2, OWN),)]
+    assert plan([12], 4, holders, 3) == [
+        Transfer(0, 0, 0, 0, OWN, 0, 3), Transfer(0, 1, 0, 1, BUDDY, 3, 4),
+        Transfer(0, 1, 1, 1, BUDDY, 4, 6), Transfer(0, 1, 1, 2, OWN, 6, 8),
+        Transfer(0, 1, 2, 2, OWN, 8, 9), Transfer(0, 2, 2, 3, OWN, 9, 12),
+    ]
+
+
+def test_a_holder_that_is_the_receiver_reads_its_own_copy_first():
+    # old rank 0's shard is held by new 1 (own) and new 0 (buddy): new 0 takes it from itself
+    holders = [((1, OWN), (0, BUDDY)), ((0, OWN),)]
+    t = plan([4], 2, holders, 2)
+    assert t == [Transfer(0, 0, 0, 0, BUDDY, 0, 2), Transfer(0, 0, 1, 1, OWN, 2, 4)]
+    assert moved_rows(t) == 2
+
+
+def test_a_shard_without_holder_is_refused():
+    with pytest.raises(ValueError, match="no holder"):
+        plan([8], 2, [((0, OWN),), ()], 2)
