@@ -4,6 +4,7 @@ death raises WorkerLostError from the call (async_op=True too), never a silent w
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -16,15 +17,19 @@ from elastic.config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
 
+def _with_default_group(body, comm):
+    world.use_ring(comm)
+    try:
+        assert group.install_default_group()
+        return body(comm.rank, comm.size)
+    finally:
+        world.use_ring(None)
+
+
 def _on_default_group(body):
-    def fn(comm):
-        world.use_ring(comm)
-        try:
-            assert group.install_default_group()
-            return body(comm.rank, comm.size)
-        finally:
-            world.use_ring(None)
-    return fn
+    """A worker body that runs ``body(rank, size)`` with the elastic group as the default group
+    (a partial of module-level functions, so it also starts under "spawn")."""
+    return functools.partial(_with_default_group, body)
 
 
 def _value(rank: int, n: int = 5, dtype=torch.float32) -> torch.Tensor:
@@ -279,5 +284,8 @@ def _compiled_ddp(rank: int, size: int):
 
 
 def test_torch_compile_of_a_ddp_model_trains_with_averaged_gradients():
-    a, b = run_world(2, _on_default_group(_compiled_ddp), timeout=240)
+    # Spawned: torch.compile's workers in a child forked from this test process (which by now
+    # holds gRPC and etcd client threads from earlier tests) can wait forever on a lock a thread
+    # of the parent held at the fork.
+    a, b = run_world(2, _on_default_group(_compiled_ddp), timeout=240, start_method="spawn")
     assert a == b
