@@ -8,6 +8,11 @@ An MLP of ~1.1M parameters (1024-512-512-512-10) on --batch samples per rank and
 are small next to the step's arithmetic, as in most real jobs: a straggler shows in how long a
 rank computes. Steps are numbered globally from 1 and trained until the process is killed.
 
+Slowed (bench/stragglers.py --slowdown throttle): once the file BENCH_SLOW_FILE exists and names
+this worker's ELASTIC_WORKER_ID, after each forward pass it idles twice as long as that pass took
+(roughly as long as its forward and backward computed), as a worker under a 50% CPU quota would:
+its compute time between collectives doubles whatever else shares the CPU.
+
 It logs as bench/_goodput_worker.py does (DIR/pids/PID, and JSON lines {"ev": "step"|"commit",
 "step", "t", "gen" (the world version), "size", "pid"} in DIR/events-PID.jsonl), so the
 driver reads both alike; BENCH_DEADLINE ends it at that time whatever happens.
@@ -16,6 +21,8 @@ driver reads both alike; BENCH_DEADLINE ends it at that time whatever happens.
 from __future__ import annotations
 
 import argparse
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +55,14 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     state = elastic.TorchState(model=net, optimizer=opt, step=0)
     loss_fn = torch.nn.CrossEntropyLoss()
+    slow_file, me = os.environ.get("BENCH_SLOW_FILE"), os.environ.get("ELASTIC_WORKER_ID", "")
+
+    def throttled() -> bool:
+        try:
+            with open(slow_file) as f:
+                return f.read().strip() == me
+        except (OSError, TypeError):
+            return False
 
     @elastic.run
     def train(state):
@@ -56,7 +71,11 @@ def main() -> None:
             g = torch.Generator().manual_seed((state.step + 1) * 1000 + rank)
             x, y = torch.randn(args.batch, 1024, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
             opt.zero_grad()
-            loss_fn(model(x), y).backward()
+            started = time.perf_counter()
+            loss = loss_fn(model(x), y)
+            if throttled():
+                time.sleep(2 * (time.perf_counter() - started))
+            loss.backward()
             opt.step()
             state.step += 1
             events.log("step", state.step, gen, size)

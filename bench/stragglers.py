@@ -11,9 +11,13 @@ thread per worker: steps that are mostly arithmetic, as in most real jobs) under
 --straggler-windows 3, --straggler-window 1). Measuring starts --warmup seconds after the job's
 first step and lasts --duration seconds:
 
-  slowed runs   from the start of the measurement, worker bench-1 is stopped for 50 ms of every
+  slowed runs   from the start of the measurement, worker bench-1 computes at half speed:
+                --slowdown throttle (the default) makes it idle after each forward pass twice
+                as long as the pass took, as a 50% CPU quota would (its compute time doubles
+                even where workers share cores); --slowdown sigstop stops it for 50 ms of every
                 100 ms (SIGSTOP/SIGCONT from this script: far below the heartbeat, so it is slow,
-                never taken for hung), i.e. it computes at half speed:
+                never taken for hung; where workers outnumber cores, the others get its core
+                while it is stopped, so its compute time grows less than 2x):
                   no policy   --straggler-policy off
                   report      --straggler-policy report: named, it stays
                   evict       --straggler-policy evict --max-np W, and a spare: a second elastic-run
@@ -96,6 +100,23 @@ class DutyCycle:
 
 
 # ---------------------------------------------------------------------- figures
+class Throttle:
+    """Tells worker ``worker_id`` of the run in ``run_dir`` to idle as long as it computes
+    (bench/_straggler_worker.py reads the file), until closed."""
+
+    def __init__(self, path: str, worker_id: str):
+        self.path = path
+        with open(path + ".tmp", "w") as f:
+            f.write(worker_id)
+        os.replace(path + ".tmp", path)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
 def samples_between(events, t0: float, t_end: float, batch: int) -> int:
     """Samples of the steps the job's counter advanced over (t0, t_end], each at its world's size."""
     size_of: Dict[int, int] = {}
@@ -139,7 +160,8 @@ class Run:
         self.spare_events = os.path.join(self.dir, "spare-events.jsonl")
         self.tag = new_tag("bench-stragglers")
         deadline = time.time() + args.start_timeout + args.warmup + args.duration + 60
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_DEADLINE=f"{deadline:.3f}",
+        self.slow_file = os.path.join(self.dir, "slow")
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_DEADLINE=f"{deadline:.3f}", BENCH_SLOW_FILE=self.slow_file,
                         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         worker = ["--", sys.executable, WORKER, "--run-dir", self.dir, "--commit-every", str(args.commit_every),
                   "--batch", str(args.batch)]
@@ -201,7 +223,10 @@ class Run:
             self.start_spare()
         t0 = max(first + self.args.warmup, time.time())
         self.sleep_until(t0)
-        slowed = DutyCycle(self.pid_of(SLOWED)) if self.slow else None
+        slowed = None
+        if self.slow:
+            slowed = (Throttle(self.slow_file, SLOWED) if self.args.slowdown == "throttle"
+                      else DutyCycle(self.pid_of(SLOWED)))
         t0 = time.time()
         t_end = t0 + self.args.duration
         try:
@@ -269,7 +294,7 @@ def tables(args, slowed: Dict[str, Result], off: List[Result], report: List[Resu
     free = statistics.mean([r.rate for r in off + report if not math.isnan(r.rate)] or [math.nan])
     free_samples = statistics.mean([r.samples for r in off + report if not math.isnan(r.samples)] or [math.nan])
     cols = [("no policy (off)", slowed["off"]), ("report", slowed["report"]), ("evict, with a spare", slowed["evict"])]
-    lines = [f"| {args.workers} workers, {SLOWED} slowed 2x, {args.duration:g} s measured | "
+    lines = [f"| {args.workers} workers, {SLOWED} slowed 2x ({args.slowdown}), {args.duration:g} s measured | "
              + " | ".join(c for c, _ in cols) + " | fault-free |", "| --- |" + " --- |" * (len(cols) + 1)]
 
     def row(name: str, fn, fault_free: str = "") -> None:
@@ -309,6 +334,9 @@ def parse_args(argv=None):
                     help="fault-free runs with each of off and report (default 3; --quick 2)")
     ap.add_argument("--commit-every", type=int, default=10, help="steps between commits (default 10)")
     ap.add_argument("--batch", type=int, default=256, help="samples per rank and step (default 256)")
+    ap.add_argument("--slowdown", choices=("throttle", "sigstop"), default="throttle",
+                    help="how bench-1 is slowed 2x: throttle (idles as long as it computes, as under a 50%% CPU "
+                         "quota; the default) or sigstop (stopped 50 ms of every 100 ms)")
     ap.add_argument("--quick", action="store_true", help="--duration 15 --repeats 2")
     ap.add_argument("--start-timeout", type=float, default=180, help="seconds a job may take to its first step")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (step logs, launcher logs)")
@@ -331,7 +359,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = tempfile.mkdtemp(prefix="bench-stragglers-")
     print(f"# stragglers: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; commit every "
-          f"{args.commit_every} steps; run directory {out}", flush=True)
+          f"{args.commit_every} steps; slowdown {args.slowdown}; run directory {out}", flush=True)
     try:
         off: List[Result] = []
         report: List[Result] = []
