@@ -375,12 +375,7 @@ class ShardedState(ObjectState):
             initial = {"model." + fqn: p.detach() for fqn, p in model.named_parameters()}
             gen = reshard.Generation(-1, 0, 1)
             decision = reshard.Resume(gen, (((0, reshard.OWN),),), root=0)
-        self._shard(model, transfer.world_mesh())
-        if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-            model.to_empty(device="cpu")
-        opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "optimizer", opt)
+        self._install(model)
         clock.mark("shard")
         own, buddy = self._copies_of(decision.generation)
         if initial is not None and comm.rank == 0:
@@ -401,6 +396,16 @@ class ShardedState(ObjectState):
                 "taken": (flat, views), "moved": moved, "from": decision.generation, "disk": None, "clock": clock,
                 "started": started}
 
+    def _install(self, model) -> None:
+        """Shards a fresh build() over this world's mesh, gives it storage where build() left it on
+        the meta device (the values are loaded next) and makes its optimizer."""
+        self._shard(model, transfer.world_mesh())
+        if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+            model.to_empty(device="cpu")
+        opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", opt)
+
     def _agree_durable(self, comm) -> Optional[durable_format.Durable]:
         """The newest complete durable commit, the same on every rank (one allgather of its step)."""
         try:
@@ -419,12 +424,7 @@ class ShardedState(ObjectState):
         """Every rank reads its new shards straight from the durable commit's files (any world
         size wrote them) and the replicated state from its index."""
         model = self._build()
-        self._shard(model, transfer.world_mesh())
-        if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-            model.to_empty(device="cpu")
-        opt = self._make_optimizer(model.parameters()) if self._make_optimizer is not None else None
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "optimizer", opt)
+        self._install(model)
         try:
             table = transfer.check_table(disk.replicated, model, 0, 0)
             new = {}
