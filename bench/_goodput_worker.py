@@ -91,6 +91,20 @@ def batch_for(samples: Tuple[int, int, int]):
     return torch.randn(BATCH, 1024, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
 
 
+def train_forever(state, step, events, commit_every: int, gen: int, rank: int, size: int) -> None:
+    """elastic-run's loop: the world's next samples, one step, a log line, a commit every
+    ``commit_every`` steps (the cursor is committed state, so a restore replays the same samples)."""
+    while True:
+        samples = rank_samples(state.cursor, rank)
+        step(samples)
+        state.step += 1
+        state.cursor += size * BATCH
+        events.log("step", state.step, gen, size, samples)
+        if state.step % commit_every == 0:
+            state.commit()
+            events.log("commit", state.step, gen, size)
+
+
 def rank_samples(cursor: int, rank: int) -> Tuple[int, int, int]:
     """This rank's indices in the step that starts at stream position ``cursor``."""
     return (cursor + rank * BATCH, cursor + (rank + 1) * BATCH, 1)
@@ -148,15 +162,7 @@ def elastic_worker(args, events: Events) -> None:
     @elastic.run
     def train(state):
         gen, rank, size = elastic.world_version(), dist.get_rank(), dist.get_world_size()
-        while True:
-            samples = rank_samples(state.cursor, rank)
-            step(samples)
-            state.step += 1
-            state.cursor += size * BATCH
-            events.log("step", state.step, gen, size, samples)
-            if state.step % args.commit_every == 0:
-                state.commit()
-                events.log("commit", state.step, gen, size)
+        train_forever(state, step, events, args.commit_every, gen, rank, size)
 
     train(state)
 
@@ -229,15 +235,7 @@ def elastic_fsdp_worker(args, events: Events) -> None:
     def train(state):
         gen, rank, size = elastic.world_version(), elastic.rank(), elastic.size()
         step = make_step(state.model, state.optimizer)   # this world's model and optimizer
-        while True:
-            samples = rank_samples(state.cursor, rank)
-            step(samples)
-            state.step += 1
-            state.cursor += size * BATCH
-            events.log("step", state.step, gen, size, samples)
-            if state.step % args.commit_every == 0:
-                state.commit()
-                events.log("commit", state.step, gen, size)
+        train_forever(state, step, events, args.commit_every, gen, rank, size)
 
     train(state)
 
