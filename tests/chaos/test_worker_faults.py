@@ -53,7 +53,7 @@ def test_sigkill_during_commit_or_during_sync(server, jobs, fault_free_loss, whe
     job = jobs(server.address, min_np=2, max_np=4)
     workers = ["w0", "w1", "w2", "w3"]
     start(job, ["w0", "w1", "w2"])
-    # w3 kills itself inside commit 2, or inside its second sync (the one after a failure).
+    # w3 kills itself inside commit 2, or inside its first sync after a failure.
     job.start("w3", JOB_DIE_IN=where, JOB_DIE_AT=2 if where == "commit" else 1)
     if where == "sync":
         job.wait_step(5, workers)

@@ -7,7 +7,8 @@ proves the sample accounting. Knobs (environment):
   JOB_EPOCHS     epochs (default 3); JOB_SAMPLES dataset size (default 240); JOB_BATCH (8)
   JOB_STEP_SLEEP seconds per step, to leave time for faults (default 0.02)
   JOB_DIE_IN     "commit" or "sync": SIGKILL this very process inside that call, at
-                 its own JOB_DIE_AT-th commit (commit) or JOB_DIE_AT-th re-sync (sync)
+                 its own JOB_DIE_AT-th commit (commit) or its JOB_DIE_AT-th sync after a restore
+                 (sync; a join's syncs do not count, so how the world first forms does not matter)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
   JOB_SLOW_DISK  seconds each durable write takes longer (the writer sleeps, then writes the real file)
@@ -128,7 +129,6 @@ def counting_restore():
 
 state.restore = counting_restore
 _sync = state.sync
-syncs = {"n": 0}
 
 
 class Announcing(elastic.serialization.Encoded):
@@ -158,12 +158,11 @@ def evil_encode(step, from_checkpoint):
 
 
 def sync_maybe_dying():
-    syncs["n"] += 1
     if EVIL_SYNC:
         # Claims the most advanced commit, so it is the root, and forges what its encode path sends.
         object.__setattr__(state, "commit_step", 10 ** 9)
         state.encode_for_sync = evil_encode
-    if DIE_IN == "sync" and syncs["n"] - 1 == DIE_AT:
+    if DIE_IN == "sync" and log["restores"] == DIE_AT:
         # Die between the allgather of commit steps and the broadcast of the state.
         comm = elastic.collectives.current_communicator()
         comm.allgather_equal(torch.tensor([state.commit_step]))
