@@ -260,8 +260,8 @@ def parser() -> argparse.ArgumentParser:
                         "elastic-rendezvous status); evict: also, the worst straggler leaves at its next commit like a "
                         "preempted worker (the others keep their state, nothing is redone), unless the job would drop "
                         "below --min-np with no spare on another host to take its place; its host enters the "
-                        "rendezvous blacklist cooldown, and its slot is respawned once the cooldown ended (a slot "
-                        "evicted twice is not respawned again); off: nothing is measured. A world slow everywhere "
+                        "rendezvous blacklist cooldown, and its slot is retired (never respawned into the same slow "
+                        "spot; a spare on another host takes the place); off: nothing is measured. A world slow everywhere "
                         "names nobody. Passed to workers as ELASTIC_STRAGGLER_POLICY (default: %(default)s)")
     p.add_argument("--straggler-factor", type=float, default=slow.factor, metavar="F",
                    help="a worker is slow in a window when its compute time is above F times its world's median "

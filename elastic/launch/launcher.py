@@ -441,12 +441,8 @@ class Launcher:
             straggler = None if w.stopping else self.stragglers.left(w.worker_id, slot, self._status_now())
             self._event("preempted", worker_id=w.worker_id, slot=slot, why="drained by discovery" if w.stopping
                         else "a straggler" if straggler is not None else "left the job")
-            if straggler is not None:   # --straggler-policy evict: respawned once its host cooled down
-                self.out.note(f"{self._label(w)} {straggler.line}")
-                if straggler.respawn:
-                    self.respawn_at[slot] = now
-                    self.ends.append(WorkerEnd(w.worker_id, rank, code, left=True))
-                    return
+            if straggler is not None:   # --straggler-policy evict: the slot is retired
+                self.out.note(f"{self._label(w)} {straggler}")
             else:
                 self.out.note(f"{self._label(w)} left (" + (f"drained: discovery gives this host {self.target} "
                               "slot(s)" if w.stopping else "preempted") + "); not respawned")

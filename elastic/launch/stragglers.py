@@ -9,34 +9,18 @@ windows as numbers), and its ``straggler_left`` event for a worker that left bec
 right after it was named is still named here. Nothing a worker prints decides anything.
 
 A straggler's host enters the rendezvous blacklist cooldown as it leaves: the slow spot is the
-host, and the rendezvous refuses joins from it until the cooldown ends. So its slot is not
-respawned before (``host_cooling``; no respawn of any slot is, since its join would be
-refused), then once (``placement``): the slowness may have passed (a noisy neighbour gone). A
-slot whose worker leaves as a straggler again is not respawned: no loop back into the same slow
-spot. Its place is taken meanwhile by a spare (a worker on standby on another host), which the
-rendezvous puts into the next world by itself.
+host. Its slot is retired, never respawned: a launcher starts workers only on its own host, so a
+respawn would go back into the same slow spot (a loop: evicted, respawned, slow again). Its place
+is taken by a spare, a worker on standby on another host, which the rendezvous puts into the
+next world by itself; with no spare, the worker left only if the job kept ``--min-np`` without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Collection, Dict, List, Optional, Set, Tuple
 
 from rendezvous.status_client import JobStatusInfo
-
-MAX_RESPAWNS = 1   # a slot whose worker left as a straggler is respawned this often, then retired
-
-
-class Placement(enum.Enum):
-    RESPAWN = "respawn"   # once this host's cooldown has ended
-    RETIRE = "retire"     # never again: this slot was a straggler's too often
-
-
-def placement(straggler_leaves: int, max_respawns: int = MAX_RESPAWNS) -> Placement:
-    """What becomes of a slot whose worker left as a straggler, the ``straggler_leaves``-th time."""
-    return Placement.RESPAWN if straggler_leaves <= max_respawns else Placement.RETIRE
-
 
 def host_cooling(view: Optional[JobStatusInfo], host: str) -> bool:
     """Whether the rendezvous has ``host`` in its blacklist cooldown (a worker started there now
@@ -52,15 +36,6 @@ class Named:
     fields: Dict[str, object]   # the straggler_detected event's (its host is the launcher's: a local worker)
 
 
-@dataclasses.dataclass(frozen=True)
-class Left:
-    """A local worker that left as a straggler: what to say, and whether its slot is respawned
-    (once the host's cooldown ended)."""
-
-    line: str
-    respawn: bool
-
-
 class StragglerWatch:
     """Follows Status answers for this host's stragglers (``policy``: the --straggler-policy
     the launcher gave its workers)."""
@@ -69,7 +44,6 @@ class StragglerWatch:
         self.policy, self.host = policy, host
         self._told: Set[Tuple[str, int]] = set()   # (worker id, world version) already named
         self._left: Set[str] = set()               # workers the server says left as stragglers
-        self._leaves: Dict[int, int] = {}          # slot -> its workers that left as stragglers
 
     def update(self, view: JobStatusInfo, local: Collection[str]) -> List[Named]:
         """The ``local`` workers this answer's events newly name stragglers (each once per world)."""
@@ -92,16 +66,13 @@ class StragglerWatch:
                  "policy": self.policy}))
         return named
 
-    def left(self, worker_id: str, slot: int, view: Optional[JobStatusInfo]) -> Optional[Left]:
+    def left(self, worker_id: str, slot: int, view: Optional[JobStatusInfo]) -> Optional[str]:
         """None unless the rendezvous says ``worker_id`` (of ``slot``) left as a straggler (``view``:
-        a fresh answer with recent events); else what the launcher says and does about it."""
+        a fresh answer with recent events); else the launcher's line about it (the slot is retired)."""
         if view is not None:
             self.update(view, ())
         if worker_id not in self._left:
             return None
-        leaves = self._leaves[slot] = self._leaves.get(slot, 0) + 1
-        if placement(leaves) is Placement.RESPAWN:
-            return Left(f"left as a straggler (--straggler-policy evict); host {self.host} cools down in the "
-                        f"rendezvous blacklist, and slot {slot} is respawned once the cooldown ended", True)
-        return Left(f"left as a straggler (--straggler-policy evict), the {leaves}th of slot {slot}; host "
-                    f"{self.host} cools down, and the slot is not respawned again", False)
+        return (f"left as a straggler (--straggler-policy evict); slot {slot} is retired, not respawned: host "
+                f"{self.host} is the slow spot (it cools down in the rendezvous blacklist); a spare on another host, "
+                f"if one stands by, takes the place")

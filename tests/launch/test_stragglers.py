@@ -155,8 +155,8 @@ def test_evict_makes_the_straggler_leave_at_a_commit_and_a_spare_on_another_host
         view = status.job("default")
         assert view.blacklisted_hosts == ("hA",) and "hA-2" not in {m.worker_id for m in view.members}
     a.wait_for(r"world \d+: 4 worker\(s\); left: hA-2; joined: hB-0$", 30)
-    a.wait_for(r"worker hA-2 \(rank \d\) left as a straggler \(--straggler-policy evict\); host hA cools down in "
-               r"the rendezvous blacklist, and slot 2 is respawned once the cooldown ended", 30)
+    a.wait_for(r"worker hA-2 \(rank \d\) left as a straggler \(--straggler-policy evict\); slot 2 is retired, not "
+               r"respawned: host hA is the slow spot", 30)
     b.wait_for(r"^\[hB-0\] step \d+ size 4$", 30, stream="out")
     mark = last_step(a)
     wait_until(lambda: last_step(a) >= mark + 20, 60, "training on with the spare")
@@ -178,3 +178,6 @@ def test_evict_makes_the_straggler_leave_at_a_commit_and_a_spare_on_another_host
     kinds = [(e["event"], e.get("worker_id"), e.get("why")) for e in events(log)
              if e["event"] in ("straggler_detected", "preempted")]
     assert kinds == [("straggler_detected", "hA-2", None), ("preempted", "hA-2", "a straggler")], kinds
+    # Its slot was retired: no worker went back into the slow spot.
+    assert [e["slot"] for e in events(log) if e["event"] == "worker_started"] == [0, 1, 2, 3]
+    assert not [e for e in events(log) if e["event"] == "worker_respawned"]

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from elastic.launch.config import UsageError, parse
-from elastic.launch.stragglers import Placement, StragglerWatch, host_cooling, placement
+from elastic.launch.stragglers import StragglerWatch, host_cooling
 from elastic.stragglers import StragglerConfig
 from rendezvous.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo
 
@@ -46,11 +46,6 @@ def test_a_bad_straggler_flag_is_refused_naming_it(args, message):
     assert str(e.value).startswith(message)
 
 
-@pytest.mark.parametrize("leaves, fate", [(1, Placement.RESPAWN), (2, Placement.RETIRE), (5, Placement.RETIRE)])
-def test_a_stragglers_slot_is_respawned_once_then_retired(leaves, fate):
-    assert placement(leaves) is fate
-
-
 def detected(worker, version=2, rank=1, factor=2.04, windows=3):
     return JobEventInfo(1.0, "straggler_detected", version, worker, f"{factor:.2f}x the median compute",
                         {"rank": rank, "factor": factor, "windows": windows})
@@ -81,15 +76,15 @@ def test_only_this_hosts_workers_are_named_here():
     assert watch.update(view(events=(detected("hB-0"),)), LOCAL) == []
 
 
-def test_a_worker_that_left_as_a_straggler_is_known_by_the_servers_event_and_its_slot_respawned_once():
+def test_a_worker_that_left_as_a_straggler_is_known_by_the_servers_event_and_its_slot_retired():
     watch = StragglerWatch("evict", "hA")
     gone = view(events=(JobEventInfo(1.0, "straggler_left", 2, "hA-1"), JobEventInfo(1.0, "worker_left", 2, "hA-0")))
     assert watch.left("hA-0", 0, gone) is None                 # left for another reason (SIGTERM, say)
-    first = watch.left("hA-1", 1, gone)
-    assert first.respawn and "slot 1 is respawned once the cooldown ended" in first.line
-    gone_again = view(events=(JobEventInfo(9.0, "straggler_left", 3, "hA-1-r1"),))
-    second = watch.left("hA-1-r1", 1, gone_again)
-    assert not second.respawn and "not respawned again" in second.line
+    assert watch.left("hA-1", 1, gone) == (
+        "left as a straggler (--straggler-policy evict); slot 1 is retired, not respawned: host hA is the slow spot "
+        "(it cools down in the rendezvous blacklist); a spare on another host, if one stands by, takes the place")
+    # Known from an earlier answer too: the event may have scrolled out of the recent ones.
+    assert watch.left("hA-1", 1, view()) is not None
 
 
 def test_no_respawn_goes_to_a_host_in_the_blacklist_cooldown():
