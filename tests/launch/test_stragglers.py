@@ -136,7 +136,7 @@ def test_report_names_the_slowed_worker_within_its_windows_and_nobody_slow_once_
                                    for line in p.stderr if line.startswith(f"[{w}]"))] == ["hA-2"]
 
 
-def test_evict_makes_the_straggler_leave_at_a_commit_and_a_spare_on_another_host_take_its_place(launch, tmp_path):
+def test_evict_keeps_a_straggler_min_np_needs_and_it_leaves_at_a_commit_once_a_spare_can_take_its_place(launch, tmp_path):
     log, stop = tmp_path / "events.jsonl", tmp_path / "stop"
     job = dict(command=[sys.executable, JOB], LW_STOP=str(stop))
     # min-np 4 and no room beyond: only the spare on host hB lets the straggler go.
@@ -144,10 +144,13 @@ def test_evict_makes_the_straggler_leave_at_a_commit_and_a_spare_on_another_host
                "--events", str(log), **job)
     address, token_file = embedded_server(a)
     a.wait_training(4, 60)
-    b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default", "--token-file",
-               token_file, "--straggler-policy", "evict", *WINDOW, **job)
-    b.wait_for(r"^\[hB-0\] .*worker hB-0 on standby: beyond max_np", 30)
     with DutyCycle([a.worker_pid("hA-2")]):
+        # Named, but with no spare it stays: the job would drop below --min-np without it.
+        a.wait_for(r"^\[hA-2\] .*worker hA-2 stays although it is a straggler: without it world version \d+ would "
+                   r"have 3 worker\(s\), below min-np 4, and no spare is waiting to take its place", 60)
+        b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default", "--token-file",
+                   token_file, "--straggler-policy", "evict", *WINDOW, **job)
+        b.wait_for(r"^\[hB-0\] .*worker hB-0 on standby: beyond max_np", 30)
         a.wait_for(r"^\[hA-2\] .*worker hA-2 left job default gracefully \(a straggler: [0-9.]+x the median compute "
                    r"time for \d+ windows\)", 60)
     # Its host cools down in the rendezvous blacklist (the embedded server's first cooldown: 10 s).
