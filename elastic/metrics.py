@@ -59,7 +59,7 @@ BUCKETS: Dict[str, Tuple[float, ...]] = {
     "recovery": (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0),
 }
 
-_INTS = ("rank", "size", "world_version", "committed_step", "steps", "recoveries", "steps_redone")
+_INTS = ("rank", "size", "world_version", "committed_step", "steps", "recoveries", "steps_redone", "restores")
 _MAX_INT = 2 ** 53   # JSON numbers beyond this lose precision; no real counter gets there
 
 
@@ -84,6 +84,7 @@ class Recorder:
         self.rank, self.size, self.world_version = -1, 0, 0
         self.committed_step, self.steps = -1, 0
         self.recoveries, self.steps_redone, self.lost_seconds = 0, 0, 0.0
+        self.restores = 0   # failures that rolled the state back to the last commit (the rest kept it live)
         self.allreduce: Dict[str, list] = {}        # transport -> [calls, bytes, seconds]
         self.hist = {name: _Histogram(b) for name, b in BUCKETS.items()}
         self.last_commit_at: Optional[float] = None  # end of the last commit or sync: steps are timed from it
@@ -133,12 +134,14 @@ class Recorder:
             self.steps_redone += max(0, self.step_at_failure - step)
             self.failed_at = None
 
-    def failure(self, step: int) -> None:
+    def failure(self, step: int, kept: bool = False) -> None:
+        if not kept:
+            self.restores += 1
         if self.failed_at is not None:
             return   # a failure during a recovery: still the same recovery
         now = time.perf_counter()
         self.failed_at, self.step_at_failure = now, step
-        if self.last_commit_at is not None:
+        if self.last_commit_at is not None and not kept:
             self.lost_seconds += now - self.last_commit_at
 
     # -- the snapshot (pusher thread)
@@ -146,7 +149,7 @@ class Recorder:
         doc = {"v": FORMAT, "worker": self.worker_id, "token": self.token, "final": final,
                "rank": self.rank, "size": self.size, "world_version": self.world_version,
                "committed_step": max(self.committed_step, -1), "steps": self.steps,
-               "recoveries": self.recoveries, "steps_redone": self.steps_redone,
+               "recoveries": self.recoveries, "steps_redone": self.steps_redone, "restores": self.restores,
                "lost_seconds": self.lost_seconds, "straggler_score": self.straggler_score,
                "allreduce": {k: list(v) for k, v in list(self.allreduce.items())},
                "hist": {k: [h.sum, *h.counts] for k, h in self.hist.items()}}
@@ -255,11 +258,11 @@ def straggler_score(score: float) -> None:
         rec.straggler_score = score
 
 
-def failure(state: Any) -> None:
-    """A failure hit (the state is about to be restored): a recovery starts."""
+def failure(state: Any, kept: bool = False) -> None:
+    """A failure hit: a recovery starts; the state is about to be restored, or was ``kept`` live."""
     rec = _rec
     if rec is not None:
-        rec.failure(state.commit_step)
+        rec.failure(state.commit_step, kept)
 
 
 class _Timed:
@@ -323,6 +326,7 @@ class Snapshot:
     steps: int
     recoveries: int
     steps_redone: int
+    restores: int
     lost_seconds: float
     straggler_score: Optional[float]                     # None: no window judged yet
     allreduce: Mapping[str, Tuple[int, int, float]]

@@ -30,6 +30,7 @@ class _DistributedMixin:
         for h in getattr(self, "_elastic_hooks", []):
             h.remove()
         self._elastic_args = (named_parameters, op, bucket_bytes, backward_passes_per_step)
+        self._elastic_synchronized = False   # inside step(), past synchronize()
         self._elastic_passes = backward_passes_per_step
         seen: set = set()
         params = []
@@ -117,7 +118,13 @@ class _DistributedMixin:
 
     def step(self, closure=None):
         self.synchronize()
-        return super().step(closure)
+        # From here on parameters change: a TorchState's step hooks (which run around this
+        # method and again around the wrapped optimizer's step) count only what follows.
+        self._elastic_synchronized = True
+        try:
+            return super().step(closure)
+        finally:
+            self._elastic_synchronized = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Gradients of an abandoned step (a failure mid-backward) must not be waited for.

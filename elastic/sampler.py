@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import logging
+import weakref
 
 import numpy as np
 
@@ -90,6 +91,7 @@ class ElasticSampler:
         self._handed = 0          # indices handed to the loader this epoch (not progress: prefetching)
         self._recorded = False    # record_batch was called this epoch
         self._warned = -1         # the epoch a commit without record_batch was warned about
+        self._record_listeners: List[weakref.WeakMethod] = []   # a TorchState's step tracking
         self.set_epoch(0)
 
     # -- world
@@ -136,6 +138,15 @@ class ElasticSampler:
         if batch_idx > self._last_batch:
             self.processed += int(batch_size)
             self._last_batch = batch_idx
+        for ref in self._record_listeners:
+            listener = ref()
+            if listener is not None:
+                listener()
+
+    def add_record_listener(self, listener: Any) -> None:
+        """Calls the bound method ``listener()`` after every ``record_batch`` (a ``TorchState``
+        holding this sampler learns that a step's batch is done); held weakly."""
+        self._record_listeners.append(weakref.WeakMethod(listener))
 
     def epoch_finished(self) -> bool:
         """Every sample of the current epoch was recorded as processed (on every rank: the

@@ -14,6 +14,8 @@ The step protocol (``Session.run``, what ``elastic.run`` runs)::
     an error ends func, a form or a sync; ``reaction.after_error`` decides what comes next:
       a peer failed (WorkerLostError)        : restore the last commit, report the suspect, next world
       a stale neighbour (HandshakeError)     : restore, next world
+        (both keep the live state instead where the State can: ``State.keep_live``; the sync then
+        takes the most advanced rank's, so survivors that stood at different steps agree)
       a clean join/leave (MembershipChanged) : keep the state, next world (at a commit every rank agrees on)
       asked to leave (SIGTERM, SIGINT, request_leave): leave at the next commit, raise Preempted
     sync: [before_sync] -> the most advanced rank's state to everyone (``elastic.state_sync``)
@@ -454,14 +456,21 @@ class Session(StepProtocol):
                     return result
                 except (WorkerLostError, HandshakeError, MembershipChanged) as e:
                     recovery = reaction.after_error(e, self.world.version if self.world is not None else 0)
+                    # A failure that surfaced before the optimizer changed anything keeps the live
+                    # state: nothing is redone (elastic.step_phase); else the last commit is restored.
+                    kept = recovery.restore and state.keep_live()
                     if isinstance(e, HandshakeError):   # a neighbour at another world version: ours is stale
                         log.warning("%s", e)
+                    elif kept:
+                        log.warning("%s; keeping the live state (commit %d and %d step(s) since, none half done)",
+                                    e, *state.sync_position())
                     elif recovery.restore:
                         log.warning("%s; restoring commit %d", e, state.commit_step)
                     else:
                         log.info("%s", e)
                     if recovery.restore:
-                        metrics.failure(state)
+                        metrics.failure(state, kept)
+                    if recovery.restore and not kept:
                         state.restore()
                         restored = True
                     if recovery.report:

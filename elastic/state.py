@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from . import checkpoint, metrics, serialization, session
-from .sampler import committed_attrs
+from . import checkpoint, metrics, serialization, session, step_phase
+from .sampler import ElasticSampler, committed_attrs
 
 log = logging.getLogger("elastic")
 
@@ -49,6 +49,7 @@ class State:
         object.__setattr__(self, "_checkpoint_dir", None)
         object.__setattr__(self, "_checkpoint_every", 0)
         object.__setattr__(self, "_writer", None)  # checkpoint.DurableWriter, with durable commits on
+        object.__setattr__(self, "_progress", 0)   # steps completed since the last commit, kept live (TorchState)
 
     # -- what subclasses provide
     def live(self) -> Any:
@@ -132,6 +133,19 @@ class State:
         """Rolls the live state back to the last commit (no-op before the first)."""
         if self._snapshot is not None:
             self.load(self._snapshot)
+        object.__setattr__(self, "_progress", 0)
+        self._settled()
+
+    def keep_live(self) -> bool:
+        """After a peer's failure: keeps the live state instead of restoring the last commit when
+        the failure cannot have left it half-changed, and says whether it did. This base class
+        never does (``TorchState`` does; see ``elastic.step_phase``)."""
+        return False
+
+    def sync_position(self) -> Tuple[int, int]:
+        """How far this state is, as syncs compare it: (its commit step, the steps completed
+        since that commit and kept live after a failure)."""
+        return self.commit_step, self._progress
 
     def check_membership(self) -> None:
         """Raises MembershipChanged on every rank at once when a clean join/leave is pending."""
@@ -149,6 +163,7 @@ class State:
         self._check_committable(view)
         self._take_snapshot(view)
         object.__setattr__(self, "commit_step", self.commit_step + 1)
+        object.__setattr__(self, "_progress", 0)
 
     def checkpoint_due(self) -> bool:
         """The commit just taken is one to write durably."""
@@ -182,6 +197,12 @@ class State:
         self.load(snapshot)
         self._take_snapshot()
         object.__setattr__(self, "commit_step", step)
+        object.__setattr__(self, "_progress", 0)
+        self._settled()
+
+    def _settled(self) -> None:
+        """The live state is a step boundary now: the last commit, a synced state, or a state
+        kept after a failure (``TorchState`` tracks what happens after it)."""
 
     def check_shape(self, snapshot: Any) -> None:
         """ValueError unless ``snapshot`` is shaped like what ``live()`` gives (subclasses say)."""
@@ -405,14 +426,98 @@ def _check_optimizer_fits(got: Dict[str, Any], live: Dict[str, Any]) -> None:
 
 class TorchState(ObjectState):
     """Committed model, optimizer and attributes. Attributes with ``state_dict``/``load_state_dict``
-    (an ``ElasticSampler``, an lr scheduler) are committed through those; others are deep-copied."""
+    (an ``ElasticSampler``, an lr scheduler) are committed through those; others are deep-copied.
+
+    After a peer's failure it keeps its live state, restoring nothing, when the failure surfaced
+    before its optimizer changed anything since the last completed step (``elastic.step_phase``
+    says when; its optimizer's step hooks and its sampler's ``record_batch`` tell it where the
+    step stands). Parameters and optimizer state are kept as they are; the model's buffers go
+    back to their values at the end of that step (a failed forward changed BatchNorm's running
+    statistics), a copy of which each completed step refreshes; gradients are dropped.
+    Attributes are kept as they are: count what a step did after its ``step()``.
+    """
 
     _NOT_ATTRIBUTES = ("commit_step", "model", "optimizer")  # committed through their state_dict()
 
     def __init__(self, model: Any = None, optimizer: Any = None, **attrs: Any) -> None:
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "_phase", step_phase.Phase.BOUNDARY)
+        object.__setattr__(self, "_buffers_at_step", None)   # name -> copy of the buffer at the last boundary
+        object.__setattr__(self, "_samplers", [])            # ElasticSamplers that report recorded batches here
         super().__init__(**attrs)
+        for value in attrs.values():
+            self._follow_sampler(value)
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            optimizer.register_step_pre_hook(self._update_begins)
+            optimizer.register_step_post_hook(self._update_ends)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        self._follow_sampler(value)
+
+    def _follow_sampler(self, value: Any) -> None:
+        if isinstance(value, ElasticSampler) and not any(value is s for s in self._samplers):
+            self._samplers.append(value)
+            value.add_record_listener(self._batch_recorded)
+
+    # -- where the step stands (elastic.step_phase)
+    def _step_event(self, event: step_phase.Event) -> None:
+        before = self._phase
+        phase = step_phase.advance(before, event, records_batches=bool(self._samplers))
+        object.__setattr__(self, "_phase", phase)
+        if phase is step_phase.Phase.BOUNDARY:
+            if event is not step_phase.Event.SETTLED:
+                object.__setattr__(self, "_progress", self._progress + 1)
+            self._copy_buffers()
+
+    # A DistributedOptimizer's step() runs these hooks twice: around itself (its synchronize()
+    # and the update) and around the wrapped optimizer's update alone. Only the inner pair, past
+    # synchronize(), counts: a failure inside synchronize() has changed nothing.
+    def _update_begins(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if getattr(optimizer, "_elastic_synchronized", True):
+            self._step_event(step_phase.Event.UPDATE_BEGINS)
+
+    def _update_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if getattr(optimizer, "_elastic_synchronized", True):
+            self._step_event(step_phase.Event.UPDATE_ENDS)
+
+    def _batch_recorded(self) -> None:
+        self._step_event(step_phase.Event.BATCH_RECORDED)
+
+    def _settled(self) -> None:
+        object.__setattr__(self, "_phase", step_phase.Phase.BOUNDARY)
+        self._copy_buffers()
+
+    def _copy_buffers(self) -> None:
+        if self.model is None:
+            return
+        held = self._buffers_at_step or {}
+        copies = {}
+        for name, b in self.model.named_buffers():
+            old = held.get(name)
+            copies[name] = old.copy_(b) if old is not None and old.shape == b.shape and old.dtype == b.dtype \
+                else b.detach().clone()
+        object.__setattr__(self, "_buffers_at_step", copies)
+
+    def keep_live(self) -> bool:
+        if not step_phase.harmless(self._phase):
+            log.info("the failure came while the live state may be half-changed (%s, elastic.step_phase): "
+                     "restoring the last commit", self._phase.value)
+            return False
+        if self.model is not None and self._buffers_at_step is not None:
+            import torch
+            with torch.no_grad():
+                for name, b in self.model.named_buffers():
+                    kept = self._buffers_at_step.get(name)
+                    if kept is not None and kept.shape == b.shape:
+                        b.copy_(kept)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        self._settled()
+        return True
 
     def _handlers(self) -> Dict[str, Any]:
         return {k: v for k, v in self._plain().items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}

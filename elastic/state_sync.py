@@ -1,9 +1,10 @@
 """How a state travels at a sync: from the rank holding the most advanced commit to every rank.
 
 The session runs it at every sync of its step protocol (``elastic.session``, which says when).
-One allgather agrees on the highest commit step; that rank (the lowest of them), the root,
-sends its state, encoded by ``elastic.serialization``; every rank, the sender too, loads the
-same bytes, so all hold the same bits afterwards.
+One allgather agrees on the most advanced state (``most_advanced``: the highest commit step,
+then the most steps kept live since it); that rank (the lowest of them), the root, sends its
+state, encoded by ``elastic.serialization``; every rank, the sender too, loads the same bytes,
+so all hold the same bits afterwards.
 
 Nothing the root sends is used before every rank has said it can take it: first its size
 (within the memory this machine has available), then its bytes (they decode, and fit this
@@ -31,9 +32,9 @@ from .errors import BadPeerError, SyncRefusedError
 def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     """Makes every rank of ``comm`` hold the most advanced rank's commit (or rank 0's state
     before any), as the module doc says; returns (the root, the commit step every rank holds)."""
-    steps = comm.allgather_equal(np.array([state.commit_step], dtype=np.int64))[:, 0]
-    root = int(np.argmax(steps))  # the lowest rank among those with the highest step
-    step = int(steps[root])
+    positions = comm.allgather_equal(np.array(state.sync_position(), dtype=np.int64))
+    root = most_advanced(positions)
+    step = int(positions[root, 0])
     encoded = failure = None
     if comm.rank == root:
         try:
@@ -69,6 +70,15 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
 
 
 _CANNOT_SEND = -1   # what the root announces as its state's size when it cannot encode it
+
+
+def most_advanced(positions: np.ndarray) -> int:
+    """The sync root: the lowest rank among those furthest on, by (commit step, steps completed
+    since it and kept live after a failure), one row per rank. After a failure the survivors may
+    stand at different steps (one finished the gradient allreduce and stepped, another did not):
+    the one that stepped holds the newer state, and every rank takes it."""
+    order = np.lexsort((-np.arange(len(positions)), positions[:, 1], positions[:, 0]))
+    return int(order[-1])
 
 
 @dataclasses.dataclass(frozen=True)

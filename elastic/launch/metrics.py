@@ -62,6 +62,8 @@ WORKER_METRICS = (
     ("elastic_steps_redone", "counter", "Commits rolled back by recoveries (commit step at the failure minus "
                                         "the step synced after it)."),
     ("elastic_recovery_lost_seconds", "counter", "Training seconds since the last commit that failures threw away."),
+    ("elastic_restores", "counter", "Failures after which this worker restored its last commit; the others kept the "
+                                    "live state (the failure came before the optimizer changed anything)."),
     ("elastic_world_version", "gauge", "Version of the world this worker is in (0 before the first)."),
     ("elastic_world_size", "gauge", "Workers in this worker's world."),
     ("elastic_straggler_score", "gauge", "This worker's compute time over its world's median in the last commit "
@@ -262,6 +264,7 @@ class _Collector(Collector):
             fam["elastic_recoveries"].add_metric(labels, s.recoveries)
             fam["elastic_steps_redone"].add_metric(labels, s.steps_redone)
             fam["elastic_recovery_lost_seconds"].add_metric(labels, s.lost_seconds)
+            fam["elastic_restores"].add_metric(labels, s.restores)
             fam["elastic_world_version"].add_metric(labels, s.world_version)
             fam["elastic_world_size"].add_metric(labels, s.size)
             if s.straggler_score is not None:

@@ -29,9 +29,12 @@ def lost_commits(events: Dict[str, List[dict]]) -> List[str]:
 
     `events` maps every worker that ever ran (victims included) to its event records. A sync
     record carries the commit the rank held before (number and the training step it was taken
-    at) and the one it loaded. All ranks of a world must load the same; when any member held a
-    commit, what they load must be the newest one held, at its step: a rank that restored
-    another state under that commit number (or lost it) shows as a step that does not match.
+    at), the step of its live state then (the commit's after a restore; a later one when it
+    kept its live state after a failure) and what it loaded. All ranks of a world must load
+    the same; when any member held a commit, every member holding the newest one must hold it
+    at the same step (a rank that restored another state under that commit number, or lost it,
+    shows as a step that does not match), and what they load must be the most advanced live
+    state of those members: nothing a member kept is lost.
     """
     syncs = defaultdict(list)
     for worker, evs in events.items():
@@ -49,9 +52,10 @@ def lost_commits(events: Dict[str, List[dict]]) -> List[str]:
             continue  # nobody held a commit: rank 0's state or the durable one
         elif len(held_at) != 1:
             problems.append(f"world {version}: members held commit {newest} at different steps {sorted(held_at)}")
-        elif loaded != {(newest, held_at.pop())}:
-            problems.append(f"world {version}: the newest commit held was {newest} at step "
-                            f"{next(e['before_step'] for _, e in recs if e['before'] == newest)}; "
+        elif loaded != {(newest, max(e.get("before_live", e["before_step"]) for _, e in recs
+                                     if e["before"] == newest))}:
+            problems.append(f"world {version}: the newest commit held was {newest} at step {held_at.pop()}, live "
+                            f"at steps {sorted(e.get('before_live') for _, e in recs if e['before'] == newest)}; "
                             f"everyone loaded {loaded.pop()}")
     return problems
 

@@ -33,7 +33,9 @@ def test_sigkill_one_worker(server, jobs, fault_free_loss, rank0):
     survivors = [w for w in workers if w != victim]
     results = check_outcome(job, survivors, fault_free_loss=fault_free_loss, max_repartitions=2 * (EPOCHS + 2))
     for r in results:
-        assert r["restores"] >= 1, "WorkerLostError must restore"
+        # A WorkerLostError restores the last commit, or keeps the live state where the failure
+        # came before the optimizer changed anything: one of the two, on every survivor.
+        assert r["restores"] + r["kept"] >= 1, "WorkerLostError must restore or keep"
         assert r["resets"][-1]["size"] == 2, "reset callbacks must see the new size"
         assert abs(r["lr"] - 0.1 * 2 / 3) < 1e-12, "the callback's learning rate must survive the sync"
 

@@ -7,8 +7,8 @@ proves the sample accounting. Knobs (environment):
   JOB_EPOCHS     epochs (default 3); JOB_SAMPLES dataset size (default 240); JOB_BATCH (8)
   JOB_STEP_SLEEP seconds per step, to leave time for faults (default 0.02)
   JOB_DIE_IN     "commit" or "sync": SIGKILL this very process inside that call, at
-                 its own JOB_DIE_AT-th commit (commit) or its JOB_DIE_AT-th sync after a restore
-                 (sync; a join's syncs do not count, so how the world first forms does not matter)
+                 its own JOB_DIE_AT-th commit (commit) or its JOB_DIE_AT-th sync after a failure
+                 (restored or kept; a join's syncs do not count, so how the world first forms does not matter)
   JOB_RAISE_AT   raise a ValueError at this global step on every rank
   JOB_CHECKPOINT durable commits in this directory (every 2nd commit)
   JOB_SLOW_DISK  seconds each durable write takes longer (the writer sleeps, then writes the real file)
@@ -24,6 +24,15 @@ proves the sample accounting. Knobs (environment):
                  hung while forming; SIGCONT resumes it there, with the world it had then)
   JOB_STALL      "WORKER:STEP:SECONDS": that worker stalls once, at that step (a live but slow peer)
   JOB_LEAVE_AT   "WORKER:STEP": that worker calls elastic.request_leave() once, after that step
+  JOB_KILL_AT    "WORKER:WHERE:STEP": that worker SIGKILLs itself in the step that follows STEP
+                 completed ones: WHERE is "backward" (while its gradients are being computed and
+                 the first buckets are on the ring), "collective" (entering the optimizer's
+                 synchronize(), its buckets in flight), "optimizer" (inside the update, after
+                 the allreduce completed), "after-step" (right after its update) or "between"
+                 (after the step and its record)
+  JOB_SEEN_AFTER_STEP 1: the per-sample count is allreduced after opt.step() rather than before
+                 it (a collective between a step and its sampler record: a failure there cannot
+                 keep the live state)
 
 Besides its result, each worker appends JSON lines to events-<worker>.jsonl: every step
 (time, step, world version, size), every commit, and every sync (its commit step before and
@@ -65,6 +74,8 @@ OPTIMIZER = os.environ.get("JOB_OPTIMIZER", "sgd")
 EVIL_SYNC = os.environ.get("JOB_EVIL_SYNC") or None
 LR = 0.1  # with momentum 0.5 the job converges (loss ~1e-5) at every world size it runs at
 STALL = os.environ.get("JOB_STALL", "::").split(":")
+KILL_AT = os.environ.get("JOB_KILL_AT", "::").split(":")
+SEEN_AFTER_STEP = os.environ.get("JOB_SEEN_AFTER_STEP") == "1"
 LEAVE_AT = os.environ.get("JOB_LEAVE_AT", ":").split(":")
 stalled = {"done": False}
 
@@ -128,6 +139,41 @@ def counting_restore():
 
 
 state.restore = counting_restore
+_keep_live = state.keep_live
+log["kept"] = 0
+
+
+def counting_keep_live():
+    kept = _keep_live()
+    if kept:
+        log["kept"] += 1
+        event("kept", commit=state.commit_step, step=state.step)
+    return kept
+
+
+state.keep_live = counting_keep_live
+
+
+def kill_here(where):
+    if WORKER == KILL_AT[0] and where == KILL_AT[1] and state.step == int(KILL_AT[2]):
+        event("dying", where=where, step=state.step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if KILL_AT[0]:
+    def die_in_backward(grad):
+        kill_here("backward")
+        return grad
+
+    model.linear.bias.register_hook(die_in_backward)   # computed after the weight's gradient
+    _synchronize = opt.synchronize
+
+    def dying_synchronize():
+        kill_here("collective")
+        _synchronize()
+
+    opt.synchronize = dying_synchronize
+    base_opt.register_step_pre_hook(lambda o, a, k: kill_here("optimizer") if o._elastic_synchronized else None)
 _sync = state.sync
 
 
@@ -162,10 +208,10 @@ def sync_maybe_dying():
         # Claims the most advanced commit, so it is the root, and forges what its encode path sends.
         object.__setattr__(state, "commit_step", 10 ** 9)
         state.encode_for_sync = evil_encode
-    if DIE_IN == "sync" and log["restores"] == DIE_AT:
+    if DIE_IN == "sync" and log["restores"] + log["kept"] == DIE_AT:
         # Die between the allgather of commit steps and the broadcast of the state.
         comm = elastic.collectives.current_communicator()
-        comm.allgather_equal(torch.tensor([state.commit_step]))
+        comm.allgather_equal(np.array(state.sync_position(), dtype=np.int64))
         os.kill(os.getpid(), signal.SIGKILL)
     _sync()
 
@@ -225,11 +271,13 @@ def state_digest():
 
 def logged_sync():
     before = dict(held)
+    live_step = state.step   # the commit's after a restore; a later one when kept after a failure
     before_digest = state_digest()
     (sync_stubbornly if EVIL_SYNC else sync_maybe_dying)()
     held.update(commit=state.commit_step, step=state.step)
-    event("sync", before=before["commit"], before_step=before["step"], commit=state.commit_step, step=state.step,
-          v=elastic.world_version(), size=elastic.size(), before_digest=before_digest, digest=state_digest())
+    event("sync", before=before["commit"], before_step=before["step"], before_live=live_step,
+          commit=state.commit_step, step=state.step, v=elastic.world_version(), size=elastic.size(),
+          before_digest=before_digest, digest=state_digest())
 
 
 state.sync = logged_sync
@@ -277,12 +325,17 @@ def train(state):
                 raise ValueError(f"deterministic user error at step {state.step}")
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
             onehot = torch.zeros(SAMPLES, dtype=torch.float64)
             onehot[idx] = 1
-            model.seen += elastic.allreduce(onehot, elastic.Sum)
+            if not SEEN_AFTER_STEP:
+                model.seen += elastic.allreduce(onehot, elastic.Sum)
+            opt.step()
+            kill_here("after-step")
+            if SEEN_AFTER_STEP:
+                model.seen += elastic.allreduce(onehot, elastic.Sum)
             sampler.record_batch(state.batch, len(x))
             state.step += 1
+            kill_here("between")
             progress(f"{state.step} {elastic.size()} {elastic.world_version()}")
             event("step", step=state.step, v=elastic.world_version(), size=elastic.size(), rank=elastic.rank())
             if WORKER == LEAVE_AT[0] and state.step == int(LEAVE_AT[1]):

@@ -56,7 +56,8 @@ def test_a_member_that_cannot_be_connected_is_evicted_and_the_job_completes(job_
         assert all(r["final_size"] == 2 for r in results)
         logs = "".join(job.log(w) for w in workers)
         says = "without proving this job's secret (not acted on)" if squatter else "nothing listens at its announced address"
-        assert says in logs and "restoring commit" in logs, logs  # elastic.run's recovery of a WorkerLostError
+        # elastic.run's recovery of a WorkerLostError: the last commit restored, or the live state kept
+        assert says in logs and ("restoring commit" in logs or "keeping the live state" in logs), logs
         assert "Error" not in logs, logs  # no traceback: no ValueError, no settings verdict
         assert "unusable ring address" in evicted[0] and "reported by w" in evicted[0], evicted
         if squatter:

@@ -59,7 +59,7 @@ def test_a_live_but_stalled_peer_makes_the_ring_reform_not_wedge(job_factory):
     check_identical(results)
     check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
     assert all(r["final_size"] == 3 for r in results)
-    assert any(r["restores"] >= 1 for r in results)
+    assert any(r["restores"] + r["kept"] >= 1 for r in results)   # a failure: restored, or kept live
 
 
 def test_workers_with_different_ring_settings_fail_at_once_naming_the_setting(job_factory):

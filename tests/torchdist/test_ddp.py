@@ -101,7 +101,7 @@ def _by_step(job, workers):
     return seen
 
 
-def test_sigkill_mid_backward_survivors_restore_and_go_on_with_identical_replicas(ddp_job):
+def test_sigkill_mid_backward_survivors_keep_their_live_state_and_go_on_with_identical_replicas(ddp_job):
     # Small buckets: when the kill lands (in the last gradient of backward), earlier buckets
     # are already on the ring; the survivors' DDP must raise, not crash or hang.
     job = ddp_job(min_np=2, JOB_STEPS="30", JOB_BUCKET_MB="0.002", JOB_KILL="w2:9", JOB_COMMIT_EVERY="4",
@@ -114,17 +114,60 @@ def test_sigkill_mid_backward_survivors_restore_and_go_on_with_identical_replica
     assert codes["w0"] == 0 and codes["w1"] == 0, job.log("w0") + job.log("w1")
     for w in ("w0", "w1"):
         log = job.log(w)
-        assert "restoring commit" in log and "WorkerLostError" not in log, log
+        # The failure surfaced in backward's allreduce, before any optimizer step: kept, not restored.
+        assert "keeping the live state" in log and "restoring commit" not in log, log
+        assert "WorkerLostError" not in log, log
         assert "Segmentation" not in log and "core dumped" not in log
     r0, r1 = job.result("w0"), job.result("w1")
     assert r0["digest"] == r1["digest"]
     assert r0["size"] == 2 and r0["version"] > 1
-    # No committed step was lost: the survivors' first step in the new world is commit 8.
+    # Nothing was redone: the survivors' first step in the new world is the one the kill
+    # interrupted (9), not the one after the last commit (8).
     after = [rec for rec in job.events("w0") if rec["version"] == r0["version"]]
-    assert after[0]["step"] == 8
+    assert after[0]["step"] == 9
     for (version, step), digests in _by_step(job, ["w0", "w1"]).items():
         if version == r0["version"]:
             assert len(set(digests.values())) == 1, f"replicas differ at step {step}: {digests}"
+
+
+def test_a_kill_mid_backward_costs_only_that_step_bit_for_bit_with_batchnorm(ddp_job, monkeypatch):
+    # Two workers with BatchNorm; w1 dies inside step 9's backward, after that step's forward
+    # changed the running statistics. w0 keeps its live state (parameters of step 8's end,
+    # buffers put back to theirs) and trains steps 9.. alone: exactly the fault-free replay of
+    # steps 0-8 in a world of two, then 9-13 in a world of one. A restore (to the commit at
+    # step 8) or buffers left as the failed forward made them would change these bits.
+    steps, kill = 14, 9
+    job = ddp_job(min_np=1, max_np=2, JOB_MODEL="bn", JOB_STEPS=str(steps), JOB_KILL=f"w1:{kill}",
+                  JOB_COMMIT_EVERY="4")
+    for w in ("w0", "w1"):
+        job.start(w)
+    codes = job.wait(["w0", "w1"], timeout=180)
+    assert codes == {"w0": 0, "w1": -9}, job.log("w0") + job.log("w1")
+    log = job.log("w0")
+    assert "keeping the live state" in log and "restoring commit" not in log, log
+    events = job.events("w0")
+    assert [rec["step"] for rec in events] == list(range(steps)), "every step once"
+    assert {rec["size"] for rec in events if rec["step"] < kill} == {2}
+    assert {rec["size"] for rec in events if rec["step"] >= kill} == {1}
+    old_rank = next(rec["rank"] for rec in events if rec["step"] == kill - 1)
+    mod = _job_module(monkeypatch)
+    net = replay(mod, "bn", kill, 2)[old_rank]
+    opt = torch.optim.SGD(net.parameters(), lr=mod.LR)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(kill, steps):
+            opt.zero_grad()
+            x, y = mod.batch(step, 0, 0)
+            torch.nn.functional.mse_loss(net(x, rank=0), y).backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    res = job.result("w0")
+    expected = _as_lists(net)
+    assert res["params"].keys() == expected.keys()
+    for name, values in expected.items():
+        assert res["params"][name] == values, f"{name} differs from the replay without a redo"
 
 
 JOINS = {
