@@ -245,10 +245,10 @@ def parser() -> argparse.ArgumentParser:
                    help="print elastic-run's version and exit")
     p.add_argument("--collective-timeout", type=float, metavar="S",
                    help="seconds a worker may stay in one collective (an allreduce, DDP's gradient buckets, "
-                        "the check at a commit) before it fails and the world re-forms (restoring the last "
-                        "commit): set it above the longest time one rank works alone (evaluation, saving) and "
+                        "the check at a commit) before it fails and the world re-forms: set it above the "
+                        "longest time one rank works alone (evaluation, saving) and "
                         "the longest transfer. Hung, stopped or partitioned workers are found by the rendezvous "
-                        "heartbeat within seconds whatever it is. Passed to workers as "
+                        "heartbeat within a second whatever it is. Passed to workers as "
                         "ELASTIC_COLLECTIVE_TIMEOUT (default: $ELASTIC_COLLECTIVE_TIMEOUT, else "
                         f"{CommConfig().timeout:g}, torch's gloo default)")
     slow = StragglerConfig()
