@@ -307,6 +307,10 @@ class Session(StepProtocol):
                     self.straggler_detector.told(verdict)
                 except _ClientError as e:
                     log.debug("progress report failed: %s", e)
+                except ValueError:
+                    if self._stop.is_set():   # shutdown closed the client's channel under this call
+                        return
+                    raise
                 last_report = time.monotonic()
 
     def _apply(self, ev) -> None:
