@@ -32,6 +32,7 @@ from .errors import WorkerLostError
 from .group import _not_compiled, process_group
 from .group_collectives import NATIVE
 from .ops import Average
+from .state import training_forward_begins
 
 # Every live DistributedDataParallel, in the order they were made: the same order on every rank
 # (the same script makes them), which the broadcasts at sync rely on.
@@ -104,6 +105,10 @@ def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Futur
     return fut
 
 
+def _forward_begins(ddp: "DistributedDataParallel", args: Any) -> None:
+    training_forward_begins(ddp.module)
+
+
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """``torch.nn.parallel.DistributedDataParallel`` whose gradient allreduce runs on the
     elastic ring: averaged over the current world, re-formed with it.
@@ -141,6 +146,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                                       "which the elastic ring does not have yet")
         super().__init__(module, process_group=process_group(), init_sync=False, **kwargs)
         dist._register_comm_hook(self.reducer, None, _allreduce_hook)
+        # A TorchState holding the wrapped module learns that a training forward begins before
+        # DDP broadcasts the buffers (a collective a peer's failure may surface in).
+        self.register_forward_pre_hook(torch.compiler.disable(_forward_begins))
         with _ddps_lock:
             _ddps.append(weakref.ref(self))
 

@@ -45,7 +45,7 @@ ENV_SOCKET = "ELASTIC_METRICS_SOCKET"
 ENV_TOKEN = "ELASTIC_METRICS_TOKEN"
 PUSH_EVERY_S = 1.0
 MAX_SNAPSHOT_BYTES = 8192
-FORMAT = 1
+FORMAT = 2   # 2: restores
 
 # How an allreduce ran: over TCP, over shared memory (a same-host neighbour), the hierarchical
 # algorithm (shm within hosts, TCP between them), or in a world of one (no link).

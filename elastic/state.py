@@ -28,7 +28,8 @@ import collections
 import copy
 import logging
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -164,6 +165,7 @@ class State:
         self._take_snapshot(view)
         object.__setattr__(self, "commit_step", self.commit_step + 1)
         object.__setattr__(self, "_progress", 0)
+        self._settled()
 
     def checkpoint_due(self) -> bool:
         """The commit just taken is one to write durably."""
@@ -429,12 +431,13 @@ class TorchState(ObjectState):
     (an ``ElasticSampler``, an lr scheduler) are committed through those; others are deep-copied.
 
     After a peer's failure it keeps its live state, restoring nothing, when the failure surfaced
-    before its optimizer changed anything since the last completed step (``elastic.step_phase``
-    says when; its optimizer's step hooks and its sampler's ``record_batch`` tell it where the
-    step stands). Parameters and optimizer state are kept as they are; the model's buffers go
-    back to their values at the end of that step (a failed forward changed BatchNorm's running
-    statistics), a copy of which each completed step refreshes; gradients are dropped.
-    Attributes are kept as they are: count what a step did after its ``step()``.
+    after a step's training forward began and before its optimizer changed anything
+    (``elastic.step_phase`` says when; the model's forward pre-hook, the optimizer's step hooks
+    and the sampler's ``record_batch`` tell it where the step stands). Parameters and optimizer
+    state are kept as they are; the model's persistent buffers go back to their values at the
+    end of the last completed step (a failed forward changed BatchNorm's running statistics),
+    copied as each step's training forward begins; gradients are dropped; attributes are kept
+    as they are (the loop's bookkeeping of that step ran before the next forward).
     """
 
     _NOT_ATTRIBUTES = ("commit_step", "model", "optimizer")  # committed through their state_dict()
@@ -445,42 +448,54 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_phase", step_phase.Phase.BOUNDARY)
         object.__setattr__(self, "_buffers_at_step", None)   # name -> copy of the buffer at the last boundary
         object.__setattr__(self, "_samplers", [])            # ElasticSamplers that report recorded batches here
+        object.__setattr__(self, "_tracked", [])             # the model and optimizers whose hooks report here
         super().__init__(**attrs)
-        for value in attrs.values():
-            self._follow_sampler(value)
-        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
-            optimizer.register_step_pre_hook(self._update_begins)
-            optimizer.register_step_post_hook(self._update_ends)
+        me = weakref.ref(self)   # hooks must not keep an old state alive (and copying buffers)
+        if model is not None and hasattr(model, "register_forward_pre_hook"):
+            model.register_forward_pre_hook(_uncompiled(lambda module, args: _tell(me, step_phase.Event.FORWARD)))
+            self._tracked.append(model)
+        for value in [optimizer, *attrs.values()]:
+            self._follow(value)
+        _trackers.add(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
-        self._follow_sampler(value)
+        self._follow(value)
 
-    def _follow_sampler(self, value: Any) -> None:
-        if isinstance(value, ElasticSampler) and not any(value is s for s in self._samplers):
+    def _follow(self, value: Any) -> None:
+        """Hooks an ElasticSampler's records and a torch optimizer's steps (held as the optimizer or
+        as an attribute: a second optimizer stepping in the same step makes the step unpaired)."""
+        if any(value is t for t in self._samplers + self._tracked):
+            return
+        me = weakref.ref(self)
+        if isinstance(value, ElasticSampler):
             self._samplers.append(value)
             value.add_record_listener(self._batch_recorded)
+        elif hasattr(value, "register_step_pre_hook") and hasattr(value, "param_groups"):
+            # A DistributedOptimizer's step() runs these hooks twice: around itself (its
+            # synchronize() and the update) and around the wrapped optimizer's update alone. Only
+            # the inner pair, past synchronize(), counts: a failure inside synchronize() has
+            # changed nothing.
+            value.register_step_pre_hook(_uncompiled(
+                lambda opt, args, kwargs: _tell(me, step_phase.Event.UPDATE_BEGINS)
+                if getattr(opt, "_elastic_synchronized", True) else None))
+            value.register_step_post_hook(_uncompiled(
+                lambda opt, args, kwargs: _tell(me, step_phase.Event.UPDATE_ENDS)
+                if getattr(opt, "_elastic_synchronized", True) else None))
+            self._tracked.append(value)
 
     # -- where the step stands (elastic.step_phase)
     def _step_event(self, event: step_phase.Event) -> None:
+        if event is step_phase.Event.FORWARD:
+            torch = sys.modules["torch"]
+            if not torch.is_grad_enabled():
+                return   # an evaluation: not a training step
         before = self._phase
         phase = step_phase.advance(before, event, records_batches=bool(self._samplers))
         object.__setattr__(self, "_phase", phase)
-        if phase is step_phase.Phase.BOUNDARY:
-            if event is not step_phase.Event.SETTLED:
-                object.__setattr__(self, "_progress", self._progress + 1)
+        if step_phase.completes_a_step(before, phase):
+            object.__setattr__(self, "_progress", self._progress + 1)
             self._copy_buffers()
-
-    # A DistributedOptimizer's step() runs these hooks twice: around itself (its synchronize()
-    # and the update) and around the wrapped optimizer's update alone. Only the inner pair, past
-    # synchronize(), counts: a failure inside synchronize() has changed nothing.
-    def _update_begins(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if getattr(optimizer, "_elastic_synchronized", True):
-            self._step_event(step_phase.Event.UPDATE_BEGINS)
-
-    def _update_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if getattr(optimizer, "_elastic_synchronized", True):
-            self._step_event(step_phase.Event.UPDATE_ENDS)
 
     def _batch_recorded(self) -> None:
         self._step_event(step_phase.Event.BATCH_RECORDED)
@@ -489,33 +504,45 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_phase", step_phase.Phase.BOUNDARY)
         self._copy_buffers()
 
+    def _persistent_buffers(self) -> Iterator[Tuple[str, Any]]:
+        """The model's buffers a state dict holds (what a forward may change: running
+        statistics), not the non-persistent ones (masks, caches), by name."""
+        for prefix, module in self.model.named_modules():
+            skip = getattr(module, "_non_persistent_buffers_set", ())
+            for name, b in module._buffers.items():
+                if b is not None and name not in skip:
+                    yield (f"{prefix}.{name}" if prefix else name), b
+
     def _copy_buffers(self) -> None:
-        if self.model is None:
+        if self.model is None or not hasattr(self.model, "named_modules"):
             return
         held = self._buffers_at_step or {}
         copies = {}
-        for name, b in self.model.named_buffers():
+        for name, b in self._persistent_buffers():
             old = held.get(name)
             copies[name] = old.copy_(b) if old is not None and old.shape == b.shape and old.dtype == b.dtype \
                 else b.detach().clone()
         object.__setattr__(self, "_buffers_at_step", copies)
 
     def keep_live(self) -> bool:
-        if not step_phase.harmless(self._phase):
-            log.info("the failure came while the live state may be half-changed (%s, elastic.step_phase): "
-                     "restoring the last commit", self._phase.value)
+        # Keeps only what the hooks follow: this model's forwards and this optimizer's steps.
+        tracked = self.model is not None and self.optimizer is not None and \
+            any(self.model is t for t in self._tracked) and any(self.optimizer is t for t in self._tracked)
+        if not tracked or not step_phase.harmless(self._phase):
+            log.info("the failure came where the live state may be half-changed (%s; elastic.step_phase): "
+                     "restoring the last commit", self._phase.value if tracked else "no model and optimizer followed")
             return False
-        if self.model is not None and self._buffers_at_step is not None:
-            import torch
-            with torch.no_grad():
-                for name, b in self.model.named_buffers():
-                    kept = self._buffers_at_step.get(name)
-                    if kept is not None and kept.shape == b.shape:
-                        b.copy_(kept)
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        if self.model is not None:
-            self.model.zero_grad(set_to_none=True)
+        torch = sys.modules["torch"]
+        with torch.no_grad():
+            kept = self._buffers_at_step or {}
+            for name, b in self._persistent_buffers():
+                copy_of = kept.get(name)
+                if copy_of is not None and copy_of.shape == b.shape and copy_of.dtype == b.dtype:
+                    b.copy_(copy_of)
+        # Gradients of the abandoned step (some already reduced in place) must not leak into the
+        # next one, nor must a DistributedOptimizer's in-flight bookkeeping.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         self._settled()
         return True
 
@@ -576,3 +603,26 @@ class TorchState(ObjectState):
             if k in handlers:
                 handlers[k].load_state_dict(copy.deepcopy(sd))
         self._load_attributes(snapshot["attrs"])
+
+
+# TorchStates that follow their step: elastic.DistributedDataParallel tells them a training
+# forward begins before its buffer broadcast (the model's own pre-hook runs after it).
+_trackers: "weakref.WeakSet[TorchState]" = weakref.WeakSet()
+
+
+def _uncompiled(hook: Callable) -> Callable:
+    """``hook`` left out of torch.compile's graphs (it is bookkeeping in Python, run eagerly)."""
+    return sys.modules["torch"].compiler.disable(hook)
+
+
+def _tell(ref: "weakref.ref[TorchState]", event: step_phase.Event) -> None:
+    state = ref()
+    if state is not None:
+        state._step_event(event)
+
+
+def training_forward_begins(module: Any) -> None:
+    """A DDP wrapper of ``module`` begins a forward: every TorchState holding ``module`` learns it."""
+    for state in list(_trackers):
+        if state.model is module:
+            state._step_event(step_phase.Event.FORWARD)

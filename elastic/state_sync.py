@@ -34,7 +34,7 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     before any), as the module doc says; returns (the root, the commit step every rank holds)."""
     positions = comm.allgather_equal(np.array(state.sync_position(), dtype=np.int64))
     root = most_advanced(positions)
-    step = int(positions[root, 0])
+    step = synced_step(int(positions[root, 0]), int(positions[root, 1]))
     encoded = failure = None
     if comm.rank == root:
         try:
@@ -55,7 +55,10 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
                                      announced=encoded.nbytes if encoded is not None else _CANNOT_SEND)
     try:
         got_step, snapshot = state.decode_synced(payload, root, comm.world_version)
-        why = None
+        # Before any commit rank 0 sends its durable commit where there is one: any step then.
+        announced = got_step == step or (step < 0 and root == 0)
+        why = None if announced else (f"sync in world version {comm.world_version}: rank {root} sent commit "
+                                      f"{got_step}, not the {step} its position announced")
     except Exception as e:   # whatever the root's bytes make the checks raise is the root's failure
         why = str(e)
     _agree(comm, root, step, why)
@@ -70,6 +73,13 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
 
 
 _CANNOT_SEND = -1   # what the root announces as its state's size when it cannot encode it
+
+
+def synced_step(commit: int, progress: int) -> int:
+    """The commit number a synced state is adopted as, from the root's position: its commit, or
+    a new one past it when it kept steps live since (every rank then holds that state as one
+    commit, and a world that syncs again compares it as newer than any state kept from before)."""
+    return commit + 1 if progress > 0 else commit
 
 
 def most_advanced(positions: np.ndarray) -> int:

@@ -52,11 +52,14 @@ def lost_commits(events: Dict[str, List[dict]]) -> List[str]:
             continue  # nobody held a commit: rank 0's state or the durable one
         elif len(held_at) != 1:
             problems.append(f"world {version}: members held commit {newest} at different steps {sorted(held_at)}")
-        elif loaded != {(newest, max(e.get("before_live", e["before_step"]) for _, e in recs
-                                     if e["before"] == newest))}:
-            problems.append(f"world {version}: the newest commit held was {newest} at step {held_at.pop()}, live "
-                            f"at steps {sorted(e.get('before_live') for _, e in recs if e['before'] == newest)}; "
-                            f"everyone loaded {loaded.pop()}")
+        else:
+            # A state kept live past the commit is adopted as the commit after it.
+            at = held_at.pop()
+            live = max(e.get("before_live", at) for _, e in recs if e["before"] == newest)
+            expected = (newest, at) if live == at else (newest + 1, live)
+            if loaded != {expected}:
+                problems.append(f"world {version}: the newest commit held was {newest} at step {at}, the most "
+                                f"advanced live state at step {live}; everyone loaded {loaded.pop()}, not {expected}")
     return problems
 
 

@@ -101,6 +101,7 @@ def test_a_sigkilled_worker_is_counted_as_a_recovery_and_a_restart_of_its_slot(l
         assert value(s, "elastic_recovery_seconds_count", worker=w) >= 1
         assert 0 < value(s, "elastic_recovery_seconds_sum", worker=w) < 60
         assert value(s, "elastic_steps_redone_total", worker=w) == 0   # a survivor held the newest commit
+        assert value(s, "elastic_restores_total", worker=w) >= 1       # an ObjectState always restores
     # The newcomer recovered nothing: it started fresh and synced.
     assert value(s, "elastic_recoveries_total", worker="hA-1-r1") == 0
     assert value(s, "elastic_worker_restarts_total", slot="1") == 1

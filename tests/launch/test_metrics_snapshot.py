@@ -125,6 +125,17 @@ def test_a_recovery_counts_from_the_failure_to_the_next_sync_and_the_commits_rol
     assert (snap.recoveries, snap.steps_redone, snap.steps, snap.committed_step) == (1, 2, 1, 2)
     assert sum(snap.hist["recovery"][1]) == 1 and sum(snap.hist["sync"][1]) == 2
     assert snap.lost_seconds > 0
+    assert snap.restores == 2   # each failure restored the commit
+
+
+def test_a_failure_that_kept_the_live_state_restores_nothing_and_loses_no_time():
+    rec = Recorder("w", "t")
+    rec.sync_done(step=-1, started=0.0)
+    rec.commit_done(4, advanced=True, started=0.0, ok=True)
+    rec.failure(step=4, kept=True)
+    rec.sync_done(step=4, started=0.0)
+    snap = parse_snapshot(rec.snapshot(), {"w": "t"})
+    assert (snap.recoveries, snap.steps_redone, snap.restores, snap.lost_seconds) == (1, 0, 0, 0.0)
 
 
 def test_the_straggler_score_is_sent_once_a_window_was_judged():

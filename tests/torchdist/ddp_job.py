@@ -17,6 +17,8 @@ Knobs (environment):
                    first, and elastic.run must sync both itself, each from its own kind
   JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more (a joiner
                    has time to arrive; the count is state, so every rank stops at the same step)
+  JOB_START_SIZE   N: train only from a world of N on (a smaller first world waits at commit
+                   boundaries for the later workers to join)
 
 The batch of a step is a function of (step, rank, micro-batch) only, so a test can replay a
 fault-free job by hand. Every step appends a JSON line (step, world version, size, rank, and a
@@ -51,6 +53,7 @@ METRIC = os.environ.get("JOB_METRIC") == "1"
 STATIC = os.environ.get("JOB_STATIC") == "1"
 OUTSIDE = os.environ.get("JOB_OUTSIDE") == "1"
 UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
+START_SIZE = int(os.environ.get("JOB_START_SIZE", "0"))
 LR = 2.0 ** -4
 
 
@@ -159,6 +162,14 @@ def main() -> None:
 
     @elastic.run
     def train(state):
+        deadline = time.monotonic() + 120
+        while state.step == 0 and elastic.size() < START_SIZE:
+            # The first world may be smaller (a later worker still starting): wait at commit
+            # boundaries until it joins, then train from step 0 in the full world.
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no world of {START_SIZE} within 120 s")
+            time.sleep(0.05)
+            state.check_membership()
         while more():
             rank = elastic.rank()
             opt.zero_grad()

@@ -138,7 +138,7 @@ def test_a_kill_mid_backward_costs_only_that_step_bit_for_bit_with_batchnorm(ddp
     # step 8) or buffers left as the failed forward made them would change these bits.
     steps, kill = 14, 9
     job = ddp_job(min_np=1, max_np=2, JOB_MODEL="bn", JOB_STEPS=str(steps), JOB_KILL=f"w1:{kill}",
-                  JOB_COMMIT_EVERY="4")
+                  JOB_COMMIT_EVERY="4", JOB_START_SIZE="2")
     for w in ("w0", "w1"):
         job.start(w)
     codes = job.wait(["w0", "w1"], timeout=180)
