@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elastic import metrics
-from elastic.metrics import BUCKETS, MAX_SNAPSHOT_BYTES, Recorder, SnapshotRejected, parse_snapshot
+from elastic.metrics import BUCKETS, FORMAT, MAX_SNAPSHOT_BYTES, Recorder, SnapshotRejected, parse_snapshot
 
 TOKENS = {"hA-0": "t0ken", "hA-1": "other"}
 
@@ -52,7 +52,7 @@ def test_bytes_that_are_not_a_snapshot_are_rejected(data, reason):
     ({"token": "\ud800"}, "bad_token", "wrong token"),         # a lone surrogate: no codec encodes it
     ({"token": "t0ken\u00e9"}, "bad_token", "wrong token"),    # not ASCII
     ({"worker": "\udfff"}, "unknown_worker", "was not started"),
-    ({"v": 2}, "schema", "format"),
+    ({"v": FORMAT + 1}, "schema", "format"),
     ({"extra": 1}, "schema", "extra"),
     ({"steps": -1}, "schema", "steps"),
     ({"steps": 1.5}, "schema", "not an integer"),
