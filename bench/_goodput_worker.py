@@ -34,7 +34,9 @@ sample indices (batch_for), whichever rank or system trains it.
 Every worker writes its pid to DIR/pids/PID and appends JSON lines to DIR/events-PID.jsonl:
 {"ev": "step"|"commit", "step", "t" (time.time()), "gen" (elastic: the world version;
 torchrun: TORCHELASTIC_RESTART_COUNT), "size", "pid"}, and on "step" "samples": [start, stop,
-stride], the indices this rank trained in it (range(start, stop, stride)). "commit" is logged
+stride], the indices its world trained in it (range(start, stop, stride)): every rank's, since a
+rank that completed a step holds an update averaged over all ranks' gradients (after a failure
+only some ranks may have completed it, and the sync carries their state to all). "commit" is logged
 once the commit is held: after state.commit() returned, after the checkpoint's rename.
 """
 
@@ -95,14 +97,19 @@ def train_forever(state, step, events, commit_every: int, gen: int, rank: int, s
     """elastic-run's loop: the world's next samples, one step, a log line, a commit every
     ``commit_every`` steps (the cursor is committed state, so a restore replays the same samples)."""
     while True:
-        samples = rank_samples(state.cursor, rank)
-        step(samples)
+        start = state.cursor
+        step(rank_samples(start, rank))
         state.step += 1
         state.cursor += size * BATCH
-        events.log("step", state.step, gen, size, samples)
+        events.log("step", state.step, gen, size, world_samples(start, size))
         if state.step % commit_every == 0:
             state.commit()
             events.log("commit", state.step, gen, size)
+
+
+def world_samples(cursor: int, size: int) -> Tuple[int, int, int]:
+    """Every index a world of ``size`` trains in the step that starts at stream position ``cursor``."""
+    return (cursor, cursor + size * BATCH, 1)
 
 
 def rank_samples(cursor: int, rank: int) -> Tuple[int, int, int]:
@@ -140,8 +147,8 @@ def torchrun_worker(args, events: Events) -> None:
         done += 1
         samples = rank_samples(cursor, rank)
         step(samples)
+        events.log("step", done, gen, size, world_samples(cursor, size))
         cursor += size * BATCH
-        events.log("step", done, gen, size, samples)
         if done % args.commit_every == 0 and rank == 0:
             tmp = args.checkpoint + ".tmp"
             torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "step": done, "cursor": cursor},
@@ -207,8 +214,8 @@ def torchrun_fsdp_worker(args, events: Events) -> None:
         done += 1
         samples = rank_samples(cursor, rank)
         step(samples)
+        events.log("step", done, gen, size, world_samples(cursor, size))
         cursor += size * BATCH
-        events.log("step", done, gen, size, samples)
         if done % args.commit_every == 0:
             msd, osd = get_state_dict(net, opt)
             name = f"step-{done}"

@@ -243,13 +243,18 @@ def count_samples(events: List[Event], final: int, t_end: float) -> SampleCount:
     replica group for TorchFT. A sample is dropped when its stream has a held sample after
     it while it is held in no step (trained in a step that was thrown away, or skipped)."""
     count = SampleCount(dropped_batches=sum(1 for e in events if e.ev == "drop" and e.t <= t_end))
-    streams: Dict[Tuple[int, int], set] = {}
+    # A held step's samples: the union of what its ranks logged (torchrun's and elastic-run's
+    # ranks each log the whole world's batch, which any rank that completed the step holds;
+    # TorchFT's replica groups log their own). Repeats count across steps only.
+    per_step: Dict[Tuple[int, int], set] = {}
     for e in held_runs(events, final, t_end):
-        if e.samples is None:
-            continue
-        start, stop, stride = e.samples
-        seen = streams.setdefault((stride, start % stride), set())
-        for i in range(start, stop, stride):
+        if e.samples is not None:
+            per_step.setdefault((e.step, e.gen), set()).add(e.samples)
+    streams: Dict[Tuple[int, int], set] = {}
+    for ranges in per_step.values():
+        trained = {(stride, i) for start, stop, stride in ranges for i in range(start, stop, stride)}
+        for stride, i in sorted(trained):
+            seen = streams.setdefault((stride, i % stride), set())
             if i in seen:
                 count.repeated += 1
             seen.add(i)
