@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 TAG_ENV = "BENCH_TAG"
 
@@ -76,6 +76,13 @@ class Launch:
         except subprocess.TimeoutExpired:
             return None
 
+    def check_running(self, name: str) -> None:
+        """Raises, naming ``name`` and quoting the end of its output, once the launcher has exited."""
+        code = self.proc.poll()
+        if code is not None:
+            tail = "\n".join(self.output().splitlines()[-15:])
+            raise RuntimeError(f"{name} exited with status {code} during the run:\n{tail}")
+
     def output(self) -> str:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
@@ -97,3 +104,33 @@ class Launch:
                 self.wait(10)
         kill_tagged(self.tag)
         self._log.close()
+
+
+class Watched:
+    """The waits of one benchmark run: every wait re-reads the run's event logs (``logs.poll()``),
+    fails as soon as ``check()`` finds a launcher of the run gone, and has a deadline."""
+
+    name = "run"   # what messages call the run
+    logs: Any      # has poll(): re-reads the workers' event logs
+
+    def check(self) -> None:
+        """Raises when something the run needs has ended (a launcher exited)."""
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        """Polls ``predicate`` (the event logs re-read first) until truthy, within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.logs.poll()
+            value = predicate()
+            if value:
+                return value
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: no {what} within {timeout:g} s")
+            time.sleep(0.05)
+
+    def sleep_until(self, t: float) -> None:
+        """Until wall-clock time ``t``, watching that the launchers still run."""
+        while time.time() < t:
+            self.check()
+            time.sleep(min(0.1, max(0.0, t - time.time())))

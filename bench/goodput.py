@@ -97,7 +97,7 @@ from typing import Dict, List, Optional, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import TAG_ENV, Launch, new_tag  # noqa: E402  (bench/ is this script's directory)
+from _launch import TAG_ENV, Launch, Watched, new_tag  # noqa: E402  (bench/ is this script's directory)
 
 WORKER = os.path.join(REPO, "bench", "_goodput_worker.py")
 BIN = os.path.dirname(sys.executable)   # torchrun and elastic-run of this environment
@@ -369,11 +369,12 @@ def alive_worker(pid: int, tag: str) -> bool:
     return f"{TAG_ENV}={tag}".encode() in env and state not in (b"Z", b"X")
 
 
-class Run:
+class Run(Watched):
     """One launch of the job, with or without faults; ``close()`` leaves no process behind."""
 
     def __init__(self, launcher: str, args, out: str, with_faults: bool, label: str, every: float = 0.0):
         self.launcher, self.args, self.with_faults = launcher, args, with_faults
+        self.name = launcher
         self.every = every
         self.seconds = args.duration if with_faults else args.fault_free_seconds
         self.run_dir = os.path.join(out, f"{launcher}-{label}")
@@ -396,30 +397,8 @@ class Run:
             return 0
         return max(0, math.ceil(self.args.duration / self.every) - 1)
 
-    def check_launcher(self) -> None:
-        code = self.launch.proc.poll()
-        if code is not None:
-            tail = "\n".join(self.launch.output().splitlines()[-15:])
-            raise RuntimeError(f"{self.launcher} exited with status {code} during the run:\n{tail}")
-
-    def wait_for(self, predicate, timeout: float, what: str):
-        """Polls ``predicate`` (the event logs re-read first) until truthy, within ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.logs.poll()
-            value = predicate()
-            if value:
-                return value
-            self.check_launcher()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.launcher}: no {what} within {timeout:g} s")
-            time.sleep(0.05)
-
-    def sleep_until(self, t: float) -> None:
-        """Until wall-clock time ``t``, watching that the launcher still runs."""
-        while time.time() < t:
-            self.check_launcher()
-            time.sleep(min(0.1, max(0.0, t - time.time())))
+    def check(self) -> None:
+        self.launch.check_running(self.launcher)
 
     def victims(self) -> List[int]:
         """Worker processes that run and have stepped in the newest world."""

@@ -59,7 +59,7 @@ from typing import Dict, List, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import Launch, new_tag  # noqa: E402  (bench/ is this script's directory)
+from _launch import Launch, Watched, new_tag  # noqa: E402  (bench/ is this script's directory)
 from goodput import EventLogs, first_step, load, step_rate  # noqa: E402
 
 WORKER = os.path.join(REPO, "bench", "_straggler_worker.py")
@@ -150,9 +150,10 @@ class Result:
     error: str = ""
 
 
-class Run:
+class Run(Watched):
     def __init__(self, args, out: str, label: str, policy: str, slow: bool, spare: bool):
         self.args, self.label, self.policy, self.slow, self.spare = args, label, policy, slow, spare
+        self.name = label
         self.dir = os.path.join(out, label)
         os.makedirs(self.dir)
         self.logs = EventLogs(self.dir)
@@ -174,27 +175,7 @@ class Run:
 
     def check(self) -> None:
         for launch in self.launches:
-            code = launch.proc.poll()
-            if code is not None:
-                tail = "\n".join(launch.output().splitlines()[-15:])
-                raise RuntimeError(f"{self.label}: elastic-run exited with status {code}:\n{tail}")
-
-    def wait_for(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while True:
-            self.logs.poll()
-            value = predicate()
-            if value:
-                return value
-            self.check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.label}: no {what} within {timeout:g} s")
-            time.sleep(0.05)
-
-    def sleep_until(self, t: float) -> None:
-        while time.time() < t:
-            self.check()
-            time.sleep(min(0.1, max(0.0, t - time.time())))
+            launch.check_running(f"{self.label}: elastic-run")
 
     def start_spare(self) -> None:
         """A second elastic-run on host "spare", joined to the job: it waits on standby."""
