@@ -211,6 +211,19 @@ def wait_world_of(clients, size, timeout_s=10.0, min_version=1):
     return worlds
 
 
+def next_of(client, kinds, timeout_s=5.0):
+    """The next event of type `kinds` (a type or a tuple of types; others skipped), failing after
+    the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ev = client.next_event(deadline - time.monotonic())
+        if ev is None:
+            names = "/".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+            raise AssertionError(f"{client.worker_id}: no {names} within {timeout_s} s")
+        if isinstance(ev, kinds):
+            return ev
+
+
 class StallProxy:
     """A TCP proxy on loopback whose traffic can be frozen (`stall()`): connections stay open but no
     byte moves, as when a replica's link to etcd hangs while its clients still reach it."""

@@ -8,22 +8,11 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import unique, wait_until, wait_world_of
+from rdzv_helpers import next_of, unique, wait_until, wait_world_of
 from rendezvous.channel import RendezvousRPCError
 from rendezvous.membership import JobSpec
 from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.wire import pb
-
-
-def next_of(client, kind, timeout_s=5.0):
-    """The next event of type `kind` (others skipped), failing after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ev = client.next_event(deadline - time.monotonic())
-        if ev is None:
-            raise AssertionError(f"{client.worker_id}: no {kind.__name__} within {timeout_s} s")
-        if isinstance(ev, kind):
-            return ev
 
 
 def test_joined_workers_get_one_world_with_ranks(serve, client):

@@ -4,12 +4,11 @@ worker is told of; a straggler's leave that is clean and cools its host down."""
 from __future__ import annotations
 
 import math
-import time
 
 import grpc
 import pytest
 
-from rdzv_helpers import unique, wait_until, wait_world_of
+from rdzv_helpers import next_of, unique, wait_until, wait_world_of
 from rendezvous.channel import RendezvousRPCError
 from rendezvous.membership import JobSpec, StragglerReport
 from rendezvous.status_client import StatusClient
@@ -56,9 +55,9 @@ def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_do
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "straggler.score" in str(e.value)
 
         slow.leave(straggler=True)
-        pending = next_of(fast, (Pending, Abort))
+        pending = next_of(fast, (Pending, Abort), timeout_s=10.0)
         assert isinstance(pending, Pending)                          # a clean change, not an abort
-        nxt = next_of(fast, WorldInfo)
+        nxt = next_of(fast, WorldInfo, timeout_s=10.0)
         assert [m.worker_id for m in nxt.members] == ["w0", "w2", "spare"]   # the spare took its place
         view = status.job(job, events=50)
         assert view.blacklisted_hosts == ("ha",)
@@ -69,13 +68,3 @@ def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_do
         with pytest.raises(RendezvousRPCError) as e:
             late.join(timeout_s=5.0)
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "straggler" in str(e.value)
-
-
-def next_of(c, kinds, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ev = c.next_event(deadline - time.monotonic())
-        if ev is None:
-            raise AssertionError(f"{c.worker_id}: no {kinds} within {timeout_s} s")
-        if isinstance(ev, kinds):
-            return ev
