@@ -148,7 +148,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         dist._register_comm_hook(self.reducer, None, _allreduce_hook)
         # A TorchState holding the wrapped module learns that a training forward begins before
         # DDP broadcasts the buffers (a collective a peer's failure may surface in).
-        self.register_forward_pre_hook(torch.compiler.disable(_forward_begins))
+        self.register_forward_pre_hook(_not_compiled(_forward_begins))
         with _ddps_lock:
             _ddps.append(weakref.ref(self))
 

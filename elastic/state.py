@@ -465,13 +465,16 @@ class TorchState(ObjectState):
     def _follow(self, value: Any) -> None:
         """Hooks an ElasticSampler's records and a torch optimizer's steps (held as the optimizer or
         as an attribute: a second optimizer stepping in the same step makes the step unpaired)."""
-        if any(value is t for t in self._samplers + self._tracked):
+        # Runs at every attribute set (state.step += 1 each step): the type tests come first.
+        sampler = isinstance(value, ElasticSampler)
+        if not (sampler or (hasattr(value, "register_step_pre_hook") and hasattr(value, "param_groups"))) or \
+                any(value is t for t in self._samplers + self._tracked):
             return
         me = weakref.ref(self)
-        if isinstance(value, ElasticSampler):
+        if sampler:
             self._samplers.append(value)
             value.add_record_listener(self._batch_recorded)
-        elif hasattr(value, "register_step_pre_hook") and hasattr(value, "param_groups"):
+        else:
             # A DistributedOptimizer's step() runs these hooks twice: around itself (its
             # synchronize() and the update) and around the wrapped optimizer's update alone. Only
             # the inner pair, past synchronize(), counts: a failure inside synchronize() has
@@ -516,13 +519,9 @@ class TorchState(ObjectState):
     def _copy_buffers(self) -> None:
         if self.model is None or not hasattr(self.model, "named_modules"):
             return
-        held = self._buffers_at_step or {}
-        copies = {}
-        for name, b in self._persistent_buffers():
-            old = held.get(name)
-            copies[name] = old.copy_(b) if old is not None and old.shape == b.shape and old.dtype == b.dtype \
-                else b.detach().clone()
-        object.__setattr__(self, "_buffers_at_step", copies)
+        # Into the last copy's tensors where they still fit (no allocation per step).
+        object.__setattr__(self, "_buffers_at_step", _copy_into(self._buffers_at_step,
+                                                                dict(self._persistent_buffers())))
 
     def keep_live(self) -> bool:
         # Keeps only what the hooks follow: this model's forwards and this optimizer's steps.
@@ -533,12 +532,8 @@ class TorchState(ObjectState):
                      "restoring the last commit", self._phase.value if tracked else "no model and optimizer followed")
             return False
         torch = sys.modules["torch"]
-        with torch.no_grad():
-            kept = self._buffers_at_step or {}
-            for name, b in self._persistent_buffers():
-                copy_of = kept.get(name)
-                if copy_of is not None and copy_of.shape == b.shape and copy_of.dtype == b.dtype:
-                    b.copy_(copy_of)
+        with torch.no_grad():   # the copy goes back into the live buffers (same names, shapes, dtypes)
+            _copy_into(dict(self._persistent_buffers()), self._buffers_at_step or {})
         # Gradients of the abandoned step (some already reduced in place) must not leak into the
         # next one, nor must a DistributedOptimizer's in-flight bookkeeping.
         self.optimizer.zero_grad(set_to_none=True)
