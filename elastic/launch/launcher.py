@@ -565,7 +565,9 @@ class Launcher:
 
     def _local_end(self) -> Optional[int]:
         """The end decided by the local workers alone (all done, or all gone for good)."""
-        if any(w.alive for w in self.workers.values()) or self.respawn_at or self.cfg.host_discovery_script:
+        # A worker that exited after this round's _reap has not been acted on yet (its failure
+        # line, a respawn): the end is decided once every exit was.
+        if any(not w.handled for w in self.workers.values()) or self.respawn_at or self.cfg.host_discovery_script:
             return None
         view = self._status_now()
         if view is not None and view.terminal:
