@@ -590,8 +590,11 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
         return state, actions
     members = compute_world(state, now)
     state = replace(state, change_first=None, change_last=None, abort_acks=())
-    unchanged = (tuple((m.worker_id, m.rank, m.ring_address) for m in members)
-                 == tuple((m.worker_id, m.rank, m.ring_address) for m in state.world))
+    # The same members, whatever order their committed steps would give them now: rank 0 is chosen
+    # when a world forms, and a change that leaves the members as they are (a spare joining a full
+    # world, a standby attaching) must not re-form a running job only because steps moved on.
+    unchanged = ({(m.worker_id, m.ring_address) for m in members}
+                 == {(m.worker_id, m.ring_address) for m in state.world})
     # Re-announcing an unchanged world is needed after an abort (the ring broke) and after a pending
     # notice (its members wait for a version > V, e.g. a newcomer that left within the window).
     if (unchanged and state.world and state.aborted_version != state.version

@@ -88,6 +88,19 @@ def test_standby_joining_full_world_changes_nothing():
     assert acts == [] and s.version == 1 and s.standby() == ["c"]
 
 
+@pytest.mark.parametrize("before, event", [
+    ([], Join("c", "h2", "h2:3")),                                       # a spare joins, attached
+    ([Join("c", "h2", "h2:3", attached=False)], Attach("c")),           # a spare opens its Watch
+], ids=["join", "attach"])
+def test_a_spare_for_a_full_world_re_forms_nothing_after_steps_changed_who_would_be_rank_zero(before, event):
+    # a was rank 0 at formation; b has committed more since. Ranks are chosen when a world forms.
+    s = formed([("a", "h"), ("b", "h")], max_np=2, steps={"a": 5, "b": 5})
+    s, _ = run(s, [(1.5, Progress("b", 9))] + [(1.6, e) for e in before])
+    s, acts = run(s, [(2.0, event), (3.0, Tick())])
+    assert acts == [] and s.version == 1
+    assert ids(AnnounceWorld(s.version, s.world, ())) == ["a", "b"] and s.standby() == ["c"]
+
+
 def test_hot_spare_replaces_failed_member_without_new_join():
     s = formed([("a", "h1"), ("b", "h2")], max_np=2)
     s, _ = run(s, [(2.0, Join("spare", "h3", "h3:1"))])
