@@ -32,12 +32,14 @@ samples of the steps it undid and a smaller world skips none. A batch is a funct
 sample indices (batch_for), whichever rank or system trains it.
 
 Every worker writes its pid to DIR/pids/PID and appends JSON lines to DIR/events-PID.jsonl:
-{"ev": "step"|"commit", "step", "t" (time.time()), "gen" (elastic: the world version;
+{"ev": "step"|"commit"|"resume", "step", "t" (time.time()), "gen" (elastic: the world version;
 torchrun: TORCHELASTIC_RESTART_COUNT), "size", "pid"}, and on "step" "samples": [start, stop,
 stride], the indices its world trained in it (range(start, stop, stride)): every rank's, since a
 rank that completed a step holds an update averaged over all ranks' gradients (after a failure
 only some ranks may have completed it, and the sync carries their state to all). "commit" is logged
-once the commit is held: after state.commit() returned, after the checkpoint's rename.
+once the commit is held: after state.commit() returned, after the checkpoint's rename. "resume"
+is logged where a (new) world's training loop starts, its state loaded or synced, with the step
+it trains next: recovery splits into the time to resume and the first step after it.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ def torchrun_worker(args, events: Events) -> None:
         done, cursor = int(ckpt["step"]), int(ckpt["cursor"])
     model = torch.nn.parallel.DistributedDataParallel(net)   # broadcasts rank 0's parameters
     step = make_step(model, opt)
+    events.log("resume", done + 1, gen, size)
     while True:
         done += 1
         samples = rank_samples(cursor, rank)
@@ -169,6 +172,7 @@ def elastic_worker(args, events: Events) -> None:
     @elastic.run
     def train(state):
         gen, rank, size = elastic.world_version(), dist.get_rank(), dist.get_world_size()
+        events.log("resume", state.step + 1, gen, size)
         train_forever(state, step, events, args.commit_every, gen, rank, size)
 
     train(state)

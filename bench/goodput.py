@@ -56,7 +56,10 @@ the sample indices it trained (bench/_goodput_worker.py); all figures come from 
                        and TorchFT's one shard per replica group (torchft.DistributedSampler's).
   recovery per fault   from the SIGKILL to the first step completed in the next world (a new
                        world version, or torchrun's next restart) by a process other than the
-                       victim.
+                       victim; "of which to training resumed" is the part before that world's
+                       training loop started (its state loaded or synced: a "resume" event),
+                       the rest being its first step (TorchFT logs none: its quorum is part of
+                       its step).
   steps redone         the highest step completed before the fault minus the step the next
                        world restarted from (what was trained since the last commit or
                        checkpoint); the step in flight at the SIGKILL is not counted.
@@ -116,7 +119,8 @@ TORCH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # ---------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class Event:
-    ev: str      # "step", "commit" or "drop" (TorchFT: a batch trained in a step that did not count)
+    ev: str      # "step", "commit", "drop" (TorchFT: a batch trained in a step that did not count) or
+                 # "resume" (a world's training loop starts; not logged by TorchFT, whose quorum is in its step)
     step: int
     t: float
     gen: int     # world version (elastic), restart count (torchrun) or quorum id (TorchFT)
@@ -143,7 +147,7 @@ def parse_event(line: str) -> Optional[Event]:
         d = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(d, dict) or d.get("ev") not in ("step", "commit", "drop"):
+    if not isinstance(d, dict) or d.get("ev") not in ("step", "commit", "drop", "resume"):
         return None
     try:
         e = Event(d["ev"], d["step"], d["t"], d["gen"], d["size"], d["pid"])
@@ -278,6 +282,14 @@ def recovered_at(events: List[Event], fault: Fault) -> Optional[Event]:
     return min(after, key=lambda e: e.t) if after else None
 
 
+def resumed_at(events: List[Event], fault: Fault, recovery: Event) -> Optional[Event]:
+    """Where the world that recovered from the fault started training again: the last "resume"
+    another process logged in that world before its first step (None: this system logs none)."""
+    before = [e for e in events if e.ev == "resume" and e.pid != fault.pid and e.gen == recovery.gen
+              and fault.t < e.t <= recovery.t]
+    return max(before, key=lambda e: e.t) if before else None
+
+
 def steps_redone(events: List[Event], fault: Fault, recovery: Event) -> int:
     """Highest step reached in the fault's world (or before) minus the step the next world restarted from."""
     reached = max((e.step for e in events if e.ev == "step" and e.gen <= fault.gen and e.t <= recovery.t),
@@ -317,6 +329,7 @@ class RunResult:
     timeline: List[float] = field(default_factory=list)   # held steps' completion times
     faults: List[Fault] = field(default_factory=list)
     recoveries: List[float] = field(default_factory=list)
+    resumes: List[float] = field(default_factory=list)    # from the SIGKILL to training resumed
     redone: List[int] = field(default_factory=list)
     by_size: Dict[int, float] = field(default_factory=dict)
     processes: int = 0
@@ -338,6 +351,9 @@ def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, w
         if rec is None:
             continue
         result.recoveries.append(rec.t - f.t)
+        resumed = resumed_at(events, f, rec)
+        if resumed is not None:
+            result.resumes.append(resumed.t - f.t)
         result.redone.append(steps_redone(events, f, rec))
     return result
 
@@ -513,8 +529,8 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
             fewer = [f"{r[n]:.2f} ({n})" for n in sorted(r, reverse=True) if n < args.workers]
             return f"{full} / " + (", ".join(fewer) if fewer else "-")
 
-        def recovery(k):
-            xs = res[k].recoveries
+        def recovery(k, what="recoveries"):
+            xs = getattr(res[k], what)
             if not xs:
                 return "-"
             return f"{percentile(xs, 0.5):.2f} / {percentile(xs, 0.95):.2f}"
@@ -538,6 +554,8 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
         row("faults injected (recovered)", lambda k: f"{len(res[k].faults)} ({len(res[k].recoveries)})")
         row("recovery per fault, s: p50 / p95", recovery,
             lambda: f"<= 0.1 ({met(bool(res[e].recoveries) and percentile(res[e].recoveries, 0.95) <= 0.1)})")
+        row("of which to training resumed (the rest: its first step), s: p50 / p95",
+            lambda k: recovery(k, "resumes"))
         row("steps redone beyond the one in flight: total (per fault median, max)", redone,
             lambda: f"0 ({met(sum(res[e].redone) == 0)})")
         row("samples dropped", dropped, lambda: f"0 ({met(res[e].sample_count.dropped == 0)})")
