@@ -75,7 +75,7 @@ from rendezvous.watch_events import Ended, WorldInfo
 from rendezvous.worker_client import RendezvousClient
 from rendezvous.channel import RendezvousRPCError as _ClientError
 
-from . import hooks, logs, metrics, preemption, reaction, state_sync, stragglers, world_env
+from . import fork_guard, hooks, logs, metrics, preemption, reaction, state_sync, stragglers, world_env
 from . import world as _world
 from ._native import ErrorKind
 from .communicator import CommConfig, Communicator, Listener
@@ -201,6 +201,9 @@ class Session(StepProtocol):
             credentials=config.channel_credentials(),
             spec=JobSpec(min_np=config.min_np, max_np=config.max_np, elastic_timeout_s=config.elastic_timeout),
             spec_if_new=JobSpec(min_np=config.min_np_if_new, max_np=config.max_np_if_new))
+        # A child forked from here on (a DataLoader's workers) must not keep this worker's stream
+        # open after it dies: the server would learn of the death only at the heartbeat timeout.
+        fork_guard.guard_rendezvous(self.client.addresses)
         self._cond = threading.Condition()
         self._view = reaction.View()
         self.comm: Optional[Communicator] = None   # the ring of `self.world`, formed or forming

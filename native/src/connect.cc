@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "fork_guard.h"
+
 namespace ering {
 namespace {
 
@@ -125,6 +127,7 @@ int connect_ring_peer(const std::string& address, const Hello& hello, const std:
       retry_after(-1, std::string("socket() failed: ") + std::strerror(errno));  // out of descriptors, for now
       continue;
     }
+    guard_from_fork(fd);  // from the start: a fork during the handshake must not keep what becomes a link
     int e = 0;
     if (::connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS) e = errno;
     freeaddrinfo(res);

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "fork_guard.h"
 #include "handshake.h"
 
 namespace ering {
@@ -84,6 +85,7 @@ int poll_ms_until(Clock::time_point deadline) {
 }
 
 void tune_ring_socket(int fd) {
+  guard_from_fork(fd);  // every ring connection passes here, connected or accepted
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   // A link that acknowledges nothing for this long is dead (a cable pulled, a firewall dropping

@@ -55,7 +55,7 @@ int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const 
 // keepalive: a connection on which nothing is acknowledged for about kDeadLinkMs fails
 // (ETIMEDOUT), whether data is in flight or the side waits idle.
 constexpr unsigned kDeadLinkMs = 30000;
-void tune_ring_socket(int fd);
+void tune_ring_socket(int fd);  // also guards it from forked children (fork_guard.h)
 // "host:port" (or "[v6]:port") of a connected socket's other end, "?" if unknown.
 std::string peer_name(int fd);
 // True when the other end of a connection closed or reset it (looked at without waiting).

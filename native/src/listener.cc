@@ -13,6 +13,8 @@
 #include <cstring>
 #include <memory>
 
+#include "fork_guard.h"
+
 namespace ering {
 namespace {
 
@@ -69,6 +71,7 @@ Listener::Listener(const std::string& host, int port, double handshake_timeout_s
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) {
       listen_fd_ = fd;
+      guard_from_fork(fd);  // a child must not accept the next world's connections for a dead worker
       break;
     }
     last_error = std::strerror(errno);
@@ -448,6 +451,7 @@ void Listener::loop() {
           }
           break;
         }
+        guard_from_fork(fd);  // from the start: a fork during the handshake must not keep what becomes a link
         if (pending.size() >= kMaxPending) {
           // Full: drop the newest connection that has sent nothing yet, else the newest that
           // has not authenticated; never one that proved the secret. Under a burst the real

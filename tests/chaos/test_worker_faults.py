@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
 import pytest
 
+from tests.rendezvous.rdzv_helpers import ServerProc
 from tests.waiting import wait_until
 
 from .checks import EPOCHS, check_no_commit_lost, check_outcome
@@ -38,6 +40,41 @@ def test_sigkill_one_worker(server, jobs, fault_free_loss, rank0):
         assert r["restores"] + r["kept"] >= 1, "WorkerLostError must restore or keep"
         assert r["resets"][-1]["size"] == 2, "reset callbacks must see the new size"
         assert abs(r["lr"] - 0.1 * 2 / 3) < 1e-12, "the callback's learning rate must survive the sync"
+
+
+def test_a_killed_worker_whose_forked_child_lives_on_is_fenced_at_once(tmp_path, jobs, fault_free_loss):
+    # A worker forks a child that outlives it, as a DataLoader forks its workers: the child
+    # inherits the worker's ring and rendezvous connections. Heartbeat timeout 60 s, collective
+    # deadline 20 s: had the child kept its Watch stream open, the server would see the death only
+    # at the heartbeat timeout. (That the ring's sockets are let go of too is tests/native/test_fork.py.)
+    srv = ServerProc(tmp_path, "--insecure", "--heartbeat-timeout", "60", "--settle", "0.2")
+    child = None
+    try:
+        job = jobs(srv.address, min_np=2, max_np=3)
+        workers, survivors = ["w0", "w1", "w2"], ["w0", "w2"]
+        start(job, survivors)
+        job.start("w1", JOB_FORK_CHILD="w1:4")
+        job.wait_step(6, workers)
+        forked = next(e for e in job.events("w1") if e["ev"] == "forked")
+        child = forked["pid"]
+        # Forked in the world it dies in: the child inherited that world's connections.
+        assert job.progress("w1")[2] == forked["v"]
+        job.kill("w1")
+        killed = time.monotonic()
+        wait_until(lambda: all((job.progress(w) or (0, 0))[1] == 2 for w in survivors), 15,
+                   "the survivors to step in a world of 2 while the killed worker's child lives on")
+        print(f"SIGKILL -> survivors stepping in a world of 2: {time.monotonic() - killed:.2f} s")
+        os.kill(child, 0)   # still there: its exit is not what ended the connections
+        results = check_outcome(job, survivors, fault_free_loss=fault_free_loss, max_repartitions=2 * (EPOCHS + 2))
+        assert all(r["restores"] + r["kept"] >= 1 for r in results)
+        assert "the collective timeout" not in job.log("w0") + job.log("w2")
+    finally:
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        srv.kill()
 
 
 def test_sigkill_two_workers_at_once(server, jobs, fault_free_loss):

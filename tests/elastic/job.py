@@ -30,6 +30,9 @@ proves the sample accounting. Knobs (environment):
                  synchronize(), its buckets in flight), "optimizer" (inside the update, after
                  the allreduce completed), "after-step" (right after its update) or "between"
                  (after the step and its record)
+  JOB_FORK_CHILD "WORKER:STEP": that worker forks a child after STEP completed steps, as a
+                 DataLoader forks its workers, which sleeps 60 s holding every descriptor it
+                 inherited (its pid in a "forked" event)
   JOB_SEEN_AFTER_STEP 1: the per-sample count is allreduced after opt.step() rather than before
                  it (a collective between a step and its sampler record: a failure there cannot
                  keep the live state)
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -77,6 +81,7 @@ STALL = os.environ.get("JOB_STALL", "::").split(":")
 KILL_AT = os.environ.get("JOB_KILL_AT", "::").split(":")
 SEEN_AFTER_STEP = os.environ.get("JOB_SEEN_AFTER_STEP") == "1"
 LEAVE_AT = os.environ.get("JOB_LEAVE_AT", ":").split(":")
+FORK_CHILD = os.environ.get("JOB_FORK_CHILD", ":").split(":")
 stalled = {"done": False}
 
 torch.manual_seed(0)
@@ -338,6 +343,10 @@ def train(state):
             kill_here("between")
             progress(f"{state.step} {elastic.size()} {elastic.world_version()}")
             event("step", step=state.step, v=elastic.world_version(), size=elastic.size(), rank=elastic.rank())
+            if WORKER == FORK_CHILD[0] and state.step == int(FORK_CHILD[1]):
+                child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+                child.start()
+                event("forked", pid=child.pid, step=state.step, v=elastic.world_version())
             if WORKER == LEAVE_AT[0] and state.step == int(LEAVE_AT[1]):
                 event("leave_requested", step=state.step)
                 elastic.request_leave("the test asked")

@@ -28,6 +28,7 @@ class Job:
             "ELASTIC_RENDEZVOUS": server_address, "ELASTIC_JOB_ID": job_id, "ELASTIC_HOST": "host0",
             "ELASTIC_MIN_NP": str(min_np), "ELASTIC_MAX_NP": str(max_np), "JOB_OUT": self.out,
             "ELASTIC_WORLD_TIMEOUT": "60", "ELASTIC_COLLECTIVE_TIMEOUT": "20",
+            "GRPC_ENABLE_FORK_SUPPORT": "0",   # as elastic-run starts its workers (a job may fork)
         })
         self.env.update({k: str(v) for k, v in env.items()})
         self.procs: Dict[str, subprocess.Popen] = {}
