@@ -55,10 +55,9 @@ def test_a_killed_worker_whose_forked_child_lives_on_is_fenced_at_once(tmp_path,
         start(job, survivors)
         job.start("w1", JOB_FORK_CHILD="w1:4")
         job.wait_step(6, workers)
-        forked = next(e for e in job.events("w1") if e["ev"] == "forked")
-        child = forked["pid"]
-        # Forked in the world it dies in: the child inherited that world's connections.
-        assert job.progress("w1")[2] == forked["v"]
+        # The child holds the worker's one rendezvous connection, which lasts across worlds
+        # (its ring sockets are those of the world it was forked in, whichever came since).
+        child = next(e["pid"] for e in job.events("w1") if e["ev"] == "forked")
         job.kill("w1")
         killed = time.monotonic()
         wait_until(lambda: all((job.progress(w) or (0, 0))[1] == 2 for w in survivors), 15,
