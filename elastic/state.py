@@ -202,6 +202,21 @@ class State:
         object.__setattr__(self, "_progress", 0)
         self._settled()
 
+    def adopt_live(self, step: int) -> None:
+        """Makes the live state the last commit as ``step``: a sync whose root's state this rank
+        holds already, bit for bit (``elastic.state_sync.holders``), ends as ``adopt_synced`` of
+        the root's bytes would, with nothing received or decoded and no tensor loaded."""
+        self._take_snapshot()
+        self._load_own(self._snapshot)
+        object.__setattr__(self, "commit_step", step)
+        object.__setattr__(self, "_progress", 0)
+        self._settled()
+
+    def _load_own(self, snapshot: Any) -> None:
+        """What loading ``snapshot``, just taken of this live state, still changes (a finished
+        epoch committed as the next one): ``load`` it, unless a subclass knows what to skip."""
+        self.load(snapshot)
+
     def _settled(self) -> None:
         """The live state is a step boundary now: the last commit, a synced state, or a state
         kept after a failure (``TorchState`` tracks what happens after it)."""
@@ -584,11 +599,18 @@ class TorchState(ObjectState):
                     check(sd)
 
     def load(self, snapshot: Any) -> None:
+        self._load(snapshot, tensors=True)
+
+    def _load_own(self, snapshot: Any) -> None:
+        # The model's and optimizer's tensors are what the snapshot was just copied from.
+        self._load(snapshot, tensors=False)
+
+    def _load(self, snapshot: Any, tensors: bool) -> None:
         self._check_attribute_names(snapshot)
-        if self.model is not None and "model" in snapshot:
+        if tensors and self.model is not None and "model" in snapshot:
             self.model.load_state_dict(snapshot["model"])
         if self.optimizer is not None:
-            if "optimizer" in snapshot:
+            if tensors and "optimizer" in snapshot:
                 self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
             # Gradients of an abandoned step (some already reduced in place) must not leak
             # into the next one, nor must a DistributedOptimizer's in-flight bookkeeping.

@@ -3,8 +3,15 @@
 The session runs it at every sync of its step protocol (``elastic.session``, which says when).
 One allgather agrees on the most advanced state (``most_advanced``: the highest commit step,
 then the most steps kept live since it); that rank (the lowest of them), the root, sends its
-state, encoded by ``elastic.serialization``; every rank, the sender too, loads the same bytes,
-so all hold the same bits afterwards.
+state, encoded by ``elastic.serialization``; every rank that does not hold it already loads
+those bytes, so all hold the same bits afterwards.
+
+A rank holds the root's state already when it stands at the same position and its encoding
+has the same length and CRC-32 (``holders``; the allgather carries both): the survivors of a
+failure that kept their live state, or the members a newcomer joins. They keep their live
+state as the synced commit instead of loading it (``State.adopt_live``); when every rank holds
+it, nothing is sent at all. After a failure that is the common case, and it keeps a 100 MB
+state's copy, broadcast, decode and load (and their fresh memory) off the recovery.
 
 Nothing the root sends is used before every rank has said it can take it: first its size
 (within the memory this machine has available), then its bytes (they decode, and fit this
@@ -19,7 +26,9 @@ next world syncs from the best state among the rest.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import zlib
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -28,13 +37,21 @@ from ._native import ErrorKind
 from .communicator import Communicator
 from .errors import BadPeerError, SyncRefusedError
 
+log = logging.getLogger("elastic")
+
 
 def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     """Makes every rank of ``comm`` hold the most advanced rank's commit (or rank 0's state
     before any), as the module doc says; returns (the root, the commit step every rank holds)."""
-    positions = comm.allgather_equal(np.array(state.sync_position(), dtype=np.int64))
-    root = most_advanced(positions)
-    step = synced_step(int(positions[root, 0]), int(positions[root, 1]))
+    rows = comm.allgather_equal(np.array([*state.sync_position(), *digest(state)], dtype=np.int64))
+    root = most_advanced(rows[:, :2])
+    step = synced_step(int(rows[root, 0]), int(rows[root, 1]))
+    holding = holders(rows, root)
+    if len(holding) == comm.size:
+        log.debug("sync in world version %d: every rank holds rank %d's state already; nothing sent",
+                  comm.world_version, root)
+        state.adopt_live(step)
+        return root, step
     encoded = failure = None
     if comm.rank == root:
         try:
@@ -53,15 +70,22 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
 
     payload = comm.broadcast_encoded(encoded, root, check_size,
                                      announced=encoded.nbytes if encoded is not None else _CANNOT_SEND)
-    try:
-        got_step, snapshot = state.decode_synced(payload, root, comm.world_version)
-        # Before any commit rank 0 sends its durable commit where there is one: any step then.
-        announced = got_step == step or (step < 0 and root == 0)
-        why = None if announced else (f"sync in world version {comm.world_version}: rank {root} sent commit "
-                                      f"{got_step}, not the {step} its position announced")
-    except Exception as e:   # whatever the root's bytes make the checks raise is the root's failure
-        why = str(e)
+    held = comm.rank in holding
+    why = None
+    if not held:
+        try:
+            got_step, snapshot = state.decode_synced(payload, root, comm.world_version)
+            # Before any commit rank 0 sends its durable commit where there is one: any step then.
+            if got_step != step and not (step < 0 and root == 0):
+                why = (f"sync in world version {comm.world_version}: rank {root} sent commit {got_step}, not the "
+                       f"{step} its position announced")
+        except Exception as e:   # whatever the root's bytes make the checks raise is the root's failure
+            why = str(e)
+    del payload
     _agree(comm, root, step, why)
+    if held:
+        state.adopt_live(step)
+        return root, step
     try:
         state.adopt_synced(got_step, snapshot)
     except Exception as e:
@@ -70,6 +94,38 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
                                f"rank {root} that every rank had checked ({type(e).__name__}: {e}); its last commit "
                                "is restored", world_version=comm.world_version, rank=comm.rank, peer=root) from e
     return root, got_step
+
+
+_NO_DIGEST = (-1, -1)   # a state with no commit yet, or one that cannot be encoded
+
+
+def digest(state: Any) -> Tuple[int, int]:
+    """(length, CRC-32) of ``state``'s live encoding at its commit step, which syncs compare to
+    find the ranks that hold the root's state already; ``_NO_DIGEST`` before its first commit
+    (a fresh state holds nothing worth keeping) or when it cannot be encoded (a root then fails
+    at sending it, naming why). The encoding holds views of the tensors: nothing is copied."""
+    commit = state.sync_position()[0]
+    if commit < 0:
+        return _NO_DIGEST
+    try:
+        encoded = state.encode_for_sync(commit, from_checkpoint=False)
+    except Exception:
+        return _NO_DIGEST
+    crc = 0
+    for chunk in encoded.chunks:
+        crc = zlib.crc32(chunk, crc)
+    return encoded.nbytes, crc
+
+
+def holders(rows: np.ndarray, root: int) -> Tuple[int, ...]:
+    """The ranks that hold the root's state already, from one row per rank of (commit step,
+    steps kept since it, encoding length, CRC-32): those whose row is the root's, when the root
+    has a commit and a digest. A peer that claims the root's row keeps its own state, which is
+    all it could do anyway; it cannot make an honest rank skip a state it does not hold."""
+    mine = rows[root]
+    if mine[0] < 0 or mine[2] < 0:
+        return ()
+    return tuple(r for r in range(len(rows)) if bool((rows[r] == mine).all()))
 
 
 _CANNOT_SEND = -1   # what the root announces as its state's size when it cannot encode it

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import elastic
-from elastic.state_sync import most_advanced, synced_step
+from elastic.state_sync import holders, most_advanced, synced_step
 from elastic.step_phase import Event, Phase, advance, completes_a_step, harmless
 
 B, U, S, R, X = Phase.BOUNDARY, Phase.UPDATING, Phase.STEPPED, Phase.RECORDED, Phase.UNPAIRED
@@ -83,6 +83,25 @@ def test_the_sync_root_is_the_most_advanced_and_a_state_kept_past_its_commit_is_
     got = most_advanced(np.array(positions, dtype=np.int64))
     assert got == root
     assert synced_step(*positions[got]) == step
+
+
+@pytest.mark.parametrize("rows, root, held", [
+    # Survivors that kept the same steps past the same commit, with the same bits: nothing travels.
+    ([[3, 2, 900, 77], [3, 2, 900, 77], [3, 2, 900, 77]], 0, (0, 1, 2)),
+    # A newcomer (no commit, no digest) joins two members that hold the state.
+    ([[3, 0, 900, 77], [-1, 0, -1, -1], [3, 0, 900, 77]], 0, (0, 2)),
+    # The same position, other bits (a replica that drifted, a restored rank): it loads.
+    ([[3, 2, 900, 77], [3, 2, 900, 78], [3, 2, 901, 77]], 0, (0,)),
+    # A rank one step behind holds an older state, whatever its digest.
+    ([[3, 1, 900, 77], [3, 2, 900, 77]], 1, (1,)),
+    # The root has no commit (the first sync, perhaps from a durable commit) or no digest.
+    ([[-1, 0, -1, -1], [-1, 0, -1, -1]], 0, ()),
+    ([[3, 0, -1, -1], [3, 0, -1, -1]], 0, ()),
+])
+def test_the_ranks_that_hold_the_roots_state_share_its_position_and_digest(rows, root, held):
+    table = np.array(rows, dtype=np.int64)
+    assert most_advanced(table[:, :2]) == root
+    assert holders(table, root) == held
 
 
 # -- a real TorchState following its steps (no ring: the sampler is told its world)
