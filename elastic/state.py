@@ -217,6 +217,12 @@ class State:
         epoch committed as the next one): ``load`` it, unless a subclass knows what to skip."""
         self.load(snapshot)
 
+    def loads_unchanged(self) -> bool:
+        """Whether a rank that loads this state's encoding ends with the bits this state holds,
+        so that keeping it (``adopt_live``) and loading it agree. A subclass says no where a load
+        converts (``TorchState``: an optimizer whose state has another dtype than its parameter)."""
+        return True
+
     def _settled(self) -> None:
         """The live state is a step boundary now: the last commit, a synced state, or a state
         kept after a failure (``TorchState`` tracks what happens after it)."""
@@ -604,6 +610,28 @@ class TorchState(ObjectState):
     def _load_own(self, snapshot: Any) -> None:
         # The model's and optimizer's tensors are what the snapshot was just copied from.
         self._load(snapshot, tensors=False)
+
+    def loads_unchanged(self) -> bool:
+        # Optimizer.load_state_dict casts each floating state tensor but "step" to its
+        # parameter's dtype and device (fp32 moments of bf16 parameters become bf16), and load
+        # hooks may change anything: a rank that loaded would then differ from one that kept.
+        opt = self.optimizer
+        if opt is not None:
+            if getattr(opt, "_optimizer_load_state_dict_pre_hooks", None) or \
+                    getattr(opt, "_optimizer_load_state_dict_post_hooks", None):
+                return False
+            torch = sys.modules["torch"]
+            for param, st in getattr(opt, "state", {}).items():
+                if not isinstance(param, torch.Tensor) or not isinstance(st, dict):
+                    return False
+                for key, v in st.items():
+                    if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and (
+                            v.dtype != param.dtype or v.device != param.device):
+                        return False
+        if self.model is not None and hasattr(self.model, "modules"):
+            if any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in self.model.modules()):
+                return False
+        return True
 
     def _load(self, snapshot: Any, tensors: bool) -> None:
         self._check_attribute_names(snapshot)

@@ -8,10 +8,13 @@ those bytes, so all hold the same bits afterwards.
 
 A rank holds the root's state already when it stands at the same position and its encoding
 has the same length and CRC-32 (``holders``; the allgather carries both): the survivors of a
-failure that kept their live state, or the members a newcomer joins. They keep their live
-state as the synced commit instead of loading it (``State.adopt_live``); when every rank holds
-it, nothing is sent at all. After a failure that is the common case, and it keeps a 100 MB
-state's copy, broadcast, decode and load (and their fresh memory) off the recovery.
+failure that kept their live state, or the members a newcomer joins. When every rank holds it,
+nothing is sent and each adopts its live state as the synced commit (``State.adopt_live``):
+after a failure that is the common case, and it keeps a 100 MB state's copy, broadcast, decode
+and load (and their fresh memory) off the recovery. Otherwise the root's bytes must have the
+length and CRC it announced, or every rank refuses them; a holder adopts its live state only
+once the bytes hash (SHA-256) as its own encoding does, so a root cannot hand the holders one
+state and the others another, and a holder skips decoding and loading them.
 
 Nothing the root sends is used before every rank has said it can take it: first its size
 (within the memory this machine has available), then its bytes (they decode, and fit this
@@ -26,6 +29,7 @@ next world syncs from the best state among the rest.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import zlib
@@ -50,8 +54,9 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     if len(holding) == comm.size:
         log.debug("sync in world version %d: every rank holds rank %d's state already; nothing sent",
                   comm.world_version, root)
-        state.adopt_live(step)
+        _adopt_live(comm, state, root, step)
         return root, step
+    announced = tuple(rows[root, 2:].tolist())   # the length and CRC of what the root sends, or _NO_DIGEST
     encoded = failure = None
     if comm.rank == root:
         try:
@@ -66,13 +71,24 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
             if why is not None:
                 why = (f"rank {root}, which holds the most advanced commit ({step}), could not send its state; its "
                        "own error says why" if n == _CANNOT_SEND else f"rank {root} {why}")
+            elif announced != _NO_DIGEST and n != announced[0]:
+                why = f"rank {root} announced a state of {n} bytes, not the {announced[0]} of its digest"
         _agree(comm, root, step, why, own_error=failure)
 
     payload = comm.broadcast_encoded(encoded, root, check_size,
                                      announced=encoded.nbytes if encoded is not None else _CANNOT_SEND)
     held = comm.rank in holding
     why = None
-    if not held:
+    if comm.rank != root and announced != _NO_DIGEST and zlib.crc32(payload) != announced[1]:
+        why = (f"sync in world version {comm.world_version}: the state rank {root} sent is not the one its digest "
+               "announced")
+    elif held and comm.rank != root:
+        # The CRC only catches accidents: a root could forge one, so what the holders keep is
+        # proved to be what the others load.
+        if hashlib.sha256(payload).digest() != _sha256(state.encode_for_sync(step, from_checkpoint=False)):
+            why = (f"sync in world version {comm.world_version}: the state rank {root} sent is not the one this "
+                   "rank holds, though its digest says it is")
+    elif not held:
         try:
             got_step, snapshot = state.decode_synced(payload, root, comm.world_version)
             # Before any commit rank 0 sends its durable commit where there is one: any step then.
@@ -84,31 +100,51 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     del payload
     _agree(comm, root, step, why)
     if held:
-        state.adopt_live(step)
+        _adopt_live(comm, state, root, step)
         return root, step
     try:
         state.adopt_synced(got_step, snapshot)
     except Exception as e:
-        state.restore()
-        raise SyncRefusedError(f"sync in world version {comm.world_version}: this rank could not load the state of "
-                               f"rank {root} that every rank had checked ({type(e).__name__}: {e}); its last commit "
-                               "is restored", world_version=comm.world_version, rank=comm.rank, peer=root) from e
+        _cannot_load(comm, state, root, e)
     return root, got_step
 
 
-_NO_DIGEST = (-1, -1)   # a state with no commit yet, or one that cannot be encoded
+def _adopt_live(comm: Communicator, state: Any, root: int, step: int) -> None:
+    try:
+        state.adopt_live(step)
+    except Exception as e:
+        _cannot_load(comm, state, root, e)
+
+
+def _cannot_load(comm: Communicator, state: Any, root: int, error: Exception) -> None:
+    state.restore()
+    raise SyncRefusedError(f"sync in world version {comm.world_version}: this rank could not load the state of rank "
+                           f"{root} that every rank had checked ({type(error).__name__}: {error}); its last commit is "
+                           "restored", world_version=comm.world_version, rank=comm.rank, peer=root) from error
+
+
+def _sha256(encoded: Any) -> bytes:
+    h = hashlib.sha256()
+    for chunk in encoded.chunks:
+        h.update(chunk)
+    return h.digest()
+
+
+_NO_DIGEST = (-1, -1)   # a state with no commit yet, one that cannot be encoded, or one a load would change
 
 
 def digest(state: Any) -> Tuple[int, int]:
-    """(length, CRC-32) of ``state``'s live encoding at its commit step, which syncs compare to
-    find the ranks that hold the root's state already; ``_NO_DIGEST`` before its first commit
-    (a fresh state holds nothing worth keeping) or when it cannot be encoded (a root then fails
-    at sending it, naming why). The encoding holds views of the tensors: nothing is copied."""
-    commit = state.sync_position()[0]
-    if commit < 0:
+    """(length, CRC-32) of the bytes ``state`` would send as a sync root (its live state, as the
+    commit its position makes of it), which syncs compare to find the ranks that hold the root's
+    state already; ``_NO_DIGEST`` before its first commit (a fresh state holds nothing worth
+    keeping), when it cannot be encoded (a root then fails at sending it, naming why) or when
+    loading it would change it (``State.loads_unchanged``). Contiguous CPU tensors are read in
+    place, not copied."""
+    commit, progress = state.sync_position()
+    if commit < 0 or not state.loads_unchanged():
         return _NO_DIGEST
     try:
-        encoded = state.encode_for_sync(commit, from_checkpoint=False)
+        encoded = state.encode_for_sync(synced_step(commit, progress), from_checkpoint=False)
     except Exception:
         return _NO_DIGEST
     crc = 0
@@ -121,7 +157,8 @@ def holders(rows: np.ndarray, root: int) -> Tuple[int, ...]:
     """The ranks that hold the root's state already, from one row per rank of (commit step,
     steps kept since it, encoding length, CRC-32): those whose row is the root's, when the root
     has a commit and a digest. A peer that claims the root's row keeps its own state, which is
-    all it could do anyway; it cannot make an honest rank skip a state it does not hold."""
+    all it could do anyway; it cannot make an honest rank skip a state it does not hold, and the
+    honest holders check the root's bytes before they keep theirs."""
     mine = rows[root]
     if mine[0] < 0 or mine[2] < 0:
         return ()

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import elastic
-from elastic import checkpoint, collectives, serialization
+from elastic import checkpoint, collectives, serialization, state_sync
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.native.harness import run_world
 from tests.waiting import wait_until
 
-from .bait import planted_pickle, planted_torch_save, prove_it_bites
+from .bait import forge_crc32, planted_pickle, planted_torch_save, prove_it_bites
 from .digest import bits_digest
 
 
@@ -50,10 +50,11 @@ def train(state: elastic.TorchState, steps: int, seed: int) -> None:
         state.epoch += 1
 
 
-def digest(state: elastic.TorchState) -> str:
+def digest(state: elastic.TorchState, with_commit_step: bool = True) -> str:
     """SHA-256 of the whole state, bit for bit, computed without elastic.serialization."""
     return bits_digest([state.model.state_dict(), state.optimizer.state_dict(), state.sampler.state_dict(),
-                        state.scheduler.state_dict(), state.epoch, state.losses, state.noise, state.commit_step])
+                        state.scheduler.state_dict(), state.epoch, state.losses, state.noise,
+                        state.commit_step if with_commit_step else None])
 
 
 def solo() -> elastic.Communicator:
@@ -150,6 +151,130 @@ def test_ranks_that_hold_the_roots_state_keep_it_and_only_the_others_receive_it(
         assert ops == {1}, "one allgather of positions and digests, nothing sent"
     else:
         assert ops == {5}, "positions, size, its verdict, the bytes, their verdict"
+
+
+def _committed_alone(state: elastic.TorchState, case: str) -> None:
+    """Trains and commits ``state`` in a world of its own, the same on every rank: two commits,
+    then (``progressed``) two steps kept past the last, or (``epoch-end``) the sampler's epoch
+    finished at the last commit (which then stores the next epoch)."""
+    earlier = solo()
+    collectives.set_communicator(earlier)
+    train(state, 2, seed=7)
+    state.commit()
+    if case == "epoch-end":
+        state.epoch = 0
+        state.sampler.record_batch(len(state.losses), len(state.sampler))
+    else:
+        train(state, 1, seed=8)
+    state.commit()
+    if case == "progressed":
+        train(state, 3, seed=9)   # the third step is complete only at the next forward
+    collectives.set_communicator(None)
+    earlier.close()
+
+
+SYNC_CASES = {   # case -> (the ranks that hold the root's state, collectives of the sync)
+    "same": ((0, 1, 2), 1),         # one allgather of positions and digests, nothing sent
+    "newcomer": ((0, 2), 5),        # positions, size, its verdict, the bytes, their verdict
+    "drifted": ((0, 1), 5),         # rank 2's bits differ at the same position: it loads
+    "progressed": ((0, 2), 5),      # kept two steps past the commit: a new commit, rank 1 new
+    "epoch-end": ((0, 2), 5),       # the commit stored the next epoch: holders take it too
+}
+
+
+def _sync_among(case, comm):
+    """Ranks hold the same commit, or (by ``case``) one is a newcomer or has drifted. A rank that
+    holds the root's state must not decode a payload: its decode_synced raises."""
+    held = comm.rank in SYNC_CASES[case][0]
+    state = build(seed=0, optimizer="adamw")
+    if held or case == "drifted":
+        _committed_alone(state, case)
+    if case == "drifted" and not held:
+        with torch.no_grad():
+            state.model[0].weight[0, 0] += 1e-6
+    if held:
+        def refuse(*args):
+            raise AssertionError("a rank that holds the root's state decoded a payload")
+        state.decode_synced = refuse
+    collectives.set_communicator(comm)
+    position, before, ops = state.sync_position(), digest(state, with_commit_step=False), comm.ops_run
+    state.sync()
+    return (position, before, digest(state, with_commit_step=False), digest(state), comm.ops_run - ops,
+            state.commit_step, state.epoch)
+
+
+@pytest.mark.parametrize("case", list(SYNC_CASES))
+def test_ranks_that_hold_the_roots_state_keep_it_and_only_the_others_receive_it(case):
+    held, ops = SYNC_CASES[case]
+    results = world(3, _sync_among, case)
+    root = results[0]
+    assert len({r[3] for r in results}) == 1, "every rank holds the same bits and commit step after the sync"
+    for rank in held:
+        assert results[rank][1] == results[rank][2], f"rank {rank} kept its own state"
+    assert {r[4] for r in results} == {ops}
+    commit, progress = root[0]
+    assert [r[5] for r in results] == [commit + (progress > 0)] * 3
+    if case == "progressed":
+        assert progress == 2
+    if case == "epoch-end":
+        assert [r[6] for r in results] == [1] * 3, "the finished epoch was committed as the next one"
+
+
+def _lying_root(forgery, comm):
+    """Ranks 0 and 1 (and 2 in a world of 4) hold the same commit; the last rank is a newcomer.
+    Rank 0, the root, announces its honest digest and sends other bytes: ``forgery`` of its
+    honest encoding."""
+    state = build(seed=0, optimizer="adamw")
+    newcomer = comm.rank == comm.size - 1
+    if not newcomer:
+        _committed_alone(state, "same")
+    collectives.set_communicator(comm)
+    if comm.rank == 0:
+        honest = state_sync.digest(state)
+        sent = forgery(state, state.encode_for_sync(state.commit_step, from_checkpoint=False).tobytes(), honest[1])
+        assert sent != state.encode_for_sync(state.commit_step, from_checkpoint=False).tobytes()
+        state_sync.digest = lambda _: honest
+        state.encode_for_sync = lambda step, from_checkpoint: serialization.Encoded([sent])
+    held = digest(state)
+    with pytest.raises((elastic.BadPeerError, elastic.SyncRefusedError)) as e:
+        state.sync()
+    return type(e.value).__name__, str(e.value), getattr(e.value, "peer_rank", None), digest(state) == held
+
+
+def _weight_at(state, data: bytes) -> int:
+    at = data.find(state.model[0].weight.detach().numpy().tobytes())
+    assert at > 0
+    return at
+
+
+def _garbage(state, honest: bytes, crc: int) -> bytes:
+    return b"not a state" * 100
+
+
+def _other_weights(state, honest: bytes, crc: int) -> bytes:
+    at = _weight_at(state, honest)   # the same length, and it decodes and fits: another state
+    return honest[:at] + bytes([honest[at] ^ 1]) + honest[at + 1:]
+
+
+def _other_weights_same_crc(state, honest: bytes, crc: int) -> bytes:
+    return forge_crc32(_other_weights(state, honest, crc), _weight_at(state, honest) + 8, crc)
+
+
+@pytest.mark.parametrize("forgery, size, says", [
+    (_garbage, 3, "rank 0 announced a state of 1100 bytes, not the"),
+    (_other_weights, 3, "the state rank 0 sent is not the one its digest announced"),
+    (_other_weights_same_crc, 4, "the state rank 0 sent is not the one this rank holds"),
+], ids=["other-length", "other-crc", "forged-crc"])
+def test_a_root_whose_bytes_are_not_what_its_digest_announced_is_blamed_and_nothing_is_loaded(forgery, size, says):
+    results = world(size, _lying_root, forgery)
+    assert results[0][0] == "SyncRefusedError", results[0]
+    for kind, message, blamed, unchanged in results[1:]:
+        assert kind == "BadPeerError" and blamed == 0, (kind, message)
+        assert unchanged, "nothing was loaded"
+    # Every other rank saw it; with a forged CRC only the holders can (the newcomer's state is
+    # whatever the root sends), and they outnumber it.
+    for kind, message, _, _ in results[1:-1] if forgery is _other_weights_same_crc else results[1:]:
+        assert says in message, message
 
 
 class _Announcing(serialization.Encoded):

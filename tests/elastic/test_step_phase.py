@@ -97,6 +97,8 @@ def test_the_sync_root_is_the_most_advanced_and_a_state_kept_past_its_commit_is_
     # The root has no commit (the first sync, perhaps from a durable commit) or no digest.
     ([[-1, 0, -1, -1], [-1, 0, -1, -1]], 0, ()),
     ([[3, 0, -1, -1], [3, 0, -1, -1]], 0, ()),
+    # The root's digest at another position proves nothing; lower ranks that hold an older state.
+    ([[3, 1, 900, 77], [3, 2, 900, 77], [2, 0, 900, 77], [3, 2, 900, 77]], 1, (1, 3)),
 ])
 def test_the_ranks_that_hold_the_roots_state_share_its_position_and_digest(rows, root, held):
     table = np.array(rows, dtype=np.int64)
