@@ -5,8 +5,10 @@ Knobs (environment):
   JOB_STEPS        optimizer steps (default 30); JOB_COMMIT_EVERY commit every N steps (default 2)
   JOB_STEP_SLEEP   seconds per step (default 0)
   JOB_WIDE         1: width 64 and vocabulary 256, which 2 and 4 ranks divide (for the memory bound)
-  JOB_KILL         "WORKER:STEP[,WORKER:STEP]": that worker SIGKILLs itself inside backward at the first
-                   step >= STEP taken in a world of JOB_KILL_SIZE workers (default: any size)
+  JOB_KILL         "WORKER:STEP[:SIZE][,...]": that worker SIGKILLs itself inside backward at the first
+                   step >= STEP taken in a world of SIZE workers that shrank to that size (this
+                   worker was in a larger one before), or without SIZE in a world of
+                   JOB_KILL_SIZE workers or more (default: any size)
   JOB_GO_FILE      wait (up to 120 s) for this file before joining: the worker is started early, so
                    its imports are done by the time the test lets it join
   JOB_UNTIL_SIZE   N: after JOB_STEPS, go on until 5 steps in a row ran in a world of N or more
@@ -37,8 +39,9 @@ WORKER = os.environ["ELASTIC_WORKER_ID"]
 STEPS = int(os.environ.get("JOB_STEPS", "30"))
 COMMIT_EVERY = int(os.environ.get("JOB_COMMIT_EVERY", "2"))
 STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0"))
-KILL = {w: int(s) for w, s in (k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k)}
 KILL_SIZE = int(os.environ.get("JOB_KILL_SIZE", "0"))
+KILL = {w: (int(s), int(n[0]) if n else None)
+        for w, s, *n in (k.split(":") for k in os.environ.get("JOB_KILL", "").split(",") if k)}
 GO_FILE = os.environ.get("JOB_GO_FILE", "")
 UNTIL_SIZE = int(os.environ.get("JOB_UNTIL_SIZE", "0"))
 META = os.environ.get("JOB_META") == "1"
@@ -72,9 +75,18 @@ class Tiny(torch.nn.Module):
         h = self.embed(tokens) * self.scale
         for i, block in enumerate(self.layers):
             h = block(h)
-            if i == 0 and WORKER in KILL and STATE.step >= KILL[WORKER] and elastic.size() >= KILL_SIZE:
+            if i == 0 and WORKER in KILL and _kill_now(*KILL[WORKER]):
                 h.register_hook(_die)   # runs mid-backward, after the head's gradients are reduced
         return self.head(h)
+
+
+_largest = 0   # the largest world this worker trained in
+
+
+def _kill_now(step, size):
+    global _largest
+    now, _largest = elastic.size(), max(_largest, elastic.size())
+    return STATE.step >= step and (now == size < _largest if size is not None else now >= KILL_SIZE)
 
 
 def _die(grad):

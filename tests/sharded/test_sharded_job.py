@@ -47,43 +47,56 @@ def last_commit(job, workers):
     return max(commit_digests(job, workers))
 
 
-def test_a_killed_worker_is_resharded_away_a_new_one_resharded_in_a_leaver_redoes_nothing_and_a_lost_buddy_pair_is_a_clear_error(  # noqa: E501
+def test_a_killed_worker_is_resharded_away_twice_new_ones_resharded_in_a_leaver_redoes_nothing_and_a_lost_buddy_pair_is_a_clear_error(  # noqa: E501
         sharded_job, tmp_path):
-    go = os.path.join(str(tmp_path), "go-e")
-    job = sharded_job(min_np=1, max_np=4, JOB_STEPS="100000", JOB_KILL="b:3", JOB_KILL_SIZE="4")
+    go, go_f = os.path.join(str(tmp_path), "go-e"), os.path.join(str(tmp_path), "go-f")
+    job = sharded_job(min_np=1, max_np=4, JOB_STEPS="100000", JOB_KILL="b:3,d:0:3", JOB_KILL_SIZE="4")
     first = ["a", "b", "c", "d"]
     for w in first:
         job.start(w)
-    job.start("e", JOB_GO_FILE=go)   # imports while the others train; joins when the test says so
+    # imports while the others train; each joins when the test says so
+    job.start("e", JOB_GO_FILE=go)
+    job.start("f", JOB_GO_FILE=go_f)
     w4 = wait_world(job, first, 4)
     # b kills itself inside backward (step 3 or later, in the world of 4): the three others
     # reshard its shards from its buddy
     w3 = wait_world(job, first, 3, after_version=w4["v"])
-    survivors = ["a", "c", "d"]
     # the commit at step 2 or later (digested by b too: it may have been taken before the others joined)
     assert_resumed_bitwise(job, first, w3, at_least=0)
-    job.wait_step(w3["step"] + 2, survivors)
-    # a new worker joins: 3 -> 4 at a commit, nothing rolled back
+    # d kills itself inside the first backward of the world of 3, before any commit of it: the
+    # two others reshard again, from the copies (own and buddy) the reshard to 3 ranks took
+    w2 = wait_world(job, ["a", "c"], 2, after_version=w3["v"])
+    assert w2["commit"] == w3["commit"], (w2, w3)
+    assert_resumed_bitwise(job, first, w2, at_least=w3["commit"])
+    survivors = ["a", "c"]
+    job.wait_step(w2["step"] + 2, survivors)
+    # a new worker joins: 2 -> 3 at a commit, nothing rolled back
     with open(go, "w"):
         pass
-    grown = wait_world(job, survivors + ["e"], 4, after_version=w3["v"])
+    grown = wait_world(job, survivors + ["e"], 3, after_version=w2["v"])
     assert_resumed_bitwise(job, survivors, grown, at_least=last_commit(job, survivors) - 1)
     job.wait_step(grown["step"] + 2, survivors + ["e"])
     # c is told to go (SIGTERM): it leaves at the next commit, the others keep everything
     job.kill("c", signal.SIGTERM)
-    rest = ["a", "d", "e"]
-    shrunk = wait_world(job, rest, 3, after_version=grown["v"])
+    rest = ["a", "e"]
+    shrunk = wait_world(job, rest, 2, after_version=grown["v"])
     steps_before = [e["step"] for e in job.events("a") if e["ev"] == "step" and e["v"] == grown["v"]]
     assert shrunk["step"] == max(steps_before), "a graceful leave redid steps"
-    assert_resumed_bitwise(job, ["a", "c", "d", "e"], shrunk, at_least=last_commit(job, rest))
+    assert_resumed_bitwise(job, ["a", "c", "e"], shrunk, at_least=last_commit(job, rest))
     assert job.wait(["c"], timeout=60) == {"c": 0}, job.log("c")
-    # the layouts differ in every world (4, 3, 4, 3 ranks of a width 10 and a vocabulary 37)
+    job.wait_step(shrunk["step"] + 2, rest)
+    with open(go_f, "w"):
+        pass
+    rest = ["a", "e", "f"]
+    last = wait_world(job, rest, 3, after_version=shrunk["v"])
+    assert_resumed_bitwise(job, ["a", "e"], last, at_least=last_commit(job, ["a", "e"]) - 1)
+    # the layouts differ in every world (4, 3, 2, 3, 2, 3 ranks of a width 10 and a vocabulary 37)
     mem = [e["memory"] for e in job.events("a") if e["ev"] == "world"]
-    assert len(mem) >= 4 and all(m["live"] < m["full"] for m in mem)
+    assert len(mem) >= 6 and all(m["live"] < m["full"] for m in mem)
     # ranks 0 and 1 are buddies (1 holds 0's copy): 0's shards are gone with both, and there are
     # no durable commits: the survivor says so and stops
-    job.wait_step(shrunk["step"] + 2, rest)
-    by_rank = {rank_of(job, w, shrunk["v"]): w for w in rest}
+    job.wait_step(last["step"] + 2, rest)
+    by_rank = {rank_of(job, w, last["v"]): w for w in rest}
     for r in (0, 1):
         job.kill(by_rank[r])
     codes = job.wait([by_rank[2]], timeout=60)
