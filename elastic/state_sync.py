@@ -20,7 +20,9 @@ Nothing the root sends is used before every rank has said it can take it: first 
 (within the memory this machine has available), then its bytes (they decode, and fit this
 rank's state: ``State.check_shape``). After each, one small allgather of every rank's word, and
 ``judge_sync`` decides on every rank alike: all accepted, go on; else the root is blamed (it
-could not send, or most of the others refused) or the refusers are (a minority). The blamed
+could not send, or more of the others refused than accepted) or the refusers are (no more of
+them than accepted: in a tie the refuser is blamed, so a hostile root facing one holder and one
+newcomer gets the holder blamed, where before both would have loaded its bytes). The blamed
 raise ``SyncRefusedError`` (no later world fixes it), the others ``BadPeerError`` naming one of
 them, so ``elastic.run`` reports it and the rendezvous evicts it; nobody loads anything, and the
 next world syncs from the best state among the rest.
