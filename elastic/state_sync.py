@@ -49,7 +49,7 @@ log = logging.getLogger("elastic")
 def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     """Makes every rank of ``comm`` hold the most advanced rank's commit (or rank 0's state
     before any), as the module doc says; returns (the root, the commit step every rank holds)."""
-    rows = comm.allgather_equal(np.array([*state.sync_position(), *digest(state)], dtype=np.int64))
+    rows = comm.allgather_equal(announcement(state))
     root = most_advanced(rows[:, :2])
     step = synced_step(int(rows[root, 0]), int(rows[root, 1]))
     holding = holders(rows, root)
@@ -109,6 +109,11 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     except Exception as e:
         _cannot_load(comm, state, root, e)
     return root, got_step
+
+
+def announcement(state: Any) -> np.ndarray:
+    """This rank's row of the sync's first allgather: its position, then its ``digest``."""
+    return np.array([*state.sync_position(), *digest(state)], dtype=np.int64)
 
 
 def _adopt_live(comm: Communicator, state: Any, root: int, step: int) -> None:

@@ -54,11 +54,11 @@ import signal
 import threading
 import time
 
-import numpy as np
 import torch
 
 import elastic
 import elastic.serialization
+import elastic.state_sync
 from digest import bits_digest  # this directory: job.py runs as a script
 
 OUT = os.environ["JOB_OUT"]
@@ -214,9 +214,9 @@ def sync_maybe_dying():
         object.__setattr__(state, "commit_step", 10 ** 9)
         state.encode_for_sync = evil_encode
     if DIE_IN == "sync" and log["restores"] + log["kept"] == DIE_AT:
-        # Die between the allgather of commit steps and the broadcast of the state.
+        # Die between the allgather of positions and digests and the broadcast of the state.
         comm = elastic.collectives.current_communicator()
-        comm.allgather_equal(np.array(state.sync_position(), dtype=np.int64))
+        comm.allgather_equal(elastic.state_sync.announcement(state))
         os.kill(os.getpid(), signal.SIGKILL)
     _sync()
 
