@@ -462,7 +462,7 @@ class Launcher:
         label = self._label(w)
         if signal_of(code) is not None:
             self.last_failure = f"{label} {what}"
-            self.reporter.note_failure(f"{w.worker_id} {what}", now)
+            self.reporter.note_failure(f"{w.worker_id} {what}", now, frozenset({w.worker_id}))
             used = self.failures.get(slot, 0)
             if used < cfg.max_restarts:
                 delay = min(0.5 * 2 ** used, 10.0)

@@ -42,6 +42,7 @@ class Reporter:
         self.failure_since: Optional[float] = None
         self.failure_what = ""
         self.failure_ids: set = set()          # the members whose loss from a world is the failure noted
+        self._seen_gone = False                # the failure noted is only their absence from Status
         self.departed: set = set()             # workers that left the job gracefully: no failure
         self.starts: Dict[str, float] = {}
         self.recoveries: List[float] = []      # seconds from a failure to the next world, as reported
@@ -64,9 +65,16 @@ class Reporter:
     def note_start(self, worker_id: str, now: float) -> None:
         self.starts[worker_id] = now
 
-    def note_failure(self, what: str, now: float, ids: frozenset = frozenset()) -> None:
+    def note_failure(self, what: str, now: float, ids: frozenset = frozenset(), seen_gone: bool = False) -> None:
+        """A failure of ``ids`` (none: of the world as a whole) at ``now``; the first one noted
+        until the next world is the one reported. ``seen_gone``: all that is known is that
+        Status no longer lists them; a later note naming how the same workers ended (the
+        launcher reaped them: killed by SIGKILL) says it instead, from the earlier time."""
         if self.failure_since is None:
             self.failure_since, self.failure_what, self.failure_ids = now, what, set(ids)
+            self._seen_gone = seen_gone
+        elif self._seen_gone and not seen_gone and ids and set(ids) == self.failure_ids:
+            self.failure_what, self._seen_gone = what, False
 
     def note_left(self, worker_id: str) -> None:
         """The worker left the job gracefully: its absence from the next world is no failure,
@@ -95,7 +103,7 @@ class Reporter:
             present = {m.worker_id for m in view.members}
             lost = {m.worker_id for m in prev.members if m.rank is not None} - present - self.departed
             if lost:
-                self.note_failure(f"{_ids(lost)} left the world", now, frozenset(lost))
+                self.note_failure(f"{_ids(lost)} left the world", now, frozenset(lost), seen_gone=True)
         if view.world_version > 0 and view.world_version != (prev.world_version if prev else 0):
             new = {m.worker_id: m.rank for m in view.members if m.rank is not None}
             joined, left = set(new) - old, old - set(new)

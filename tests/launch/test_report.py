@@ -42,6 +42,29 @@ def test_a_remote_failure_starts_the_clock_when_status_shows_the_member_gone():
 
 
 @pytest.mark.parametrize("status_first", [True, False])
+def test_a_local_worker_killed_is_reported_as_killed_whichever_is_seen_first(status_first):
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    if status_first:   # Status shows it gone before the launcher reaps its SIGKILL
+        r.update(view(1, ["a"]), 5.0)
+        r.note_failure("b killed by SIGKILL", 5.2, frozenset({"b"}))
+    else:
+        r.note_failure("b killed by SIGKILL", 5.0, frozenset({"b"}))
+        r.update(view(1, ["a"]), 5.2)
+    assert r.update(view(2, ["a"]), 5.5) == [
+        "world 2: 1 worker(s); left: b; recovered 0.50 s after b killed by SIGKILL"]
+
+
+def test_a_local_exit_does_not_replace_a_failure_of_more_workers_than_it_names():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b", "c"]), 1.0)
+    r.update(view(1, ["a"]), 5.0)
+    r.note_failure("b killed by SIGKILL", 5.2, frozenset({"b"}))
+    assert r.update(view(2, ["a"]), 5.5) == [
+        "world 2: 1 worker(s); left: b, c; recovered 0.50 s after b, c left the world"]
+
+
+@pytest.mark.parametrize("status_first", [True, False])
 def test_a_local_worker_that_left_gracefully_is_no_failure_whichever_is_seen_first(status_first):
     r = Reporter(now=0.0)
     r.update(view(1, ["a", "b"]), 1.0)
