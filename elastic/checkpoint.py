@@ -113,9 +113,7 @@ def write(directory: str, step: int, state: Any) -> str:
     files and returns the new file's path. ``TypeError`` if the state cannot be carried."""
     encoded = serialization.encode(state)
     header = _HEADER.pack(MAGIC, VERSION, step, encoded.nbytes)
-    digest = hashlib.sha256(header)
-    for chunk in encoded.chunks:
-        digest.update(chunk)
+    digest = encoded.hash_into(hashlib.sha256(header))
     path = os.path.join(directory, file_name(step))
 
     def write_to(f) -> None:

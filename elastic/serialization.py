@@ -129,6 +129,12 @@ class Encoded:
     def tobytes(self) -> bytes:
         return b"".join(self.chunks)
 
+    def hash_into(self, h: Any) -> Any:
+        """Feeds the bytes to ``h`` (a ``hashlib`` object) without joining them; returns ``h``."""
+        for c in self.chunks:
+            h.update(c)
+        return h
+
     def copy_into(self, out: Any) -> None:
         """Writes the bytes into ``out``, a writable buffer of exactly ``nbytes`` bytes."""
         view = memoryview(out).cast("B")

@@ -87,7 +87,8 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
     elif held and comm.rank != root:
         # The CRC only catches accidents: a root could forge one, so what the holders keep is
         # proved to be what the others load.
-        if hashlib.sha256(payload).digest() != _sha256(state.encode_for_sync(step, from_checkpoint=False)):
+        own = state.encode_for_sync(step, from_checkpoint=False).hash_into(hashlib.sha256())
+        if hashlib.sha256(payload).digest() != own.digest():
             why = (f"sync in world version {comm.world_version}: the state rank {root} sent is not the one this "
                    "rank holds, though its digest says it is")
     elif not held:
@@ -128,13 +129,6 @@ def _cannot_load(comm: Communicator, state: Any, root: int, error: Exception) ->
     raise SyncRefusedError(f"sync in world version {comm.world_version}: this rank could not load the state of rank "
                            f"{root} that every rank had checked ({type(error).__name__}: {error}); its last commit is "
                            "restored", world_version=comm.world_version, rank=comm.rank, peer=root) from error
-
-
-def _sha256(encoded: Any) -> bytes:
-    h = hashlib.sha256()
-    for chunk in encoded.chunks:
-        h.update(chunk)
-    return h.digest()
 
 
 _NO_DIGEST = (-1, -1)   # a state with no commit yet, one that cannot be encoded, or one a load would change
