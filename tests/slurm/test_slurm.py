@@ -119,8 +119,9 @@ def test_a_failed_node_leaves_the_survivors_training_in_a_smaller_world_and_the_
     assert slurm.node_states()["node3"].startswith("down"), slurm.node_states()
     steps = steps_by_worker(text)
     for w in ("node1-0", "node2-0"):
-        sizes = [size for _, size in steps[w]]
-        assert sizes[0] == 3 and sizes[-1] == 2 and steps[w][-1][0] == 150, f"{w}: {steps[w][-5:]}"
+        sizes = [size for i, (_, size) in enumerate(steps[w]) if i == 0 or steps[w][i - 1][1] != size]
+        # --min-np 2 lets the first two nodes start before the third's task is up: a world of 2 may come first
+        assert sizes in ([3, 2], [2, 3, 2]) and steps[w][-1][0] == 150, f"{w}: {sizes}, {steps[w][-5:]}"
     assert text.count(f"elastic-run: job {job} completed") == 2, text[-3000:]
     assert "batch script: srun status 0" in text                          # the lost node's task counts for nothing
 
