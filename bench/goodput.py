@@ -4,6 +4,7 @@
     python bench/goodput.py --quick --plot g.png  # every 10 s and 20 s for 30 s (7-10 minutes)
     python bench/goodput.py --every 30 --duration 300 --commit-every 20 --seed 3
     python bench/goodput.py --fsdp                # the model sharded with FSDP2 (see below)
+    python bench/goodput.py --preload torch       # elastic-run forks its workers from a process holding torch
 
 Every run trains bench/_goodput_worker.py's model (~9M-parameter MLP, 32 samples per rank and
 step, SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers
@@ -370,7 +371,8 @@ def command(launcher: str, args, run_dir: str, restarts: int) -> List[str]:
         return [sys.executable, TORCHFT_LAUNCH, "--run-dir", run_dir, "--groups", str(args.workers),
                 "--min-replicas", "2", "--max-restarts", str(restarts)]
     return [os.path.join(BIN, "elastic-run"), "--np", str(args.workers), "--min-np", "2",
-            "--max-restarts", str(restarts), "--", sys.executable, WORKER, "--launcher", "elastic", *common]
+            "--max-restarts", str(restarts), *(["--preload", args.preload] if args.preload else []),
+            "--", sys.executable, WORKER, "--launcher", "elastic", *common]
 
 
 def alive_worker(pid: int, tag: str) -> bool:
@@ -607,6 +609,9 @@ def parse_args(argv=None):
                     help="give up on a run when a fault is not recovered within this many seconds (default 120)")
     ap.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=None,
                     help="which systems to run (default: all three; with --fsdp torchrun and elastic-run)")
+    ap.add_argument("--preload", metavar="MODULES", default=None,
+                    help="run elastic-run with --preload MODULES (e.g. torch): its workers and respawns are forked "
+                         "from a process that imported them once (default: every worker a new process)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (event logs, launcher logs)")
     args = ap.parse_args(argv)
     defaults = ([10.0, 20.0], 30.0, 15.0) if args.quick else ([20.0, 60.0], 300.0, 60.0)
@@ -645,7 +650,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = tempfile.mkdtemp(prefix="bench-goodput-")
     print(f"# goodput{' (FSDP2)' if args.fsdp else ''}: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
-          f"commit/checkpoint every {args.commit_every} steps; run directory {out}", flush=True)
+          f"commit/checkpoint every {args.commit_every} steps; run directory {out}"
+          + (f"; elastic-run --preload {args.preload}" if args.preload else ""), flush=True)
     try:
         before = {k: one(k, args, out, "fault-free-before") for k in args.launchers}
         faulty = {(k, every): one(k, args, out, f"faults-{every:g}", every)

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 from rendezvous import __version__, files
@@ -26,6 +27,7 @@ from ..communicator import CommConfig
 from ..config import TLS_VARIABLES, _host_address as host_address
 from ..stragglers import POLICIES, StragglerConfig
 from .embedded import EMBEDDED_HOST
+from .forkserver import forkable
 from .slurm import SlurmEnvError, SlurmStep, announcement_dir, check_base_dir, from_slurm_env, serve_host
 from .torchrun_flags import add_torchrun_flags
 
@@ -141,6 +143,7 @@ class LaunchConfig:
     events: Optional[str] = None            # append one JSON line per launcher event to this file
     stragglers: StragglerConfig = StragglerConfig()   # --straggler-*: ELASTIC_STRAGGLER_* for the workers
     embedded_host: str = EMBEDDED_HOST      # where the embedded server listens
+    preload: Tuple[str, ...] = ()           # --preload: modules the fork server imports once (forkserver.py)
     # Under srun (elastic/launch/slurm.py): this launcher's place in the Slurm job; with
     # announce_dir, the directory where the batch host's launcher announces its embedded server
     # (slurm_role "head") and the other nodes' launchers find it ("member").
@@ -241,6 +244,13 @@ def parser() -> argparse.ArgumentParser:
                    help="append one JSON line per event to FILE (worker_started, worker_exited, "
                         "worker_respawned, world_formed, recovery, preempted, job_finished), with job_id, "
                         "world_version and timestamps, for log shippers (see rendezvous/event_log.py)")
+    p.add_argument("--preload", metavar="MODULE[,MODULE...]",
+                   help="import these modules (e.g. torch) once, in a fork server, and fork every worker and "
+                        "every respawn from it: a worker starts in milliseconds instead of importing them again, "
+                        "on the cores the others train on. Needs a worker command this Python runs, 'python "
+                        "SCRIPT ...' or 'python -m MODULE ...'. A module that reads a per-worker variable (RANK, "
+                        "LOCAL_RANK, CUDA_VISIBLE_DEVICES) at import must not be preloaded; torch reads them when "
+                        "it first uses a device (default: none: every worker is a new process)")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="print elastic-run's version and exit")
     p.add_argument("--collective-timeout", type=float, metavar="S",
@@ -384,6 +394,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
     stragglers = _stragglers(a)
     metrics_host = _metrics_endpoint(a, rendezvous)
     events = _events_file(a.events)
+    preload = _preload(a.preload, command)
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
                         min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
                         max_restarts=a.max_restarts, elastic_timeout=a.elastic_timeout, port=a.port,
@@ -398,7 +409,25 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         events=events, token=token, stragglers=stragglers,
                         inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
                                                   if env.get(k)),
-                        embedded_host=embedded_host, slurm=slurm, slurm_role=role, announce_dir=announce_dir)
+                        embedded_host=embedded_host, slurm=slurm, slurm_role=role, announce_dir=announce_dir,
+                        preload=preload)
+
+
+MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _preload(value: Optional[str], command: Sequence[str]) -> Tuple[str, ...]:
+    """--preload's modules, checked: names of modules, and a worker command the fork server can run."""
+    if value is None:
+        return ()
+    modules = tuple(m.strip() for m in value.split(","))
+    bad = [m for m in modules if not MODULE_RE.fullmatch(m)]
+    if bad or not modules:
+        raise UsageError(f"--preload {value!r}: give module names separated by commas, e.g. --preload torch")
+    if forkable(command) is None:
+        raise UsageError(f"--preload needs a worker command this Python ({sys.executable}) runs as 'python SCRIPT "
+                         f"...' or 'python -m MODULE ...', got {' '.join(command[:3])!r}")
+    return modules
 
 
 def _host_name(name: str) -> str:

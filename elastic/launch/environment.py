@@ -45,6 +45,15 @@ def spawn_env(base: Mapping[str, str], cfg: LaunchConfig, *, slot: int, incarnat
     }, drop=CREDENTIAL_VARIABLES + METRICS_VARIABLES + LIMIT_VARIABLES + TORCHRUN_VARIABLES)
 
 
+def fork_server_env(base: Mapping[str, str], cfg: LaunchConfig) -> Dict[str, str]:
+    """The environment --preload's fork server imports its modules in: what every worker of this
+    launcher shares (OMP_NUM_THREADS and the defaults of procs.WORKER_DEFAULTS), none of what
+    differs per worker or grants access (ids, ranks, credentials): each forked worker then gets
+    its own ``spawn_env`` in full."""
+    return worker_env(base, {"OMP_NUM_THREADS": cfg.omp_num_threads} if cfg.omp_num_threads is not None else {},
+                      drop=CREDENTIAL_VARIABLES + METRICS_VARIABLES + LIMIT_VARIABLES + TORCHRUN_VARIABLES)
+
+
 def torchrun_env(cfg: LaunchConfig, slot: int, local_slots: int) -> Dict[str, str]:
     """The variables torchrun sets that stay true across re-forms: LOCAL_RANK is the worker's
     slot on this host (0..slots-1, its own for the process's life and its respawns': what

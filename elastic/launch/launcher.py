@@ -41,10 +41,12 @@ from rendezvous.status_client import JobStatusInfo, StatusClient, StatusError, S
 from .config import LaunchConfig, UsageError, parse
 from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
 from .embedded import EmbeddedServer, EmbeddedServerFailed
-from .environment import spawn_env
+from .environment import fork_server_env, spawn_env
+from .forkserver import ForkServer, ForkServerError
 from .metrics import WorkerMetrics
 from .outcome import WorkerEnd, completion_failure
-from .procs import Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all
+from .procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all,
+                    with_parent_death_signal)
 from .report import Reporter
 from .signals import StopSignals
 from .slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
@@ -88,6 +90,8 @@ class Launcher:
         self.ends: List[WorkerEnd] = []             # how each incarnation ended, in that order
         self.target = cfg.np                        # local workers wanted
         self.server: Optional[EmbeddedServer] = None
+        self.forkserver: Optional[ForkServer] = None   # --preload
+        self.fork_workers = True                        # until the fork server fails once
         self.status: Optional[StatusClient] = None
         self.view: Optional[JobStatusInfo] = None
         self.reporter = Reporter(time.monotonic())
@@ -197,6 +201,8 @@ class Launcher:
                 self._note_exit(w, w.proc.returncode)
         finally:
             try:
+                if self.forkserver is not None:
+                    self.forkserver.close()
                 if self.announcement is not None:
                     self.announcement.withdraw()
             finally:
@@ -252,6 +258,8 @@ class Launcher:
                                    f"{cfg.metrics_host}: {e.strerror or e}") from None
             self.out.info(f"metrics of this host's workers on http://{_url_host(cfg.metrics_host)}:{self.metrics.port}"
                           "/metrics")
+        if cfg.preload:   # it imports while the rendezvous starts
+            self.forkserver = ForkServer(cfg.preload, fork_server_env(os.environ, cfg), wrap=with_parent_death_signal)
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
                                          lambda line: self.out.line("err", None, line.encode()),
@@ -294,6 +302,15 @@ class Launcher:
             self.out.info(f"OMP_NUM_THREADS={cfg.omp_num_threads} for every worker, as torchrun sets it (each of "
                           "several workers on a host would otherwise start a thread per core); set OMP_NUM_THREADS "
                           "to choose")
+        if self.forkserver is not None:
+            began = time.monotonic()
+            try:
+                self.forkserver.wait_ready(cancelled=lambda: self.signum is not None)
+            except ForkServerError as e:
+                raise LaunchFailed(str(e)) from None
+            self._check_signal()
+            self.out.info(f"preloaded {','.join(cfg.preload)} in {time.monotonic() - began:.1f} s: workers are forked "
+                          f"from its process (pid {self.forkserver.proc.pid})")
         self._scale()
         next_status = 0.0
         while True:
@@ -380,7 +397,7 @@ class Launcher:
                         local_slots=self.target, token_file=self._token_file,
                         metrics_env=self.metrics.worker_env(worker_id) if self.metrics is not None else {})
         try:
-            w = Worker(slot, n, worker_id, cfg.command, env, self.out)
+            w = self._start(slot, n, worker_id, env)
         except OSError as e:
             raise LaunchFailed(f"cannot start {cfg.command[0]!r}: {e.strerror}") from None
         if self.metrics is not None:
@@ -389,6 +406,17 @@ class Launcher:
         self.all_workers.append(w)
         self.reporter.note_start(worker_id, time.monotonic())
         return w
+
+    def _start(self, slot: int, n: int, worker_id: str, env: Dict[str, str]) -> Worker:
+        if self.forkserver is not None and self.fork_workers:
+            try:
+                return Worker(slot, n, worker_id, self.cfg.command, env, self.out, forkserver=self.forkserver)
+            except ForkServerError as e:
+                # Killed (the OOM killer, a stray signal), stalled, or out of processes: the job goes
+                # on, its workers start as new processes (those it forked live on until they end).
+                self.out.note(f"--preload: {e}; worker {worker_id} and those after it start as new processes")
+                self.fork_workers = False
+        return Worker(slot, n, worker_id, self.cfg.command, env, self.out)
 
     def _scale(self) -> None:
         """Runs slots 0..target-1 (those not finished or waiting to respawn); stops the others."""

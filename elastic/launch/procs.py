@@ -20,7 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from .forkserver import ForkedProcess, ForkServer
 
 # The last line of a Python traceback: "ValueError: ...", "elastic.errors.WorkerLostError: ...".
 # Display text only (quoted in the launcher's reason for a failed job), never a decision.
@@ -131,7 +134,7 @@ class Worker:
     """One local worker process (one incarnation of a slot)."""
 
     def __init__(self, slot: int, restart: int, worker_id: str, command: Sequence[str],
-                 env: Mapping[str, str], output: Output):
+                 env: Mapping[str, str], output: Output, forkserver: Optional["ForkServer"] = None):
         self.slot, self.restart, self.worker_id = slot, restart, worker_id
         self.output = output
         self.tail: "collections.deque[str]" = collections.deque(maxlen=20)
@@ -143,8 +146,11 @@ class Worker:
         # counts as a success and its slot is not respawned.
         self.left = False
         self.handled = False             # the launcher has acted on its exit
-        self.proc = subprocess.Popen(with_parent_death_signal(command), env=dict(env), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        if forkserver is not None:   # --preload: forked from the server that imported the heavy modules
+            self.proc: "subprocess.Popen | ForkedProcess" = forkserver.spawn(command, env)
+        else:
+            self.proc = subprocess.Popen(with_parent_death_signal(command), env=dict(env), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.pid = self.proc.pid
         self._readers: List[threading.Thread] = [
             threading.Thread(target=self._pump, args=(self.proc.stdout, "out"), daemon=True),

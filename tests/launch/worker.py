@@ -8,17 +8,23 @@ LW_RAISE_ON=WORKER:SIZE that worker raises ValueError at its first step in a wor
 LW_PAUSE=RANK:STEP:SECONDS the worker of that rank works alone for SECONDS after STEP (once);
 LW_PRINT_ENV=1 prints torchrun's variables at start ("env ...") and at the first step of each
 world ("world env ...");
-LW_JOIN_AFTER=PATH joins the job only once PATH exists (a test orders joins of two launchers).
+LW_JOIN_AFTER=PATH joins the job only once PATH exists (a test orders joins of two launchers);
+LW_PRINT_PRELOADED=1 prints which of elastic, numpy and torch were imported before the script ran
+(elastic-run --preload), its parent's pid and its argv.
 Prints "start" first (before any world), "step S size N" after every step, "done" at the end,
 then what the worker sees after elastic.run returned: "result R", "after rank R size N
 version V", the sum of an allreduce of ones on the last world's ring, and the error a
 collective raises once elastic.shutdown() closed that ring.
 """
 
-import logging
-import os
 import sys
-import time
+
+# Before this script imports anything: what elastic-run --preload put there (a fork server's modules).
+PRELOADED = sorted(m for m in ("elastic", "numpy", "torch") if m in sys.modules)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np
 
@@ -37,6 +43,8 @@ paused = False   # this process paused already (not state: a restore must not pa
 with open(os.path.join(OUT, f"pid-{WORKER}.txt"), "w") as f:
     f.write(str(os.getpid()))
 print("start", flush=True)
+if os.environ.get("LW_PRINT_PRELOADED"):
+    print(f"preloaded {','.join(PRELOADED) or 'nothing'} ppid {os.getppid()} argv {sys.argv}", flush=True)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "MASTER_ADDR")
 if os.environ.get("LW_PRINT_ENV"):
     print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in TORCHRUN_VARS), flush=True)
