@@ -422,7 +422,7 @@ def _preload(value: Optional[str], command: Sequence[str]) -> Tuple[str, ...]:
         return ()
     modules = tuple(m.strip() for m in value.split(","))
     bad = [m for m in modules if not MODULE_RE.fullmatch(m)]
-    if bad or not modules:
+    if bad:
         raise UsageError(f"--preload {value!r}: give module names separated by commas, e.g. --preload torch")
     if forkable(command) is None:
         raise UsageError(f"--preload needs a worker command this Python ({sys.executable}) runs as 'python SCRIPT "

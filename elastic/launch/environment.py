@@ -25,6 +25,8 @@ LIMIT_VARIABLES = ("ELASTIC_MIN_NP", "ELASTIC_MAX_NP", "ELASTIC_MIN_NP_IF_NEW", 
 # Never inherited: only this launcher's own --metrics-port socket (a worker of an elastic-run
 # started by a worker must not push to the outer launcher).
 METRICS_VARIABLES = (ENV_SOCKET, ENV_TOKEN)
+# All of the above: what no process this launcher starts inherits from its own environment.
+NOT_INHERITED = CREDENTIAL_VARIABLES + METRICS_VARIABLES + LIMIT_VARIABLES + TORCHRUN_VARIABLES
 
 
 def spawn_env(base: Mapping[str, str], cfg: LaunchConfig, *, slot: int, incarnation: int, worker_id: str,
@@ -42,7 +44,7 @@ def spawn_env(base: Mapping[str, str], cfg: LaunchConfig, *, slot: int, incarnat
         "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
         "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(incarnation), **credential_env(cfg, token_file),
         **metrics_env,
-    }, drop=CREDENTIAL_VARIABLES + METRICS_VARIABLES + LIMIT_VARIABLES + TORCHRUN_VARIABLES)
+    }, drop=NOT_INHERITED)
 
 
 def fork_server_env(base: Mapping[str, str], cfg: LaunchConfig) -> Dict[str, str]:
@@ -51,7 +53,7 @@ def fork_server_env(base: Mapping[str, str], cfg: LaunchConfig) -> Dict[str, str
     differs per worker or grants access (ids, ranks, credentials): each forked worker then gets
     its own ``spawn_env`` in full."""
     return worker_env(base, {"OMP_NUM_THREADS": cfg.omp_num_threads} if cfg.omp_num_threads is not None else {},
-                      drop=CREDENTIAL_VARIABLES + METRICS_VARIABLES + LIMIT_VARIABLES + TORCHRUN_VARIABLES)
+                      drop=NOT_INHERITED)
 
 
 def torchrun_env(cfg: LaunchConfig, slot: int, local_slots: int) -> Dict[str, str]:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from elastic.launch.config import UsageError, parse
+from elastic.launch.environment import fork_server_env
 from elastic.launch.forkserver import ForkServer, ForkServerError, Target, check_request, forkable
 
 from .launch_helpers import wait_until
@@ -86,6 +87,16 @@ def test_the_server_refuses_a_request_of_any_other_shape(msg, fds, why):
 def test_bad_preload_flags_are_one_line_errors(args, error):
     with pytest.raises(UsageError, match=re.escape(error)):
         parse(["--np", "1", *args], env={})
+
+
+def test_the_fork_servers_environment_holds_nothing_per_worker_nor_any_credential():
+    cfg = parse(["--np", "2", "--preload", "torch", "--", sys.executable, "w.py"], env={})
+    base = {"PATH": "/usr/bin", "ELASTIC_TOKEN": "secret", "ELASTIC_TOKEN_FILE": "/t", "RANK": "3",
+            "LOCAL_RANK": "1", "ELASTIC_MIN_NP": "2", "ELASTIC_TLS_KEY": "/k"}
+    env = fork_server_env(base, cfg)
+    assert env["PATH"] == "/usr/bin" and env["OMP_NUM_THREADS"] == "1" and env["GRPC_VERBOSITY"] == "ERROR"
+    assert not {"ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", "RANK", "LOCAL_RANK", "ELASTIC_MIN_NP",
+                "ELASTIC_TLS_KEY"} & set(env), env
 
 
 def test_preload_parses_module_names():
