@@ -73,6 +73,7 @@ def test_a_launcher_of_a_shared_job_that_gives_up_says_it_gave_up_and_the_job_go
                         r"min-np\)", _last(b)), b.text()
     assert "job exp8 stopped" not in b.text()
     # And it does go on: host A's workers finish it.
+    a.finish()
     assert a.wait(90) == 0, a.text()
     assert _last(a).startswith("elastic-run: job exp8 completed"), a.text()
     a.wait_no_leftovers()
@@ -235,6 +236,8 @@ def test_torchrun_variables_that_stay_true_across_worlds_are_set_and_rank_follow
     p.wait_training(2)
     p.kill_worker("hA-1")
     p.wait_for(r"world \d+: 2 worker\(s\); joined: hA-1-r1", 60)
+    p.wait_for(r"^\[hA-1-r1\] step \d+ size 2$", 30, stream="out")
+    p.finish()
     assert p.wait(90) == 0, p.text()
     # At start: the slot (the respawn keeps its slot), the host's slots, OMP as torchrun; no rank yet.
     for w, slot in (("hA-0", 0), ("hA-1", 1), ("hA-1-r1", 1)):
@@ -276,6 +279,8 @@ def test_a_worker_cut_off_and_back_prints_no_grpc_line(launch):
     p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2", 30)
     p.kill_worker("hA-2", signal.SIGCONT)
     p.wait_for(r"world \d+: 3 worker\(s\); joined: hA-2", 60)
+    p.wait_for(r"^\[hA-2\] step \d+ size 3$", 30, stream="out")
+    p.finish()
     assert p.wait(120) == 0, p.text()
     assert not any("chttp2_transport" in l or ".cc:" in l for l in p.stderr), p.text()
 

@@ -55,6 +55,8 @@ def test_worker_killed_by_a_signal_is_respawned_and_the_world_regrows(launch):
     recovered = p.wait_for(r"world \d+: 2 worker\(s\); left: hA-1; recovered ([0-9.]+) s after hA-1 killed", 15)
     assert float(recovered.group(1)) < 5
     p.wait_for(r"world \d+: 3 worker\(s\); joined: hA-1-r1", 30)
+    p.wait_for(r"^\[hA-1-r1\] step \d+ size 3$", 30, stream="out")
+    p.finish()
     assert p.wait(60) == 0, p.text()
     assert re.match(r"elastic-run: job default completed \(1 recovery\(ies\), [0-9.]+-[0-9.]+ s each\)",
                     last_line(p)), p.text()
@@ -68,6 +70,7 @@ def test_worker_killed_without_respawn_leaves_a_smaller_world_that_finishes(laun
     p.kill_worker("hA-2")
     p.wait_for(r"worker hA-2 \(rank \d\) killed by SIGKILL; not respawned \(--max-restarts 0\)", 10)
     p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2; recovered", 15)
+    p.finish()
     assert p.wait(60) == 0, p.text()
     assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[hA-0] done", "[hA-1] done"]
     assert not os.path.exists(os.path.join(p.out_dir, "pid-hA-2-r1.txt"))
@@ -113,6 +116,7 @@ def test_second_launcher_joins_the_running_job_and_the_world_grows_at_a_commit(l
     b.wait_for(r"world \d+: 3 worker\(s\); joined: hB-0 \([0-9.]+ s after start\)", 30)
     # The newcomer trains in the grown world.
     b.wait_for(r"^\[hB-0\] step \d+ size 3$", 30, stream="out")
+    a.finish()
     assert b.wait(60) == 0, b.text()
     assert a.wait(60) == 0, a.text()
     assert not any("restoring commit" in l for l in a.stderr), "a clean join must not look like a failure"
@@ -202,6 +206,8 @@ def test_discovery_script_sets_the_slots_of_this_host(launch, tmp_path):
     tmp.replace(hosts)
     p.wait_for(r"discovery: 3 slot\(s\) on this host \(hD\)$", 10)
     p.wait_for(r"world \d+: 3 worker\(s\); joined: hD-2", 30)
+    p.wait_for(r"^\[hD-2\] step \d+ size 3$", 30, stream="out")
+    p.finish()
     assert p.wait(60) == 0, p.text()
 
 
@@ -285,6 +291,7 @@ def test_a_worker_sent_sigterm_leaves_at_a_commit_is_reported_and_not_respawned(
     p.kill_worker("hA-2", signal.SIGTERM)
     p.wait_for(r"^elastic-run: worker hA-2 \(rank \d\) left \(preempted\); not respawned$", 15)
     p.wait_for(r"world \d+: 2 worker\(s\); left: hA-2", 15)
+    p.finish()
     assert p.wait(60) == 0, p.text()
     assert re.match(r"elastic-run: job default completed", last_line(p)), p.text()
     assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[hA-0] done", "[hA-1] done"]
@@ -313,6 +320,7 @@ def test_sigterm_to_one_of_two_launchers_drains_its_workers_and_the_job_goes_on(
         # hA's workers re-form without it at a commit (the launcher's own world lines depend on
         # when it polls Status, so the workers' line is the one to wait for).
         a.wait_for(r"a worker leaves world version \d+; re-forming without it", 15)
+        a.finish()
         assert a.wait(60) == 0, a.text()
         assert last_line(a).startswith("elastic-run: job j completed"), a.text()
         assert not any("restoring commit" in l for l in a.stderr + b.stderr), a.text() + b.text()
@@ -339,6 +347,7 @@ def test_sigterm_to_a_launcher_and_its_worker_at_once_as_slurm_sends_it_is_one_g
         assert b.wait(30) == 0, b.text()
         b.wait_for(r"^elastic-run: worker hB-0( \(rank \d\))? left \(preempted: SIGTERM to elastic-run\)$", 1)
         assert any(l.startswith("[hB-0] ") and "left job j gracefully (SIGTERM)" in l for l in b.stderr), b.text()
+        a.finish()
         assert a.wait(60) == 0, a.text()
         assert not any("restoring commit" in l for l in a.stderr + b.stderr), a.text() + b.text()
     finally:
@@ -356,6 +365,7 @@ def test_a_slot_the_discovery_script_takes_away_is_drained_without_a_restore(lau
     p.wait_for(r"draining worker hD-2 \(rank \d\): discovery gives this host 2 slot\(s\)", 10)
     p.wait_for(r"worker hD-2 \(rank \d\) left \(drained: discovery gives this host 2 slot\(s\)\)", 15)
     p.wait_for(r"world \d+: 2 worker\(s\); left: hD-2", 15)
+    p.finish()
     assert p.wait(60) == 0, p.text()
     assert not any("restoring commit" in l for l in p.stderr), p.text()
     assert not os.path.exists(os.path.join(p.out_dir, "pid-hD-2-r1.txt"))

@@ -195,6 +195,8 @@ def test_the_event_log_of_a_kill_and_respawn_holds_exactly_what_happened_in_orde
     p.wait_training(3)
     p.kill_worker("hA-1")
     p.wait_for(r"world \d+: 3 worker\(s\); left: hA-1; joined: hA-1-r1", 30)
+    p.wait_for(r"^\[hA-1-r1\] step \d+ size 3$", 30, stream="out")
+    p.finish()
     assert p.wait(90) == 0, p.text()
     lines = events.read_text().splitlines()
     recs = [json.loads(line) for line in lines]
@@ -389,6 +391,7 @@ def test_a_flood_of_idle_metrics_connections_from_another_user_changes_nothing_f
         p.kill_worker("hA-1")
         p.wait_for(r"world \d+: 2 worker\(s\);.* joined: hA-1-r1", 60)
         flood.wait_rounds(2)
+        p.finish()
         assert p.wait(180) == 0, p.text()
     finally:
         flood.stop()

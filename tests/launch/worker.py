@@ -10,7 +10,9 @@ LW_PRINT_ENV=1 prints torchrun's variables at start ("env ...") and at the first
 world ("world env ...");
 LW_JOIN_AFTER=PATH joins the job only once PATH exists (a test orders joins of two launchers);
 LW_PRINT_PRELOADED=1 prints which of elastic, numpy and torch were imported before the script ran
-(elastic-run --preload), its parent's pid and its argv.
+(elastic-run --preload), its parent's pid and its argv;
+LW_FINISH_AT=PATH ends training early, at the first step whose allreduce shows PATH existing on any
+rank (a test that has seen what it waits for ends the job without running out its LW_STEPS).
 Prints "start" first (before any world), "step S size N" after every step, "done" at the end,
 then what the worker sees after elastic.run returned: "result R", "after rank R size N
 version V", the sum of an allreduce of ones on the last world's ring, and the error a
@@ -37,6 +39,7 @@ STEPS = int(os.environ.get("LW_STEPS", "40"))
 SLEEP = float(os.environ.get("LW_SLEEP", "0.05"))
 RAISE_AT = int(os.environ.get("LW_RAISE_AT", "-1"))
 RAISE_ON, _, RAISE_SIZE = os.environ.get("LW_RAISE_ON", "").partition(":")
+FINISH_AT = os.environ.get("LW_FINISH_AT", "")
 PAUSE = [float(x) for x in os.environ["LW_PAUSE"].split(":")] if os.environ.get("LW_PAUSE") else None
 paused = False   # this process paused already (not state: a restore must not pause it again)
 
@@ -66,10 +69,15 @@ def train(state):
     while state.step < STEPS:
         if state.step == RAISE_AT or (RAISE_ON == WORKER and str(elastic.size()) == RAISE_SIZE):
             raise ValueError(f"deterministic user error at step {state.step}")
-        ones = elastic.allreduce(np.ones(4, dtype=np.float32), elastic.Sum)
+        # The finish flag rides on the step's allreduce: every rank ends after the same step.
+        finish = 1.0 if FINISH_AT and os.path.exists(FINISH_AT) else 0.0
+        ones = elastic.allreduce(np.array([1, 1, 1, 1, finish], dtype=np.float32), elastic.Sum)
         state.total += float(ones[0])
         state.step += 1
         print(f"step {state.step} size {elastic.size()}", flush=True)
+        if ones[4] > 0:
+            print(f"finishing early at step {state.step}", flush=True)
+            break
         global paused
         if PAUSE and not paused and elastic.rank() == PAUSE[0] and state.step == PAUSE[1]:
             paused = True
