@@ -71,11 +71,11 @@ def train(state):
             raise ValueError(f"deterministic user error at step {state.step}")
         # The finish flag rides on the step's allreduce: every rank ends after the same step.
         finish = 1.0 if FINISH_AT and os.path.exists(FINISH_AT) else 0.0
-        ones = elastic.allreduce(np.array([1, 1, 1, 1, finish], dtype=np.float32), elastic.Sum)
-        state.total += float(ones[0])
+        summed = elastic.allreduce(np.array([1, 1, 1, 1, finish], dtype=np.float32), elastic.Sum)
+        state.total += float(summed[0])
         state.step += 1
         print(f"step {state.step} size {elastic.size()}", flush=True)
-        if ones[4] > 0:
+        if summed[4] > 0:
             print(f"finishing early at step {state.step}", flush=True)
             break
         global paused

@@ -23,7 +23,7 @@ The traps of Slurm in namespaces, and what this does about them:
   the configured ones. SlurmdTimeout is short so that a killed node is declared DOWN in seconds,
   cred_expire so that a requeued job may start again after 20 s, not Slurm's default 120, and
   sched_interval so that the scheduler's main loop, which is what starts it then, runs every 2 s
-  rather than every 60 (a requeue took anywhere from 60 to 105 s with the default).
+  rather than every 60 (with the default, the requeue test took anywhere from 58 to 105 s).
 """
 
 from __future__ import annotations
