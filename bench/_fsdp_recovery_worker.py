@@ -106,7 +106,8 @@ def main() -> None:
         v, rank, size = elastic.world_version(), elastic.rank(), elastic.size()
         r = state.last_reshard or {}
         log("world", v=v, rank=rank, size=size, step=state.step, moved=r.get("moved_bytes", 0),
-            reshard_s=r.get("seconds", 0.0), phases=r.get("phases", {}))
+            buddy=r.get("buddy_bytes", 0), own=state.memory_bytes()["own"], reshard_s=r.get("seconds", 0.0),
+            phases=r.get("phases", {}))
         measured = False
         model, opt = state.model, state.optimizer
         loss_fn = torch.nn.CrossEntropyLoss()

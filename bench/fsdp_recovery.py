@@ -15,6 +15,8 @@ survivors reshard the last commit onto the smaller world and train on.
   recovery          from the SIGKILL to the first step completed in the next world, and to
                     the moment training resumed (the sync done, the first step starting)
   moved bytes       what the reshard sent between ranks (rows that changed owner)
+  to buddies        what the commit of the new layout sent to the buddies (the rows each did
+                    not hold already), against whole copies of that layout
   ring bandwidth    bytes per second one ring allgather delivers to each rank, measured by the
                     workers in the same world
   target            0.5 s + moved bytes / ring bandwidth
@@ -132,6 +134,8 @@ def one_run(args) -> dict:
         "first_parts": step_new["parts"],
         "later_step": later[len(later) // 2] if later else float("nan"),
         "moved": max(e["moved"] for e in world),
+        "to_buddies": sum(e["buddy"] for e in world),
+        "whole_copies": sum(e["own"] for e in world),
         "bandwidth": statistics.mean(e["bandwidth"] for e in evs if e["ev"] == "bandwidth" and e["v"] == v),
     }
 
@@ -171,10 +175,12 @@ def main(argv=None) -> int:
               f"{mem['live'] / mem['full']:.2f} / {mem['own'] / mem['full']:.2f} / {mem['buddy'] / mem['full']:.2f} |")
     print()
     print(f"| SIGKILL of 1 of {args.workers} -> first step done in the next world | -> training resumed (sync "
-          "done) | moved bytes | ring bandwidth | target 0.5 s + moved / bandwidth | first step (a later one) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "done) | moved bytes | to buddies (of whole copies) | ring bandwidth | target 0.5 s + moved / bandwidth | "
+          "first step (a later one) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
         print(f"| {r['recovery']:.2f} s | {r['resumed']:.2f} s | {r['moved'] / 1e6:.1f} MB | "
+              f"{r['to_buddies'] / 1e6:.1f} MB ({r['whole_copies'] / 1e6:.1f} MB) | "
               f"{r['bandwidth'] / 1e6:.0f} MB/s | {0.5 + r['moved'] / r['bandwidth']:.2f} s | "
               f"{r['first_step']:.2f} s ({r['later_step']:.2f} s) |")
     print()

@@ -12,7 +12,9 @@ When the world changes every rank announces what it holds (``Holding``); ``decid
 generation to resume from and ``plan`` turns (old layout, holders, new layout) into the row
 ranges each new rank receives from which new rank, and from which of its copies. Only rows
 that change owner move: a new rank that holds rows itself (own or buddy copy) takes them from
-itself. Nothing here touches a socket, a tensor or a clock.
+itself. The commit a world takes right after resharding sends each rank's new shards to its
+buddy, which already holds many of those rows in its copies of the resumed generation
+(``buddy_plan``): only the rest travel. Nothing here touches a socket, a tensor or a clock.
 """
 
 from __future__ import annotations
@@ -164,5 +166,52 @@ def moved_rows(transfers: Sequence[Transfer]) -> int:
     return sum(t.stop - t.start for t in transfers if t.src != t.dst)
 
 
+@dataclasses.dataclass(frozen=True)
+class BuddyRows:
+    """Rows ``[start, stop)`` of tensor ``key`` of new rank ``owner``'s shard, as its buddy gets
+    them for its copy: from its own copy ``copy`` (OWN|BUDDY) of old rank ``old``'s shard, or,
+    where ``old`` is None, sent by the owner."""
+    key: int
+    owner: int
+    start: int
+    stop: int
+    old: Optional[int] = None
+    copy: Optional[int] = None
+
+
+def buddy_plan(rows: Sequence[int], old_size: int, holders: Optional[Sequence[Sequence[Tuple[int, int]]]],
+               new_size: int) -> List[BuddyRows]:
+    """Where each new rank's buddy takes every row of that rank's new shards from, in the commit
+    taken right after resharding from the generation ``holders`` describe (as for ``plan``;
+    None where no rank holds a copy: everything is sent). The buddy's copies of that generation
+    are bitwise the commit the new shards were assembled from, so a row it holds there is taken
+    from there; the rest is sent. Rows received during the move are not counted, so the plan
+    does not depend on how the move travels. Sorted by (key, owner, start), tiling every
+    owner's rows exactly; nothing for a world of one (no buddy)."""
+    out: List[BuddyRows] = []
+    if new_size < 2:
+        return out
+    if holders is not None and len(holders) != old_size:
+        raise ValueError(f"buddy_plan: {len(holders)} holder lists for {old_size} old ranks")
+    for key, n in enumerate(rows):
+        old_chunks = chunk_rows(n, old_size)
+        for owner, (a, b) in enumerate(chunk_rows(n, new_size)):
+            buddy = buddy_of(owner, new_size)
+            held = sorted((old_chunks[old] + (old, copy)) for old, hs in enumerate(holders or ())
+                          for r, copy in hs if r == buddy)
+            at = a
+            for oa, ob, old, copy in held:   # a rank's copies hold distinct old chunks: disjoint
+                start, stop = max(at, oa), min(b, ob)
+                if start >= stop:
+                    continue
+                if start > at:
+                    out.append(BuddyRows(key, owner, at, start))
+                out.append(BuddyRows(key, owner, start, stop, old, copy))
+                at = stop
+            if at < b:
+                out.append(BuddyRows(key, owner, at, b))
+    return out
+
+
 __all__ = ["OWN", "BUDDY", "chunk_rows", "buddy_of", "Generation", "Holding", "Resume", "Lost", "Fresh", "decide",
-           "Transfer", "plan", "moved_rows"]
+           "Transfer", "plan", "moved_rows", "BuddyRows", "buddy_plan"]

@@ -23,7 +23,8 @@ all decide the same way (``elastic.reshard``) which commit to resume from and wh
 rows, the rows that change owner travel in one ring allgather, and every rank loads its new
 shards: bytes are copied, never computed, so the full state is bitwise the commit. The reset
 callbacks then run on the new model and optimizer, and ``sync`` commits the new layout again
-(own copy and buddy copy), so the next failure finds it held twice. A commit
+(own copy and buddy copy; a buddy takes the rows it holds already in its copies of the commit
+resumed from, so only the rest travel), so the next failure finds it held twice. A commit
 whose shards died with both holders is restored from the newest durable commit when there is
 one (``elastic.run(checkpoint_dir=...)``), else every rank raises ``CommitLostError``.
 """
@@ -34,7 +35,7 @@ import logging
 import math
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -222,10 +223,12 @@ class ShardedState(ObjectState):
             log.error("durable commit %d could not be completed in %s: %s", step, self._checkpoint_dir, e)
 
     def _take_copies(self, comm, step: int, agree: Callable[[], None], clock: Optional["_Phases"] = None,
-                     taken: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None) -> None:
+                     taken: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None,
+                     local: Optional["_BuddyHolds"] = None) -> int:
         """Commits the live state as ``step``: own copy, buddy copy, then ``agree``. ``taken``
         is the own flat copy when the caller already holds it (a sync loaded the live shards
-        from it)."""
+        from it); ``local``, after a reshard, what the buddy already holds of it. Returns the
+        bytes sent to the buddy."""
         clock = clock or _Phases()
         shards, replicated = self._parts()
         self._check_committable({"attrs": replicated["attrs"], "handlers": replicated["handlers"],
@@ -238,7 +241,7 @@ class ShardedState(ObjectState):
                                              comm.world_version)
         own = {"flat": flat, "shards": views, "replicated": transfer.clone(replicated)}
         clock.mark("copy")
-        buddy = self._exchange(comm, gen, flat, replicated["table"]) if comm.size > 1 else None
+        buddy, sent = self._exchange(comm, gen, flat, views, replicated["table"], local) if comm.size > 1 else (None, 0)
         clock.mark("buddy")
         agreed = False
         try:
@@ -259,22 +262,35 @@ class ShardedState(ObjectState):
             else:
                 # Sent and received, not agreed: kept apart, announced at the next sync as pending.
                 object.__setattr__(self, "_pending", (gen, comm.rank, own, buddy))
+        return sent
 
-    def _exchange(self, comm, gen: reshard.Generation, flat: torch.Tensor, table: List[list]):
+    def _exchange(self, comm, gen: reshard.Generation, flat: torch.Tensor, views: Dict[str, torch.Tensor],
+                  table: List[list], local: Optional["_BuddyHolds"]):
         """Sends this rank's flat shard copy to its buddy and returns the previous rank's: its
         size is bounded by, and must equal, what that rank's chunks hold (every rank computes
-        every rank's layout from the same table), and it must name this commit."""
+        every rank's layout from the same table), and it must name this commit. After a
+        reshard (``local``) only the rows the buddy does not hold already travel. Returns (the
+        buddy copy, the bytes sent)."""
         prev = (comm.rank - 1) % comm.size
-        expected, _ = transfer.flat_layout(table, prev, comm.size)
-        got = comm.shift(flat, max_bytes=expected)
         try:
-            views = transfer.check_buddy(got, table, prev, comm.size, gen.step, gen.version)
+            if local is None:
+                expected, _ = transfer.flat_layout(table, prev, comm.size)
+                send = flat
+                got = comm.shift(flat, max_bytes=expected)
+                buddy_views = transfer.check_buddy(got, table, prev, comm.size, gen.step, gen.version)
+            else:
+                pieces = reshard.buddy_plan([shape[0] for _, shape, _ in table], local.old_size, local.holders,
+                                            comm.size)
+                send = transfer.pack_for_buddy(pieces, comm.rank, views, table, comm.size, gen.step, gen.version)
+                received = comm.shift(send, max_bytes=transfer.buddy_sent_bytes(pieces, prev, table))
+                got, buddy_views = transfer.assemble_buddy(received, pieces, prev, table, comm.size, gen.step,
+                                                           gen.version, local.old_size, local.own, local.buddy)
         except ValueError as e:
             comm.abort(f"buddy copy from rank {prev}: {e}")
             raise BadPeerError(f"commit in world version {comm.world_version}: the buddy copy rank {prev} sent "
                                f"cannot be kept: {e}", op="commit", world_version=comm.world_version, rank=comm.rank,
                                peer=prev, kind=ErrorKind.BadPeer) from None
-        return {"flat": got, "shards": views}
+        return {"flat": got, "shards": buddy_views}, send.numel()
 
     # ------------------------------------------------------------------ a new world
     def _new_world(self) -> None:
@@ -320,13 +336,15 @@ class ShardedState(ObjectState):
                 super().on_reset()
             if r["disk"] is not None:
                 object.__setattr__(self, "_written", r["disk"].step)
-            self._take_copies(comm, r["step"], _agreement(comm), r["clock"], taken=r["taken"])
+            sent = self._take_copies(comm, r["step"], _agreement(comm), r["clock"], taken=r["taken"],
+                                     local=r["local"])
         except BaseException as e:
             timer.__exit__(type(e), e, e.__traceback__)
             raise
         timer.__exit__(None, None, None)
         seconds = time.monotonic() - r["started"]
-        object.__setattr__(self, "last_reshard", {"from": r["from"], "moved_bytes": r["moved"], "seconds": seconds,
+        object.__setattr__(self, "last_reshard", {"from": r["from"], "moved_bytes": r["moved"],
+                                                  "buddy_bytes": sent, "seconds": seconds,
                                                   "phases": r["clock"].phases})
         if r["disk"] is not None:
             log.info("world version %d: resumed from durable commit %d in %s (written by %d ranks) in %.3f s",
@@ -357,7 +375,7 @@ class ShardedState(ObjectState):
             self._resume_from_disk(comm, disk)
             clock.mark("disk")
             return {"version": comm.world_version, "step": disk.step, "root": 0, "taken": None, "moved": 0,
-                    "from": ("disk", disk.step), "disk": disk, "clock": clock, "started": started}
+                    "from": ("disk", disk.step), "disk": disk, "clock": clock, "started": started, "local": None}
         if isinstance(decision, reshard.Lost):
             raise CommitLostError(
                 f"world version {comm.world_version}: commit {decision.generation.step} of the "
@@ -367,7 +385,8 @@ class ShardedState(ObjectState):
         model = self._build()
         clock.mark("build")
         initial = None
-        if isinstance(decision, reshard.Fresh):
+        fresh = isinstance(decision, reshard.Fresh)
+        if fresh:
             if any(p.is_meta for p in model.parameters()):
                 raise ValueError("ShardedState: build() made parameters on the meta device and there is no commit "
                                  "to fill them from; build the first world's model on the CPU")
@@ -392,9 +411,12 @@ class ShardedState(ObjectState):
         clock.mark("move")
         self._load(table, views, replicated)
         clock.mark("load")
+        # What each buddy holds already of the layout sync commits (not for a first world: only
+        # rank 0 held its build()).
+        local = None if fresh else _BuddyHolds(decision.holders, decision.generation.size, own, buddy)
         return {"version": comm.world_version, "step": decision.generation.step, "root": decision.root,
                 "taken": (flat, views), "moved": moved, "from": decision.generation, "disk": None, "clock": clock,
-                "started": started}
+                "started": started, "local": local}
 
     def _install(self, model) -> None:
         """Shards a fresh build() over this world's mesh, gives it storage where build() left it on
@@ -529,6 +551,15 @@ class ShardedState(ObjectState):
             for name, v in sorted(self.optimizer.state.get(p, {}).items()):
                 out.setdefault(fqn, {})[name] = transfer.gather(comm, v, fqn) if transfer.is_dtensor(v) else v
         return out
+
+
+class _BuddyHolds(NamedTuple):
+    """What the commit after a reshard needs to send each buddy only the rows it lacks: who
+    holds the resumed generation (``reshard.Resume.holders``), its size and this rank's copies."""
+    holders: Tuple[Tuple[Tuple[int, int], ...], ...]
+    old_size: int
+    own: Optional[Dict[str, Any]]
+    buddy: Optional[Dict[str, Any]]
 
 
 class _ReshardOnNewWorld(hooks.StepHooks):

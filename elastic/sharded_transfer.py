@@ -8,6 +8,8 @@ A commit copies a rank's shards once, into one flat buffer (``flat_copy``): a 64
 the buddy receives, as it is, in one ``Communicator.shift``: both sides compute every rank's
 layout from the same table of tensors (``flat_layout``), so no description travels, nothing
 is parsed but the header, and a size other than the layout's is refused before it is read.
+Right after a reshard the buddy already holds most rows of its new copy in its copies of the
+generation resumed from: only the rest travel (``pack_for_buddy``, ``assemble_buddy``).
 
 Every size used here is this rank's own: the shapes come from the model its ``build()`` made,
 and what a peer sends is checked against them before it is kept.
@@ -184,6 +186,70 @@ def check_buddy(flat: Any, table: List[list], prev: int, size: int, step: int, v
     if got != [step, version]:
         raise ValueError(f"it is commit {got[0]} of world version {got[1]}, not {step} of {version}")
     return flat_views(flat, layout)
+
+
+def _row_bytes(entry: list) -> int:
+    _, shape, dtype = entry
+    return math.prod(shape[1:]) * dtype_named(dtype).itemsize
+
+
+def buddy_sent_bytes(pieces: List[reshard.BuddyRows], owner: int, table: List[list]) -> int:
+    """The bytes ``owner`` sends its buddy under ``pieces`` (``reshard.buddy_plan``): a header
+    naming the commit, then the rows its buddy does not hold."""
+    return _HEADER + sum((p.stop - p.start) * _row_bytes(table[p.key]) for p in pieces
+                         if p.owner == owner and p.old is None)
+
+
+def pack_for_buddy(pieces: List[reshard.BuddyRows], me: int, views: Dict[str, torch.Tensor], table: List[list],
+                   size: int, step: int, version: int) -> torch.Tensor:
+    """What this rank sends its buddy after a reshard: the header, then the rows of its new
+    shards (``views``) the buddy does not hold, in the plan's order."""
+    out = torch.empty(buddy_sent_bytes(pieces, me, table), dtype=torch.uint8)
+    out[:_HEADER].view(torch.int64).copy_(torch.tensor([step, version], dtype=torch.int64))
+    at = _HEADER
+    for p in pieces:
+        if p.owner != me or p.old is not None:
+            continue
+        key, shape, _ = table[p.key]
+        a = reshard.chunk_rows(shape[0], size)[me][0]
+        rows = views[key][p.start - a:p.stop - a].contiguous().view(-1).view(torch.uint8)
+        out[at:at + rows.numel()] = rows
+        at += rows.numel()
+    return out
+
+
+def assemble_buddy(got: Any, pieces: List[reshard.BuddyRows], prev: int, table: List[list], size: int, step: int,
+                   version: int, old_size: int, own, buddy) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The previous rank's new flat copy, put together from this rank's copies of the resumed
+    generation (``own``, ``buddy``) and the rows it sent (``got``: exactly the plan's bytes,
+    naming commit ``step`` of world ``version``); ValueError otherwise."""
+    expected = buddy_sent_bytes(pieces, prev, table)
+    if got.numel() != expected:
+        raise ValueError(f"{got.numel()} bytes, the rows it lacks take {expected}")
+    named = got[:_HEADER].view(torch.int64).tolist()
+    if named != [step, version]:
+        raise ValueError(f"it is commit {named[0]} of world version {named[1]}, not {step} of {version}")
+    flat, views = flat_buffer(table, prev, size, step, version)
+    at = _HEADER
+    for p in pieces:
+        if p.owner != prev:
+            continue
+        key, shape, _ = table[p.key]
+        a = reshard.chunk_rows(shape[0], size)[prev][0]
+        dst = views[key][p.start - a:p.stop - a]
+        if p.old is None:
+            n = dst.numel() * dst.element_size()
+            if n:
+                dst.view(-1).view(torch.uint8).copy_(got[at:at + n])
+            at += n
+            continue
+        copy = own if p.copy == reshard.OWN else buddy
+        if copy is None:
+            raise RuntimeError(f"ShardedState sync: the buddy plan reads this rank's copy of old rank {p.old}, "
+                               "which it does not hold")
+        base = reshard.chunk_rows(shape[0], old_size)[p.old][0]
+        dst.copy_(copy["shards"][key][p.start - base:p.stop - base])
+    return flat, views
 
 
 def check_table(replicated: Any, model: torch.nn.Module, me: int, root: int) -> List[list]:

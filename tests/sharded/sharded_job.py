@@ -18,7 +18,8 @@ Knobs (environment):
 
 The model is a tiny transformer-like stack whose width (10) and vocabulary (37) no world size
 here divides. The batch of a step is a function of (step, rank). Every commit and every world's
-first step append a JSON line with the SHA-256 of the gathered full model and optimizer state.
+first step append a JSON line with the SHA-256 of the gathered full model and optimizer state;
+a world's line also says whether every rank's buddy copy is bitwise its previous rank's own copy.
 """
 
 from __future__ import annotations
@@ -138,6 +139,18 @@ def digest():
     return h.hexdigest()
 
 
+def copies_agree():
+    """Whether every rank's buddy copy of the last commit is bitwise the previous rank's own copy
+    (a collective; None in a world of one, which has no buddy)."""
+    if elastic.size() == 1:
+        return None
+    sha = [hashlib.sha256(STATE._own["flat"].numpy().tobytes()).digest(),
+           hashlib.sha256(STATE._buddy["flat"].numpy().tobytes()).digest()]
+    every = elastic.allgather(torch.frombuffer(bytearray(b"".join(sha)), dtype=torch.uint8).view(1, 64))
+    n = every.shape[0]
+    return all(bytes(every[r, 32:].tolist()) == bytes(every[(r - 1) % n, :32].tolist()) for r in range(n))
+
+
 def batch(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, VOCAB, (4, 6), generator=g)
@@ -152,8 +165,9 @@ def stop_requested():
 @elastic.run(checkpoint_dir=CHECKPOINT, checkpoint_every=DURABLE_EVERY)
 def train(state):
     event("world", step=state.step, commit=state.commit_step, v=elastic.world_version(), size=elastic.size(),
-          rank=elastic.rank(), digest=digest(), memory=state.memory_bytes(),
-          moved=state.last_reshard["moved_bytes"] if state.last_reshard else 0)
+          rank=elastic.rank(), digest=digest(), memory=state.memory_bytes(), copies=copies_agree(),
+          moved=state.last_reshard["moved_bytes"] if state.last_reshard else 0,
+          buddy_bytes=state.last_reshard["buddy_bytes"] if state.last_reshard else 0)
     model, opt = state.model, state.optimizer
     while state.step < STEPS or (UNTIL_SIZE and state.tail < 5) or (STOP_FILE and not stop_requested()):
         tokens, target = batch(state.step, elastic.rank())

@@ -1,11 +1,11 @@
 """The resharding decision (elastic.reshard) as tables: which commit a new world resumes from,
-and which rows each new rank receives from whom."""
+which rows each new rank receives from whom, and which rows of its new copy a buddy holds."""
 
 import pytest
 import torch
 
-from elastic.reshard import (BUDDY, OWN, Fresh, Generation, Holding, Lost, Resume, Transfer, chunk_rows, decide,
-                             moved_rows, plan)
+from elastic.reshard import (BUDDY, OWN, BuddyRows, Fresh, Generation, Holding, Lost, Resume, Transfer, buddy_of,
+                             buddy_plan, chunk_rows, decide, moved_rows, plan)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 13, 64, 100])
@@ -134,3 +134,67 @@ def test_a_holder_that_is_the_receiver_reads_its_own_copy_first():
 def test_a_shard_without_holder_is_refused():
     with pytest.raises(ValueError, match="no holder"):
         plan([8], 2, [((0, OWN),), ()], 2)
+
+
+# -------------------------------------------------------------------- buddy_plan
+def resumed(old_size, survivors):
+    """decide()'s holders when old ranks ``survivors`` (in new-rank order; None: a newcomer)
+    hold their commit."""
+    g = Generation(10, 5, old_size)
+    return decide([Holding(committed=(g, old)) if old is not None else Holding() for old in survivors]).holders
+
+
+def sent_rows(pieces):
+    return sum(p.stop - p.start for p in pieces if p.old is None)
+
+
+def test_after_one_of_four_died_a_buddy_holds_all_but_the_rows_of_the_dead_ranks_neighbour():
+    # 12 rows: old chunks of 3, new of 4. Old 3 died; old 0, 1, 2 are new 0, 1, 2. New 1 (old 1:
+    # rows 3-5, and old 0's 0-2 as buddy) holds new 0's rows 0-3; new 2 holds new 1's 4-7; new 0
+    # (old 0: 0-2, and old 3's 9-11 as buddy) lacks row 8 of new 2's 8-11, which alone travels.
+    assert buddy_plan([12], 4, resumed(4, [0, 1, 2]), 3) == [
+        BuddyRows(0, 0, 0, 3, 0, BUDDY), BuddyRows(0, 0, 3, 4, 1, OWN),
+        BuddyRows(0, 1, 4, 6, 1, BUDDY), BuddyRows(0, 1, 6, 8, 2, OWN),
+        BuddyRows(0, 2, 8, 9), BuddyRows(0, 2, 9, 12, 3, BUDDY),
+    ]
+
+
+def test_the_same_world_again_sends_no_row_and_a_newcomer_is_sent_all_of_its_neighbours():
+    rows = [7, 13, 64, 2]
+    assert sent_rows(buddy_plan(rows, 4, resumed(4, [0, 1, 2, 3]), 4)) == 0
+    # 3 -> 4: the newcomer (new 3) holds nothing, so new 2 sends it all its rows; the others hold
+    # at most part of their neighbour's
+    pieces = buddy_plan([12], 3, resumed(3, [0, 1, 2, None]), 4)
+    assert [p for p in pieces if p.owner == 2] == [BuddyRows(0, 2, 6, 9)]
+    assert sent_rows(pieces) == 3 + 1   # of new 1's rows 3-5, new 2 (old 2: 8-11, buddy 4-7) lacks row 3
+
+
+def test_without_holders_everything_is_sent_and_a_world_of_one_has_no_buddy():
+    assert buddy_plan([5, 3], 2, None, 3) == [
+        BuddyRows(0, 0, 0, 2), BuddyRows(0, 1, 2, 4), BuddyRows(0, 2, 4, 5),
+        BuddyRows(1, 0, 0, 1), BuddyRows(1, 1, 1, 2), BuddyRows(1, 2, 2, 3)]
+    assert buddy_plan([5], 2, resumed(2, [0, 1]), 1) == []
+
+
+@pytest.mark.parametrize("rows", [[0], [1], [5], [7, 13, 1], [64, 3]])
+@pytest.mark.parametrize("old_size, survivors, new_size",
+                         [(4, [0, 1, 2], 3), (4, [1, 3], 2), (4, [2, 0, 3], 3), (3, [0, 1, 2], 4), (2, [1, 0], 5),
+                          (5, [0, 2, 4], 3), (4, [0, 1, 2, 3], 4), (3, [2, 1, 0], 3)])
+def test_buddy_plan_tiles_every_owners_rows_and_reads_only_what_the_buddy_holds(rows, old_size, survivors,
+                                                                                 new_size):
+    holders = resumed(old_size, survivors + [None] * (new_size - len(survivors)))
+    pieces = buddy_plan(rows, old_size, holders, new_size)
+    for key, n in enumerate(rows):
+        old_chunks = chunk_rows(n, old_size)
+        for owner, (a, b) in enumerate(chunk_rows(n, new_size)):
+            mine = [p for p in pieces if p.key == key and p.owner == owner]
+            assert [r for p in mine for r in range(p.start, p.stop)] == list(range(a, b)), (key, owner, mine)
+            buddy = buddy_of(owner, new_size)
+            for p in mine:
+                if p.old is not None:
+                    assert (buddy, p.copy) in holders[p.old]
+                    oa, ob = old_chunks[p.old]
+                    assert oa <= p.start < p.stop <= ob
+                else:   # sent only where the buddy holds none of those rows
+                    assert not any((buddy, c) in holders[old] and max(p.start, oa) < min(p.stop, ob)
+                                   for old, (oa, ob) in enumerate(old_chunks) for c in (OWN, BUDDY))
