@@ -5,6 +5,7 @@
     python bench/goodput.py --every 30 --duration 300 --commit-every 20 --seed 3
     python bench/goodput.py --fsdp                # the model sharded with FSDP2 (see below)
     python bench/goodput.py --preload torch       # elastic-run forks its workers from a process holding torch
+    python bench/goodput.py --launchers elastic-run --repeat 3   # three cycles: goodput's spread on this machine
 
 Every run trains bench/_goodput_worker.py's model (~9M-parameter MLP, 32 samples per rank and
 step, SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers
@@ -35,7 +36,10 @@ mode, FT-HSDP, shards inside a replica group; not measured here).
 
 For each, a fault-free run of --fault-free-seconds before the fault runs and another after
 them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
-and the fault run: from the job's first step, every --every seconds for --duration seconds
+and the fault run (with --repeat K, K cycles of fault runs with a fault-free run between every
+two, each cycle measured against the fault-free runs either side of it, then every cycle's
+goodput side by side with their mean and range: one run's goodput moves with the machine's
+speed by several percent here, so a figure near 1 needs its spread next to it): from the job's first step, every --every seconds for --duration seconds
 one worker process chosen at random (--seed) among those training is sent SIGKILL (when the
 previous fault has not recovered by then, the next one waits for it); one fault run per
 --every value. Every worker appends a line per step and per commit to a file, each step with
@@ -575,6 +579,42 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
     return lines
 
 
+def cycle_goodput(res: RunResult, before: RunResult, after: RunResult) -> float:
+    """Useful steps/s of a fault run over the mean fault-free rate of the runs either side."""
+    return (res.final / res.seconds) / ((before.rate + after.rate) / 2)
+
+
+def spread_table(args, fault_free: List[Dict[str, RunResult]],
+                 cycles: List[Dict[Tuple[str, float], RunResult]]) -> List[str]:
+    """Every cycle's goodput and useful samples ratio per system, with their mean and range, and
+    in how many cycles elastic-run met its goodput target."""
+    lines = [f"| {len(cycles)} cycles: each against the fault-free runs either side | "
+             + " | ".join(args.launchers) + " | target (elastic-run) |",
+             "| --- |" + " --- |" * (len(args.launchers) + 1)]
+
+    def cell(xs: List[float]) -> str:
+        return (", ".join(f"{x:.2f}" for x in xs) +
+                f" (mean {statistics.mean(xs):.2f}, range {min(xs):.2f}-{max(xs):.2f})")
+
+    for every in args.every:
+        good = {k: [cycle_goodput(c[(k, every)], fault_free[i][k], fault_free[i + 1][k])
+                    for i, c in enumerate(cycles)] for k in args.launchers}
+        samples = {k: [(c[(k, every)].samples / c[(k, every)].seconds) /
+                       ((fault_free[i][k].rate + fault_free[i + 1][k].rate) / 2 * args.workers * BATCH)
+                       for i, c in enumerate(cycles)] for k in args.launchers}
+        target = goodput_target(every)
+        hit = (f">= {target:g} (met in {sum(g >= target for g in good['elastic-run'])} of {len(cycles)})"
+               if target and "elastic-run" in args.launchers else "-")
+        lines.append(f"| SIGKILL every {every:g} s: goodput | " + " | ".join(cell(good[k]) for k in args.launchers)
+                     + f" | {hit} |")
+        lines.append("| useful samples / fault-free | " + " | ".join(cell(samples[k]) for k in args.launchers)
+                     + " | - |")
+    rates = {k: [ff[k].rate for ff in fault_free] for k in args.launchers}
+    lines.append("| fault-free steps/s, run by run | " + " | ".join(
+        ", ".join(f"{x:.2f}" for x in rates[k]) for k in args.launchers) + " | - |")
+    return lines
+
+
 def load() -> str:
     try:
         return " ".join(open("/proc/loadavg").read().split()[:3])
@@ -612,8 +652,13 @@ def parse_args(argv=None):
     ap.add_argument("--preload", metavar="MODULES", default=None,
                     help="run elastic-run with --preload MODULES (e.g. torch): its workers and respawns are forked "
                          "from a process that imported them once (default: every worker a new process)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="K",
+                    help="cycles of fault runs, with a fault-free run before, between and after them; the "
+                         "goodput of every cycle is printed with their mean and range (default 1)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (event logs, launcher logs)")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     defaults = ([10.0, 20.0], 30.0, 15.0) if args.quick else ([20.0, 60.0], 300.0, 60.0)
     for name, default in zip(("every", "duration", "fault_free_seconds"), defaults):
         if getattr(args, name) is None:
@@ -652,11 +697,20 @@ def main(argv=None) -> int:
     print(f"# goodput{' (FSDP2)' if args.fsdp else ''}: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
           f"commit/checkpoint every {args.commit_every} steps; run directory {out}"
           + (f"; elastic-run --preload {args.preload}" if args.preload else ""), flush=True)
+    # Cycle i's fault runs lie between fault-free runs i and i + 1.
+    fault_free: List[Dict[str, RunResult]] = []
+    cycles: List[Dict[Tuple[str, float], RunResult]] = []
     try:
-        before = {k: one(k, args, out, "fault-free-before") for k in args.launchers}
-        faulty = {(k, every): one(k, args, out, f"faults-{every:g}", every)
-                  for every in args.every for k in args.launchers}
-        after = {k: one(k, args, out, "fault-free-after") for k in args.launchers}
+        for i in range(args.repeat + 1):
+            label = ("fault-free-before", "fault-free-after")[i] if args.repeat == 1 else f"fault-free-{i}"
+            fault_free.append({k: one(k, args, out, label) for k in args.launchers})
+            if i == args.repeat:
+                break
+            if args.repeat > 1:
+                print(f"# cycle {i + 1} of {args.repeat}, load average {load()}", flush=True)
+            suffix = f"-cycle{i + 1}" if args.repeat > 1 else ""
+            cycles.append({(k, every): one(k, args, out, f"faults-{every:g}{suffix}", every)
+                           for every in args.every for k in args.launchers})
     except KeyboardInterrupt:
         print("# interrupted: every process of the run was stopped", flush=True)
         return 130
@@ -664,15 +718,23 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
     print(f"# load average {load()} at end")
-    print()
-    for line in table(args, before, after, faulty):
-        print(line)
+    for i, faulty in enumerate(cycles):
+        print()
+        if args.repeat > 1:
+            print(f"Cycle {i + 1} of {args.repeat}:")
+            print()
+        for line in table(args, fault_free[i], fault_free[i + 1], faulty):
+            print(line)
+    if args.repeat > 1:
+        print()
+        for line in spread_table(args, fault_free, cycles):
+            print(line)
     if args.plot:
         from _goodput_plot import plot
 
-        plot(args.plot, args, faulty)
-        print(f"# plot written to {args.plot}")
-    errors = [f"{r.launcher}: {r.error}" for r in (*before.values(), *faulty.values(), *after.values()) if r.error]
+        plot(args.plot, args, cycles[0])
+        print(f"# plot written to {args.plot}" + (" (the first cycle)" if args.repeat > 1 else ""))
+    errors = [f"{r.launcher}: {r.error}" for runs in (*fault_free, *cycles) for r in runs.values() if r.error]
     for e in errors:
         print(f"# stopped early: {e}")
     return 0
