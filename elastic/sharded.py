@@ -24,7 +24,8 @@ rows, the rows that change owner travel in one ring allgather, and every rank lo
 shards: bytes are copied, never computed, so the full state is bitwise the commit. The reset
 callbacks then run on the new model and optimizer, and ``sync`` commits the new layout again
 (own copy and buddy copy; a buddy takes the rows it holds already in its copies of the commit
-resumed from, so only the rest travel), so the next failure finds it held twice. A commit
+resumed from, so only the rest travel; after a resume from disk and in the first world, whole
+copies do), so the next failure finds it held twice. A commit
 whose shards died with both holders is restored from the newest durable commit when there is
 one (``elastic.run(checkpoint_dir=...)``), else every rank raises ``CommitLostError``.
 """
@@ -279,11 +280,13 @@ class ShardedState(ObjectState):
                 got = comm.shift(flat, max_bytes=expected)
                 buddy_views = transfer.check_buddy(got, table, prev, comm.size, gen.step, gen.version)
             else:
-                pieces = reshard.buddy_plan([shape[0] for _, shape, _ in table], local.old_size, local.holders,
-                                            comm.size)
-                send = transfer.pack_for_buddy(pieces, comm.rank, views, table, comm.size, gen.step, gen.version)
-                received = comm.shift(send, max_bytes=transfer.buddy_sent_bytes(pieces, prev, table))
-                got, buddy_views = transfer.assemble_buddy(received, pieces, prev, table, comm.size, gen.step,
+                # The table the new own copy was laid out by (the reshard's), so that the rows
+                # planned, packed and put together are that copy's.
+                t = local.table
+                pieces = reshard.buddy_plan([shape[0] for _, shape, _ in t], local.old_size, local.holders, comm.size)
+                send = transfer.pack_for_buddy(pieces, comm.rank, views, t, comm.size, gen.step, gen.version)
+                received = comm.shift(send, max_bytes=transfer.buddy_sent_bytes(pieces, prev, t))
+                got, buddy_views = transfer.assemble_buddy(received, pieces, prev, t, comm.size, gen.step,
                                                            gen.version, local.old_size, local.own, local.buddy)
         except ValueError as e:
             comm.abort(f"buddy copy from rank {prev}: {e}")
@@ -413,7 +416,7 @@ class ShardedState(ObjectState):
         clock.mark("load")
         # What each buddy holds already of the layout sync commits (not for a first world: only
         # rank 0 held its build()).
-        local = None if fresh else _BuddyHolds(decision.holders, decision.generation.size, own, buddy)
+        local = None if fresh else _BuddyHolds(table, decision.holders, decision.generation.size, own, buddy)
         return {"version": comm.world_version, "step": decision.generation.step, "root": decision.root,
                 "taken": (flat, views), "moved": moved, "from": decision.generation, "disk": None, "clock": clock,
                 "started": started, "local": local}
@@ -554,8 +557,10 @@ class ShardedState(ObjectState):
 
 
 class _BuddyHolds(NamedTuple):
-    """What the commit after a reshard needs to send each buddy only the rows it lacks: who
-    holds the resumed generation (``reshard.Resume.holders``), its size and this rank's copies."""
+    """What the commit after a reshard needs to send each buddy only the rows it lacks: the
+    reshard's table, who holds the resumed generation (``reshard.Resume.holders``), its size and
+    this rank's copies."""
+    table: List[list]
     holders: Tuple[Tuple[Tuple[int, int], ...], ...]
     old_size: int
     own: Optional[Dict[str, Any]]
