@@ -17,8 +17,9 @@ state hashes, JSON event logs) on --workers processes. Then, --kills times: wait
 SIGSTOP it (it is sent SIGCONT once the others have recovered, and must come back as a new
 member). Each fault is timed from the signal to the first step any other worker completes
 in a newer world, and to the moment every other worker has completed one there (the last
-survivor's first step: the recovery of the whole job). After the last fault the job is told to stop at its next epoch boundary;
-then the same number of epochs runs again without faults, for the loss to compare with.
+survivor's first step: the recovery of the whole job). After the last fault the job is told
+to stop at its next epoch boundary; then the same number of epochs runs again without faults,
+for the loss to compare with.
 
 Printed: faults survived, recovery p50/p95/max per signal (first survivor and every survivor;
 targets: SIGKILL p95 <= 0.1 s on every survivor, SIGSTOP within 2/3 of the heartbeat

@@ -36,12 +36,7 @@ mode, FT-HSDP, shards inside a replica group; not measured here).
 
 For each, a fault-free run of --fault-free-seconds before the fault runs and another after
 them (the load from elsewhere on a shared machine drifts; their mean is the fault-free rate),
-and the fault run (with --repeat K, K cycles of fault runs with a fault-free run before, between
-and after them, each fault run measured against the fault-free runs either side of it, then
-every cycle's goodput side by side with their mean and range: one run's goodput moves with the machine's
-speed by several percent here, so a figure near 1 needs its spread next to it; and each fault
-run's useful steps/s over its own rate while it had all --workers, a ratio that the drift
-between runs does not move, though it misses any slowdown faults cause to a whole world): from the job's first step, every --every seconds for --duration seconds
+and the fault run: from the job's first step, every --every seconds for --duration seconds
 one worker process chosen at random (--seed) among those training is sent SIGKILL (when the
 previous fault has not recovered by then, the next one waits for it); one fault run per
 --every value. Every worker appends a line per step and per commit to a file, each step with
@@ -74,6 +69,14 @@ the sample indices it trained (bench/_goodput_worker.py); all figures come from 
                        it had fewer (between two steps of one world; the pauses of re-forms,
                        restarts and joins are left out): shows how much of the useful rate
                        comes from a smaller world's faster steps.
+
+With --repeat K the fault runs are made K times (cycles), with a fault-free run before,
+between and after them, and each fault run is measured against the fault-free runs either
+side of it. Every cycle's goodput is then printed side by side with their mean and range (one
+run's goodput moves with this machine's speed by several percent, so a figure near 1 needs
+its spread next to it), and so is each fault run's useful steps/s over its own rate while it
+had all --workers: a ratio the drift between runs does not move, though it misses any slowdown
+that faults cause a whole world.
 
 The torchrun runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set: without it,
 torchrun's restarts fail here (see TORCH_STORE_ENV below).
