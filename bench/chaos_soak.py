@@ -64,6 +64,12 @@ from tests.waiting import wait_until  # noqa: E402
 KILL_TARGET_S = 0.1   # SIGKILL -> the next step completed on every survivor, p95
 
 
+def percentile95(xs) -> float:
+    """The 95th percentile of ``xs`` (the nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
 def stop_target(args) -> float:
     """How soon a SIGSTOPped worker must be fenced: the server cuts it within 2/3 of the heartbeat
     timeout (a ping every third, a third to answer), plus 0.2 s to re-form and step (1 s at the
@@ -126,43 +132,32 @@ class Soak:
         return any(size == self.args.workers and version > after_version
                    for size, version in ((p[1], p[2]) for p in map(self.job.progress, self.live) if p))
 
-    def recovered_at(self, victim: str, t_fault: float, version: int):
-        """Time of the first step another worker completed in a world newer than `version`."""
-        first = None
+    def first_steps(self, victim: str, t_fault: float, version: int, smaller: bool = False):
+        """Each other worker's first step after `t_fault` in a world newer than `version` (and,
+        with `smaller`, of fewer than --workers workers): worker -> its time, or None."""
+        out = {}
         for w in self.live:
             if w == victim:
                 continue
-            for e in self.job.events(w):
-                if e["ev"] == "step" and e["t"] > t_fault and e["v"] > version:
-                    first = e["t"] if first is None else min(first, e["t"])
-                    break
-        return first
+            out[w] = next((e["t"] for e in self.job.events(w)
+                           if e["ev"] == "step" and e["t"] > t_fault and e["v"] > version
+                           and (not smaller or e["size"] < self.args.workers)), None)
+        return out
+
+    def recovered_at(self, victim: str, t_fault: float, version: int):
+        """Time of the first step another worker completed in a world newer than `version`."""
+        return min((t for t in self.first_steps(victim, t_fault, version).values() if t is not None), default=None)
 
     def all_recovered_at(self, victim: str, t_fault: float, version: int):
         """Time by which every other worker completed a step in a world newer than `version`
         (None while one has not)."""
-        last = 0.0
-        for w in self.live:
-            if w == victim:
-                continue
-            first = next((e["t"] for e in self.job.events(w)
-                          if e["ev"] == "step" and e["t"] > t_fault and e["v"] > version), None)
-            if first is None:
-                return None
-            last = max(last, first)
-        return last
+        firsts = list(self.first_steps(victim, t_fault, version).values())
+        return None if None in firsts else max(firsts, default=0.0)
 
     def shrunk_at(self, victim: str, t_fault: float, version: int):
         """Time of the first step another worker completed in a smaller world newer than `version`."""
-        first = None
-        for w in self.live:
-            if w == victim:
-                continue
-            for e in self.job.events(w):
-                if e["ev"] == "step" and e["t"] > t_fault and e["v"] > version and e["size"] < self.args.workers:
-                    first = e["t"] if first is None else min(first, e["t"])
-                    break
-        return first
+        return min((t for t in self.first_steps(victim, t_fault, version, smaller=True).values() if t is not None),
+                   default=None)
 
     def redone_since(self, victim: str, t_fault: float) -> int:
         """The most steps a survivor completed again after ``t_fault`` (it had completed them before)."""
@@ -276,9 +271,7 @@ class Soak:
         def dist(xs):
             if not xs:
                 return "-", "-", "-"
-            xs = sorted(xs)
-            p95 = xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
-            return f"{statistics.median(xs):.3f}", f"{p95:.3f}", f"{xs[-1]:.3f}"
+            return f"{statistics.median(xs):.3f}", f"{percentile95(xs):.3f}", f"{max(xs):.3f}"
 
         survived = sum(len(v) for v in self.recoveries.values()) + len(self.shrinks)
         print()
@@ -322,8 +315,8 @@ class Soak:
               f"replicas bit-identical: {identical}; every sample counted, repeats <= {pad_bound}: {counted}")
         print(f"final loss {loss:.3g} vs fault-free {ff_loss:.3g} (initial {initial:.3g}): "
               f"{'as good' if loss_ok else 'WORSE'}")
-        kills, stops = sorted(self.every_recovered["SIGKILL"]), self.recoveries["SIGSTOP"]
-        targets = ((not kills or kills[min(len(kills) - 1, int(round(0.95 * (len(kills) - 1))))] <= KILL_TARGET_S)
+        kills, stops = self.every_recovered["SIGKILL"], self.recoveries["SIGSTOP"]
+        targets = ((not kills or percentile95(kills) <= KILL_TARGET_S)
                    and (not stops or max(stops) <= stop_target(self.args)) and preempt_ok)
         print(f"targets met: {targets}" + (f"; stopped early: {self.failure}" if self.failure else ""))
         ok = (survived == self.args.kills and not self.failure and not lost and identical and counted

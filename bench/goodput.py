@@ -348,6 +348,11 @@ class RunResult:
     processes: int = 0
     error: str = ""
 
+    @property
+    def useful_rate(self) -> float:
+        """Fault runs: useful steps/s, the last committed step over the run's length."""
+        return self.final / self.seconds
+
 
 def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, with_faults: bool) -> RunResult:
     result.processes = len({e.pid for e in events})
@@ -527,7 +532,7 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
         res = {k: faulty[(k, every)] for k in args.launchers}
 
         def useful(k):
-            return res[k].final / res[k].seconds
+            return res[k].useful_rate
 
         def goodput(k):
             return useful(k) / rate[k]
@@ -621,14 +626,14 @@ def spread_table(args, runs: List[FaultRun], fault_free: List[Dict[str, RunResul
         lines.append(f"| {name} | " + " | ".join(cell(xs[k]) for k in args.launchers) + f" | {target} |")
 
     def goodput(r: FaultRun, k: str) -> float:
-        return (r.results[k].final / r.results[k].seconds) / r.fault_free_rate(k)
+        return r.results[k].useful_rate / r.fault_free_rate(k)
 
     def samples(r: FaultRun, k: str) -> float:
         return (r.results[k].samples / r.results[k].seconds) / (r.fault_free_rate(k) * args.workers * BATCH)
 
     def in_run(r: FaultRun, k: str) -> float:
         whole = r.results[k].by_size.get(args.workers)
-        return (r.results[k].final / r.results[k].seconds) / whole if whole else float("nan")
+        return r.results[k].useful_rate / whole if whole else float("nan")
 
     for every in args.every:
         target = goodput_target(every)
@@ -731,6 +736,7 @@ def main(argv=None) -> int:
     # run before, between and after every fault run: each is measured against its neighbours.
     runs: List[FaultRun] = []
     fault_free: List[Dict[str, RunResult]] = []
+
     def fault_free_run(label: str) -> Dict[str, RunResult]:
         fault_free.append({k: one(k, args, out, label) for k in args.launchers})
         return fault_free[-1]

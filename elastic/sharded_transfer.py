@@ -189,6 +189,7 @@ def check_buddy(flat: Any, table: List[list], prev: int, size: int, step: int, v
 
 
 def _row_bytes(entry: list) -> int:
+    """Bytes of one row (dimension 0) of a table entry's tensor."""
     _, shape, dtype = entry
     return math.prod(shape[1:]) * dtype_named(dtype).itemsize
 
@@ -298,7 +299,7 @@ def move(comm, decision: reshard.Resume, table: List[list], own, buddy, new: Dic
     me, size = comm.rank, comm.size
     rows = [shape[0] for _, shape, _ in table]
     transfers = reshard.plan(rows, g.size, decision.holders, size)
-    per_row = [math.prod(shape[1:]) * dtype_named(d).itemsize for _, shape, d in table]
+    per_row = [_row_bytes(entry) for entry in table]
     old_chunks = [reshard.chunk_rows(n, g.size) for n in rows]
 
     def source(t: reshard.Transfer) -> torch.Tensor:
