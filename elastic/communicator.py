@@ -64,11 +64,15 @@ class CommConfig:
     see native/README.md, "Hierarchical allreduce". ``transport`` "auto" lets ring neighbours
     with the same name in ``hosts`` exchange data through shared memory, "tcp" keeps every link
     on TCP. Keep these settings the same on every rank (``connect()`` checks, and fails on every
-    rank naming the setting that differs).
+    rank naming the setting that differs). ``dead_link_timeout`` (env ELASTIC_DEAD_LINK_TIMEOUT,
+    30 s) is how long a ring connection may go without the peer's kernel acknowledging anything
+    before the kernel fails it: a link that silently drops everything ends the ring then, whatever
+    ``timeout``. It is each rank's own; it need not match.
     """
 
     timeout: float = _setting("timeout", "ELASTIC_COLLECTIVE_TIMEOUT")          # s without progress: a hung peer
     form_timeout: float = _setting("form_timeout", "ELASTIC_FORM_TIMEOUT")      # s form() waits for its neighbours
+    dead_link_timeout: float = _setting("dead_link_timeout", "ELASTIC_DEAD_LINK_TIMEOUT")  # s unacknowledged: link dead
     segment_bytes: int = _setting("segment_bytes", "ELASTIC_SEGMENT_BYTES")     # pipeline segment
     small_bytes: int = _setting("small_bytes", "ELASTIC_SMALL_BYTES")           # small-message allreduce up to this
     fusion_bytes: int = _setting("fusion_bytes", "ELASTIC_FUSION_THRESHOLD")    # async allreduce buckets up to this
@@ -94,7 +98,7 @@ class CommConfig:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "CommConfig":
-        """Reads ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_FORM_TIMEOUT, ELASTIC_SEGMENT_BYTES,
+        """Reads ELASTIC_COLLECTIVE_TIMEOUT, ELASTIC_FORM_TIMEOUT, ELASTIC_DEAD_LINK_TIMEOUT, ELASTIC_SEGMENT_BYTES,
         ELASTIC_SMALL_BYTES, ELASTIC_FUSION_THRESHOLD, ELASTIC_TRANSPORT, ELASTIC_ALLREDUCE_ALGORITHM and
         ELASTIC_HIERARCHICAL_BYTES; keyword overrides win."""
         env = os.environ if env is None else env

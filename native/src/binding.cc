@@ -174,7 +174,9 @@ NB_MODULE(_native, m) {
                                 "fills one by field name.");
   config.def(nb::init<>())
       .def_rw("timeout", &CommConfig::timeout, "Seconds a rank may stay in one collective before it fails (Timeout).")
-      .def_rw("form_timeout", &CommConfig::form_timeout, "Seconds form() waits for both ring neighbours.");
+      .def_rw("form_timeout", &CommConfig::form_timeout, "Seconds form() waits for both ring neighbours.")
+      .def_rw("dead_link_timeout", &CommConfig::dead_link_timeout,
+              "Seconds a ring connection may go unacknowledged before the kernel fails it (a dead link).");
   auto size_setting = [&config](const char* name, size_t CommConfig::*field, const char* doc) {
     config.def_prop_rw(
         name, [field](const CommConfig& c) { return uint64_t(c.*field); },

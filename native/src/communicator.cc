@@ -106,7 +106,7 @@ void Communicator::form() {
     RingForm f;
     f.channel = channel;
     f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
-                        printable(peers_[prev], 300)};
+                        printable(peers_[prev], 300), cfg_.dead_link_timeout};
     f.send_settings.want_shm = same_host(next);
     f.recv_settings.want_shm = same_host(prev);
     f.into = into;
@@ -150,10 +150,12 @@ void Communicator::form() {
       // kUnreachableAfterMaxS) is not coming: give up on it then, even if the form deadline is later.
       f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline,
                                     seconds(std::min(cfg_.timeout, kUnreachableAfterMaxS)), abort_);
+      set_dead_link_timeout(f.next_fd, cfg_.dead_link_timeout);
       f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, abort_);
     }
     for (auto& f : rings) {
       f.prev_fd = listener_->take(world_version_, deadline, abort_, rank_, f.ctx.prev_rank, f.channel);
+      set_dead_link_timeout(f.prev_fd, cfg_.dead_link_timeout);
       f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, abort_);
     }
     for (auto& f : rings) {

@@ -18,6 +18,13 @@ struct CommConfig {
   // for a while elsewhere (evaluation, a checkpoint write) or on a long transfer.
   double timeout = 1800.0;
   double form_timeout = 30.0;      // seconds form() waits for both ring neighbours
+  // Seconds a ring connection may go without the peer's kernel acknowledging anything before
+  // the kernel fails it (TCP_USER_TIMEOUT for data in flight, keepalive probes for an idle
+  // side): a link that silently drops everything (a cable pulled, a firewall) ends the ring
+  // in this long, whatever `timeout`. A live peer's kernel acknowledges even while its process
+  // is busy, so a short value evicts nobody busy; too short for a lossy link's retransmissions
+  // would cut a link that is only slow.
+  double dead_link_timeout = 30.0;
   size_t segment_bytes = 1 << 20;  // pipeline segment: ~1 MiB keeps both directions busy
   size_t small_bytes = 32 << 10;   // allreduce up to this size takes the small-message path (measured)
   size_t fusion_bytes = 64 << 20;  // async allreduces are fused into buckets up to this size

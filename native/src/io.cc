@@ -88,14 +88,18 @@ void tune_ring_socket(int fd) {
   guard_from_fork(fd);  // every ring connection passes here, connected or accepted
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+void set_dead_link_timeout(int fd, double seconds) {
   // A link that acknowledges nothing for this long is dead (a cable pulled, a firewall dropping
   // everything): the kernel fails the connection with ETIMEDOUT, so the ring fails in seconds
   // however long the collective timeout. Data in flight is bounded by TCP_USER_TIMEOUT; an idle
-  // side (waiting to receive, its own data acknowledged) by keepalive probes. A live peer's
-  // kernel acknowledges both even while its process is busy elsewhere.
-  unsigned int ms = kDeadLinkMs;
+  // side (waiting to receive, its own data acknowledged) by keepalive probes: a third of the
+  // time idle, then 4 probes a sixth apart. A live peer's kernel acknowledges both even while
+  // its process is busy elsewhere.
+  unsigned int ms = unsigned(seconds * 1000);
   setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
-  int idle = int(kDeadLinkMs / 3000), interval = int(kDeadLinkMs / 6000), probes = 4;  // 10 s + 4 x 5 s
+  int one = 1, idle = std::max(1, int(seconds / 3)), interval = std::max(1, int(seconds / 6)), probes = 4;
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));

@@ -51,11 +51,13 @@ int wait_fd(int fd, short events, Clock::time_point deadline, const AbortSignal&
 int write_full(int fd, const uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
 int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
 
-// TCP_NODELAY: ring frames and handshake messages go out at once. TCP_USER_TIMEOUT and
-// keepalive: a connection on which nothing is acknowledged for about kDeadLinkMs fails
-// (ETIMEDOUT), whether data is in flight or the side waits idle.
-constexpr unsigned kDeadLinkMs = 30000;
+// TCP_NODELAY: ring frames and handshake messages go out at once.
 void tune_ring_socket(int fd);  // also guards it from forked children (fork_guard.h)
+// TCP_USER_TIMEOUT and keepalive: a ring connection on which nothing is acknowledged for about
+// `seconds` (CommConfig::dead_link_timeout, checked) fails (ETIMEDOUT), whether data is in
+// flight or the side waits idle. Set once the connection belongs to a ring; a handshake has
+// its own deadline.
+void set_dead_link_timeout(int fd, double seconds);
 // "host:port" (or "[v6]:port") of a connected socket's other end, "?" if unknown.
 std::string peer_name(int fd);
 // True when the other end of a connection closed or reset it (looked at without waiting).

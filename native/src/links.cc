@@ -136,9 +136,12 @@ void Neighbour::closed(const RunState& s) {
 
 void Neighbour::broke(const RunState& s, int err) {
   std::string why = std::strerror(err);
-  if (err == ETIMEDOUT)
-    why += " (nothing sent on it was acknowledged for " + std::to_string(kDeadLinkMs / 1000) +
-           " s: the link between the two is down)";
+  if (err == ETIMEDOUT) {
+    char took[32];
+    std::snprintf(took, sizeof(took), "%g", s.ctx.dead_link_timeout_s);
+    why += std::string(" (nothing sent on it was acknowledged for ") + took +
+           " s, CommConfig.dead_link_timeout: the link between the two is down)";
+  }
   lost(s.ctx, s.op, poisoned || take_poison(fd), rank, name, "connection to " + name + " lost: " + why);
 }
 

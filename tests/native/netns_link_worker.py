@@ -1,6 +1,8 @@
-"""One rank of the dead-link test, run as `ip netns exec NS python netns_link_worker.py RANK LISTEN PEERS`.
+"""One rank of the dead-link test, run as
+`ip netns exec NS python netns_link_worker.py RANK LISTEN PEERS DEAD_LINK_TIMEOUT`.
 
-Forms a ring with a collective timeout of 600 s, prints "running", then allreduces 4 MiB until
+Forms a ring with a collective timeout of 600 s and the given dead-link timeout, prints "running",
+then allreduces 4 MiB until
 that fails; prints one JSON line: the error's reason and text, and when it failed (monotonic).
 """
 
@@ -16,11 +18,12 @@ import elastic
 
 
 def main() -> None:
-    rank, listen, peers = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+    rank, listen, peers, dead_link = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), float(sys.argv[4])
     host, port = listen.rsplit(":", 1)
     listener = elastic.Listener(host, int(port))
     comm = elastic.Communicator.form(listener=listener, job_id="netns", secret=b"netns-secret", world_version=1,
-                                     rank=rank, peers=peers, config=elastic.CommConfig(timeout=600, form_timeout=30))
+                                     rank=rank, peers=peers, config=elastic.CommConfig(timeout=600, form_timeout=30,
+                                                                               dead_link_timeout=dead_link))
     buf = np.ones(1 << 20, dtype=np.float32)
     comm.allreduce_(buf, elastic.Sum)
     print("running", flush=True)

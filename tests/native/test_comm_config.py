@@ -23,7 +23,7 @@ def test_every_core_setting_is_a_python_field_with_the_cores_default():
 
 
 def test_every_setting_reaches_the_core_by_name():
-    chosen = dict(timeout=7.5, form_timeout=2.0, segment_bytes=4096, small_bytes=0, fusion_bytes=12_500,
+    chosen = dict(timeout=7.5, form_timeout=2.0, dead_link_timeout=4.5, segment_bytes=4096, small_bytes=0, fusion_bytes=12_500,
                   transport="tcp", algorithm="hierarchical", hierarchical_bytes=1 << 10)
     assert set(chosen) == _core_settings()
     native = elastic.CommConfig(**chosen).to_native()
@@ -34,6 +34,10 @@ def test_every_setting_reaches_the_core_by_name():
     ("timeout", 0, "CommConfig.timeout must be positive"),
     ("form_timeout", -1.0, "CommConfig.form_timeout must be positive"),
     ("timeout", float("nan"), "CommConfig.timeout must be positive"),
+    ("dead_link_timeout", 1.5, "CommConfig.dead_link_timeout must be between 2 and 86400 seconds"),
+    ("dead_link_timeout", 86401, "CommConfig.dead_link_timeout must be between 2 and 86400 seconds"),
+    ("dead_link_timeout", float("inf"), "CommConfig.dead_link_timeout must be between 2 and 86400 seconds"),
+    ("dead_link_timeout", float("nan"), "CommConfig.dead_link_timeout must be between 2 and 86400 seconds"),
     ("segment_bytes", 63, "CommConfig.segment_bytes must be at least 64"),
     ("small_bytes", -1, "CommConfig.small_bytes must not be negative"),
     ("fusion_bytes", -1, "CommConfig.fusion_bytes must not be negative"),
@@ -51,8 +55,11 @@ def test_a_bad_value_from_the_environment_names_the_variable():
         elastic.CommConfig.from_env({"ELASTIC_SEGMENT_BYTES": "32"})
     with pytest.raises(ValueError, match="ELASTIC_FUSION_THRESHOLD='lots' is not a valid int"):
         elastic.CommConfig.from_env({"ELASTIC_FUSION_THRESHOLD": "lots"})
-    cfg = elastic.CommConfig.from_env({"ELASTIC_COLLECTIVE_TIMEOUT": "12", "ELASTIC_TRANSPORT": " TCP "}, small_bytes=0)
-    assert (cfg.timeout, cfg.transport, cfg.small_bytes) == (12.0, "tcp", 0)
+    with pytest.raises(ValueError, match="ELASTIC_DEAD_LINK_TIMEOUT='1': CommConfig.dead_link_timeout must be between"):
+        elastic.CommConfig.from_env({"ELASTIC_DEAD_LINK_TIMEOUT": "1"})
+    cfg = elastic.CommConfig.from_env({"ELASTIC_COLLECTIVE_TIMEOUT": "12", "ELASTIC_TRANSPORT": " TCP ",
+                                       "ELASTIC_DEAD_LINK_TIMEOUT": "8"}, small_bytes=0)
+    assert (cfg.timeout, cfg.transport, cfg.small_bytes, cfg.dead_link_timeout) == (12.0, "tcp", 0, 8.0)
 
 
 def test_the_native_communicator_checks_the_config_it_is_given():
