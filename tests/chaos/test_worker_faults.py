@@ -57,6 +57,8 @@ def test_a_killed_worker_whose_forked_child_lives_on_is_fenced_at_once(tmp_path,
         job.wait_step(6, workers)
         # The child holds the worker's one rendezvous connection, which lasts across worlds
         # (its ring sockets are those of the world it was forked in, whichever came since).
+        # w1 may join a world already past step 4: it forks at its first step then.
+        wait_until(lambda: any(e["ev"] == "forked" for e in job.events("w1")), 30, "w1 to fork its child")
         child = next(e["pid"] for e in job.events("w1") if e["ev"] == "forked")
         job.kill("w1")
         killed = time.monotonic()

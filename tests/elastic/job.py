@@ -30,7 +30,8 @@ proves the sample accounting. Knobs (environment):
                  synchronize(), its buckets in flight), "optimizer" (inside the update, after
                  the allreduce completed), "after-step" (right after its update) or "between"
                  (after the step and its record)
-  JOB_FORK_CHILD "WORKER:STEP": that worker forks a child after STEP completed steps, as a
+  JOB_FORK_CHILD "WORKER:STEP": that worker forks a child once, after its first completed step
+                 numbered STEP or later (it may join a world already past STEP), as a
                  DataLoader forks its workers, which sleeps 60 s holding every descriptor it
                  inherited (its pid in a "forked" event)
   JOB_SEEN_AFTER_STEP 1: the per-sample count is allreduced after opt.step() rather than before
@@ -83,6 +84,7 @@ SEEN_AFTER_STEP = os.environ.get("JOB_SEEN_AFTER_STEP") == "1"
 LEAVE_AT = os.environ.get("JOB_LEAVE_AT", ":").split(":")
 FORK_CHILD = os.environ.get("JOB_FORK_CHILD", ":").split(":")
 stalled = {"done": False}
+forked = {"done": False}
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -343,7 +345,8 @@ def train(state):
             kill_here("between")
             progress(f"{state.step} {elastic.size()} {elastic.world_version()}")
             event("step", step=state.step, v=elastic.world_version(), size=elastic.size(), rank=elastic.rank())
-            if WORKER == FORK_CHILD[0] and state.step == int(FORK_CHILD[1]):
+            if WORKER == FORK_CHILD[0] and state.step >= int(FORK_CHILD[1]) and not forked["done"]:
+                forked["done"] = True
                 child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
                 child.start()
                 event("forked", pid=child.pid, step=state.step, v=elastic.world_version())
