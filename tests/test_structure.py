@@ -203,3 +203,44 @@ def _source_files() -> list[str]:
 def test_every_source_file_is_at_most_700_lines():
     long = {f: n for f in _source_files() if (n := _lines(os.path.join(REPO, f))) > MAX_LINES}
     assert long == {}
+
+
+def redefined(source: str) -> list[str]:
+    """Functions and classes a module (or a class) defines twice at one level: the later one
+    silently replaces the earlier, so a test defined twice never runs in its first form."""
+    found = []
+    for scope in [ast.parse(source)] + [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        seen: set = set()
+        for node in scope.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if node.name in seen and not any(_is_property_setter(d) for d in node.decorator_list):
+                found.append(f"{node.name} (line {node.lineno})")
+            seen.add(node.name)
+    return found
+
+
+def _is_property_setter(decorator: ast.expr) -> bool:
+    return isinstance(decorator, ast.Attribute) and decorator.attr in ("setter", "deleter")
+
+
+@pytest.mark.parametrize("source, found", [
+    ("def a(): pass\ndef b(): pass\n", []),
+    ("def test_x(): pass\ndef test_x(): assert 0\n", ["test_x (line 2)"]),
+    ("class C:\n    def f(self): pass\n    def f(self): pass\n", ["f (line 3)"]),
+    ("class C:\n    @property\n    def v(self): pass\n    @v.setter\n    def v(self, x): pass\n", []),
+])
+def test_the_check_for_redefinitions_sees_them(source, found):
+    assert redefined(source) == found
+
+
+def test_no_module_of_the_project_or_its_tests_defines_a_name_twice():
+    roots = PACKAGES + ("tests", "bench", "examples")
+    paths = sorted(os.path.join(d, f) for root in roots for d, _, files in os.walk(os.path.join(REPO, root))
+                   for f in files if f.endswith(".py") and os.sep + "_proto" + os.sep not in os.path.join(d, f))
+    twice = {}
+    for path in paths:
+        with open(path) as f:
+            if found := redefined(f.read()):
+                twice[os.path.relpath(path, REPO)] = found
+    assert twice == {}

@@ -108,50 +108,6 @@ def test_sync_gives_every_rank_the_most_advanced_model_optimizer_and_sampler_sta
     assert [r[3] for r in results] == [2] * 3
 
 
-def _sync_among(case, comm):
-    """Every rank trains the same commit; then, by ``case``: all hold it (``same``), rank 1 is a
-    newcomer (``newcomer``), or rank 2's bits differ at the same position (``drifted``). Ranks
-    that hold the root's state must not decode a payload: their decode_synced raises."""
-    state = build(seed=0, optimizer="adamw")
-    if not (case == "newcomer" and comm.rank == 1):
-        earlier = solo()   # each in a world of its own: the same data, the same commits
-        collectives.set_communicator(earlier)
-        train(state, 2, seed=7)
-        state.commit()
-        train(state, 1, seed=8)
-        state.commit()
-        collectives.set_communicator(None)
-        earlier.close()
-    collectives.set_communicator(comm)
-    if case == "drifted" and comm.rank == 2:
-        with torch.no_grad():
-            state.model[0].weight[0, 0] += 1e-6
-    held = (case == "same") or (case == "newcomer" and comm.rank != 1) or (case == "drifted" and comm.rank != 2)
-    if held:
-        def refuse(*args):
-            raise AssertionError("a rank that holds the root's state decoded a payload")
-        state.decode_synced = refuse
-    before, ops = digest(state), comm.ops_run
-    state.sync()
-    return held, before, digest(state), comm.ops_run - ops, state.commit_step
-
-
-@pytest.mark.parametrize("case", ["same", "newcomer", "drifted"])
-def test_ranks_that_hold_the_roots_state_keep_it_and_only_the_others_receive_it(case):
-    results = world(3, _sync_among, case)
-    root_before = results[0][1]
-    for rank, (held, before, after, ops, step) in enumerate(results):
-        assert after == root_before, f"rank {rank} holds the root's state bit for bit after the sync"
-        assert step == 1
-        if held:
-            assert before == after, f"rank {rank} kept its own state"
-    ops = {r[3] for r in results}
-    if case == "same":
-        assert ops == {1}, "one allgather of positions and digests, nothing sent"
-    else:
-        assert ops == {5}, "positions, size, its verdict, the bytes, their verdict"
-
-
 def _committed_alone(state: elastic.TorchState, case: str) -> None:
     """Trains and commits ``state`` in a world of its own, the same on every rank: two commits,
     then (``progressed``) two steps kept past the last, or (``epoch-end``) the sampler's epoch
