@@ -1,20 +1,84 @@
-"""Runs tests/elastic/job.py as real worker processes against a real rendezvous server."""
+"""Runs tests/elastic/job.py as real worker processes against a real rendezvous server.
+
+Workers are forked from one fork server per test session (elastic-run --preload's, with torch
+imported once), as `elastic-run --preload torch` starts them: a new Python importing torch costs
+seconds of CPU per worker, and the suite starts hundreds. They are real processes all the same:
+their own pid, session and sockets, killed and stopped with real signals. A worker run under a
+command prefix (a network namespace) starts as a new process.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
+
+from elastic.launch.forkserver import ForkedProcess, ForkServer
 from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(REPO, "tests", "elastic", "job.py")
+PRELOAD = ("torch",)
+
+_server: Optional[ForkServer] = None
+_server_lock = threading.Lock()
 
 
+def fork_server() -> ForkServer:
+    """The session's fork server, started at first use with this process's environment (what
+    torch reads at import); each worker's own variables travel with its request."""
+    global _server
+    with _server_lock:
+        if _server is None or _server.dead:
+            env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            _server = ForkServer(PRELOAD, env)
+            atexit.register(_server.close)
+        _server.wait_ready(timeout_s=120)
+        return _server
+
+
+class Forked:
+    """A worker forked by the fork server, its output copied to its log file: the parts of
+    ``subprocess.Popen`` the tests use."""
+
+    def __init__(self, proc: ForkedProcess, log_path: str):
+        self._proc = proc
+        self.pid = proc.pid
+        self._copiers = [threading.Thread(target=_copy, args=(stream, log_path), daemon=True)
+                         for stream in (proc.stdout, proc.stderr)]
+        for t in self._copiers:
+            t.start()
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._proc.returncode
+
+    def poll(self) -> Optional[int]:
+        return self._proc.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        code = self._proc.wait(timeout)
+        for t in self._copiers:   # its pipes end with it (or with a child it left holding them)
+            t.join(5)
+        return code
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _copy(stream, log_path: str) -> None:
+    with stream, open(log_path, "ab", buffering=0) as log:
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            log.write(chunk)
 
 
 class Job:
@@ -31,14 +95,20 @@ class Job:
             "GRPC_ENABLE_FORK_SUPPORT": "0",   # as elastic-run starts its workers (a job may fork)
         })
         self.env.update({k: str(v) for k, v in env.items()})
-        self.procs: Dict[str, subprocess.Popen] = {}
+        self.procs: Dict[str, Union[subprocess.Popen, Forked]] = {}
 
-    def start(self, worker_id: str, *, prefix: Sequence[str] = (), **env: str) -> subprocess.Popen:
-        """Starts a worker; ``prefix`` runs it under another command (e.g. ``ip netns exec NS``)."""
+    def start(self, worker_id: str, *, prefix: Sequence[str] = (), **env: str) -> Union[subprocess.Popen, Forked]:
+        """Starts a worker, forked from the fork server; ``prefix`` runs it as a new process under
+        another command (e.g. ``ip netns exec NS``)."""
         e = dict(self.env, ELASTIC_WORKER_ID=worker_id, **{k: str(v) for k, v in env.items()})
-        log = open(os.path.join(self.out, f"log-{worker_id}.txt"), "wb")
-        self.procs[worker_id] = subprocess.Popen([*prefix, sys.executable, self.script], env=e, stdout=log, stderr=subprocess.STDOUT,
-                                                 cwd=REPO)
+        log_path = os.path.join(self.out, f"log-{worker_id}.txt")
+        if prefix:
+            with open(log_path, "wb") as log:
+                self.procs[worker_id] = subprocess.Popen([*prefix, sys.executable, self.script], env=e, stdout=log,
+                                                         stderr=subprocess.STDOUT, cwd=REPO)
+        else:
+            open(log_path, "wb").close()
+            self.procs[worker_id] = Forked(fork_server().spawn([sys.executable, self.script], e), log_path)
         return self.procs[worker_id]
 
     def progress(self, worker_id: str) -> Optional[tuple]:

@@ -56,7 +56,7 @@ def _reference(size):
 
 
 def test_distributed_optimizer_averages_gradients_over_the_world():
-    results = run_world(3, _train_steps, start_method="spawn")
+    results = run_world(3, _train_steps, start_method="forkserver")
     want = results[0][2]
     for params, buckets, _ in results:
         assert buckets > 1
@@ -80,7 +80,7 @@ def _unused_parameter(comm):
 
 
 def test_a_parameter_without_gradient_does_not_hang_the_step():
-    results = run_world(2, _unused_parameter, start_method="spawn")
+    results = run_world(2, _unused_parameter, start_method="forkserver")
     assert all(unchanged for unchanged, _ in results)
     assert results[0][1] == results[1][1]
 
@@ -98,7 +98,7 @@ def _broadcasts(comm):
 
 
 def test_broadcast_parameters_and_optimizer_state_from_any_root():
-    results = run_world(3, _broadcasts, start_method="spawn")
+    results = run_world(3, _broadcasts, start_method="forkserver")
     for params, lr, exp_avg in results:
         assert lr == 0.02
         assert all((a == b).all() for a, b in zip(params, results[1][0]))
@@ -157,7 +157,7 @@ def _accumulate(comm):
 
 
 def test_gradient_accumulation_over_several_backward_passes():
-    results = run_world(2, _accumulate, start_method="spawn")
+    results = run_world(2, _accumulate, start_method="forkserver")
     ref = results[0][1]
     for params, _, error in results:
         for got, exp in zip(params, ref):
@@ -178,5 +178,5 @@ def _late_group(comm):
 
 
 def test_parameters_added_later_are_averaged_too():
-    a, b = run_world(2, _late_group, start_method="spawn")
+    a, b = run_world(2, _late_group, start_method="forkserver")
     assert (a == b).all()

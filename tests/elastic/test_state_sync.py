@@ -72,10 +72,10 @@ def alone():
 
 
 # --------------------------------------------------------------------------- sync
-# Worker bodies are module-level and the workers spawned, not forked: by now this process has
-# run torch's thread pools, which a forked child cannot use.
+# Worker bodies are module-level and the workers come from the fork server, not forked from
+# here: by now this process has run torch's thread pools, which a forked child cannot use.
 def world(n, fn, *args, timeout=120):
-    return run_world(n, functools.partial(fn, *args) if args else fn, timeout=timeout, start_method="spawn")
+    return run_world(n, functools.partial(fn, *args) if args else fn, timeout=timeout, start_method="forkserver")
 
 
 def _sync_from_the_most_advanced(optimizer, comm):

@@ -24,6 +24,18 @@ import torch
 import elastic
 
 _CTX = mp.get_context("fork")
+# What the fork server imports once, so that its workers start without importing torch.
+_FORKSERVER_PRELOAD = ["numpy", "torch", "elastic", "tests.native.harness"]
+
+
+def _context(start_method: str):
+    if start_method == "fork":
+        return _CTX
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Ignored once the server runs: every caller asks for the same list.
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
 
 
 class WorkerFailed(AssertionError):
@@ -92,10 +104,13 @@ class World:
     def __init__(self, n: int, fn: Callable, *, config: Optional[elastic.CommConfig] = None,
                  job_id: str = "test-job", secret: bytes = b"test-secret", world_version: int = 1,
                  transport: Union[str, Sequence[str]] = "tcp", start_method: str = "fork"):
-        # "spawn" for tests that run late in a session: by then the test process may hold gRPC
-        # and etcd client threads, and forking such a process is not safe. It needs `fn` to be
-        # importable (a module-level function) and costs an import of torch per worker.
-        ctx = _CTX if start_method == "fork" else mp.get_context(start_method)
+        # "forkserver" for tests that run late in a session: by then the test process may hold
+        # gRPC and etcd client threads and has run torch's thread pools, and forking such a
+        # process is not safe. Workers are forked from a server that only imported torch (once
+        # per session), so they start in a fraction of a second. It needs `fn` to be importable
+        # (a module-level function), and workers see the environment of when the server started:
+        # a test that sets a variable for its workers takes "spawn" (an import of torch each).
+        ctx = _context(start_method)
         self.n = n
         self.hosts = hosts_for(transport, n)
         self.pipes = [ctx.Pipe() for _ in range(n)]
