@@ -208,13 +208,15 @@ class ForkServer:
         if self._error:
             raise ForkServerError(f"--preload: {self._error}")
 
-    def spawn(self, command: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
-        """Forks a worker running ``command`` with ``env``; its stdout and stderr are new pipes."""
+    def spawn(self, command: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None) -> ForkedProcess:
+        """Forks a worker running ``command`` with ``env`` in ``cwd`` (absolute; default: this
+        process's); its stdout and stderr are new pipes."""
         self.wait_ready()
         with self._lock:
             self._seq += 1
             seq = self._seq
-            data = json.dumps({"seq": seq, "argv": list(command), "env": dict(env), "cwd": os.getcwd()}).encode()
+            data = json.dumps({"seq": seq, "argv": list(command), "env": dict(env),
+                               "cwd": os.path.abspath(cwd or os.getcwd())}).encode()
             if len(data) > self.max_request:
                 raise ForkServerError(f"the worker's command and environment take {len(data)} bytes, more than "
                                       f"the {self.max_request} one request to the fork server may")

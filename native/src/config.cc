@@ -17,7 +17,7 @@ void check_config(const CommConfig& c) {
   if (!(c.timeout > 0) || !std::isfinite(c.timeout)) bad("timeout must be positive, got " + std::to_string(c.timeout));
   if (!(c.form_timeout > 0) || !std::isfinite(c.form_timeout))
     bad("form_timeout must be positive, got " + std::to_string(c.form_timeout));
-  // Whole seconds: keepalive counts in them (a third idle, then 4 probes a sixth apart).
+  // Keepalive counts in whole seconds (a third idle, then 4 probes a sixth apart, each at least 1).
   if (!(c.dead_link_timeout >= 2 && c.dead_link_timeout <= 86400))
     bad("dead_link_timeout must be between 2 and 86400 seconds, got " + std::to_string(c.dead_link_timeout));
   if (c.segment_bytes < 64) bad("segment_bytes must be at least 64, got " + std::to_string(c.segment_bytes));

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "config.h"
 #include "fork_guard.h"
 #include "handshake.h"
 
@@ -88,6 +89,10 @@ void tune_ring_socket(int fd) {
   guard_from_fork(fd);  // every ring connection passes here, connected or accepted
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // The default until a communicator takes the connection and sets its own: an accepted
+  // connection parked or slotted for a ring not yet formed is still found dead by the kernel
+  // (the listener replaces a slotted connection that ended).
+  set_dead_link_timeout(fd, CommConfig().dead_link_timeout);
 }
 
 void set_dead_link_timeout(int fd, double seconds) {

@@ -51,12 +51,12 @@ int wait_fd(int fd, short events, Clock::time_point deadline, const AbortSignal&
 int write_full(int fd, const uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
 int read_full(int fd, uint8_t* buf, size_t n, Clock::time_point deadline, const AbortSignal& abort);
 
-// TCP_NODELAY: ring frames and handshake messages go out at once.
-void tune_ring_socket(int fd);  // also guards it from forked children (fork_guard.h)
+// TCP_NODELAY: ring frames and handshake messages go out at once; the default dead-link
+// timeout below. Also guards the socket from forked children (fork_guard.h).
+void tune_ring_socket(int fd);
 // TCP_USER_TIMEOUT and keepalive: a ring connection on which nothing is acknowledged for about
 // `seconds` (CommConfig::dead_link_timeout, checked) fails (ETIMEDOUT), whether data is in
-// flight or the side waits idle. Set once the connection belongs to a ring; a handshake has
-// its own deadline.
+// flight or the side waits idle. The communicator sets its own once a connection is its ring's.
 void set_dead_link_timeout(int fd, double seconds);
 // "host:port" (or "[v6]:port") of a connected socket's other end, "?" if unknown.
 std::string peer_name(int fd);

@@ -69,7 +69,7 @@ struct LinkContext {
   uint64_t world_version;
   int next_rank, prev_rank;
   std::string next_address, prev_address;  // as printed in messages (printable())
-  double dead_link_timeout_s;              // CommConfig::dead_link_timeout, for messages
+  double dead_link_timeout_s = 0;          // CommConfig::dead_link_timeout, for messages
 };
 
 // A connection of another ring of the same communicator that a run() must watch while it

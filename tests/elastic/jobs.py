@@ -30,14 +30,19 @@ _server: Optional[ForkServer] = None
 _server_lock = threading.Lock()
 
 
+def _pythonpath() -> str:
+    return REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+
 def fork_server() -> ForkServer:
-    """The session's fork server, started at first use with this process's environment (what
-    torch reads at import); each worker's own variables travel with its request."""
+    """The session's fork server, started at first use with this process's environment: what
+    Python and torch read as they start (PYTHONPATH, OMP_NUM_THREADS, ...) is the server's for
+    every worker, so a variable of that kind set for one worker does not reach it. The tests set
+    none; their own variables, read at run time, travel with each request."""
     global _server
     with _server_lock:
         if _server is None or _server.dead:
-            env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            _server = ForkServer(PRELOAD, env)
+            _server = ForkServer(PRELOAD, dict(os.environ, PYTHONPATH=_pythonpath()))
             atexit.register(_server.close)
         _server.wait_ready(timeout_s=120)
         return _server
@@ -64,8 +69,10 @@ class Forked:
 
     def wait(self, timeout: Optional[float] = None) -> int:
         code = self._proc.wait(timeout)
-        for t in self._copiers:   # its pipes end with it (or with a child it left holding them)
-            t.join(5)
+        # Its pipes end with it, or with a child it left holding them: not waited for past 5 s.
+        deadline = time.monotonic() + 5
+        for t in self._copiers:
+            t.join(max(0.0, deadline - time.monotonic()))
         return code
 
     def kill(self) -> None:
@@ -88,7 +95,7 @@ class Job:
         self.script = script
         self.env = dict(os.environ)
         self.env.update({
-            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PYTHONPATH": _pythonpath(),
             "ELASTIC_RENDEZVOUS": server_address, "ELASTIC_JOB_ID": job_id, "ELASTIC_HOST": "host0",
             "ELASTIC_MIN_NP": str(min_np), "ELASTIC_MAX_NP": str(max_np), "JOB_OUT": self.out,
             "ELASTIC_WORLD_TIMEOUT": "60", "ELASTIC_COLLECTIVE_TIMEOUT": "20",
@@ -108,7 +115,7 @@ class Job:
                                                          stderr=subprocess.STDOUT, cwd=REPO)
         else:
             open(log_path, "wb").close()
-            self.procs[worker_id] = Forked(fork_server().spawn([sys.executable, self.script], e), log_path)
+            self.procs[worker_id] = Forked(fork_server().spawn([sys.executable, self.script], e, cwd=REPO), log_path)
         return self.procs[worker_id]
 
     def progress(self, worker_id: str) -> Optional[tuple]:

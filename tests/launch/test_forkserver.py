@@ -179,6 +179,20 @@ def test_a_forked_module_runs_as_python_dash_m_and_numpy_draws_its_own_numbers(s
     assert len(draws) == 3, draws
 
 
+def test_a_forked_worker_runs_in_the_directory_asked_for_else_in_the_callers(server, tmp_path, monkeypatch):
+    asked = tmp_path / "asked"
+    asked.mkdir()
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "where.py"
+    script.write_text("import os\nprint(os.getcwd())\n")
+    command = [sys.executable, str(script)]
+    for cwd, expected in ((str(asked), asked), (None, tmp_path)):
+        child = server.spawn(command, dict(os.environ), cwd=cwd)
+        out = child.stdout.read()
+        assert child.wait(60) == 0
+        assert out.decode().strip() == str(expected)
+
+
 def test_the_server_refuses_a_command_it_cannot_run_and_forks_the_next(server, tmp_path):
     with pytest.raises(ForkServerError, match="refused the worker: not a command this interpreter runs"):
         server.spawn(["/bin/sh", "-c", "id"], dict(os.environ))

@@ -106,8 +106,8 @@ class World:
                  transport: Union[str, Sequence[str]] = "tcp", start_method: str = "fork"):
         # "forkserver" for tests that run late in a session: by then the test process may hold
         # gRPC and etcd client threads and has run torch's thread pools, and forking such a
-        # process is not safe. Workers are forked from a server that only imported torch (once
-        # per session), so they start in a fraction of a second. It needs `fn` to be importable
+        # process is not safe. Workers are forked from a server that only imported the modules
+        # of _FORKSERVER_PRELOAD (once per session), so they start in a fraction of a second. It needs `fn` to be importable
         # (a module-level function), and workers see the environment of when the server started:
         # a test that sets a variable for its workers takes "spawn" (an import of torch each).
         ctx = _context(start_method)
