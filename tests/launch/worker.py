@@ -1,5 +1,9 @@
 """A small numpy-only training job for the launcher tests (starts fast: no torch import).
 
+It runs as on an install without torch: torch cannot be imported here (unless elastic-run
+--preload put it there already), so elastic.run leaves its torch layer out, as it does where
+torch is missing, and a worker starts without the seconds of CPU that importing torch takes.
+
 Knobs (environment): LW_OUT directory for pid-<worker>.txt; LW_STEPS steps (default 40);
 LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank;
 LW_RAISE_AFTER_RUN=WORKER that worker raises RuntimeError after the job completed;
@@ -23,6 +27,20 @@ import sys
 
 # Before this script imports anything: what elastic-run --preload put there (a fork server's modules).
 PRELOADED = sorted(m for m in ("elastic", "numpy", "torch") if m in sys.modules)
+
+import importlib.abc  # noqa: E402
+
+
+class _WithoutTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r} (tests/launch/worker.py runs without torch)",
+                                      name=name)
+        return None
+
+
+if "torch" not in sys.modules:
+    sys.meta_path.insert(0, _WithoutTorch())
 
 import logging  # noqa: E402
 import os  # noqa: E402
