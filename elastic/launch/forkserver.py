@@ -208,9 +208,11 @@ class ForkServer:
         if self._error:
             raise ForkServerError(f"--preload: {self._error}")
 
-    def spawn(self, command: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None) -> ForkedProcess:
+    def spawn(self, command: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None,
+              output: Optional[int] = None) -> ForkedProcess:
         """Forks a worker running ``command`` with ``env`` in ``cwd`` (absolute; default: this
-        process's); its stdout and stderr are new pipes."""
+        process's); its stdout and stderr are new pipes, or both the descriptor ``output`` (a log
+        file's, say: as Popen's ``stdout=f, stderr=STDOUT``), which stays the caller's."""
         self.wait_ready()
         with self._lock:
             self._seq += 1
@@ -222,28 +224,28 @@ class ForkServer:
                                       f"the {self.max_request} one request to the fork server may")
             if self.dead:
                 raise ForkServerError("the fork server is gone")
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
+            pipes = [os.pipe(), os.pipe()] if output is None else []   # (read, write): stdout, stderr
             try:
                 try:
                     with self._send_lock:
-                        socket.send_fds(self._sock, [data], [out_w, err_w])
+                        socket.send_fds(self._sock, [data], [w for _, w in pipes] or [output, output])
                 except OSError as e:
                     raise ForkServerError(f"cannot reach the fork server: {e.strerror or e}") from None
                 reply = self._reply(seq)
             except BaseException:
-                os.close(out_r)
-                os.close(err_r)
+                for r, _ in pipes:
+                    os.close(r)
                 raise
             finally:
-                os.close(out_w)
-                os.close(err_w)
+                for _, w in pipes:
+                    os.close(w)
         if "started" not in reply:
-            os.close(out_r)
-            os.close(err_r)
+            for r, _ in pipes:
+                os.close(r)
             raise ForkServerError(f"the fork server refused the worker: {reply.get('refused')}")
         child = reply["child"]
-        child.stdout, child.stderr = os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+        if pipes:
+            child.stdout, child.stderr = (os.fdopen(r, "rb") for r, _ in pipes)
         return child
 
     def _reply(self, seq: int) -> dict:

@@ -4,7 +4,7 @@ Workers are forked from one fork server per test session (elastic-run --preload'
 imported once), as `elastic-run --preload torch` starts them: a new Python importing torch costs
 seconds of CPU per worker, and the suite starts hundreds. They are real processes all the same:
 their own pid, session and sockets, killed and stopped with real signals. A worker run under a
-command prefix (a network namespace) starts as a new process.
+command prefix (a network namespace), or of a job made with ``forked=False``, starts as a new process.
 """
 
 from __future__ import annotations
@@ -48,51 +48,14 @@ def fork_server() -> ForkServer:
         return _server
 
 
-class Forked:
-    """A worker forked by the fork server, its output copied to its log file: the parts of
-    ``subprocess.Popen`` the tests use."""
-
-    def __init__(self, proc: ForkedProcess, log_path: str):
-        self._proc = proc
-        self.pid = proc.pid
-        self._copiers = [threading.Thread(target=_copy, args=(stream, log_path), daemon=True)
-                         for stream in (proc.stdout, proc.stderr)]
-        for t in self._copiers:
-            t.start()
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self._proc.returncode
-
-    def poll(self) -> Optional[int]:
-        return self._proc.poll()
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        code = self._proc.wait(timeout)
-        # Its pipes end with it, or with a child it left holding them: not waited for past 5 s.
-        deadline = time.monotonic() + 5
-        for t in self._copiers:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return code
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _copy(stream, log_path: str) -> None:
-    with stream, open(log_path, "ab", buffering=0) as log:
-        for chunk in iter(lambda: stream.read1(65536), b""):
-            log.write(chunk)
-
-
 class Job:
     def __init__(self, tmp_path, server_address: str, *, job_id: str = "job", min_np: int = 1, max_np: int = 8,
-                 script: str = JOB, **env: str):
+                 script: str = JOB, forked: bool = True, **env: str):
+        """``forked=False``: every worker starts as a new Python that imports torch itself, as
+        under a plain elastic-run (bench/chaos_soak.py measures that)."""
         self.out = str(tmp_path)
         self.script = script
+        self.forked = forked
         self.env = dict(os.environ)
         self.env.update({
             "PYTHONPATH": _pythonpath(),
@@ -102,20 +65,20 @@ class Job:
             "GRPC_ENABLE_FORK_SUPPORT": "0",   # as elastic-run starts its workers (a job may fork)
         })
         self.env.update({k: str(v) for k, v in env.items()})
-        self.procs: Dict[str, Union[subprocess.Popen, Forked]] = {}
+        self.procs: Dict[str, Union[subprocess.Popen, ForkedProcess]] = {}
 
-    def start(self, worker_id: str, *, prefix: Sequence[str] = (), **env: str) -> Union[subprocess.Popen, Forked]:
-        """Starts a worker, forked from the fork server; ``prefix`` runs it as a new process under
-        another command (e.g. ``ip netns exec NS``)."""
+    def start(self, worker_id: str, *, prefix: Sequence[str] = (),
+              **env: str) -> Union[subprocess.Popen, ForkedProcess]:
+        """Starts a worker, forked from the fork server (unless the job is not ``forked``);
+        ``prefix`` runs it as a new process under another command (e.g. ``ip netns exec NS``)."""
         e = dict(self.env, ELASTIC_WORKER_ID=worker_id, **{k: str(v) for k, v in env.items()})
-        log_path = os.path.join(self.out, f"log-{worker_id}.txt")
-        if prefix:
-            with open(log_path, "wb") as log:
+        with open(os.path.join(self.out, f"log-{worker_id}.txt"), "wb") as log:
+            if prefix or not self.forked:
                 self.procs[worker_id] = subprocess.Popen([*prefix, sys.executable, self.script], env=e, stdout=log,
                                                          stderr=subprocess.STDOUT, cwd=REPO)
-        else:
-            open(log_path, "wb").close()
-            self.procs[worker_id] = Forked(fork_server().spawn([sys.executable, self.script], e, cwd=REPO), log_path)
+            else:
+                self.procs[worker_id] = fork_server().spawn([sys.executable, self.script], e, cwd=REPO,
+                                                            output=log.fileno())
         return self.procs[worker_id]
 
     def progress(self, worker_id: str) -> Optional[tuple]:
@@ -168,5 +131,5 @@ class Job:
                     os.kill(p.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-                p.kill()
+                os.kill(p.pid, signal.SIGKILL)   # not reaped yet: the pid is still its
                 p.wait(10)

@@ -193,6 +193,17 @@ def test_a_forked_worker_runs_in_the_directory_asked_for_else_in_the_callers(ser
         assert out.decode().strip() == str(expected)
 
 
+def test_a_forked_workers_stdout_and_stderr_can_both_go_to_one_descriptor_in_order(server, tmp_path):
+    script = tmp_path / "both.py"
+    script.write_text("import sys\nfor i in range(3):\n    print('out', i, flush=True)\n"
+                      "    print('err', i, file=sys.stderr, flush=True)\n")
+    with open(tmp_path / "log.txt", "wb") as log:
+        child = server.spawn([sys.executable, str(script)], dict(os.environ), output=log.fileno())
+    assert child.stdout is None and child.stderr is None
+    assert child.wait(60) == 0
+    assert (tmp_path / "log.txt").read_text().splitlines() == ["out 0", "err 0", "out 1", "err 1", "out 2", "err 2"]
+
+
 def test_the_server_refuses_a_command_it_cannot_run_and_forks_the_next(server, tmp_path):
     with pytest.raises(ForkServerError, match="refused the worker: not a command this interpreter runs"):
         server.spawn(["/bin/sh", "-c", "id"], dict(os.environ))
