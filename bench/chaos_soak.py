@@ -108,7 +108,7 @@ class Soak:
         self.server = ServerProc(_Path(out), "--insecure", "--heartbeat-timeout", str(args.heartbeat_timeout),
                                  "--settle", "0.2", "--blacklist-after", "0", "--events", self.server_events)
         self.stop_file = os.path.join(out, "stop")
-        self.job = Job(_Path(out), self.server.address, min_np=1, max_np=args.workers, JOB_EPOCHS=100000,
+        self.job = Job(_Path(out), self.server.address, forked=False, min_np=1, max_np=args.workers, JOB_EPOCHS=100000,
                        JOB_STEP_SLEEP=0.02, JOB_STOP_FILE=self.stop_file, ELASTIC_WORLD_TIMEOUT=120)
         self.live: list[str] = []
         self.spawned = 0
@@ -144,20 +144,17 @@ class Soak:
                            and (not smaller or e["size"] < self.args.workers)), None)
         return out
 
-    def recovered_at(self, victim: str, t_fault: float, version: int):
-        """Time of the first step another worker completed in a world newer than `version`."""
-        return min((t for t in self.first_steps(victim, t_fault, version).values() if t is not None), default=None)
+    def recovered_at(self, victim: str, t_fault: float, version: int, smaller: bool = False):
+        """Time of the first step another worker completed in a world newer than `version` (and,
+        with `smaller`, of fewer than --workers workers)."""
+        return min((t for t in self.first_steps(victim, t_fault, version, smaller).values() if t is not None),
+                   default=None)
 
     def all_recovered_at(self, victim: str, t_fault: float, version: int):
         """Time by which every other worker completed a step in a world newer than `version`
         (None while one has not)."""
         firsts = list(self.first_steps(victim, t_fault, version).values())
         return None if None in firsts else max(firsts, default=0.0)
-
-    def shrunk_at(self, victim: str, t_fault: float, version: int):
-        """Time of the first step another worker completed in a smaller world newer than `version`."""
-        return min((t for t in self.first_steps(victim, t_fault, version, smaller=True).values() if t is not None),
-                   default=None)
 
     def redone_since(self, victim: str, t_fault: float) -> int:
         """The most steps a survivor completed again after ``t_fault`` (it had completed them before)."""
@@ -176,7 +173,7 @@ class Soak:
         version = max((e["v"] for w in self.live for e in self.job.events(w) if e["ev"] == "step"), default=0)
         t_fault = time.time()
         self.job.kill(victim, signal.SIGTERM)
-        t = wait_until(lambda: self.shrunk_at(victim, t_fault, version), self.args.recovery_timeout,
+        t = wait_until(lambda: self.recovered_at(victim, t_fault, version, smaller=True), self.args.recovery_timeout,
                        f"the world to shrink after SIGTERM to {victim}", interval=0.1)
         try:
             code = self.job.procs[victim].wait(self.args.recovery_timeout)
@@ -371,7 +368,7 @@ def fault_free_loss(out: str, workers: int, epochs: int) -> float:
     base = os.path.join(out, "fault-free")
     os.makedirs(base, exist_ok=True)
     server = ServerProc(_Path(base), "--insecure")
-    job = Job(_Path(base), server.address, min_np=workers, max_np=workers, JOB_EPOCHS=max(epochs, 1),
+    job = Job(_Path(base), server.address, forked=False, min_np=workers, max_np=workers, JOB_EPOCHS=max(epochs, 1),
               JOB_STEP_SLEEP=0)
     try:
         names = [f"f{i}" for i in range(workers)]
