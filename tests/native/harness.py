@@ -107,9 +107,10 @@ class World:
         # "forkserver" for tests that run late in a session: by then the test process may hold
         # gRPC and etcd client threads and has run torch's thread pools, and forking such a
         # process is not safe. Workers are forked from a server that only imported the modules
-        # of _FORKSERVER_PRELOAD (once per session), so they start in a fraction of a second. It needs `fn` to be importable
-        # (a module-level function), and workers see the environment of when the server started:
-        # a test that sets a variable for its workers takes "spawn" (an import of torch each).
+        # of _FORKSERVER_PRELOAD (once per session), so they start in a fraction of a second.
+        # It needs `fn` to be importable (a module-level function), and workers see the
+        # environment of when the server started: a test that sets a variable for its workers
+        # takes "spawn" (an import of torch each).
         ctx = _context(start_method)
         self.n = n
         self.hosts = hosts_for(transport, n)
