@@ -451,27 +451,42 @@ class Communicator:
         return output
 
     @waits
-    def shift(self, input: Any, max_bytes: Optional[int] = None) -> Any:
+    def shift(self, input: Any, max_bytes: Optional[int] = None, *, backward: bool = False) -> Any:
         """One step round the ring: sends ``input``'s bytes to the next rank (``rank + 1``,
         wrapping) and returns the previous rank's bytes (a flat uint8 tensor, or array for a
-        numpy input). Sizes may differ by rank: each sender announces its size first (8 bytes
-        round the ring), so a receiver allocates exactly that, never more than ``max_bytes``.
-        A previous rank announcing more (or a negative size) is that peer's failure: the ring
-        is aborted, so no rank waits on it, and this rank raises ``BadPeerError`` naming it.
+        numpy input); ``backward=True`` the other way round: to ``rank - 1``, from ``rank + 1``
+        (see ``shift_into_``). Sizes may differ by rank: each sender announces its size first
+        (8 bytes round the ring), so a receiver allocates exactly that, never more than
+        ``max_bytes``. A sender announcing more (or a negative size) is that peer's failure: the
+        ring is aborted, so no rank waits on it, and this rank raises ``BadPeerError`` naming it.
         Any dtype: bytes are moved, never read."""
         inp = _as_bytes(_native_array(input, "shift", read_only=True))
         mine = np.array([_numel(inp)], dtype=np.int64)
         theirs = np.empty(1, dtype=np.int64)
-        self._native.shift_(mine, theirs)
+        self._native.shift_(mine, theirs, backward)
         n = int(theirs[0])
-        prev = (self.rank - 1) % self.size
+        sender = (self.rank + (1 if backward else -1)) % self.size
         if n < 0 or (max_bytes is not None and n > max_bytes):
-            why = f"rank {prev} announced {n} bytes for a shift, more than the {max_bytes} this rank takes"
+            why = f"rank {sender} announced {n} bytes for a shift, more than the {max_bytes} this rank takes"
             self.abort(why)
-            raise self._blame(why, "shift", prev)
+            raise self._blame(why, "shift", sender)
         out = np.empty(n, dtype=np.uint8) if isinstance(inp, np.ndarray) else _torch().empty(n, dtype=_torch().uint8)
-        self._native.shift_(inp, out)
+        self._native.shift_(inp, out, backward)
         return out
+
+    @waits
+    def shift_into_(self, input: Any, output: Any, *, backward: bool = False) -> Any:
+        """``shift`` with sizes both sides already know: sends ``input``'s bytes to the next rank
+        and receives the previous rank's into ``output`` (``backward=True``: to ``rank - 1``,
+        from ``rank + 1``). Every rank's ``output`` must take exactly what its sender sends, or
+        the collective fails on both (a mismatch naming the sender). Any dtypes; the two must
+        not overlap. In a world of three or more, the first backward shift of a world forms its
+        reverse ring (one more connection to each neighbour, within ``form_timeout``).
+        Returns ``output``."""
+        inp = _as_bytes(_native_array(input, "shift_into_", read_only=True))
+        out = _as_bytes(_native_array(output, "shift_into_"))
+        self._native.shift_(inp, out, backward)
+        return output
 
     def _counts(self, what: str, counts: Optional[Sequence[int]], total: int) -> list:
         """Per-rank element counts: given (each a non-negative int, summing to ``total``) or

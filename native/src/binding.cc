@@ -358,7 +358,7 @@ NB_MODULE(_native, m) {
            },
            nb::arg("input").noconvert(), nb::arg("output").noconvert(), nb::arg("counts"), nb::arg("op"))
       .def("shift_",
-           [](PyComm& s, Array in, Array out) {
+           [](PyComm& s, Array in, Array out, bool backward) {
              Buffer bi = to_buffer(in, "shift input");
              Buffer bo = to_buffer(out, "shift output");
              size_t sb = bi.count * dtype_size(bi.dtype), rb = bo.count * dtype_size(bo.dtype);
@@ -367,9 +367,10 @@ NB_MODULE(_native, m) {
                throw nb::value_error("shift: the input and the output overlap");
              nb::gil_scoped_release nogil;
              auto c = s.c();
-             s.e()->run([&] { c->shift(bi.ptr, sb, bo.ptr, rb); });
+             if (backward) s.e()->run([&] { c->shift_back(bi.ptr, sb, bo.ptr, rb); });
+             else s.e()->run([&] { c->shift(bi.ptr, sb, bo.ptr, rb); });
            },
-           nb::arg("input").noconvert(), nb::arg("output").noconvert())
+           nb::arg("input").noconvert(), nb::arg("output").noconvert(), nb::arg("backward") = false)
       .def("barrier",
            [](PyComm& s) {
              auto c = s.c();

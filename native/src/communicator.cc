@@ -2,12 +2,14 @@
 // running each collective as a Plan on the right ring.
 #include "communicator.h"
 
+#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <thread>
 
 #include "connect.h"
 #include "link_setup.h"
@@ -50,7 +52,7 @@ const char* Communicator::algorithm_for(size_t bytes) const {
 }
 
 void Communicator::shutdown_links_locked() {
-  for (auto* l : {&links_, &local_links_, &leader_links_})
+  for (auto* l : {&links_, &local_links_, &leader_links_, &reverse_links_})
     if (*l) (*l)->shutdown();
 }
 
@@ -75,12 +77,10 @@ void Communicator::abort(const std::string& reason) {
   shutdown_links_locked();
 }
 
-namespace {
-
-// One ring being formed: the flat ring, or for the hierarchical allreduce the host-local
-// ring or the leaders' ring. All rings of a world version share the listener and differ
-// by handshake channel.
-struct RingForm {
+// One ring being formed: the flat ring, for the hierarchical allreduce the host-local ring
+// or the leaders' ring, or the reverse ring. All rings of a world version share the
+// listener and differ by handshake channel.
+struct Communicator::RingForm {
   uint8_t channel;
   LinkContext ctx;
   LinkSettings send_settings, recv_settings;
@@ -89,50 +89,23 @@ struct RingForm {
   std::unique_ptr<Links>* into;
 };
 
-}  // namespace
-
-void Communicator::form() {
-  if (formed_) throw CommError(ErrorKind::Invalid, "communicator is already formed");
-  const int n = size();
-  if (n == 1) {
-    formed_ = true;
-    return;
-  }
+Communicator::RingForm Communicator::ring_form(uint8_t channel, int ring_size, int next, int prev,
+                                               std::unique_ptr<Links>* into) {
   auto same_host = [&](int other) {
     return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
   };
-  std::vector<RingForm> rings;
-  auto add_ring = [&](uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into) {
-    RingForm f;
-    f.channel = channel;
-    f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
-                        printable(peers_[prev], 300), cfg_.dead_link_timeout};
-    f.send_settings.want_shm = same_host(next);
-    f.recv_settings.want_shm = same_host(prev);
-    f.into = into;
-    rings.push_back(std::move(f));
-  };
-  add_ring(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n, &links_);
-  if (hier_.applies) {
-    const Hierarchy& h = hier_;
-    if (h.local_size >= 2)
-      add_ring(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
-               h.first + (h.local_rank + h.local_size - 1) % h.local_size, &local_links_);
-    if (h.leader())
-      add_ring(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
-               h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts], &leader_links_);
-  }
-  Expectation e;
-  e.active = true;
-  e.job_id = job_id_;
-  e.secret = secret_;
-  e.world_version = world_version_;
-  e.rank = uint32_t(rank_);
-  e.world_size = uint32_t(n);
-  for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
-  listener_->expect(e);
+  RingForm f;
+  f.channel = channel;
+  f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
+                      printable(peers_[prev], 300), cfg_.dead_link_timeout};
+  f.send_settings.want_shm = same_host(next);
+  f.recv_settings.want_shm = same_host(prev);
+  f.into = into;
+  return f;
+}
+
+void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop) {
   auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
-  auto deadline = Clock::now() + seconds(cfg_.form_timeout);
   try {
     // Every ring's connection and LINK go out before this rank waits for any predecessor,
     // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
@@ -143,19 +116,22 @@ void Communicator::form() {
       h.world_version = world_version_;
       h.from_rank = uint32_t(rank_);
       h.to_rank = uint32_t(f.ctx.next_rank);
-      h.world_size = uint32_t(n);
+      h.world_size = uint32_t(size());
       h.channel = f.channel;
       random_bytes(h.nonce.data(), h.nonce.size());
       // A neighbour that accepts no connection for the collective timeout (at most
       // kUnreachableAfterMaxS) is not coming: give up on it then, even if the form deadline is later.
       f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline,
-                                    seconds(std::min(cfg_.timeout, kUnreachableAfterMaxS)), abort_);
+                                    seconds(std::min(cfg_.timeout, kUnreachableAfterMaxS)), stop);
       set_dead_link_timeout(f.next_fd, cfg_.dead_link_timeout);
-      f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, abort_);
+      f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, stop);
     }
     for (auto& f : rings) {
-      f.prev_fd = listener_->take(world_version_, deadline, abort_, rank_, f.ctx.prev_rank, f.channel);
+      f.prev_fd = listener_->take(world_version_, deadline, stop, rank_, f.ctx.prev_rank, f.channel);
       set_dead_link_timeout(f.prev_fd, cfg_.dead_link_timeout);
+      // From here on not `stop`: once this rank's LINK_ACK is out, a neighbour may finish
+      // its part of the collective and close; what this rank still needs is on connections
+      // it holds, which fail by themselves if their peer dies.
       f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, abort_);
     }
     for (auto& f : rings) {
@@ -169,11 +145,51 @@ void Communicator::form() {
       std::lock_guard<std::mutex> g(err_mu_);
       *f.into = std::move(links);
     }
-  } catch (CommError& err) {
+  } catch (CommError&) {
     for (auto& f : rings) {
       if (f.next_fd >= 0) ::close(f.next_fd);
       if (f.prev_fd >= 0) ::close(f.prev_fd);
     }
+    throw;
+  }
+  std::lock_guard<std::mutex> g(err_mu_);
+  if (abort_.fired()) shutdown_links_locked();  // abort() raced with the end of forming
+}
+
+void Communicator::form() {
+  if (formed_) throw CommError(ErrorKind::Invalid, "communicator is already formed");
+  const int n = size();
+  if (n == 1) {
+    formed_ = true;
+    return;
+  }
+  std::vector<RingForm> rings;
+  rings.push_back(ring_form(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n, &links_));
+  if (hier_.applies) {
+    const Hierarchy& h = hier_;
+    if (h.local_size >= 2)
+      rings.push_back(ring_form(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
+                                h.first + (h.local_rank + h.local_size - 1) % h.local_size, &local_links_));
+    if (h.leader())
+      rings.push_back(ring_form(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
+                                h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts], &leader_links_));
+  }
+  Expectation e;
+  e.active = true;
+  e.job_id = job_id_;
+  e.secret = secret_;
+  e.world_version = world_version_;
+  e.rank = uint32_t(rank_);
+  e.world_size = uint32_t(n);
+  for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
+  // The reverse ring forms later, at the first shift_back(): its predecessor is the flat
+  // ring's next rank, whose connection the listener holds until then.
+  if (n >= 3) e.prev_rank[kChannelReverse] = (rank_ + 1) % n;
+  listener_->expect(e);
+  auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
+  try {
+    form_rings(rings, Clock::now() + seconds(cfg_.form_timeout), abort_);
+  } catch (CommError& err) {
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
     shutdown_links_locked();  // rings already formed: tell their neighbours at once
@@ -181,8 +197,55 @@ void Communicator::form() {
     throw;
   }
   formed_ = true;
-  std::lock_guard<std::mutex> g(err_mu_);
-  if (abort_.fired()) shutdown_links_locked();  // abort() raced with the end of form()
+}
+
+namespace {
+
+// Fires `stop` when `outer` fires or one of `fds` (a formed ring's connections) ends or
+// receives the poison byte, until destroyed: a ring formed late stops waiting for a
+// neighbour that gave up or died meanwhile.
+class WatchWhileForming {
+ public:
+  WatchWhileForming(std::vector<WatchFd> fds, const AbortSignal& outer)
+      : thread_([this, fds = std::move(fds), &outer] {
+          std::vector<pollfd> p = {{done_.fd(), POLLIN, 0}, {outer.fd(), POLLIN, 0}};
+          for (auto& w : fds) p.push_back({w.fd, short(POLLRDHUP | POLLPRI), 0});
+          while (poll(p.data(), nfds_t(p.size()), -1) < 0 && errno == EINTR) {
+          }
+          if (!p[0].revents) stop.fire();
+        }) {}
+  ~WatchWhileForming() {
+    done_.fire();
+    thread_.join();
+  }
+  AbortSignal stop;
+
+ private:
+  AbortSignal done_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+Links& Communicator::reverse_ring(const OpInfo& info) {
+  if (reverse_links_) return *reverse_links_;
+  const int n = size();
+  links_->check_alive(info);  // a neighbour gone since the last collective fails this one at once
+  std::vector<RingForm> rings;
+  rings.push_back(ring_form(kChannelReverse, n, (rank_ + n - 1) % n, (rank_ + 1) % n, &reverse_links_));
+  // A failure here is the collective's (guarded() poisons the communicator). A neighbour
+  // gets as long to connect as form() gives it, or the collective timeout if that is shorter.
+  auto form_by = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(cfg_.form_timeout));
+  WatchWhileForming watch(links_->connections(), abort_);
+  try {
+    form_rings(rings, std::min(form_by, info.deadline), watch.stop);
+  } catch (CommError& err) {
+    // Stopped by the flat ring: name the neighbour that ended it as a collective would.
+    if (err.kind == ErrorKind::Aborted && !abort_.fired()) links_->check_alive(info);
+    throw;
+  }
+  return *reverse_links_;
 }
 
 std::vector<std::string> Communicator::link_kinds() {
@@ -425,6 +488,24 @@ void Communicator::shift(const void* send, size_t send_bytes, void* recv, size_t
     ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
                    cfg_.segment_bytes);
     links_->run(plan, info);
+  });
+}
+
+void Communicator::shift_back(const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+  if (size() <= 2) {
+    // The previous rank is the next one: a shift is a shift back.
+    shift(send, send_bytes, recv, recv_bytes);
+    return;
+  }
+  guarded("shift_back", [&] {
+    OpInfo info = make_op("shift_back", op_tag({8}), std::to_string(send_bytes) + " bytes to rank " +
+                                                         std::to_string((rank_ + size() - 1) % size()) + ", " +
+                                                         std::to_string(recv_bytes) + " from rank " +
+                                                         std::to_string((rank_ + 1) % size()));
+    Links& ring = reverse_ring(info);
+    ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
+                   cfg_.segment_bytes);
+    ring.run(plan, info);
   });
 }
 

@@ -43,6 +43,11 @@ class Communicator {
   // rank into `recv` (which must not overlap `send`). Each rank's recv_bytes must be its
   // previous rank's send_bytes, or both fail with a mismatch.
   void shift(const void* send, size_t send_bytes, void* recv, size_t recv_bytes);
+  // shift() the other way round: sends to the previous rank, receives from the next one. In
+  // a world of three or more it runs on the reverse ring, which the first call forms
+  // (each rank connects to its previous rank, within the collective timeout), so a rank
+  // relaying to a lower rank needs no detour round the whole ring.
+  void shift_back(const void* send, size_t send_bytes, void* recv, size_t recv_bytes);
   void barrier();
 
   int rank() const { return rank_; }
@@ -67,6 +72,15 @@ class Communicator {
   void check_usable(const char* name);
   OpInfo make_op(const char* name, uint32_t tag, std::string describe);
   void shutdown_links_locked();  // err_mu_ held
+  struct RingForm;
+  RingForm ring_form(uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into);
+  // Connects every ring's next rank, takes every previous rank's connection and sets up
+  // their links, in an order no cycle of ranks can wait on; closes what it opened on failure.
+  // Its waits for a neighbour's connection end early when `stop` fires (the communicator's
+  // abort, or more); the set-up on connections it holds heeds the abort only.
+  void form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop);
+  // The reverse ring, formed on first use by the collective `info`.
+  Links& reverse_ring(const OpInfo& info);
 
   Listener* listener_;
   std::string job_id_, secret_;
@@ -79,6 +93,7 @@ class Communicator {
   std::unique_ptr<Links> links_;         // the flat ring
   std::unique_ptr<Links> local_links_;   // the ring of this host's ranks (hierarchical, local_size >= 2)
   std::unique_ptr<Links> leader_links_;  // the ring of the hosts' leaders (hierarchical, leaders only)
+  std::unique_ptr<Links> reverse_links_; // the flat ring's ranks the other way round (shift_back, size >= 3)
   Hierarchy hier_;
   bool formed_ = false;
   std::atomic<uint32_t> seq_{0};

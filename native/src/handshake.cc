@@ -18,6 +18,7 @@ const char* channel_name(uint32_t channel) {
     case kChannelFlat: return "ring";
     case kChannelLocal: return "host-local ring";
     case kChannelLeaders: return "leaders' ring";
+    case kChannelReverse: return "reverse ring";
   }
   return "unknown ring";
 }
@@ -109,8 +110,10 @@ Verdict judge_hello(const Hello& h, const Expectation& e, Refusal* code, std::st
     // Every rank derives the rings from the same world, so only different settings get here.
     return refuse(Refusal::NoSuchRing, std::string("this worker forms no ") + channel_name(h.channel) +
                                            " at world version " + std::to_string(h.world_version) + " (channel " +
-                                           std::to_string(h.channel) +
-                                           "): is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?");
+                                           std::to_string(h.channel) + "): " +
+                                           (h.channel == kChannelReverse
+                                                ? "does every worker run the same elastic-ring version?"
+                                                : "is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?"));
   }
   if (int64_t(h.from_rank) != want)
     return refuse(Refusal::WrongRank, "rank " + std::to_string(h.from_rank) + " is not this worker's " +

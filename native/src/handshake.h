@@ -35,9 +35,11 @@ constexpr size_t kMaxBodyBytes = 4096;
 constexpr size_t kMaxJobIdBytes = 255;
 constexpr size_t kNonceBytes = 16;
 
-// The rings a communicator may form for one world version; a HELLO names one of them.
-enum Channel : uint8_t { kChannelFlat = 0, kChannelLocal = 1, kChannelLeaders = 2 };
-constexpr size_t kChannels = 3;
+// The rings a communicator may form for one world version; a HELLO names one of them. The
+// reverse ring joins the flat ring's ranks the other way round (each rank connects to its
+// previous rank); a communicator forms it at its first shift_back().
+enum Channel : uint8_t { kChannelFlat = 0, kChannelLocal = 1, kChannelLeaders = 2, kChannelReverse = 3 };
+constexpr size_t kChannels = 4;
 const char* channel_name(uint32_t channel);
 
 // LINK and LINK_ACK follow an accepted handshake on the same connection: how the data of
@@ -78,9 +80,9 @@ struct Expectation {
   uint32_t rank = 0;
   uint32_t world_size = 0;
   // Per channel: the ring predecessor expected on it, or -1 when this rank forms no such ring.
-  std::array<int64_t, kChannels> prev_rank{{-1, -1, -1}};
+  std::array<int64_t, kChannels> prev_rank{{-1, -1, -1, -1}};
   // Per channel: its predecessor of this world version is already connected.
-  std::array<bool, kChannels> connected{{false, false, false}};
+  std::array<bool, kChannels> connected{{false, false, false, false}};
   bool retired = false;       // the communicator of this version is gone: refuse, don't park
 };
 

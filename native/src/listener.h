@@ -75,8 +75,8 @@ class Listener {
   std::mutex mu_;
   Expectation expect_;        // guarded by mu_
   // guarded by mu_: per channel, the authenticated predecessor not yet taken, and its version
-  std::array<int, kChannels> slot_fd_{{-1, -1, -1}};
-  std::array<uint64_t, kChannels> slot_version_{{0, 0, 0}};
+  std::array<int, kChannels> slot_fd_{{-1, -1, -1, -1}};
+  std::array<uint64_t, kChannels> slot_version_{{0, 0, 0, 0}};
   void close_slots_locked(bool all, uint64_t keep_version);
   std::deque<std::string> refusals_;  // guarded by mu_
   std::atomic<uint64_t> refusal_count_{0};

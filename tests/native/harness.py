@@ -208,12 +208,13 @@ def allreduce_forever(elements: int) -> Callable:
 
 
 def kill_mid_allreduce(n: int, victim: int, *, elements: int = 64 << 20, budget_s: float = 0.5,
-                       **world_kw) -> Dict[int, tuple]:
-    """SIGKILLs rank `victim` while every rank is inside an allreduce (256 MiB by default) and
-    checks that every survivor raised WorkerLostError (peer_lost or propagated) within
-    `budget_s` of the kill; returns the survivors' error messages by rank."""
+                       body: Optional[Callable] = None, **world_kw) -> Dict[int, tuple]:
+    """SIGKILLs rank `victim` while every rank is inside an allreduce (256 MiB by default; or
+    inside whatever `body` runs forever after it says "running") and checks that every
+    survivor raised WorkerLostError (peer_lost or propagated) within `budget_s` of the kill;
+    returns the survivors' error messages by rank."""
     errors = {}
-    with World(n, allreduce_forever(elements), **world_kw) as w:
+    with World(n, body or allreduce_forever(elements), **world_kw) as w:
         w.wait_formed()
         for r in range(n):
             w.expect(r, "running", timeout=120)

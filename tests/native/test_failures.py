@@ -29,6 +29,55 @@ def test_sigkill_mid_allreduce_fails_every_survivor_within_half_a_second(victim,
     assert victim in blamed(errors), blamed(errors)
 
 
+def _shift_back_forever(comm, conn):
+    mine, got = np.ones(64 << 20, dtype=np.uint8), np.empty(64 << 20, dtype=np.uint8)
+    comm.shift_into_(mine, got, backward=True)
+    conn.send(("running", time.monotonic()))
+    while True:
+        comm.shift_into_(mine, got, backward=True)
+
+
+_shift_back_forever.wants_conn = True
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigkill_mid_backward_shift_fails_every_survivor_within_half_a_second(transport):
+    errors = kill_mid_allreduce(4, 1, body=_shift_back_forever, config=elastic.CommConfig(timeout=30),
+                                transport=transport)
+    assert {msg[4]["op"] for msg in errors.values()} == {"shift_back"}, errors
+    assert 1 in blamed(errors), blamed(errors)
+
+
+def _shift_back_once_told(comm, conn):
+    comm.allreduce_(np.ones(4, dtype=np.float32), elastic.Sum)
+    conn.send(("running", time.monotonic()))
+    if conn.recv() == "shift":
+        comm.shift_into_(np.ones(8, dtype=np.uint8), np.empty(8, dtype=np.uint8), backward=True)
+
+
+_shift_back_once_told.wants_conn = True
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_neighbour_that_dies_before_the_reverse_ring_forms_fails_the_backward_shift_at_once(transport):
+    # The first backward shift forms the reverse ring; a neighbour that is gone (or goes while
+    # the others wait for its connection) fails it through the flat ring's connections, not at
+    # the form timeout (30 s here).
+    with World(3, _shift_back_once_told, config=elastic.CommConfig(timeout=60, form_timeout=30),
+               transport=transport) as w:
+        w.wait_formed()
+        for r in range(3):
+            w.expect(r, "running")
+        w.send(0, "shift")
+        w.send(1, "shift")
+        killed_at = w.kill(2, signal.SIGKILL)
+        for r in (0, 1):
+            msg = w.expect(r, "error", timeout=20)
+            assert msg[1] == "WorkerLostError", msg[2]
+            assert msg[5] - killed_at < 2.0, f"rank {r} took {msg[5] - killed_at:.3f} s: {msg[2]}"
+            assert msg[4]["reason"] in ("peer_lost", "propagated"), msg
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigstop_of_a_peer_fires_the_deadline(transport):
     # The collective timeout counts from entry: each allreduce (16 MiB) must itself finish well

@@ -16,7 +16,16 @@ from .harness import TRANSPORTS, World
 JOB, SECRET, VERSION = "live-job", b"live-secret", 5
 
 
+def _shift_back_round(comm) -> bool:
+    """One backward shift (on the reverse ring, which the first one forms): the next rank's bytes arrive."""
+    got = comm.shift(np.full(1000, comm.rank, dtype=np.int32), backward=True).view(np.int32)
+    return bool((got == (comm.rank + 1) % comm.size).all())
+
+
 def _serve_then_allreduce(comm, conn):
+    # The reverse ring forms before probes start, so its channel is fenced like the others.
+    if not _shift_back_round(comm):
+        raise AssertionError("the backward shift delivered the wrong bytes")
     conn.send(("ready", comm.listener.address))
     rounds = 0
     while True:
@@ -26,7 +35,7 @@ def _serve_then_allreduce(comm, conn):
         buf = np.full(100_000, comm.rank + 1, dtype=np.float64)
         comm.allreduce_(buf, elastic.Sum)
         rounds += 1
-        conn.send(("round", float(buf[0])))
+        conn.send(("round", float(buf[0]) if _shift_back_round(comm) else -1.0))
         if cmd == "stop":
             return rounds, comm.listener.refusals()
 
@@ -159,9 +168,10 @@ def test_hmac_matches_the_standard_library():
 # ---------------------------------------------------------------- protocol 2: ring channels
 #
 # One listener serves every ring a communicator forms for its world version: the flat ring
-# (channel 0) and, for the hierarchical allreduce, the host-local ring (1) and the leaders'
-# ring (2). The channel is part of the authenticated HELLO; each channel has its own expected
-# predecessor, and the same fencing and refusals hold on every channel.
+# (channel 0), for the hierarchical allreduce the host-local ring (1) and the leaders' ring
+# (2), and the reverse ring of backward shifts (3). The channel is part of the authenticated
+# HELLO; each channel has its own expected predecessor, and the same fencing and refusals
+# hold on every channel.
 
 import struct  # noqa: E402
 
@@ -201,6 +211,8 @@ def hierarchical_ring():
     (0, {"channel": 1, "from_rank": 2, "to_rank": 0}, "not this worker's host-local ring predecessor (expected rank 1)"),
     (0, {"channel": 2, "from_rank": 2, "to_rank": 0}, "leaders' ring of world version 5 is already connected"),
     (0, {"channel": 1, "from_rank": 1, "to_rank": 0}, "host-local ring of world version 5 is already connected"),
+    (0, {"channel": 3, "from_rank": 2, "to_rank": 0}, "not this worker's reverse ring predecessor (expected rank 1)"),
+    (2, {"channel": 3, "from_rank": 0, "to_rank": 2}, "reverse ring of world version 5 is already connected"),
     (0, {"channel": 9, "from_rank": 2, "to_rank": 0}, "unknown ring channel 9"),
     (0, {"channel": 2, "from_rank": 2, "to_rank": 0, "version": VERSION - 1}, "stale world version 4"),
     (0, {"channel": 1, "from_rank": 1, "to_rank": 0, "size": 4}, "world size mismatch"),

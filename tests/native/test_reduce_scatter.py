@@ -163,6 +163,59 @@ def test_shift_hands_each_rank_the_previous_rank_bytes_whatever_their_sizes(n, t
         assert all(got.values()), f"rank {rank}: {got}"
 
 
+def _shifts_both_ways(comm):
+    """Backward shifts (the reverse ring, formed by the first) between forward ones and other
+    collectives, with sizes that differ by rank; shift_into_ with the sizes known both sides."""
+    got = {}
+    n, me = comm.size, comm.rank
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    size_of = lambda r: 0 if r == 1 else 100_003 * (r + 1)
+    for round in range(3):
+        mine = torch.full((size_of(me),), me + 1, dtype=torch.uint8)
+        out = comm.shift(mine, backward=True)
+        got[f"back {round}"] = out.numel() == size_of(nxt) and bool((out == nxt + 1).all())
+        out = comm.shift(mine)
+        got[f"forward {round}"] = out.numel() == size_of(prev) and bool((out == prev + 1).all())
+        total = torch.tensor([float(me)])
+        comm.allreduce_(total, elastic.Sum)
+        got[f"allreduce {round}"] = total.item() == n * (n - 1) / 2
+    for backward, sender in ((True, nxt), (False, prev)):
+        mine = torch.arange(me * 10, me * 10 + 3 + me, dtype=torch.int64)
+        out = torch.empty(3 + sender, dtype=torch.int64)
+        comm.shift_into_(mine, out, backward=backward)
+        got[f"into backward={backward}"] = out.tolist() == list(range(sender * 10, sender * 10 + 3 + sender))
+    arr = np.empty(2, dtype=np.float32)
+    comm.shift_into_(np.full(2, me, dtype=np.float32), arr, backward=True)
+    got["numpy"] = arr.tolist() == [nxt, nxt]
+    return got
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_a_backward_shift_hands_each_rank_the_next_rank_bytes(n, transport):
+    for rank, got in enumerate(run_world(n, _shifts_both_ways, transport=transport)):
+        assert got and all(got.values()), f"rank {rank}: {got}"
+
+
+def _misjudged_shift_into(comm):
+    out = torch.empty(8 if comm.rank == 0 else 4, dtype=torch.uint8)   # rank 0 expects 8, rank 1 sends 4
+    try:
+        comm.shift_into_(torch.zeros(4, dtype=torch.uint8), out, backward=True)
+        comm.barrier()   # a sender done before its receiver refused learns it here
+    except elastic.CollectiveMismatchError as e:
+        return "mismatch", str(e)
+    except elastic.WorkerLostError as e:
+        return "lost", str(e)
+    return "none", ""
+
+
+def test_a_backward_shift_of_another_size_than_the_receiver_expects_fails_as_a_mismatch():
+    results = run_world(3, _misjudged_shift_into)
+    kind, text = results[0]    # rank 0 receives from rank 1
+    assert kind == "mismatch" and "rank 1" in text and "shift_back" in text, results
+    assert [kind for kind, _ in results[1:]] == ["lost", "lost"], results
+
+
 def _oversized_shift(comm):
     mine = torch.zeros(10_000 if comm.rank == 1 else 10, dtype=torch.uint8)
     try:
