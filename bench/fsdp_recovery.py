@@ -14,7 +14,8 @@ survivors reshard the last commit onto the smaller world and train on.
                     membership allreduce every commit has) / (--commit-every x mean step time)
   recovery          from the SIGKILL to the first step completed in the next world, and to
                     the moment training resumed (the sync done, the first step starting)
-  moved bytes       what the reshard sent between ranks (rows that changed owner)
+  moved bytes       the most one rank received in the reshard (the rows that change owner
+                    travel point to point: the rows it takes, and any it passes on)
   to buddies        what the commit of the new layout sent to the buddies (the rows each did
                     not hold already), against whole copies of that layout
   ring bandwidth    bytes per second one ring allgather delivers to each rank, measured by the

@@ -167,6 +167,46 @@ def moved_rows(transfers: Sequence[Transfer]) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Hop:
+    """One shift of a relay: each ``(transfer, sender)`` in ``moves`` crosses one link, from
+    ``sender`` to ``sender + 1`` (``forward``) or to ``sender - 1``, in the order listed."""
+    forward: bool
+    moves: Tuple[Tuple[int, int], ...]
+
+
+def relay(pairs: Sequence[Tuple[int, int]], size: int) -> List[Hop]:
+    """The shifts that carry transfer ``i``, from rank ``pairs[i][0]`` to rank ``pairs[i][1]``
+    of ``size``, the shorter way round the ring (forward on a tie), store and forward: a
+    transfer ``h`` links away crosses its ``k``-th link in round ``k``. Each round is its
+    forward shift, then its backward one; a shift that would move nothing on any link is left
+    out, and transfers to the sender itself never travel. Every rank computes the same list,
+    so what each shift sends and receives needs no description on the wire.
+
+    A link carries only what crosses it: when a world shrinks, rows move to the rank before
+    their holder, one link backwards, where a forward-only ring would take them ``size - 1``."""
+    if size < 1:
+        raise ValueError(f"relay: a world of {size} ranks")
+    routes = []
+    for i, (src, dst) in enumerate(pairs):
+        if not (0 <= src < size and 0 <= dst < size):
+            raise ValueError(f"relay: transfer {i} from rank {src} to rank {dst} in a world of {size}")
+        if src == dst:
+            continue
+        ahead = (dst - src) % size
+        forward = ahead <= size - ahead
+        routes.append((i, src, forward, ahead if forward else size - ahead))
+    out: List[Hop] = []
+    for k in range(1, max((r[3] for r in routes), default=0) + 1):
+        for direction in (True, False):
+            step = 1 if direction else -1
+            moves = tuple((i, (src + step * (k - 1)) % size) for i, src, forward, hops in routes
+                          if forward == direction and hops >= k)
+            if moves:
+                out.append(Hop(direction, moves))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class BuddyRows:
     """Rows ``[start, stop)`` of tensor ``key`` of new rank ``owner``'s shard, as its buddy gets
     them for its copy: from its own copy ``copy`` (OWN|BUDDY) of old rank ``old``'s shard, or,
@@ -214,4 +254,4 @@ def buddy_plan(rows: Sequence[int], old_size: int, holders: Optional[Sequence[Se
 
 
 __all__ = ["OWN", "BUDDY", "chunk_rows", "buddy_of", "Generation", "Holding", "Resume", "Lost", "Fresh", "decide",
-           "Transfer", "plan", "moved_rows", "BuddyRows", "buddy_plan"]
+           "Transfer", "plan", "moved_rows", "Hop", "relay", "BuddyRows", "buddy_plan"]

@@ -1,7 +1,7 @@
 """How the shards of ``elastic.ShardedState`` travel between ranks, and the checks on what
-arrives: the holdings every rank announces, the buddy copy, the rows a reshard moves (one ring
-allgather of per-rank byte counts every rank computes from its own model), and full tensors
-gathered from every rank's rows.
+arrives: the holdings every rank announces, the buddy copy, the rows a reshard moves (point to
+point, forward and backward round the ring, in sizes every rank computes from its own model),
+and full tensors gathered from every rank's rows.
 
 A commit copies a rank's shards once, into one flat buffer (``flat_copy``): a 64-byte header
 (commit step, world version) and each shard at a 64-byte-aligned offset. That buffer is what
@@ -293,14 +293,18 @@ def check_table(replicated: Any, model: torch.nn.Module, me: int, root: int) -> 
 
 def move(comm, decision: reshard.Resume, table: List[list], own, buddy, new: Dict[str, torch.Tensor]) -> int:
     """Fills ``new`` (this rank's new shards, by key: views of its new flat copy) from the
-    holders' copies: the rows that change owner travel in one allgather of per-rank byte counts
-    every rank computes alike. Returns the bytes that travelled."""
+    holders' copies. The rows that change owner travel point to point, the shorter way round
+    the ring (``reshard.relay``: forward and backward shifts, store and forward), so a rank
+    receives only rows it takes or passes on. Every size is computed alike on every rank, and
+    a shift whose bytes differ from them fails on the receiver. Returns the bytes this rank
+    received."""
     g = decision.generation
     me, size = comm.rank, comm.size
     rows = [shape[0] for _, shape, _ in table]
     transfers = reshard.plan(rows, g.size, decision.holders, size)
     per_row = [_row_bytes(entry) for entry in table]
     old_chunks = [reshard.chunk_rows(n, g.size) for n in rows]
+    nbytes = [(t.stop - t.start) * per_row[t.key] for t in transfers]
 
     def source(t: reshard.Transfer) -> torch.Tensor:
         copy = own if t.copy == reshard.OWN else buddy
@@ -311,33 +315,30 @@ def move(comm, decision: reshard.Resume, table: List[list], own, buddy, new: Dic
         base = old_chunks[t.key][t.old][0]
         return copy["shards"][key][t.start - base:t.stop - base]
 
-    counts = [0] * size
-    for t in transfers:
-        if t.src != t.dst:
-            counts[t.src] += (t.stop - t.start) * per_row[t.key]
-    send = torch.empty(counts[me], dtype=torch.uint8)
-    at = 0
-    for t in transfers:
-        if t.src == me and t.dst != me:
-            chunk = source(t).contiguous().view(-1).view(torch.uint8)
-            send[at:at + chunk.numel()] = chunk
-            at += chunk.numel()
-    got = torch.empty(sum(counts), dtype=torch.uint8)
-    if sum(counts):
-        comm.allgather_into_(got, send, counts=counts)
-    offsets = [sum(counts[:r]) for r in range(size)]
-    for t in transfers:
-        nbytes = (t.stop - t.start) * per_row[t.key]
-        if t.src != t.dst:
-            src_bytes = got[offsets[t.src]:offsets[t.src] + nbytes]
-            offsets[t.src] += nbytes
+    # The bytes of each transfer while this rank holds them (its own to send, or passing through).
+    held: Dict[int, torch.Tensor] = {i: source(t).contiguous().view(-1).view(torch.uint8)
+                                     for i, t in enumerate(transfers) if t.src == me != t.dst}
+    received = 0
+    for hop in reshard.relay([(t.src, t.dst) for t in transfers], size):
+        step = 1 if hop.forward else -1
+        out = [i for i, sender in hop.moves if sender == me]
+        into = [i for i, sender in hop.moves if (sender + step) % size == me]
+        send = torch.cat([held.pop(i) for i in out]) if out else torch.empty(0, dtype=torch.uint8)
+        got = torch.empty(sum(nbytes[i] for i in into), dtype=torch.uint8)
+        comm.shift_into_(send, got, backward=not hop.forward)
+        received += got.numel()
+        at = 0
+        for i in into:
+            held[i] = got[at:at + nbytes[i]]
+            at += nbytes[i]
+    for i, t in enumerate(transfers):
         if t.dst != me:
             continue
-        key, shape, dtype = table[t.key]
-        a = reshard.chunk_rows(shape[0], size)[me][0]
+        key = table[t.key][0]
+        a = reshard.chunk_rows(table[t.key][1][0], size)[me][0]
         dst = new[key][t.start - a:t.stop - a]
         if t.src == me:
             dst.copy_(source(t))
-        else:
-            dst.view(-1).view(torch.uint8).copy_(src_bytes) if dst.numel() else None
-    return sum(counts)
+        elif dst.numel():
+            dst.view(-1).view(torch.uint8).copy_(held.pop(i))
+    return received

@@ -4,8 +4,8 @@ which rows each new rank receives from whom, and which rows of its new copy a bu
 import pytest
 import torch
 
-from elastic.reshard import (BUDDY, OWN, BuddyRows, Fresh, Generation, Holding, Lost, Resume, Transfer, buddy_of,
-                             buddy_plan, chunk_rows, decide, moved_rows, plan)
+from elastic.reshard import (BUDDY, OWN, BuddyRows, Fresh, Generation, Holding, Hop, Lost, Resume, Transfer, buddy_of,
+                             buddy_plan, chunk_rows, decide, moved_rows, plan, relay)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 13, 64, 100])
@@ -134,6 +134,75 @@ def test_a_holder_that_is_the_receiver_reads_its_own_copy_first():
 def test_a_shard_without_holder_is_refused():
     with pytest.raises(ValueError, match="no holder"):
         plan([8], 2, [((0, OWN),), ()], 2)
+
+
+# -------------------------------------------------------------------- relay
+def run_relay(pairs, size):
+    """Carries every transfer along ``relay``'s hops, checking each hop sends only what its
+    sender holds; returns where each transfer ended and how many hops each link carried it."""
+    at = {i: src for i, (src, dst) in enumerate(pairs)}
+    links = {}
+    for hop in relay(pairs, size):
+        senders = [sender for _, sender in hop.moves]
+        for i, sender in hop.moves:
+            assert at[i] == sender, (hop, i, at[i])
+            to = (sender + (1 if hop.forward else -1)) % size
+            links[(sender, to)] = links.get((sender, to), 0) + 1
+            at[i] = to
+        assert [i for i, _ in hop.moves] == sorted(i for i, _ in hop.moves), hop   # in transfer order
+        assert senders, hop
+    return at, links
+
+
+@pytest.mark.parametrize("pairs, size, hops", [
+    ([], 4, []),
+    ([(0, 0), (2, 2)], 3, []),                                  # to oneself: nothing travels
+    ([(1, 0), (2, 1)], 3, [Hop(False, ((0, 1), (1, 2)))]),      # a shrink: one link backwards each
+    ([(0, 1), (1, 2)], 4, [Hop(True, ((0, 0), (1, 1)))]),       # a grow: one link forwards each
+    ([(0, 1)], 2, [Hop(True, ((0, 0),))]),                      # two ranks: forward
+    ([(1, 0)], 2, [Hop(True, ((0, 1),))]),
+    ([(0, 2)], 4, [Hop(True, ((0, 0),)), Hop(True, ((0, 1),))]),  # a tie: forward, two rounds
+    ([(0, 3), (3, 1)], 5, [Hop(False, ((0, 0), (1, 3))), Hop(False, ((0, 4), (1, 2)))]),   # 0 -> 4 -> 3
+    ([(0, 1), (1, 0), (4, 1)], 5, [Hop(True, ((0, 0), (2, 4))), Hop(False, ((1, 1),)), Hop(True, ((2, 0),))]),
+])
+def test_relay_takes_each_transfer_the_shorter_way_round(pairs, size, hops):
+    assert relay(pairs, size) == hops
+    at, _ = run_relay(pairs, size)
+    assert at == {i: dst for i, (_, dst) in enumerate(pairs)}
+
+
+@pytest.mark.parametrize("old_size, new_size, lost", [(4, 3, (1,)), (4, 3, (3,)), (8, 7, (2,)), (8, 6, (1, 5)),
+                                                      (3, 4, ()), (4, 8, ()), (5, 3, (1, 3)), (6, 6, (4,))])
+def test_relay_of_a_reshard_delivers_every_row_and_loads_no_link_more_than_an_allgather(old_size, new_size, lost):
+    # The survivors keep their order; joiners (new_size > survivors) come last, holding nothing.
+    rows = [96, 7, 1]
+    new_of = {old: new for new, old in enumerate(r for r in range(old_size) if r not in lost)}
+    holders = [((new_of[i], OWN),) if i in new_of else ((new_of[(i + 1) % old_size], BUDDY),)
+               for i in range(old_size)]
+    transfers = plan(rows, old_size, holders, new_size)
+    pairs = [(t.src, t.dst) for t in transfers]
+    at, _ = run_relay(pairs, new_size)
+    assert at == {i: t.dst for i, t in enumerate(transfers)}
+    # No transfer crosses more than half the ring: at most new_size // 2 rounds of two shifts.
+    assert len(relay(pairs, new_size)) <= 2 * (new_size // 2)
+    # A ring allgather hands every rank all moved rows but its own; the relay hands a rank
+    # only the rows it takes or passes on, which after a shrink by one rank is what it takes.
+    received = {r: 0 for r in range(new_size)}
+    for hop in relay(pairs, new_size):
+        for i, sender in hop.moves:
+            received[(sender + (1 if hop.forward else -1)) % new_size] += transfers[i].stop - transfers[i].start
+    moved = moved_rows(transfers)
+    for r in range(new_size):
+        sent_by_r = sum(t.stop - t.start for t in transfers if t.src == r != t.dst)
+        assert received[r] <= moved - sent_by_r, (r, received, moved)
+    if new_size == old_size - 1 == len(new_of):
+        taken = {r: sum(t.stop - t.start for t in transfers if t.dst == r != t.src) for r in range(new_size)}
+        assert received == taken, (received, taken)
+
+
+def test_relay_refuses_a_rank_outside_the_world():
+    with pytest.raises(ValueError, match="transfer 1 from rank 0 to rank 3 in a world of 3"):
+        relay([(0, 1), (0, 3)], 3)
 
 
 # -------------------------------------------------------------------- buddy_plan
