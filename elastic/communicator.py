@@ -479,9 +479,10 @@ class Communicator:
         """``shift`` with sizes both sides already know: sends ``input``'s bytes to the next rank
         and receives the previous rank's into ``output`` (``backward=True``: to ``rank - 1``,
         from ``rank + 1``). Every rank's ``output`` must take exactly what its sender sends, or
-        the collective fails on both (a mismatch naming the sender). Any dtypes; the two must
-        not overlap. In a world of three or more, the first backward shift of a world forms its
-        reverse ring (one more connection to each neighbour, within ``form_timeout``).
+        the receiver fails at the first segment (``CollectiveMismatchError`` naming the sender)
+        and its neighbours at once after. Any dtypes; the two must not overlap. In a world of
+        three or more, the first backward shift of a world forms its reverse ring (one more
+        connection to each neighbour).
         Returns ``output``."""
         inp = _as_bytes(_native_array(input, "shift_into_", read_only=True))
         out = _as_bytes(_native_array(output, "shift_into_"))

@@ -104,7 +104,8 @@ Communicator::RingForm Communicator::ring_form(uint8_t channel, int ring_size, i
   return f;
 }
 
-void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop) {
+void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop,
+                              const AbortSignal& linking_stop) {
   auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
   try {
     // Every ring's connection and LINK go out before this rank waits for any predecessor,
@@ -129,13 +130,12 @@ void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point de
     for (auto& f : rings) {
       f.prev_fd = listener_->take(world_version_, deadline, stop, rank_, f.ctx.prev_rank, f.channel);
       set_dead_link_timeout(f.prev_fd, cfg_.dead_link_timeout);
-      // From here on not `stop`: once this rank's LINK_ACK is out, a neighbour may finish
-      // its part of the collective and close; what this rank still needs is on connections
-      // it holds, which fail by themselves if their peer dies.
-      f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, abort_);
+      // From here on `linking_stop`: once this rank's LINK_ACK is out, its predecessor may
+      // finish its part of the collective and close.
+      f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, linking_stop);
     }
     for (auto& f : rings) {
-      f.send_ring = finish_link(f.next_fd, std::move(f.offered), f.ctx, deadline, abort_);
+      f.send_ring = finish_link(f.next_fd, std::move(f.offered), f.ctx, deadline, linking_stop);
       // Each direction runs over shared memory if its LINK settled on it, else over TCP.
       auto send = f.send_ring ? shm_send_end(f.next_fd, std::move(f.send_ring), f.ctx) : tcp_send_end(f.next_fd, f.ctx);
       f.next_fd = -1;  // owned by the end now
@@ -145,7 +145,7 @@ void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point de
       std::lock_guard<std::mutex> g(err_mu_);
       *f.into = std::move(links);
     }
-  } catch (CommError&) {
+  } catch (...) {
     for (auto& f : rings) {
       if (f.next_fd >= 0) ::close(f.next_fd);
       if (f.prev_fd >= 0) ::close(f.prev_fd);
@@ -188,7 +188,7 @@ void Communicator::form() {
   listener_->expect(e);
   auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
   try {
-    form_rings(rings, Clock::now() + seconds(cfg_.form_timeout), abort_);
+    form_rings(rings, Clock::now() + seconds(cfg_.form_timeout), abort_, abort_);
   } catch (CommError& err) {
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
@@ -201,24 +201,43 @@ void Communicator::form() {
 
 namespace {
 
-// Fires `stop` when `outer` fires or one of `fds` (a formed ring's connections) ends or
-// receives the poison byte, until destroyed: a ring formed late stops waiting for a
-// neighbour that gave up or died meanwhile.
+// While a ring forms late, watches the formed flat ring's connections: `any` fires when
+// `outer` fires or either connection ends or receives the poison byte; `sender_side` only
+// for `outer` or the connection to `sender_side_fd`. Stops when destroyed.
 class WatchWhileForming {
  public:
-  WatchWhileForming(std::vector<WatchFd> fds, const AbortSignal& outer)
-      : thread_([this, fds = std::move(fds), &outer] {
+  WatchWhileForming(std::vector<WatchFd> fds, int sender_side_fd, const AbortSignal& outer)
+      : thread_([this, fds = std::move(fds), sender_side_fd, &outer] {
           std::vector<pollfd> p = {{done_.fd(), POLLIN, 0}, {outer.fd(), POLLIN, 0}};
           for (auto& w : fds) p.push_back({w.fd, short(POLLRDHUP | POLLPRI), 0});
-          while (poll(p.data(), nfds_t(p.size()), -1) < 0 && errno == EINTR) {
+          for (;;) {
+            if (poll(p.data(), nfds_t(p.size()), -1) < 0 && errno != EINTR) {
+              any.fire();  // cannot watch: stop the waits (the caller names the cause if there is one)
+              sender_side.fire();
+              return;
+            }
+            if (p[0].revents) return;
+            if (p[1].revents) {
+              any.fire();
+              sender_side.fire();
+              return;
+            }
+            for (size_t i = 2; i < p.size(); ++i) {
+              if (!p[i].revents) continue;
+              any.fire();
+              if (p[i].fd == sender_side_fd) {
+                sender_side.fire();
+                return;
+              }
+              p[i].fd = -1;  // told once (poll() skips it now); keep watching the other
+            }
           }
-          if (!p[0].revents) stop.fire();
         }) {}
   ~WatchWhileForming() {
     done_.fire();
     thread_.join();
   }
-  AbortSignal stop;
+  AbortSignal any, sender_side;
 
  private:
   AbortSignal done_;
@@ -233,13 +252,16 @@ Links& Communicator::reverse_ring(const OpInfo& info) {
   links_->check_alive(info);  // a neighbour gone since the last collective fails this one at once
   std::vector<RingForm> rings;
   rings.push_back(ring_form(kChannelReverse, n, (rank_ + n - 1) % n, (rank_ + 1) % n, &reverse_links_));
-  // A failure here is the collective's (guarded() poisons the communicator). A neighbour
-  // gets as long to connect as form() gives it, or the collective timeout if that is shorter.
-  auto form_by = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(cfg_.form_timeout));
-  WatchWhileForming watch(links_->connections(), abort_);
+  // A failure here is the collective's (guarded() poisons the communicator), and so is the
+  // deadline: a neighbour may reach its first backward shift as late as it may reach any
+  // collective. A neighbour that died or gave up meanwhile is seen on the flat ring: its
+  // connection to the previous rank (the one this rank sends to here) for every wait, since
+  // that rank cannot finish without this one's bytes; the next rank's only until its
+  // connection is taken, since it may then finish its part and close.
+  auto flat = links_->connections();  // {to the next rank, from the previous rank}
+  WatchWhileForming watch(flat, flat[1].fd, abort_);
   try {
-    form_rings(rings, std::min(form_by, info.deadline), watch.stop);
+    form_rings(rings, info.deadline, watch.any, watch.sender_side);
   } catch (CommError& err) {
     // Stopped by the flat ring: name the neighbour that ended it as a collective would.
     if (err.kind == ErrorKind::Aborted && !abort_.fired()) links_->check_alive(info);
@@ -480,11 +502,13 @@ void Communicator::shift(const void* send, size_t send_bytes, void* recv, size_t
       if (send_bytes) std::memmove(recv, send, send_bytes);
       return;
     }
-    // The tag does not name the sizes (they differ by link); each segment's size is checked.
-    OpInfo info = make_op("shift", op_tag({7}), std::to_string(send_bytes) + " bytes to rank " +
-                                                    std::to_string((rank_ + 1) % size()) + ", " +
-                                                    std::to_string(recv_bytes) + " from rank " +
-                                                    std::to_string((rank_ + size() - 1) % size()));
+    // Sizes differ by link: each direction's tags name its own size, so a receiver that
+    // expects another size than its sender sends fails at the first segment.
+    OpInfo info = make_op("shift", op_tag({7, send_bytes}), std::to_string(send_bytes) + " bytes to rank " +
+                                                                std::to_string((rank_ + 1) % size()) + ", " +
+                                                                std::to_string(recv_bytes) + " from rank " +
+                                                                std::to_string((rank_ + size() - 1) % size()));
+    info.recv_tag = op_tag({7, recv_bytes});
     ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
                    cfg_.segment_bytes);
     links_->run(plan, info);
@@ -498,10 +522,11 @@ void Communicator::shift_back(const void* send, size_t send_bytes, void* recv, s
     return;
   }
   guarded("shift_back", [&] {
-    OpInfo info = make_op("shift_back", op_tag({8}), std::to_string(send_bytes) + " bytes to rank " +
-                                                         std::to_string((rank_ + size() - 1) % size()) + ", " +
-                                                         std::to_string(recv_bytes) + " from rank " +
-                                                         std::to_string((rank_ + 1) % size()));
+    OpInfo info = make_op("shift_back", op_tag({8, send_bytes}), std::to_string(send_bytes) + " bytes to rank " +
+                                                                     std::to_string((rank_ + size() - 1) % size()) +
+                                                                     ", " + std::to_string(recv_bytes) + " from rank " +
+                                                                     std::to_string((rank_ + 1) % size()));
+    info.recv_tag = op_tag({8, recv_bytes});
     Links& ring = reverse_ring(info);
     ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
                    cfg_.segment_bytes);

@@ -76,9 +76,10 @@ class Communicator {
   RingForm ring_form(uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into);
   // Connects every ring's next rank, takes every previous rank's connection and sets up
   // their links, in an order no cycle of ranks can wait on; closes what it opened on failure.
-  // Its waits for a neighbour's connection end early when `stop` fires (the communicator's
-  // abort, or more); the set-up on connections it holds heeds the abort only.
-  void form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop);
+  // Its waits end early when `stop` fires (up to taking the predecessors' connections) or
+  // `linking_stop` (the link set-up on them after): the communicator's abort, or more.
+  void form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop,
+                  const AbortSignal& linking_stop);
   // The reverse ring, formed on first use by the collective `info`.
   Links& reverse_ring(const OpInfo& info);
 

@@ -109,9 +109,13 @@ void link_failure(const LinkContext& ctx, ErrorKind kind, const OpInfo& op, int 
 
 std::string segment_mismatch(uint32_t seq, uint32_t tag, uint64_t index, uint64_t bytes, const OpInfo& op,
                              size_t want_index, size_t want_bytes, const std::string& sender) {
-  if (seq != op.seq || tag != op.tag)
+  const uint32_t want_tag = op.recv_tag >= 0 ? uint32_t(op.recv_tag) : op.tag;
+  if (seq != op.seq || (tag != want_tag && op.recv_tag < 0))
     return sender + " is in a different collective (its operation #" + std::to_string(seq) +
            "; ranks must call the same collectives in the same order with the same dtype, op and size)";
+  if (tag != want_tag)
+    return sender + " sends another number of bytes than this rank receives in " + op.name + " #" +
+           std::to_string(seq) + " (a receiver must expect exactly what its sender sends)";
   if (index != want_index || bytes != want_bytes)
     return sender + " sent segment " + std::to_string(index) + " of " + std::to_string(bytes) +
            " bytes, expected segment " + std::to_string(want_index) + " of " + std::to_string(want_bytes) +

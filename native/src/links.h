@@ -61,6 +61,10 @@ struct OpInfo {
   // collective, however far its neighbours got.
   Clock::time_point deadline;
   double timeout_s;
+  // The tag segments from the previous rank must carry, when it differs from what this rank
+  // sends (a shift names each link's size in its tags, so a receiver expecting another size
+  // fails at the first segment instead of taking a prefix); -1: `tag`.
+  int64_t recv_tag = -1;
 };
 
 struct LinkContext {

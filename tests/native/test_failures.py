@@ -51,31 +51,45 @@ def test_sigkill_mid_backward_shift_fails_every_survivor_within_half_a_second(tr
 def _shift_back_once_told(comm, conn):
     comm.allreduce_(np.ones(4, dtype=np.float32), elastic.Sum)
     conn.send(("running", time.monotonic()))
-    if conn.recv() == "shift":
+    what = conn.recv()
+    if what == "shift":
         comm.shift_into_(np.ones(8, dtype=np.uint8), np.empty(8, dtype=np.uint8), backward=True)
+        comm.barrier()   # a rank that is no neighbour of the lost one may finish its shift first
+    elif what == "abort":
+        comm.abort("told to give up")
+        conn.send(("aborted", time.monotonic()))
+        conn.recv()
 
 
 _shift_back_once_told.wants_conn = True
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_neighbour_that_dies_before_the_reverse_ring_forms_fails_the_backward_shift_at_once(transport):
-    # The first backward shift forms the reverse ring; a neighbour that is gone (or goes while
-    # the others wait for its connection) fails it through the flat ring's connections, not at
-    # the form timeout (30 s here).
-    with World(3, _shift_back_once_told, config=elastic.CommConfig(timeout=60, form_timeout=30),
+@pytest.mark.parametrize("n, victim, how", [(3, 2, "kill"), (4, 2, "kill"), (4, 2, "abort"), (5, 1, "abort")])
+def test_a_neighbour_lost_while_the_reverse_ring_forms_fails_the_backward_shift_at_once(n, victim, how, transport):
+    # The first backward shift forms the reverse ring. A neighbour that is gone, or goes (dies,
+    # or gives up alive) while the others connect, wait for its connection or set up the link
+    # with it, fails it through the flat ring's connections, not at the collective timeout.
+    with World(n, _shift_back_once_told, config=elastic.CommConfig(timeout=60, form_timeout=30),
                transport=transport) as w:
         w.wait_formed()
-        for r in range(3):
+        for r in range(n):
             w.expect(r, "running")
-        w.send(0, "shift")
-        w.send(1, "shift")
-        killed_at = w.kill(2, signal.SIGKILL)
-        for r in (0, 1):
+        others = [r for r in range(n) if r != victim]
+        for r in others:
+            w.send(r, "shift")
+        if how == "kill":
+            lost_at = w.kill(victim, signal.SIGKILL)
+        else:
+            w.send(victim, "abort")
+            lost_at = w.expect(victim, "aborted")[1]
+        for r in others:
             msg = w.expect(r, "error", timeout=20)
             assert msg[1] == "WorkerLostError", msg[2]
-            assert msg[5] - killed_at < 2.0, f"rank {r} took {msg[5] - killed_at:.3f} s: {msg[2]}"
+            assert msg[5] - lost_at < 2.0, f"rank {r} took {msg[5] - lost_at:.3f} s: {msg[2]}"
             assert msg[4]["reason"] in ("peer_lost", "propagated"), msg
+        if how == "abort":
+            w.send(victim, "done")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -3,6 +3,8 @@ the input left as it was, on TCP and shared memory."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -197,10 +199,14 @@ def test_a_backward_shift_hands_each_rank_the_next_rank_bytes(n, transport):
         assert got and all(got.values()), f"rank {rank}: {got}"
 
 
-def _misjudged_shift_into(comm):
-    out = torch.empty(8 if comm.rank == 0 else 4, dtype=torch.uint8)   # rank 0 expects 8, rank 1 sends 4
+def _misjudged_shift_into(comm, backward, expected, sent):
+    # Rank 0 expects `expected` bytes from its sender (rank 1 backward, the last rank forward),
+    # which sends `sent`; every other link agrees.
+    sender = 1 if backward else comm.size - 1
+    mine = torch.zeros(sent if comm.rank == sender else 16, dtype=torch.uint8)
+    out = torch.empty(expected if comm.rank == 0 else 16, dtype=torch.uint8)
     try:
-        comm.shift_into_(torch.zeros(4, dtype=torch.uint8), out, backward=True)
+        comm.shift_into_(mine, out, backward=backward)
         comm.barrier()   # a sender done before its receiver refused learns it here
     except elastic.CollectiveMismatchError as e:
         return "mismatch", str(e)
@@ -209,10 +215,16 @@ def _misjudged_shift_into(comm):
     return "none", ""
 
 
-def test_a_backward_shift_of_another_size_than_the_receiver_expects_fails_as_a_mismatch():
-    results = run_world(3, _misjudged_shift_into)
-    kind, text = results[0]    # rank 0 receives from rank 1
-    assert kind == "mismatch" and "rank 1" in text and "shift_back" in text, results
+@pytest.mark.parametrize("backward", [True, False])
+@pytest.mark.parametrize("expected, sent", [(8, 4), (4, 8), (4096, 8192), (8192, 4096)])
+def test_a_shift_of_another_size_than_the_receiver_expects_fails_as_a_mismatch(backward, expected, sent):
+    # 4096-byte segments: a receiver expecting whole segments must not take a prefix of more.
+    results = run_world(3, functools.partial(_misjudged_shift_into, backward=backward, expected=expected, sent=sent),
+                        config=elastic.CommConfig(timeout=60, segment_bytes=4096))
+    kind, text = results[0]
+    sender = 1 if backward else 2
+    assert kind == "mismatch" and f"rank {sender}" in text, results
+    assert ("shift_back" if backward else "shift") in text, results
     assert [kind for kind, _ in results[1:]] == ["lost", "lost"], results
 
 
