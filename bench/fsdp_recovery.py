@@ -119,7 +119,9 @@ def one_run(args) -> dict:
     noticed = [e["t"] for e in logs if "failed at world version" in e["msg"] or "closed" in e["msg"]]
     formed = [e["t"] for e in logs if f"in world version {v} (formed" in e["msg"]]
     step_new = min((e for e in evs if e["ev"] == "step" and e["v"] == v), key=lambda e: e["t"])
-    later = sorted(e["seconds"] for e in evs if e["ev"] == "step" and e["v"] == v and e["step"] > step_new["step"])
+    later_evs = sorted((e for e in evs if e["ev"] == "step" and e["v"] == v and e["step"] > step_new["step"]),
+                       key=lambda e: e["seconds"])
+    later = [e["seconds"] for e in later_evs]
     return {
         "size": world[0]["size"],
         "step": statistics.mean(e["seconds"] for e in old if e["ev"] == "step" and e["step"] > 2),
@@ -134,6 +136,7 @@ def one_run(args) -> dict:
         "first_step": step_new["seconds"],
         "first_parts": step_new["parts"],
         "later_step": later[len(later) // 2] if later else float("nan"),
+        "later_parts": later_evs[len(later_evs) // 2]["parts"] if later_evs else [float("nan")] * 3,
         "moved": max(e["moved"] for e in world),
         "to_buddies": sum(e["buddy"] for e in world),
         "whole_copies": sum(e["own"] for e in world),
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
         print(f"| {r['noticed']:.2f} | {r['formed']:.2f} | {r['sync']:.3f} | "
               + " | ".join(f"{r['phases'][k]:.3f}" for k in PHASES) + " |")
     for r in runs:
-        print("# first step: forward %.3f, backward %.3f, optimizer %.3f" % tuple(r["first_parts"]))
+        print("# first step: forward %.3f, backward %.3f, optimizer %.3f; a later one (the median): %.3f, %.3f, %.3f"
+              % (tuple(r["first_parts"]) + tuple(r["later_parts"])))
     print(f"# load average {load()} at end")
     return 0
 
