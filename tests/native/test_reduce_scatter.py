@@ -12,7 +12,7 @@ import torch
 import elastic
 
 from .cases import DTYPES, OPS, make_input, raw, reference
-from .harness import TRANSPORTS, run_world
+from .harness import TRANSPORTS, mixed_hosts, run_world
 
 CONFIGS = {
     "default": elastic.CommConfig(timeout=60),
@@ -196,6 +196,13 @@ def _shifts_both_ways(comm):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_a_backward_shift_hands_each_rank_the_next_rank_bytes(n, transport):
     for rank, got in enumerate(run_world(n, _shifts_both_ways, transport=transport)):
+        assert got and all(got.values()), f"rank {rank}: {got}"
+
+
+def test_a_backward_shift_works_in_a_mixed_world():
+    # Hosts a, a, b, b: each link of the reverse ring settles shared memory or TCP by itself,
+    # as the flat ring's do, so one ring has both.
+    for rank, got in enumerate(run_world(4, _shifts_both_ways, transport=mixed_hosts(2, 2))):
         assert got and all(got.values()), f"rank {rank}: {got}"
 
 
