@@ -453,13 +453,12 @@ class Communicator:
     @waits
     def shift(self, input: Any, max_bytes: Optional[int] = None, *, backward: bool = False) -> Any:
         """One step round the ring: sends ``input``'s bytes to the next rank (``rank + 1``,
-        wrapping) and returns the previous rank's bytes (a flat uint8 tensor, or array for a
-        numpy input); ``backward=True`` the other way round: to ``rank - 1``, from ``rank + 1``
-        (see ``shift_into_``). Sizes may differ by rank: each sender announces its size first
-        (8 bytes round the ring), so a receiver allocates exactly that, never more than
-        ``max_bytes``. A sender announcing more (or a negative size) is that peer's failure: the
-        ring is aborted, so no rank waits on it, and this rank raises ``BadPeerError`` naming it.
-        Any dtype: bytes are moved, never read."""
+        wrapping) and returns the previous rank's (a flat uint8 tensor, or array for a numpy
+        input); ``backward=True``: to ``rank - 1``, from ``rank + 1`` (see ``shift_into_``).
+        Sizes may differ by rank: each sender announces its size first, so a receiver allocates
+        exactly that, never more than ``max_bytes``. A sender announcing more (or a negative
+        size) is that peer's failure: the ring is aborted, so no rank waits on it, and this rank
+        raises ``BadPeerError`` naming it. Any dtype: bytes are moved, never read."""
         inp = _as_bytes(_native_array(input, "shift", read_only=True))
         mine = np.array([_numel(inp)], dtype=np.int64)
         theirs = np.empty(1, dtype=np.int64)
@@ -476,17 +475,14 @@ class Communicator:
 
     @waits
     def shift_into_(self, input: Any, output: Any, *, backward: bool = False) -> Any:
-        """``shift`` with sizes both sides already know: sends ``input``'s bytes to the next rank
-        and receives the previous rank's into ``output`` (``backward=True``: to ``rank - 1``,
-        from ``rank + 1``). Every rank's ``output`` must take exactly what its sender sends, or
-        the receiver fails at the first segment (``CollectiveMismatchError`` naming the sender)
-        and its neighbours at once after. Any dtypes; the two must not overlap. In a world of
-        three or more, the first backward shift of a world forms its reverse ring (one more
-        connection to each neighbour).
-        Returns ``output``."""
-        inp = _as_bytes(_native_array(input, "shift_into_", read_only=True))
-        out = _as_bytes(_native_array(output, "shift_into_"))
-        self._native.shift_(inp, out, backward)
+        """``shift`` with sizes both sides know: sends ``input``'s bytes to the next rank and
+        receives the previous rank's into ``output`` (``backward=True``: to ``rank - 1``, from
+        ``rank + 1``; in a world of three or more the first one forms the reverse ring, one more
+        connection to each neighbour). An ``output`` of another size than its sender sends fails
+        the receiver at the first segment (``CollectiveMismatchError`` naming the sender), and
+        its neighbours at once after. Any dtypes; the two must not overlap. Returns ``output``."""
+        self._native.shift_(_as_bytes(_native_array(input, "shift_into_", read_only=True)),
+                            _as_bytes(_native_array(output, "shift_into_")), backward)
         return output
 
     def _counts(self, what: str, counts: Optional[Sequence[int]], total: int) -> list:
