@@ -211,7 +211,8 @@ class WatchWhileForming {
           std::vector<pollfd> p = {{done_.fd(), POLLIN, 0}, {outer.fd(), POLLIN, 0}};
           for (auto& w : fds) p.push_back({w.fd, short(POLLRDHUP | POLLPRI), 0});
           for (;;) {
-            if (poll(p.data(), nfds_t(p.size()), -1) < 0 && errno != EINTR) {
+            if (poll(p.data(), nfds_t(p.size()), -1) < 0) {
+              if (errno == EINTR) continue;
               any.fire();  // cannot watch: stop the waits (the caller names the cause if there is one)
               sender_side.fire();
               return;
