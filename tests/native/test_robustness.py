@@ -245,7 +245,10 @@ def test_every_collective_fails_fast_when_a_peer_is_killed(name, fn, transport):
         for r in (0, 1):
             msg = w.expect(r, "error", timeout=10)
             assert msg[1] == "WorkerLostError", msg[2]
-            assert msg[5] - killed < 0.5
+            # Fast means from the dead peer's connection, not a deadline (the collective timeout
+            # is 30 minutes here); on a loaded 2-core machine a survivor spinning in a loop of
+            # small collectives was once scheduled 0.67 s after the kill, so the bound is 1 s.
+            assert msg[5] - killed < 1.0, f"rank {r} took {msg[5] - killed:.3f} s: {msg[2]}"
             assert msg[4]["op"] == name
 
 
