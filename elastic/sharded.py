@@ -21,12 +21,12 @@ On a new world, as soon as its ring forms (the step protocol's ``world_changed``
 the state registers at its first sync), every rank announces which committed layout it holds,
 all decide the same way (``elastic.reshard``) which commit to resume from and who sends which
 rows, the rows that change owner travel point to point, the shorter way round the ring (a
-rank receives only rows it takes or passes on), and every rank loads its new shards: bytes are copied, never computed, so the full state is bitwise the commit. The reset
-callbacks then run on the new model and optimizer, and ``sync`` commits the new layout again
-(own copy and buddy copy; a buddy takes the rows it holds already in its copies of the commit
-resumed from, so only the rest travel; after a resume from disk and in the first world, whole
-copies do), so the next failure finds it held twice. A commit
-whose shards died with both holders is restored from the newest durable commit when there is
+rank receives only rows it takes or passes on), and every rank loads its new shards: bytes are
+copied, never computed, so the full state is bitwise the commit. The reset callbacks then run
+on the new model and optimizer, and ``sync`` commits the new layout again (own copy and buddy
+copy; a buddy takes the rows it holds already in its copies of the commit resumed from, so only
+the rest travel; after a resume from disk and in the first world, whole copies do), so the next
+failure finds it held twice. A commit whose shards died with both holders is restored from the newest durable commit when there is
 one (``elastic.run(checkpoint_dir=...)``), else every rank raises ``CommitLostError``.
 """
 

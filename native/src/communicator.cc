@@ -77,6 +77,14 @@ void Communicator::abort(const std::string& reason) {
   shutdown_links_locked();
 }
 
+namespace {
+
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+}  // namespace
+
 // One ring being formed: the flat ring, for the hierarchical allreduce the host-local ring
 // or the leaders' ring, or the reverse ring. All rings of a world version share the
 // listener and differ by handshake channel.
@@ -106,7 +114,6 @@ Communicator::RingForm Communicator::ring_form(uint8_t channel, int ring_size, i
 
 void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop,
                               const AbortSignal& linking_stop) {
-  auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
   try {
     // Every ring's connection and LINK go out before this rank waits for any predecessor,
     // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
@@ -186,7 +193,6 @@ void Communicator::form() {
   // ring's next rank, whose connection the listener holds until then.
   if (n >= 3) e.prev_rank[kChannelReverse] = (rank_ + 1) % n;
   listener_->expect(e);
-  auto seconds = [](double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
   try {
     form_rings(rings, Clock::now() + seconds(cfg_.form_timeout), abort_, abort_);
   } catch (CommError& err) {
