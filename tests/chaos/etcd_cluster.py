@@ -20,10 +20,14 @@ class EtcdCluster:
         self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
         self.procs: List[Optional[subprocess.Popen]] = [None] * members
         self._logs = [None] * members
+        self.member_ids: dict = {}   # etcd's member id -> index here; fixed for the cluster's life
         try:
             for i in range(members):
                 self.start(i, state="new")
-            wait_until(lambda: self.leader() is not None, startup_timeout_s, "the etcd cluster to elect a leader")
+            # Every member's id, learned once, so that naming the leader later needs only one live
+            # member to answer: not the new leader itself, which may be busy just after an election.
+            wait_until(lambda: self._learn_ids() and self.leader() is not None, startup_timeout_s,
+                       "the etcd cluster to elect a leader", interval=0.1)
         except BaseException:
             self.stop()
             raise
@@ -39,7 +43,7 @@ class EtcdCluster:
              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-cluster", self.initial, "--initial-cluster-state", state,
-             "--initial-cluster-token", "chaos", "--log-level", "warn",
+             "--initial-cluster-token", "chaos", "--log-level", "info",
              "--heartbeat-interval", "50", "--election-timeout", "500"],
             stdout=self._logs[i], stderr=subprocess.STDOUT)
 
@@ -67,21 +71,57 @@ class EtcdCluster:
         p = self.procs[i]
         return p is not None and p.poll() is None
 
+    def _learn_ids(self) -> bool:
+        for i in range(len(self.procs)):
+            if i not in self.member_ids.values() and self._alive(i):
+                try:
+                    self.member_ids[self._status(i)[0]] = i
+                except Exception:  # not answering yet
+                    pass
+        return len(self.member_ids) == len(self.procs)
+
     def leader(self) -> Optional[int]:
-        """Index of the member that leads, as the live members see it; None while there is none."""
-        ids, leaders = {}, set()
+        """Index of the member that leads, as the live members that answer see it; None while there
+        is none or they disagree."""
+        leaders = set()
         for i in range(len(self.procs)):
             if not self._alive(i):
                 continue
             try:
-                member, leader, _ = self._status(i)
+                leaders.add(self._status(i)[1])
             except Exception:  # not answering (yet)
                 continue
-            ids[member] = i
-            leaders.add(leader)
         if len(leaders) != 1:
             return None
-        return ids.get(leaders.pop())
+        return self.member_ids.get(leaders.pop())
+
+    def wait(self, predicate, timeout_s: float, what: str):
+        """`wait_until` with every member's state in the error on a timeout."""
+        try:
+            return wait_until(predicate, timeout_s, what, interval=0.05)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.describe()}") from None
+
+    def describe(self) -> str:
+        """Each member as it stands: running or not, its status answer, the end of its log."""
+        ids = {i: m for m, i in self.member_ids.items()}
+        lines = []
+        for i, name in enumerate(self.names):
+            answer = "not running"
+            if self._alive(i):
+                try:
+                    member, leader, index = self._status(i)
+                    answer = f"member {member:x}, leader {leader:x}, raft index {index}"
+                except Exception as e:
+                    answer = f"no answer: {type(e).__name__}: {e}"
+            lines.append(f"--- etcd {name} (id {ids.get(i, 0):x}): {answer}")
+            try:
+                with open(os.path.join(self.data_dir, f"{name}.log"), "rb") as f:
+                    tail = f.read().decode(errors="replace").splitlines()[-12:]
+            except OSError as e:
+                tail = [f"(no log: {e})"]
+            lines.extend(tail)
+        return "\n".join(lines)
 
     def healthy(self, i: int) -> bool:
         try:
