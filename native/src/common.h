@@ -18,6 +18,11 @@ const char* op_name(ReduceOp op);
 
 using Clock = std::chrono::steady_clock;
 
+// A time in seconds (as configured, a double) as the clock's duration.
+inline Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
 // Why a communicator operation failed. Everything except Invalid poisons the
 // communicator: the caller must discard it and form a new one. One list, so the binding
 // exports exactly these names and values (elastic._native.ErrorKind) and Python never

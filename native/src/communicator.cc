@@ -77,14 +77,6 @@ void Communicator::abort(const std::string& reason) {
   shutdown_links_locked();
 }
 
-namespace {
-
-Clock::duration seconds(double s) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-}  // namespace
-
 // One ring being formed: the flat ring, for the hierarchical allreduce the host-local ring
 // or the leaders' ring, or the reverse ring. All rings of a world version share the
 // listener and differ by handshake channel.
@@ -308,9 +300,8 @@ void Communicator::check_usable(const char* name) {
 
 OpInfo Communicator::make_op(const char* name, uint32_t tag, std::string describe) {
   uint32_t seq = seq_++;
-  auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.timeout));
   return OpInfo{name, seq, tag, std::string(name) + " #" + std::to_string(seq) + " (" + describe + ")",
-                Clock::now() + timeout, cfg_.timeout};
+                Clock::now() + seconds(cfg_.timeout), cfg_.timeout};
 }
 
 template <class F>

@@ -46,9 +46,7 @@ struct Listener::Pending {
 };
 
 namespace {
-Clock::time_point after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
+Clock::time_point after(double s) { return Clock::now() + seconds(s); }
 }  // namespace
 
 Listener::Listener(const std::string& host, int port, double handshake_timeout_s)
