@@ -26,8 +26,9 @@ copied, never computed, so the full state is bitwise the commit. The reset callb
 on the new model and optimizer, and ``sync`` commits the new layout again (own copy and buddy
 copy; a buddy takes the rows it holds already in its copies of the commit resumed from, so only
 the rest travel; after a resume from disk and in the first world, whole copies do), so the next
-failure finds it held twice. A commit whose shards died with both holders is restored from the newest durable commit when there is
-one (``elastic.run(checkpoint_dir=...)``), else every rank raises ``CommitLostError``.
+failure finds it held twice. A commit whose shards died with both holders is restored from the
+newest durable commit when there is one (``elastic.run(checkpoint_dir=...)``), else every rank
+raises ``CommitLostError``.
 """
 
 from __future__ import annotations
