@@ -21,7 +21,7 @@ The traps of Slurm in namespaces, and what this does about them:
   serves all of them through its socket (a file: network namespaces do not separate it).
 * The hardware slurmd sees is the machine's: SlurmdParameters=config_overrides makes the nodes' CPUs
   the configured ones. SlurmdTimeout is short so that a killed node is declared DOWN in seconds,
-  cred_expire so that a requeued job may start again after 20 s, not Slurm's default 120, and
+  cred_expire so that a requeued job may start again after 11 s (cred_expire + 1), not Slurm's 121, and
   sched_interval so that the scheduler's main loop, which is what starts it then, runs every 2 s
   rather than every 60 (with the default, the requeue test took anywhere from 58 to 105 s).
 """
@@ -41,7 +41,9 @@ from tests.waiting import wait_until
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo", "munged", "munge", "nsenter",
             "unshare")
 SLURMD_TIMEOUT_S = 4   # a node whose slurmd stops answering is DOWN after about 3-4 times this
-CRED_EXPIRE_S = 20     # a step's credential lifetime, and how long a requeued job waits (default 120 s)
+# A step's credential lifetime, and how long a requeued job waits (Slurm's default 120 s; its least, 5):
+# ample for nodes on one machine, whose slurmd takes a step's credential as soon as it is made.
+CRED_EXPIRE_S = 10
 SCHED_INTERVAL_S = 2   # how often the main scheduling loop tests every pending job (default 60 s)
 
 
