@@ -24,8 +24,9 @@ import torch
 import elastic
 
 _CTX = mp.get_context("fork")
-# What the fork server imports once, so that its workers start without importing torch.
-_FORKSERVER_PRELOAD = ["numpy", "torch", "elastic", "tests.native.harness"]
+# What the fork server imports once, so that its workers start without importing torch. torch._dynamo
+# is what a worker's first optimizer imports (torch.optim loads it lazily): 1.5 s and more of CPU each.
+_FORKSERVER_PRELOAD = ["numpy", "torch", "torch._dynamo", "elastic", "tests.native.harness"]
 
 
 def _context(start_method: str):
