@@ -250,7 +250,9 @@ def parser() -> argparse.ArgumentParser:
                         "on the cores the others train on. Needs a worker command this Python runs, 'python "
                         "SCRIPT ...' or 'python -m MODULE ...'. A module that reads a per-worker variable (RANK, "
                         "LOCAL_RANK, CUDA_VISIBLE_DEVICES) at import must not be preloaded; torch reads them when "
-                        "it first uses a device (default: none: every worker is a new process)")
+                        "it first uses a device. A worker's first torch.optim optimizer imports torch._dynamo "
+                        "(seconds of CPU): --preload torch,torch._dynamo spares it that too (default: none: every "
+                        "worker is a new process)")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="print elastic-run's version and exit")
     p.add_argument("--collective-timeout", type=float, metavar="S",
