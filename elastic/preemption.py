@@ -14,6 +14,8 @@ it only records the request under a reentrant lock; the grace is kept by a daemo
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import logging
 import os
 import signal
@@ -114,17 +116,25 @@ class LeaveRequest:
                      f"(exit status {GRACE_EXPIRED_EXIT})")
 
 
-def install_handlers(request: Callable[[str], None]) -> Optional[Dict[int, object]]:
+@dataclasses.dataclass
+class Handlers:
+    """What ``install_handlers`` replaced (``previous``: signal -> handler) and when each of the
+    leave signals first arrived (``first_at``: signal -> monotonic time)."""
+    previous: Dict[int, object]
+    first_at: Dict[int, float]
+
+
+def install_handlers(request: Callable[[str], None]) -> Optional[Handlers]:
     """Makes SIGTERM and SIGINT call ``request(signal name)`` (a second one of the same signal does
     what the replaced handler did: KeyboardInterrupt, or the default action; see ``insists`` for a
-    SIGTERM delivered twice); returns the handlers they replaced, for ``restore_handlers``, or None
+    SIGTERM delivered twice); returns what they replaced, for ``restore_handlers``, or None
     when this is not the main thread (Python allows signal handlers only there;
     ``elastic.request_leave()`` still works)."""
     if threading.current_thread() is not threading.main_thread():
         log.debug("not the main thread: no SIGTERM/SIGINT handlers; use elastic.request_leave()")
         return None
-    previous: Dict[int, object] = {}
-    first_at: Dict[int, float] = {}
+    installed = Handlers({}, {})
+    first_at = installed.first_at
 
     def on_signal(signum, frame) -> None:
         now = time.monotonic()
@@ -136,17 +146,46 @@ def install_handlers(request: Callable[[str], None]) -> Optional[Dict[int, objec
             return
         # The same signal again: the sender insists. Do what it did before graceful leave
         # (KeyboardInterrupt for a second Ctrl-C, the default action for SIGTERM).
-        restore_handlers(previous)
+        restore_handlers(installed)
         os.kill(os.getpid(), signum)
 
     for sig in LEAVE_SIGNALS:
-        previous[sig] = signal.signal(sig, on_signal)
-    return previous
+        installed.previous[sig] = signal.signal(sig, on_signal)
+    return installed
 
 
-def restore_handlers(previous: Optional[Dict[int, object]]) -> None:
-    if not previous or threading.current_thread() is not threading.main_thread():
+def restore_handlers(installed: Optional[Handlers]) -> None:
+    """Puts back the handlers ``install_handlers`` replaced. A worker that left on a SIGTERM
+    that arrived less than ``REPEAT_WINDOW_S`` ago may still get its repeat (a leave at the
+    first commit takes milliseconds; Slurm's copy or elastic-run's may come after it): until the
+    window ends, that repeat is absorbed as it was while the run lasted, so it does not kill a
+    worker that has left and is on its way out."""
+    if not installed or threading.current_thread() is not threading.main_thread():
         return
-    for sig, handler in previous.items():
+    for sig, handler in installed.previous.items():
         # None: set from C, not Python; the default is the closest Python can put back.
-        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        handler = handler if handler is not None else signal.SIG_DFL
+        asked = installed.first_at.get(sig)
+        if asked is not None and not insists(sig, asked, time.monotonic()):
+            handler = _absorbing_repeat(sig, asked, handler)
+        signal.signal(sig, handler)
+
+
+def _absorbing_repeat(signum: int, asked_at: float, previous: object) -> Callable:
+    """A handler that ignores ``signum`` until ``insists`` says a repeat is no longer the request
+    of ``asked_at``; after that, the first one puts ``previous`` back and is delivered to it."""
+
+    def on_repeat(sig, frame) -> None:
+        if not insists(sig, asked_at, time.monotonic()):
+            return
+        signal.signal(sig, previous)
+        os.kill(os.getpid(), sig)
+
+    def at_exit() -> None:
+        # Python puts the default action back for its own handlers late in its exit, after the
+        # atexit functions: a repeat then would still kill the worker. Ignored instead, within the window.
+        if signal.getsignal(signum) is on_repeat and not insists(signum, asked_at, time.monotonic()):
+            signal.signal(signum, signal.SIG_IGN)
+
+    atexit.register(at_exit)
+    return on_repeat

@@ -31,7 +31,8 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
 
     Graceful leave: while it runs, SIGTERM and SIGINT (the previous handlers are put back when
     it ends; a second signal of the same kind does what the previous handler did, except a
-    SIGTERM within 2 s of the first: Slurm and elastic-run both deliver one) and
+    SIGTERM within 2 s of the first, which is absorbed even after the call ended: Slurm and
+    elastic-run both deliver one) and
     ``elastic.request_leave()`` only ask this worker to leave. At its next commit boundary
     (``state.commit()`` / ``check_membership()``, or at once while it waits for a world) it
     leaves the job and the call raises ``elastic.Preempted`` instead of returning: a

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -165,6 +167,59 @@ def test_a_finished_request_does_not_expire():
 ])
 def test_a_repeated_sigterm_within_the_window_is_the_same_request(signum, after, ends):
     assert insists(signum, 100.0, 100.0 + after) is ends
+
+
+# A worker that left on SIGTERM, its handlers put back, and the repeat of that SIGTERM (Slurm's copy
+# or elastic-run's) after it: run in a real process that signals itself. PROLOGUE leaves on the
+# first SIGTERM as elastic.run does; each case then says what comes next and prints what survived.
+PROLOGUE = """
+import atexit, os, signal, sys, time
+from elastic import preemption
+asked = []
+installed = preemption.install_handlers(asked.append)
+os.kill(os.getpid(), signal.SIGTERM)
+assert asked == ["SIGTERM"], asked
+"""
+AFTER_LEAVING = {
+    # The repeat within the window, after the run ended: the same request, absorbed.
+    "repeat-within-window": """
+preemption.restore_handlers(installed)
+os.kill(os.getpid(), signal.SIGTERM)
+print("alive")
+""",
+    # Past the window a SIGTERM insists: the default action, as before the run.
+    "repeat-past-window": """
+preemption.REPEAT_WINDOW_S = 0.05
+preemption.restore_handlers(installed)
+time.sleep(0.1)
+os.kill(os.getpid(), signal.SIGTERM)
+print("alive")
+""",
+    # The repeat while Python exits (after the atexit functions, Python would put the default
+    # action back): ignored. atexit runs the last registered first, so this one runs after elastic's.
+    "repeat-while-exiting": """
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), print("alive at exit")))
+preemption.restore_handlers(installed)
+""",
+    # A SIGINT is not a repeated delivery: its handler is Python's again, Ctrl-C raises at once.
+    "sigint-after": """
+preemption.restore_handlers(installed)
+print("sigint handler restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+""",
+}
+
+
+@pytest.mark.parametrize("case, code, says", [
+    ("repeat-within-window", 0, "alive"),
+    ("repeat-past-window", -signal.SIGTERM, ""),
+    ("repeat-while-exiting", 0, "alive at exit"),
+    ("sigint-after", 0, "sigint handler restored True"),
+])
+def test_the_repeat_of_the_sigterm_a_worker_left_on_does_not_kill_it_after_it_left(case, code, says):
+    p = subprocess.run([sys.executable, "-c", PROLOGUE + AFTER_LEAVING[case]], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == code, p.stderr
+    assert p.stdout.strip() == says, p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("raw, message", [
