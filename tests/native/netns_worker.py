@@ -24,15 +24,17 @@ def main() -> None:
                                      rank=rank, peers=peers, hosts=hosts,
                                      config=elastic.CommConfig(timeout=30, form_timeout=30, algorithm=algorithm))
     digests, ok, used = {}, True, set()
+    counts = [1, 1001, 3_000_017]  # small path, ring, many segments
+    # Every rank's inputs, and their sum and maximum, once per count (not once per dtype and op).
+    mine, sums, maxima = {}, {}, {}
+    for count in counts:
+        inputs = [np.random.default_rng([r, count]).integers(0, 50, count) for r in range(comm.size)]
+        mine[count], sums[count], maxima[count] = inputs[rank], sum(inputs), np.max(inputs, axis=0)
     for dtype in ["float32", "float64", "int32", "uint8", "float16", "bfloat16"]:
         for op in [elastic.Sum, elastic.Average, elastic.Max]:
-            for count in [1, 1001, 3_000_017]:  # small path, ring, many segments
-                rng = np.random.default_rng([rank, count])
-                vals = rng.integers(0, 50, count)
-                want = sum(np.random.default_rng([r, count]).integers(0, 50, count) for r in range(comm.size))
-                if op == elastic.Max:
-                    want = np.max([np.random.default_rng([r, count]).integers(0, 50, count)
-                                   for r in range(comm.size)], axis=0)
+            for count in counts:
+                vals = mine[count]
+                want = maxima[count] if op == elastic.Max else sums[count]
                 if dtype in ("float16", "bfloat16"):
                     t = torch.from_numpy(vals.astype(np.float32)).to(getattr(torch, dtype))
                 else:
