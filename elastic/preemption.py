@@ -135,10 +135,14 @@ def install_handlers(request: Callable[[str], None]) -> Optional[Handlers]:
         return None
     installed = Handlers({}, {})
     first_at = installed.first_at
+    # The repeat of a SIGTERM an earlier run left on, still due: absorbed, not a new request.
+    absorb_until: Dict[int, float] = {}
 
     def on_signal(signum, frame) -> None:
         now = time.monotonic()
         if signum not in first_at:
+            if now < absorb_until.get(signum, 0.0):
+                return
             first_at[signum] = now
             request(signal.Signals(signum).name)
             return
@@ -150,7 +154,11 @@ def install_handlers(request: Callable[[str], None]) -> Optional[Handlers]:
         os.kill(os.getpid(), signum)
 
     for sig in LEAVE_SIGNALS:
-        installed.previous[sig] = signal.signal(sig, on_signal)
+        replaced = signal.signal(sig, on_signal)
+        if isinstance(replaced, _AbsorbRepeat):   # an earlier run's: what it stands in for, and its window
+            absorb_until[sig] = replaced.asked_at + REPEAT_WINDOW_S
+            replaced = replaced.previous
+        installed.previous[sig] = replaced
     return installed
 
 
@@ -158,8 +166,8 @@ def restore_handlers(installed: Optional[Handlers]) -> None:
     """Puts back the handlers ``install_handlers`` replaced. A worker that left on a SIGTERM
     that arrived less than ``REPEAT_WINDOW_S`` ago may still get its repeat (a leave at the
     first commit takes milliseconds; Slurm's copy or elastic-run's may come after it): until the
-    window ends, that repeat is absorbed as it was while the run lasted, so it does not kill a
-    worker that has left and is on its way out."""
+    window ends, that repeat is absorbed as it was while the run lasted (``_AbsorbRepeat``), so
+    it does not kill a worker that has left and is on its way out."""
     if not installed or threading.current_thread() is not threading.main_thread():
         return
     for sig, handler in installed.previous.items():
@@ -167,25 +175,42 @@ def restore_handlers(installed: Optional[Handlers]) -> None:
         handler = handler if handler is not None else signal.SIG_DFL
         asked = installed.first_at.get(sig)
         if asked is not None and not insists(sig, asked, time.monotonic()):
-            handler = _absorbing_repeat(sig, asked, handler)
+            handler = _AbsorbRepeat(asked, handler)
         signal.signal(sig, handler)
 
 
-def _absorbing_repeat(signum: int, asked_at: float, previous: object) -> Callable:
-    """A handler that ignores ``signum`` until ``insists`` says a repeat is no longer the request
-    of ``asked_at``; after that, the first one puts ``previous`` back and is delivered to it."""
+class _AbsorbRepeat:
+    """The handler of a signal that made this worker leave at ``asked_at``, put in place of
+    ``previous`` once the run ended: a repeat within the window is absorbed; after it, the
+    first one puts ``previous`` back and is delivered to it, as if it had been there all along."""
 
-    def on_repeat(sig, frame) -> None:
-        if not insists(sig, asked_at, time.monotonic()):
+    def __init__(self, asked_at: float, previous: object):
+        self.asked_at = asked_at
+        self.previous = previous
+
+    def __call__(self, signum, frame) -> None:
+        due = not insists(signum, self.asked_at, time.monotonic())
+        if signal.getsignal(signum) is not self:
+            # Called by a handler installed after this one that passes signals on to the one it
+            # replaced: stand in for ``previous`` without touching the installed handler.
+            if not due and callable(self.previous):
+                self.previous(signum, frame)
             return
-        signal.signal(sig, previous)
-        os.kill(os.getpid(), sig)
+        if due:
+            return
+        signal.signal(signum, self.previous)
+        os.kill(os.getpid(), signum)
 
-    def at_exit() -> None:
-        # Python puts the default action back for its own handlers late in its exit, after the
-        # atexit functions: a repeat then would still kill the worker. Ignored instead, within the window.
-        if signal.getsignal(signum) is on_repeat and not insists(signum, asked_at, time.monotonic()):
-            signal.signal(signum, signal.SIG_IGN)
 
-    atexit.register(at_exit)
-    return on_repeat
+def _ignore_a_due_repeat_at_exit() -> None:
+    # Python puts the default action back for its own handlers late in its exit, after the
+    # atexit functions (this one is registered at import, so it runs after those registered
+    # later: torch's, the program's): a repeat still due then would kill a worker that left
+    # and is exiting. It is ignored instead; whatever runs of the exit after this is brief,
+    # and the launcher's SIGKILL still bounds it.
+    handler = signal.getsignal(signal.SIGTERM)
+    if isinstance(handler, _AbsorbRepeat) and not insists(signal.SIGTERM, handler.asked_at, time.monotonic()):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+atexit.register(_ignore_a_due_repeat_at_exit)

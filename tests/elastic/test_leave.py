@@ -172,8 +172,11 @@ def test_a_repeated_sigterm_within_the_window_is_the_same_request(signum, after,
 # A worker that left on SIGTERM, its handlers put back, and the repeat of that SIGTERM (Slurm's copy
 # or elastic-run's) after it: run in a real process that signals itself. PROLOGUE leaves on the
 # first SIGTERM as elastic.run does; each case then says what comes next and prints what survived.
+# ``last`` runs after every other atexit function, elastic's included (registered before its import).
 PROLOGUE = """
 import atexit, os, signal, sys, time
+last = []
+atexit.register(lambda: [f() for f in last])
 from elastic import preemption
 asked = []
 installed = preemption.install_handlers(asked.append)
@@ -191,20 +194,47 @@ print("alive")
     "repeat-past-window": """
 preemption.REPEAT_WINDOW_S = 0.05
 preemption.restore_handlers(installed)
-time.sleep(0.1)
+time.sleep(0.1)   # time itself is what this waits for: past the window
 os.kill(os.getpid(), signal.SIGTERM)
 print("alive")
 """,
-    # The repeat while Python exits (after the atexit functions, Python would put the default
-    # action back): ignored. atexit runs the last registered first, so this one runs after elastic's.
+    # The repeat at the very end of the exit, when Python is about to put the default action back.
     "repeat-while-exiting": """
-atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), print("alive at exit")))
+def repeat():
+    print("ignored at exit", signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("alive at exit", flush=True)
+last.append(repeat)
 preemption.restore_handlers(installed)
 """,
-    # A SIGINT is not a repeated delivery: its handler is Python's again, Ctrl-C raises at once.
-    "sigint-after": """
+    # A handler the program installs afterwards and that passes signals on to the one it replaced
+    # (as libraries do): within the window the repeat stops there; the program's handler stays.
+    "chained-by-a-later-handler": """
 preemption.restore_handlers(installed)
-print("sigint handler restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+replaced = signal.getsignal(signal.SIGTERM)
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: (got.append(s), replaced(s, f)))
+os.kill(os.getpid(), signal.SIGTERM)
+print("alive", got == [signal.SIGTERM], signal.getsignal(signal.SIGTERM) is not replaced)
+""",
+    # A second run in the same process: the first run's repeat is not a new request, nor wrapped twice.
+    "a-second-run": """
+preemption.restore_handlers(installed)
+again = []
+second = preemption.install_handlers(again.append)
+os.kill(os.getpid(), signal.SIGTERM)
+print("alive", again == [], second.previous[signal.SIGTERM] is signal.SIG_DFL)
+""",
+    # SIGINT is never absorbed: after a Ctrl-C leave, Python's handler is back and raises at once.
+    "sigint-after": """
+os.kill(os.getpid(), signal.SIGINT)
+assert asked == ["SIGTERM", "SIGINT"], asked
+preemption.restore_handlers(installed)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    print("not raised")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
 """,
 }
 
@@ -212,8 +242,10 @@ print("sigint handler restored", signal.getsignal(signal.SIGINT) is signal.defau
 @pytest.mark.parametrize("case, code, says", [
     ("repeat-within-window", 0, "alive"),
     ("repeat-past-window", -signal.SIGTERM, ""),
-    ("repeat-while-exiting", 0, "alive at exit"),
-    ("sigint-after", 0, "sigint handler restored True"),
+    ("repeat-while-exiting", 0, "ignored at exit True\nalive at exit"),
+    ("chained-by-a-later-handler", 0, "alive True True"),
+    ("a-second-run", 0, "alive True True"),
+    ("sigint-after", 0, "KeyboardInterrupt"),
 ])
 def test_the_repeat_of_the_sigterm_a_worker_left_on_does_not_kill_it_after_it_left(case, code, says):
     p = subprocess.run([sys.executable, "-c", PROLOGUE + AFTER_LEAVING[case]], capture_output=True, text=True,
