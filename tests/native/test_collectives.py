@@ -51,16 +51,20 @@ def _matrix(answers, comm):
     return failures
 
 
+def check_matrix_on_every_rank(n: int, **world) -> None:
+    """Runs the matrix on a world of ``n`` (``world``: run_world's settings) and fails naming
+    every rank whose result differs from numpy's (and so from any other rank's)."""
+    results = run_world(n, functools.partial(_matrix, numpy_answers(n)), timeout=240, **world)
+    assert len(results) == n
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank} differs from numpy for {failures}"
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_allreduce_matches_numpy_bitwise_on_every_rank(n, config, transport):
-    answers = numpy_answers(n)
-    results = run_world(n, functools.partial(_matrix, answers), config=CONFIGS[config], timeout=240,
-                        transport=transport)
-    assert len(results) == n
-    for rank, failures in enumerate(results):
-        assert failures == [], f"rank {rank} differs from numpy for {failures}"
+    check_matrix_on_every_rank(n, config=CONFIGS[config], transport=transport)
 
 
 def _random_floats(comm):

@@ -13,7 +13,7 @@ import pytest
 import elastic
 
 from .harness import HIERARCHICAL, World, allreduce_forever, kill_mid_allreduce, mixed_hosts, run_world
-from .test_collectives import _matrix, _random_floats
+from .test_collectives import _random_floats, check_matrix_on_every_rank
 
 # ranks per host, in rank order
 LAYOUTS = {"2x2": (2, 2), "3+1": (3, 1), "1+2+2": (1, 2, 2)}
@@ -66,12 +66,7 @@ def test_hierarchical_allreduce_matches_numpy_bitwise_on_every_rank(layout, segm
     # Every dtype and op, sizes 0..400k elements (fewer elements than ranks included), all
     # through the hierarchical path.
     config = elastic.CommConfig(timeout=60, algorithm="hierarchical", segment_bytes=segment)
-    results = run_world(sum(LAYOUTS[layout]), _matrix, transport=mixed_hosts(*LAYOUTS[layout]), timeout=240,
-                        config=config)
-    for rank, (failures, _) in enumerate(results):
-        assert failures == [], f"rank {rank} differs from numpy for {failures}"
-    for rank, (_, digests) in enumerate(results[1:], start=1):
-        assert digests == results[0][1], f"rank {rank} holds other bits than rank 0"
+    check_matrix_on_every_rank(sum(LAYOUTS[layout]), transport=mixed_hosts(*LAYOUTS[layout]), config=config)
 
 
 @pytest.mark.parametrize("layout", ["2x2", "1+2+2"])
