@@ -24,7 +24,7 @@ from tests.waiting import wait_until  # noqa: F401  (re-exported for the tests h
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(REPO, "tests", "elastic", "job.py")
-# torch._dynamo: what each worker's first optimizer imports (torch.optim loads it lazily), 1.5 s of CPU.
+# torch._dynamo: what each worker's first optimizer imports (torch.optim loads it lazily), 1.6 s of CPU.
 PRELOAD = ("torch", "torch._dynamo")
 
 _server: Optional[ForkServer] = None

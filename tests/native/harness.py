@@ -25,7 +25,7 @@ import elastic
 
 _CTX = mp.get_context("fork")
 # What the fork server imports once, so that its workers start without importing torch. torch._dynamo
-# is what a worker's first optimizer imports (torch.optim loads it lazily): 1.5 s and more of CPU each.
+# is what a worker's first optimizer imports (torch.optim loads it lazily): 1.6 s of CPU each.
 _FORKSERVER_PRELOAD = ["numpy", "torch", "torch._dynamo", "elastic", "tests.native.harness"]
 
 

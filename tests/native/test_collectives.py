@@ -23,31 +23,34 @@ CONFIGS = {
 }
 
 
+def _cases():
+    """Every case of the matrix: (dtype, op, count, the key that names it)."""
+    for dtype in DTYPES:
+        for op in OPS:
+            for count in SIZES:
+                yield dtype, op, count, f"{dtype}/{op.name}/{count}"
+
+
 @functools.lru_cache(maxsize=None)
 def numpy_answers(n: int) -> dict:
     """numpy's answer to every case of the matrix for a world of ``n`` (its dtype and SHA-256),
     worked out once per world size: four worlds of each size (two settings, two transports)
     check against it, and no rank spends its time on it."""
     answers = {}
-    for dtype in DTYPES:
-        for op in OPS:
-            for count in SIZES:
-                want = reference([make_input(r, dtype, count, op) for r in range(n)], dtype, op)
-                answers[f"{dtype}/{op.name}/{count}"] = (str(want.dtype), digest(want))
+    for dtype, op, count, key in _cases():
+        want = reference([make_input(r, dtype, count, op) for r in range(n)], dtype, op)
+        answers[key] = (str(want.dtype), digest(want))
     return answers
 
 
 def _matrix(answers, comm):
     # Every rank checks its result against numpy's, so every rank holds numpy's bits.
     failures = []
-    for dtype in DTYPES:
-        for op in OPS:
-            for count in SIZES:
-                t = make_input(comm.rank, dtype, count, op)
-                comm.allreduce_(t, op)
-                key = f"{dtype}/{op.name}/{count}"
-                if (str(t.dtype), digest(t)) != answers[key]:
-                    failures.append(key)
+    for dtype, op, count, key in _cases():
+        t = make_input(comm.rank, dtype, count, op)
+        comm.allreduce_(t, op)
+        if (str(t.dtype), digest(t)) != answers[key]:
+            failures.append(key)
     return failures
 
 
