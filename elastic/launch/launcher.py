@@ -57,6 +57,7 @@ STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
 SUCCESS_GRACE_S = 30.0   # after the job succeeded, how long local workers may take to exit
 FAILED_GRACE_S = 5.0     # after the job failed, how long local workers may take to exit on their own
 RECENT_EVENTS = 16       # job events each status poll asks for (who left cleanly, on any host)
+REMOTE_END_GRACE_S = 2.0  # the embedded server outlives other hosts' workers by this: 10 of their status polls
 
 
 class LaunchFailed(RuntimeError):
@@ -621,12 +622,17 @@ class Launcher:
             time.sleep(POLL_S)
 
     def _wait_remote_detach(self, timeout_s: float) -> None:
-        """Keeps the embedded server up while workers of other hosts still hear about the job's end."""
+        """Keeps the embedded server up while workers of other hosts still hear about the job's end, and
+        REMOTE_END_GRACE_S after, for their launchers (finding it gone, one takes a worker's exit 0 for a leave)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             view = self._status_now()
-            if view is None or not any(m.attached for m in view.members):
+            if view is None:
                 return
+            if not any(m.attached for m in view.members):
+                if all(m.host == self.cfg.host for m in view.members):
+                    return
+                deadline = min(deadline, time.monotonic() + REMOTE_END_GRACE_S)
             self._check_signal()
             time.sleep(STATUS_EVERY_S)
 

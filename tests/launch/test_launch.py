@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .launch_helpers import REPO
+from .launch_helpers import REPO, processes_with, wait_until
 
 LINEAR = os.path.join(REPO, "examples", "train_linear.py")
 CNN = os.path.join(REPO, "examples", "train_cnn.py")
@@ -120,6 +120,34 @@ def test_second_launcher_joins_the_running_job_and_the_world_grows_at_a_commit(l
     assert b.wait(60) == 0, b.text()
     assert a.wait(60) == 0, a.text()
     assert not any("restoring commit" in l for l in a.stderr), "a clean join must not look like a failure"
+    a.wait_no_leftovers()
+    b.wait_no_leftovers()
+
+
+def test_a_joined_launcher_that_looks_after_its_worker_exited_still_hears_the_job_completed(launch):
+    # The launcher of another host learns the job's end from the embedded server. Stopped while
+    # the job ends, it first looks once its worker has exited 0: the server must still answer, or
+    # that exit would pass for a graceful leave ("left (preempted)").
+    a = launch("--np", "1", "--host", "hA", LW_STEPS="100000")
+    address = a.wait_for(r"rendezvous server for job default on (127\.0\.0\.1:\d+) \(embedded\)", 30).group(1)
+    token_file = a.wait_for(r"its token is in (\S+) \(readable by this user only\)", 5).group(1)
+    b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default",
+               "--token-file", token_file, LW_STEPS="100000")
+    b.wait_for(r"^\[hB-0\] step \d+ size 2$", 30, stream="out")
+    b.proc.send_signal(signal.SIGSTOP)   # the launcher only: its worker runs in a process group of its own
+    try:
+        a.finish()
+        # The worker has exited (a zombie of the stopped launcher), then the launcher looks 0.5 s late:
+        # well after the server saw the worker go, well inside the 2 s it stays up for such launchers.
+        wait_until(lambda: processes_with(b.marker) == [b.proc.pid], 30, "hB-0 exited")
+        time.sleep(0.5)
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    assert b.wait(60) == 0, b.text()
+    assert a.wait(60) == 0, a.text()
+    assert any(line.startswith("elastic-run: job default completed") for line in b.stderr), b.text()
+    assert not any("left (preempted" in line for line in b.stderr), b.text()
+    assert any(line.startswith("elastic-run: job default completed") for line in a.stderr), a.text()
     a.wait_no_leftovers()
     b.wait_no_leftovers()
 
