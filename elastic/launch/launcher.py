@@ -574,12 +574,13 @@ class Launcher:
             self._reap(time.monotonic())
             running = [WorkerEnd(w.worker_id, self.reporter.rank_of(w.worker_id), None)
                        for w in self.workers.values() if not w.handled]
+            failure = completion_failure(self.ends + running, cfg.job_id, SUCCESS_GRACE_S)
+            if failure is None:   # said at once: the server may stay up a little for other hosts
+                self.out.note(f"job {cfg.job_id} completed" + self._recovery_summary())
             if self.server is not None:
                 self._wait_remote_detach(10.0)
-            failure = completion_failure(self.ends + running, cfg.job_id, SUCCESS_GRACE_S)
             if failure is not None:
                 raise LaunchFailed(failure)
-            self.out.note(f"job {cfg.job_id} completed" + self._recovery_summary())
             return 0
         return None
 
@@ -623,17 +624,15 @@ class Launcher:
 
     def _wait_remote_detach(self, timeout_s: float) -> None:
         """Keeps the embedded server up while workers of other hosts still hear about the job's end, and
-        REMOTE_END_GRACE_S after, for their launchers (finding it gone, one takes a worker's exit 0 for a leave)."""
+        REMOTE_END_GRACE_S after, for their launchers: finding it gone, one would take its worker's exit 0
+        for a graceful leave."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.signum is None:   # the job is over: a signal only ends the wait
             view = self._status_now()
-            if view is None:
-                return
-            if not any(m.attached for m in view.members):
-                if all(m.host == self.cfg.host for m in view.members):
+            if view is None or not any(m.attached for m in view.members):
+                if view is None or all(m.host == self.cfg.host for m in view.members):
                     return
                 deadline = min(deadline, time.monotonic() + REMOTE_END_GRACE_S)
-            self._check_signal()
             time.sleep(STATUS_EVERY_S)
 
     def _recovery_summary(self) -> str:

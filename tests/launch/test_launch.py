@@ -124,16 +124,22 @@ def test_second_launcher_joins_the_running_job_and_the_world_grows_at_a_commit(l
     b.wait_no_leftovers()
 
 
-def test_a_joined_launcher_that_looks_after_its_worker_exited_still_hears_the_job_completed(launch):
-    # The launcher of another host learns the job's end from the embedded server. Stopped while
-    # the job ends, it first looks once its worker has exited 0: the server must still answer, or
-    # that exit would pass for a graceful leave ("left (preempted)").
+def two_hosts_training(launch):
+    """Launchers of hosts hA (with the embedded server) and hB (joined), a worker each, training together."""
     a = launch("--np", "1", "--host", "hA", LW_STEPS="100000")
     address = a.wait_for(r"rendezvous server for job default on (127\.0\.0\.1:\d+) \(embedded\)", 30).group(1)
     token_file = a.wait_for(r"its token is in (\S+) \(readable by this user only\)", 5).group(1)
     b = launch("--np", "1", "--host", "hB", "--rendezvous", address, "--job-id", "default",
                "--token-file", token_file, LW_STEPS="100000")
     b.wait_for(r"^\[hB-0\] step \d+ size 2$", 30, stream="out")
+    return a, b
+
+
+def test_a_joined_launcher_that_looks_after_its_worker_exited_still_hears_the_job_completed(launch):
+    # The launcher of another host learns the job's end from the embedded server. Stopped while
+    # the job ends, it first looks once its worker has exited 0: the server must still answer, or
+    # that exit would pass for a graceful leave ("left (preempted)").
+    a, b = two_hosts_training(launch)
     b.proc.send_signal(signal.SIGSTOP)   # the launcher only: its worker runs in a process group of its own
     try:
         a.finish()
@@ -148,6 +154,22 @@ def test_a_joined_launcher_that_looks_after_its_worker_exited_still_hears_the_jo
     assert any(line.startswith("elastic-run: job default completed") for line in b.stderr), b.text()
     assert not any("left (preempted" in line for line in b.stderr), b.text()
     assert any(line.startswith("elastic-run: job default completed") for line in a.stderr), a.text()
+    a.wait_no_leftovers()
+    b.wait_no_leftovers()
+
+
+def test_a_signal_while_the_server_waits_for_other_hosts_launchers_still_ends_a_completed_job_with_0(launch):
+    a, b = two_hosts_training(launch)
+    a.finish()
+    # hA's launcher says the job completed at once, then keeps its server up until hB-0 detached and
+    # 2 s more, for hB's launcher. A SIGTERM then (a time limit, scancel) ends that wait; the job
+    # had completed, and the exit status says so.
+    a.wait_for(r"^elastic-run: job default completed$", 60)
+    a.proc.send_signal(signal.SIGTERM)
+    assert b.wait(60) == 0, b.text()
+    assert a.wait(30) == 0, a.text()
+    assert last_line(a).startswith("elastic-run: job default completed"), a.text()
+    assert not any("stopped by SIGTERM" in line for line in a.stderr), a.text()
     a.wait_no_leftovers()
     b.wait_no_leftovers()
 
