@@ -29,14 +29,14 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
     ``elastic.rank()``, ``size()`` … answer with the last world's values and collectives
     raise an error saying the job has finished.
 
-    Graceful leave: while it runs, SIGTERM and SIGINT (the previous handlers are put back when
-    it ends; a second signal of the same kind does what the previous handler did, except a
-    SIGTERM within 2 s of the first, which is absorbed even after the call ended: Slurm and
-    elastic-run both deliver one) and
-    ``elastic.request_leave()`` only ask this worker to leave. At its next commit boundary
-    (``state.commit()`` / ``check_membership()``, or at once while it waits for a world) it
-    leaves the job and the call raises ``elastic.Preempted`` instead of returning: a
-    ``SystemExit`` with code 0, so uncaught, the process exits 0 without running the code
+    Graceful leave: while it runs, from before it joins the job, SIGTERM and SIGINT (the
+    previous handlers are put back when it ends; a second signal of the same kind does what the
+    previous handler did, except a SIGTERM within 2 s of the first, which is absorbed even after
+    the call ended: Slurm and elastic-run both deliver one) and ``elastic.request_leave()``
+    only ask this worker to leave. At its next commit boundary (``state.commit()`` /
+    ``check_membership()``, or at once while it waits for a world, or once its join is
+    answered) it leaves the job and the call raises ``elastic.Preempted`` instead of returning:
+    a ``SystemExit`` with code 0, so uncaught, the process exits 0 without running the code
     after the call (``except Exception`` does not catch it; ``except elastic.Preempted`` does),
     and the other workers go on with their state. A worker that reaches no commit boundary
     within ``ELASTIC_PREEMPT_GRACE`` seconds (default 30; ``elastic-run --preempt-grace``)
@@ -54,7 +54,7 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
         if checkpoint_dir:
             state.enable_durable_commits(checkpoint_dir, checkpoint_every)
         _plug_in_torch()
-        s = session.init(form=False)  # join only: forming happens in the loop, with recovery
+        s = session.init_for_run()  # join only: forming happens in the loop, with recovery
         limit = s.config.reset_limit if reset_limit is None else reset_limit
         return s.run(func, state, args, kwargs, limit)
 

@@ -213,11 +213,23 @@ class Session(StepProtocol):
         self.committed_step = -1
         self.leave_request = preemption.LeaveRequest(config.preempt_grace, config.worker_id, on_request=self._wake)
         self.departed = False   # this worker left the job gracefully (depart() ran)
+        self._leave_signals: Optional[preemption.Handlers] = None   # while elastic.run runs
         self.straggler_detector = stragglers.Detector(
             config.stragglers, config.worker_id, leave=lambda why: self.leave_request.request(why, straggler=True),
             room=lambda: (self.client.job_spec.min_np, self.client.spares))
 
     # ------------------------------------------------------------------ lifecycle
+    def catch_leave_signals(self) -> None:
+        """From now until ``run`` ends, SIGTERM and SIGINT ask this worker to leave
+        (``elastic.preemption``). ``elastic.run`` calls it before the join: a request that comes
+        while joining is then a leave at once, not the death of a member just admitted."""
+        if self._leave_signals is None:
+            self._leave_signals = preemption.install_handlers(self.leave_request.request)
+
+    def release_leave_signals(self) -> None:
+        handlers, self._leave_signals = self._leave_signals, None
+        preemption.restore_handlers(handlers)
+
     def start(self) -> None:
         try:
             self.client.join(committed_step=-1)
@@ -436,7 +448,7 @@ class Session(StepProtocol):
         min_version = 1
         restored = False
         ending = Ending.LEFT
-        handlers = preemption.install_handlers(self.leave_request.request)
+        self.catch_leave_signals()
         for h in hooks.registered():
             h.run_starting(self.config.default_group)
         try:
@@ -497,7 +509,7 @@ class Session(StepProtocol):
             ending = Ending.CLOSED   # left: depart() told the server
             raise
         finally:
-            preemption.restore_handlers(handlers)
+            self.release_leave_signals()
             # The last durable commit may still be on the writer thread: on disk before success
             # is reported and before the code after training runs (a deadline, logged if missed).
             state.finish_durable_commits()
@@ -530,10 +542,25 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session
     includes this worker.
 
     Idempotent: later calls return the same session. Reads the environment the launcher
-    sets (see ``elastic.config``) unless ``config`` is given. ``elastic.run`` joins with
-    ``form=False`` and forms inside its recovery loop, so a failure while the first ring
+    sets (see ``elastic.config``) unless ``config`` is given. ``elastic.run`` joins through
+    ``init_for_run`` and forms inside its recovery loop, so a failure while the first ring
     forms is handled like any other.
     """
+    s = _joined(config, leave_signals=False)
+    if form and s.world is None:
+        s.form(s.next_world(1))
+        log.info("worker %s is rank %d of %d in world version %d", s.config.worker_id, s.world.rank,
+                 s.world.size, s.world.version)
+    return s
+
+
+def init_for_run() -> Session:
+    """The session ``elastic.run`` runs in: joined, its ring formed in the run's loop, and
+    SIGTERM/SIGINT a leave request from before the join on (``Session.catch_leave_signals``)."""
+    return _joined(None, leave_signals=True)
+
+
+def _joined(config: Optional[WorkerConfig], leave_signals: bool) -> Session:
     _world.close_after_run()
     with _lock:
         s = active()
@@ -541,12 +568,14 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> Session
             config = config or WorkerConfig.from_env()
             logs.install(config.log_level)   # before the first line (standby) is logged
             s = Session(config)
-            s.start()
+            if leave_signals:
+                s.catch_leave_signals()
+            try:
+                s.start()
+            except BaseException:
+                s.release_leave_signals()
+                raise
             _world.attach(s)
-    if form and s.world is None:
-        s.form(s.next_world(1))
-        log.info("worker %s is rank %d of %d in world version %d", s.config.worker_id, s.world.rank,
-                 s.world.size, s.world.version)
     return s
 
 

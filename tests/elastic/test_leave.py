@@ -110,6 +110,34 @@ def test_sigterm_while_waiting_for_a_world_leaves_at_once(job_factory, server):
         status.close()
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (the kernel's SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (int(sig) - 1) & 1)
+
+
+def test_sigterm_while_joining_leaves_once_the_server_answers(job_factory, server):
+    # The server is stopped: w0's Join cannot be answered. The SIGTERM comes while it waits, and
+    # must be a leave (told to the server once it answers), not the death of a member just admitted.
+    job = job_factory(min_np=2, max_np=2)
+    server.signal(signal.SIGSTOP)
+    try:
+        pid = job.start("w0").pid
+        wait_until(lambda: catches(pid, signal.SIGTERM), 25, "w0 to catch SIGTERM before its Join is answered")
+        job.kill("w0", signal.SIGTERM)
+    finally:
+        server.signal(signal.SIGCONT)
+    assert job.wait(["w0"], timeout=30) == {"w0": 0}, job.log("w0")
+    assert "left job job gracefully (SIGTERM) at commit -1 of world version 0" in job.log("w0")
+    status = StatusClient([server.address])
+    try:
+        view = status.job("job", timeout_s=2.0)
+        assert view is None or not any(m.worker_id == "w0" for m in view.members), view
+    finally:
+        status.close()
+
+
 def test_a_leaver_that_reaches_no_commit_within_the_grace_leaves_as_a_failure(job_factory):
     # w2 stalls 6 s inside a step; SIGTERM arrives during the stall and the grace is 1 s.
     job = job_factory(min_np=2, max_np=3, JOB_STEP_SLEEP="0.05", ELASTIC_PREEMPT_GRACE="1",
