@@ -92,6 +92,12 @@ def test_request_leave_shrinks_the_world_like_sigterm(job_factory):
     assert "left job job gracefully (the test asked)" in job.log("w1")
 
 
+def check_no_member(status, worker):
+    """``worker`` is no member of the job on the server (or the job is gone)."""
+    view = status.job("job", timeout_s=2.0)
+    assert view is None or not any(m.worker_id == worker for m in view.members), view
+
+
 def test_sigterm_while_waiting_for_a_world_leaves_at_once(job_factory, server):
     # min-np 2 with one worker: it waits for a world that never comes, and holds no ring.
     job = job_factory(min_np=2, max_np=2)
@@ -104,8 +110,7 @@ def test_sigterm_while_waiting_for_a_world_leaves_at_once(job_factory, server):
         assert job.wait(["w0"], timeout=15) == {"w0": 0}, job.log("w0")
         assert "left job job gracefully (SIGTERM)" in job.log("w0")
         # It told the server: gone from the job at once, not evicted after a heartbeat timeout.
-        view = status.job("job", timeout_s=2.0)
-        assert view is None or not any(m.worker_id == "w0" for m in view.members), view
+        check_no_member(status, "w0")
     finally:
         status.close()
 
@@ -132,8 +137,7 @@ def test_sigterm_while_joining_leaves_once_the_server_answers(job_factory, serve
     assert "left job job gracefully (SIGTERM) at commit -1 of world version 0" in job.log("w0")
     status = StatusClient([server.address])
     try:
-        view = status.job("job", timeout_s=2.0)
-        assert view is None or not any(m.worker_id == "w0" for m in view.members), view
+        check_no_member(status, "w0")
     finally:
         status.close()
 
