@@ -211,6 +211,18 @@ def wait_world_of(clients, size, timeout_s=10.0, min_version=1):
     return worlds
 
 
+def join_world(clients, timeout_s=10.0):
+    """Join every client, then wait up to `timeout_s` for the world that holds them all; returns
+    its version.
+
+    The joins go one after another, so on a slow store (etcd on a loaded machine) two of them can
+    land more than settle_s apart and a world of fewer forms first: count later worlds from the
+    version this returns, never from 1."""
+    for c in clients:
+        c.join()
+    return wait_world_of(clients, len(clients), timeout_s)[0].version
+
+
 def next_of(client, kinds, timeout_s=5.0):
     """The next event of type `kinds` (a type or a tuple of types; others skipped), failing after
     the deadline."""

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rdzv_helpers import REPO, ServerProc, child_env, make_client, unique, wait_world_of
+from rdzv_helpers import REPO, ServerProc, child_env, join_world, make_client, unique, wait_world_of
 from rendezvous.cli import main
 
 
@@ -86,14 +86,12 @@ def test_status_prints_a_table_of_the_job(tmp_path):
         job = unique("job")
         cs = [make_client([server.address], f"w{i}", job_id=job, host="nodeA", token="tok-123")
               for i in range(2)]
-        for c in cs:
-            c.join()
-        wait_world_of(cs, 2)
+        v = join_world(cs)
         out = subprocess.run([sys.executable, "-m", "rendezvous", "status", "--server",
                               server.address, "--token-file", str(token)], cwd=REPO, env=child_env(),
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
-        assert f"job {job}  phase RUNNING  world 1  np 1..8" in out.stdout
+        assert f"job {job}  phase RUNNING  world {v}  np 1..8" in out.stdout
         rows = [line.split() for line in out.stdout.splitlines() if "nodeA" in line]
         assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("0", "w0", "nodeA", "0/2"),
                                                             ("1", "w1", "nodeA", "1/2")]

@@ -11,7 +11,8 @@ import uuid
 
 import pytest
 
-from rdzv_helpers import REPO, ServerProc, child_env, make_client, run_async, unique, wait_world_of
+from rdzv_helpers import (REPO, ServerProc, child_env, join_world, make_client, run_async, unique,
+                          wait_world_of)
 from rendezvous.config import ServerConfig
 from rendezvous.store import EtcdAccess, EtcdAccessError, EtcdStore, StoreError
 
@@ -39,9 +40,7 @@ def test_a_job_forms_through_a_server_on_etcd_with_tls_and_auth(secure_etcd, tmp
     try:
         job = unique("job")
         clients = [make_client([server.address], f"w{i}", job_id=job) for i in range(2)]
-        for c in clients:
-            c.join()
-        assert wait_world_of(clients, 2, timeout_s=20)[0].version == 1
+        join_world(clients, timeout_s=20)
         # The job's state is in that etcd, under the prefix the server's user may write.
         keys = secure_etcd.etcdctl("get", "--prefix", "--keys-only", f"{prefix}/jobs/")
         assert f"{prefix}/jobs/{job}" in keys.split()

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rdzv_helpers import (ServerProc, ServerThread, make_client, server_config, unique,
-                          wait_until, wait_world_of)
+from rdzv_helpers import (ServerProc, ServerThread, join_world, make_client, server_config,
+                          unique, wait_until, wait_world_of)
 from rendezvous import decision as d
 from rendezvous.metrics import job_counts
 from rendezvous.wire import pb, pb_grpc
@@ -234,16 +234,14 @@ def test_leader_metric_flips_to_the_other_replica_after_the_leader_is_killed(etc
         assert value(mb, "elastic_rendezvous_leader_elections_total") == 0
         job = unique("job")
         cs = [make_client([a.address, b.address], f"w{i}", job_id=job) for i in range(2)]
-        for c in cs:
-            c.join(timeout_s=20)
-        wait_world_of(cs, 2)
+        v = join_world(cs)
         assert value(scrape(pa), "elastic_rendezvous_job_members", job_id=job) == 2
         a.signal(signal.SIGKILL)
         mb = wait_until(lambda: (m := scrape(pb_)) and value(m, "elastic_rendezvous_leader") == 1
                         and m, 15.0, "B to lead")
         assert value(mb, "elastic_rendezvous_leader_elections_total") == 1
         # The new leader loaded the job from etcd: same world, no eviction yet.
-        assert value(mb, "elastic_rendezvous_job_world_version", job_id=job) == 1
+        assert value(mb, "elastic_rendezvous_job_world_version", job_id=job) == v
         assert value(mb, "elastic_rendezvous_store_operation_seconds_count",
                      operation="get_prefix") >= 1
     finally:

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import (ServerProc, ServerThread, StallProxy, make_client,
-                          server_config, unique, wait_until, wait_world_of)
+from rdzv_helpers import (ServerProc, ServerThread, StallProxy, join_world, make_client,
+                          server_config, unique, wait_until)
 from rendezvous.wire import pb, pb_grpc
 from rendezvous.membership import JobSpec
 from rendezvous.watch_events import Abort, Ended, WorldInfo
@@ -165,9 +165,7 @@ def test_server_restart_against_etcd_changes_no_world(etcd, tmp_path, sig):
     first = ServerProc(tmp_path, *args)
     job = unique("job")
     cs = [make_client([first.address], f"w{i}", job_id=job) for i in range(3)]
-    for c in cs:
-        c.join(timeout_s=20)
-    wait_world_of(cs, 3)
+    v = join_world(cs, timeout_s=20)
     first.signal(sig)
     if sig == signal.SIGTERM:
         assert first.wait(10) == 0, first.log()
@@ -177,7 +175,7 @@ def test_server_restart_against_etcd_changes_no_world(etcd, tmp_path, sig):
     try:
         job_status = wait_until(
             lambda: _all_attached(second.address, job, 3), 15.0, "all 3 workers reattached")
-        assert job_status.world_version == 1 and job_status.phase == "RUNNING"
+        assert job_status.world_version == v and job_status.phase == "RUNNING"
         assert [m.member.worker_id for m in job_status.members] == ["w0", "w1", "w2"]
         assert not [e for c in cs for e in _drain(c) if isinstance(e, Abort)]
     finally:
@@ -197,16 +195,16 @@ def test_leader_failover_between_replicas_changes_no_world(etcd, tmp_path):
         assert _leader_id(b.address) == ""  # a follower
         job = unique("job")
         cs = [make_client([b.address, a.address], f"w{i}", job_id=job) for i in range(3)]
-        for c in cs:
-            c.join(timeout_s=20)        # b answers UNAVAILABLE + leader hint; clients go to a
-        wait_world_of(cs, 3)
+        # b answers UNAVAILABLE + leader hint; the clients go to a.
+        v = join_world(cs, timeout_s=20)
         a.signal(signal.SIGKILL)
         job_status = wait_until(lambda: _all_attached(b.address, job, 3), 15.0,
                                 "workers reattached to replica B")
-        assert job_status.world_version == 1
+        assert job_status.world_version == v
         assert not [e for c in cs for e in _drain(c) if isinstance(e, Abort)]
         cs[0].close()                    # the new leader evicts as before
-        assert wait_until(lambda: status(b.address, job).world_version == 2, 5.0, "world 2")
+        assert wait_until(lambda: status(b.address, job).world_version == v + 1, 5.0,
+                          f"world {v + 1}")
         for c in cs[1:]:
             c.close()
     finally:
@@ -244,9 +242,7 @@ def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(e
     first = ServerProc(tmp_path, *args)
     job = unique("job")
     cs = [make_client([first.address], f"w{i}", job_id=job) for i in range(3)]
-    for c in cs:
-        c.join(timeout_s=20)
-    wait_world_of(cs, 3)
+    v = join_world(cs, timeout_s=20)
     first.signal(signal.SIGKILL)
     first.kill()
     cs[2].close()                      # dies while no server runs: nobody sees its stream break
@@ -254,16 +250,16 @@ def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(e
     try:
         seen = []
         deadline = time.monotonic() + 15.0
-        while not (seen and isinstance(seen[-1], WorldInfo) and seen[-1].version >= 2):
+        while not (seen and isinstance(seen[-1], WorldInfo) and seen[-1].version > v):
             ev = cs[0].next_event(deadline - time.monotonic())
-            assert ev is not None, f"no world 2 within 15 s; events {seen}"
+            assert ev is not None, f"no world {v + 1} within 15 s; events {seen}"
             seen.append(ev)
         assert [m.worker_id for m in seen[-1].members] == ["w0", "w1"]
         (abort,) = [e for e in seen if isinstance(e, Abort)]
-        assert abort.world_version == 1 and "w2" in abort.reason
+        assert abort.world_version == v and "w2" in abort.reason
         # Window: heartbeat timeout 1.5 + leader TTL 1 + reconnect allowance 2 s.
         assert "did not reattach within 4.5 s of a leader change" in abort.reason
-        other = cs[1].wait_world(timeout_s=5.0, min_version=2)
+        other = cs[1].wait_world(timeout_s=5.0, min_version=v + 1)
         assert (other.version, other.rank) == (seen[-1].version, 1)
     finally:
         for c in cs[:2]:
@@ -287,9 +283,7 @@ def test_leader_whose_etcd_link_stalls_steps_down_and_no_worker_is_evicted(etcd,
         job = unique("job")
         cs = [make_client([a.address, b.address], f"w{i}", job_id=job, host=f"h{i}")
               for i in range(3)]
-        for c in cs:
-            c.join(timeout_s=20)
-        wait_world_of(cs, 3)
+        v = join_world(cs, timeout_s=20)
         proxy.stall()
         stalled_at = time.monotonic()
         job_status = wait_until(lambda: _all_attached(b.address, job, 3), 15.0,
@@ -297,7 +291,7 @@ def test_leader_whose_etcd_link_stalls_steps_down_and_no_worker_is_evicted(etcd,
         print(f"etcd link of the leader stalled -> all workers on the new leader: "
               f"{time.monotonic() - stalled_at:.2f} s")
         assert "lost leadership" in a.log() and "no lease refresh acknowledged" in a.log()
-        assert job_status.world_version == 1 and job_status.phase == "RUNNING"
+        assert job_status.world_version == v and job_status.phase == "RUNNING"
         assert list(job_status.blacklisted_hosts) == []
         events = [e for c in cs for e in _drain(c)]
         assert not [e for e in events if isinstance(e, (Abort, Ended))], events

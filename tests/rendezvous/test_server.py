@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import next_of, unique, wait_until, wait_world_of
+from rdzv_helpers import join_world, next_of, unique, wait_until, wait_world_of
 from rendezvous.channel import RendezvousRPCError
 from rendezvous.membership import JobSpec
 from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
@@ -18,7 +18,9 @@ from rendezvous.wire import pb
 def test_joined_workers_get_one_world_with_ranks(serve, client):
     s = serve()
     job = unique("job")
-    cs = [client(s.address, f"w{i}", job_id=job, host=f"h{i % 2}") for i in range(4)]
+    # min_np=4: no world forms before the last join, however far apart the joins land.
+    cs = [client(s.address, f"w{i}", job_id=job, host=f"h{i % 2}",
+                 spec=JobSpec(min_np=4, max_np=4)) for i in range(4)]
     for c in cs:
         c.join()
     worlds = wait_world_of(cs, 4)
@@ -34,26 +36,22 @@ def test_broken_stream_evicts_and_announces_next_world_promptly(serve, client):
     s = serve(settle_s=0.2)
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 3)
+    v = join_world(cs)
     cs[1].close()                          # the stream breaks as on a crash (no Leave)
     abort = next_of(cs[0], Abort, timeout_s=1.0)
     world = next_of(cs[0], WorldInfo, timeout_s=1.0)
-    assert abort.world_version == 1 and "watch stream broken" in abort.reason
-    assert [m.worker_id for m in world.members] == ["w0", "w2"] and world.version == 2
+    assert abort.world_version == v and "watch stream broken" in abort.reason
+    assert [m.worker_id for m in world.members] == ["w0", "w2"] and world.version == v + 1
 
 
 def test_clean_leave_is_pending_change_not_abort(serve, client):
     s = serve()
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 3)
+    v = join_world(cs)
     cs[2].leave()
     pending = next_of(cs[0], Pending)
-    assert pending.world_version == 1 and "left" in pending.reason
+    assert pending.world_version == v and "left" in pending.reason
     events = []
     while True:
         ev = cs[0].next_event(5.0)
@@ -61,7 +59,7 @@ def test_clean_leave_is_pending_change_not_abort(serve, client):
         if isinstance(ev, WorldInfo) or ev is None:
             break
     assert not any(isinstance(e, Abort) for e in events)
-    assert events[-1].version == 2 and events[-1].size == 2
+    assert events[-1].version == v + 1 and events[-1].size == 2
 
 
 def test_hot_spare_replaces_failed_member(serve, client):
@@ -95,13 +93,11 @@ def test_highest_committed_step_becomes_rank_zero_of_next_world(serve, client):
     s = serve()
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 3)
+    v = join_world(cs)
     cs[2].heartbeat(committed_step=40)
     cs[1].heartbeat(committed_step=30)
     cs[0].close()
-    worlds = wait_world_of(cs[1:], 2, min_version=2)
+    worlds = wait_world_of(cs[1:], 2, min_version=v + 1)
     assert [m.worker_id for m in worlds[0].members] == ["w2", "w1"]
 
 
@@ -260,12 +256,10 @@ def test_status_lists_jobs_members_and_ranks(serve, client, stub):
     s = serve()
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job, host="node") for i in range(2)]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 2)
+    v = join_world(cs)
     resp = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5)
     (j,) = resp.jobs
-    assert j.phase == "RUNNING" and j.world_version == 1
+    assert j.phase == "RUNNING" and j.world_version == v
     assert [(m.member.worker_id, m.member.rank, m.attached) for m in j.members] == [
         ("w0", 0, True), ("w1", 1, True)]
     with StatusClient([s.address]) as status:
@@ -273,7 +267,7 @@ def test_status_lists_jobs_members_and_ranks(serve, client, stub):
     assert [(m.worker_id, m.rank, m.attached) for m in answer.jobs[0].members] == [
         ("w0", 0, True), ("w1", 1, True)]
     table = format_status(answer)
-    assert f"job {job}  phase RUNNING  world 1" in table and "w1" in table
+    assert f"job {job}  phase RUNNING  world {v}" in table and "w1" in table
 
 
 def test_64_concurrent_clients_agree_on_one_world(serve, client):
@@ -339,9 +333,7 @@ def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve
     s = serve(settle_s=0.05)
     job = unique("job")
     cs = [client(s.address, w, job_id=job) for w in "abc"]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 3)
+    v = join_world(cs)
     store = s.server.store
     gate = asyncio.Event()
     real_put = store.put
@@ -352,13 +344,14 @@ def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve
         return await real_put(key, value, **kw)
     store.put = held_put
     try:
-        cs[1].close()   # crash: Abort(1) and then world 2 are decided, but cannot be stored
-        wait_until(lambda: s.service.jobs[job].state.version == 2, 5.0, "world 2 decided in memory")
+        cs[1].close()   # crash: Abort(v) and then world v + 1 are decided, but cannot be stored
+        wait_until(lambda: s.service.jobs[job].state.version == v + 1, 5.0,
+                   f"world {v + 1} decided in memory")
         call = stub(s).Watch(pb.WatchRequest(session_id=cs[0].session_id), timeout=5)
         first = next(iter(call))
         stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}")).value)
-        assert stored["version"] == 1
-        assert first.world.version == 1 and [m.worker_id for m in first.world.members] == \
+        assert stored["version"] == v
+        assert first.world.version == v and [m.worker_id for m in first.world.members] == \
             ["a", "b", "c"]
         call.cancel()
     finally:
@@ -370,9 +363,7 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
     s = serve()
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(4)]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 4)
+    v = join_world(cs)
     store = s.server.store
     writes = []
     real_put = store.put
@@ -388,7 +379,7 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
                 c.heartbeat(committed_step=step * 100 + int(c.worker_id[1:]))
         assert writes == []
         cs[0].close()   # the next real change stores the steps too, and ranks follow them
-        worlds = wait_world_of(cs[1:], 3, min_version=2)
+        worlds = wait_world_of(cs[1:], 3, min_version=v + 1)
         assert [m.worker_id for m in worlds[0].members] == ["w3", "w1", "w2"]
         assert len(writes) >= 1
     finally:
@@ -399,15 +390,13 @@ def test_committed_step_is_resent_when_reattaching(serve, client):
     s = serve(heartbeat_timeout_s=30.0)
     job = unique("job")
     cs = [client(s.address, w, job_id=job) for w in ("a", "b", "c")]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 3)
+    v = join_world(cs)
     cs[2].heartbeat(committed_step=70)
     s.call(_forget_steps(s, job))            # as a new leader would see them: stored steps only
     s.call(_detach(s, job, "c"))             # c reattaches at once, resending step 70
     wait_until(lambda: "c" in s.service.jobs[job].streams, 5.0, "c to reattach")
     cs[0].close()
-    worlds = wait_world_of(cs[1:], 2, min_version=2)
+    worlds = wait_world_of(cs[1:], 2, min_version=v + 1)
     assert [m.worker_id for m in worlds[0].members] == ["c", "b"]
 
 
@@ -426,9 +415,7 @@ def test_write_that_landed_but_reported_an_error_keeps_leadership(serve, client)
     s = serve()
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 3)
+    v = join_world(cs)
     store = s.server.store
     real_put = store.put
     armed = [True]
@@ -441,9 +428,9 @@ def test_write_that_landed_but_reported_an_error_keeps_leadership(serve, client)
         return rev
     store.put = lossy_put
     try:
-        cs[2].leave()                   # a real change: Pending, then world 2
-        worlds = wait_world_of(cs[:2], 2, min_version=2)
-        assert worlds[0].version == 2 and not armed[0]
+        cs[2].leave()                   # a real change: Pending, then world v + 1
+        worlds = wait_world_of(cs[:2], 2, min_version=v + 1)
+        assert worlds[0].version == v + 1 and not armed[0]
         assert s.service.is_leader and s.service.leadership_losses == 0
     finally:
         store.put = real_put
@@ -457,9 +444,7 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
     s = serve(settle_s=0.05)
     job = unique("job")
     cs = [client(s.address, w, job_id=job) for w in "ab"]
-    for c in cs:
-        c.join()
-    wait_world_of(cs, 2)
+    v = join_world(cs)
     store = s.server.store
     gate = asyncio.Event()
     real_put = store.put
@@ -471,13 +456,14 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
     store.put = held_put
     try:
         cs[1].close()
-        wait_until(lambda: s.service.jobs[job].state.version == 2, 5.0, "world 2 decided")
-        assert f"job {job}: world 2 announced" not in caplog.text
+        wait_until(lambda: s.service.jobs[job].state.version == v + 1, 5.0, f"world {v + 1} decided")
+        assert f"job {job}: world {v + 1} announced" not in caplog.text
     finally:
         s.loop.call_soon_threadsafe(gate.set)
         store.put = real_put
-    wait_until(lambda: f"job {job}: world 2 announced" in caplog.text, 5.0, "the announcement log")
-    assert f"job {job}: abort world 1" in caplog.text
+    wait_until(lambda: f"job {job}: world {v + 1} announced" in caplog.text, 5.0,
+               "the announcement log")
+    assert f"job {job}: abort world {v}" in caplog.text
 
 
 def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
