@@ -35,7 +35,8 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
     the call ended: Slurm and elastic-run both deliver one) and ``elastic.request_leave()``
     only ask this worker to leave. At its next commit boundary (``state.commit()`` /
     ``check_membership()``, or at once while it waits for a world, or once its join is
-    answered) it leaves the job and the call raises ``elastic.Preempted`` instead of returning:
+    answered, or, while no server answers its join, after the attempt under way) it leaves the
+    job and the call raises ``elastic.Preempted`` instead of returning:
     a ``SystemExit`` with code 0, so uncaught, the process exits 0 without running the code
     after the call (``except Exception`` does not catch it; ``except elastic.Preempted`` does),
     and the other workers go on with their state. A worker that reaches no commit boundary

@@ -70,10 +70,11 @@ import time
 from typing import Any, Callable, Optional, Union
 
 
+from rendezvous.channel import RendezvousCallAbandoned
+from rendezvous.channel import RendezvousRPCError as _ClientError
 from rendezvous.membership import JobSpec
 from rendezvous.watch_events import Ended, WorldInfo
 from rendezvous.worker_client import RendezvousClient
-from rendezvous.channel import RendezvousRPCError as _ClientError
 
 from . import fork_guard, hooks, logs, metrics, preemption, reaction, state_sync, stragglers, world_env
 from . import world as _world
@@ -211,7 +212,9 @@ class Session(StepProtocol):
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, name="elastic-rendezvous-pump", daemon=True)
         self.committed_step = -1
-        self.leave_request = preemption.LeaveRequest(config.preempt_grace, config.worker_id, on_request=self._wake)
+        self._leave_asked = threading.Event()   # set with the request: a join gives up on it
+        self.leave_request = preemption.LeaveRequest(config.preempt_grace, config.worker_id,
+                                                     on_request=self._on_leave_request)
         self.departed = False   # this worker left the job gracefully (depart() ran)
         self._leave_signals: Optional[preemption.Handlers] = None   # while elastic.run runs
         self.straggler_detector = stragglers.Detector(
@@ -231,11 +234,21 @@ class Session(StepProtocol):
         preemption.restore_handlers(handlers)
 
     def start(self) -> None:
+        """Joins the job. While leave signals are caught (``elastic.run``), a leave request ends
+        a join no server answers with ``Preempted``, after the attempt under way: this worker is
+        then in no world, so it has nothing to hand on and leaves at once. A join that is
+        answered stands, and the worker departs through the rendezvous (``next_world``)."""
+        give_up = self._leave_asked if self._leave_signals is not None else None
         try:
-            self.client.join(committed_step=-1)
+            self.client.join(committed_step=-1, give_up=give_up)
         except _ClientError as e:
+            self.client.close()
             self.listener.close()
             self.leave_request.finish()
+            if isinstance(e, RendezvousCallAbandoned):
+                log.warning("worker %s left job %s gracefully (%s) before any server answered its join: %s",
+                            self.config.worker_id, self.config.job_id, self.leave_request.why, e)
+                raise Preempted(self.leave_request.why, world_version=0, commit_step=-1) from None
             raise RendezvousError(f"cannot join job {self.config.job_id!r} at {','.join(self.config.rendezvous)}: "
                                   f"{e}") from None
         self._pump.start()
@@ -293,7 +306,8 @@ class Session(StepProtocol):
                     self.config.job_id, self.leave_request.why, step, version)
         return Preempted(self.leave_request.why, world_version=version, commit_step=step)
 
-    def _wake(self) -> None:
+    def _on_leave_request(self) -> None:
+        self._leave_asked.set()
         with self._cond:
             self._cond.notify_all()
 

@@ -29,6 +29,11 @@ class RendezvousRPCError(RuntimeError):
         self.finished = finished
 
 
+class RendezvousCallAbandoned(RendezvousRPCError):
+    """A call given up between two attempts because its caller asked to (its ``give_up`` event
+    was set): no attempt was answered, though the last one may have reached a server."""
+
+
 def channel_options(keepalive_s: float = 1.0) -> list[tuple[str, int]]:
     """gRPC channel options of a worker: ping the server every `keepalive_s` to notice a dead or
     stopped server within about 3x that and reconnect elsewhere; no transparent retries (ours

@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 import grpc
 
 from . import wire
-from .channel import RendezvousRPCError, channel_options, open_channel
+from .channel import RendezvousCallAbandoned, RendezvousRPCError, channel_options, open_channel
 from .membership import JobSpec, StragglerReport
 from .watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
 from .wire import pb, pb_grpc
@@ -130,8 +130,11 @@ class RendezvousClient:
                 self._current = (self._current + 1) % len(self.addresses)
 
     def _call(self, method: str, request, timeout_s: Optional[float] = None, *,
-              attempt_s: Optional[float] = None, done_if_retried=(), again_if_retried=()):
-        """Unary call with failover across addresses and backoff, until `timeout_s` runs out.
+              attempt_s: Optional[float] = None, done_if_retried=(), again_if_retried=(),
+              give_up: Optional[threading.Event] = None):
+        """Unary call with failover across addresses and backoff, until `timeout_s` runs out, or
+        until `give_up` is set: then, after a failed attempt, it raises RendezvousCallAbandoned
+        (an attempt under way is not cut short: its answer may hold what the caller must undo).
 
         `done_if_retried`: status codes that, on a retry after an attempt whose outcome is unknown
         (DEADLINE_EXCEEDED, CANCELLED), mean the first attempt took effect (returns None then).
@@ -142,6 +145,10 @@ class RendezvousClient:
         attempt_s = attempt_s or self.rpc_timeout_s
         backoff, tried, last, unsure = 0.02, 0, None, False
         while True:
+            if tried and give_up is not None and give_up.is_set():
+                raise RendezvousCallAbandoned(
+                    f"{method} for job {self.job_id} worker {self.worker_id}: given up after "
+                    f"{tried} attempt(s) over {self.addresses}; last: {last}", grpc.StatusCode.CANCELLED)
             address = self.addresses[self._current]
             remaining = deadline - time.monotonic()
             try:
@@ -167,12 +174,18 @@ class RendezvousClient:
                                          f"attempt(s) over {self.addresses}); last: {last}",
                                          grpc.StatusCode.UNAVAILABLE)
             if tried % len(self.addresses) == 0:
-                time.sleep(backoff * (0.5 + random.random()))
+                pause = backoff * (0.5 + random.random())
+                if give_up is not None:
+                    give_up.wait(pause)
+                else:
+                    time.sleep(pause)
                 backoff = min(backoff * 2, self.backoff_max_s)
 
     # --------------------------------------------------------------------------------- API
-    def join(self, committed_step: int = -1, timeout_s: float = 30.0) -> str:
+    def join(self, committed_step: int = -1, timeout_s: float = 30.0,
+             give_up: Optional[threading.Event] = None) -> str:
         """Join the job (creating it with `spec` if new) and start following it; returns the session.
+        Once `give_up` is set, a failed attempt ends it with RendezvousCallAbandoned.
 
         Joining again (e.g. after an `Ended` event) replaces the previous session: the event queue is
         emptied and nothing from the old session is delivered any more. The previous session id is
@@ -192,7 +205,7 @@ class RendezvousClient:
                 spec=wire.spec_pb(self.spec), session_id=old_sid or "",
                 spec_if_new=wire.spec_pb(self.spec_if_new) if self.spec_if_new else None),
                 timeout_s,
-                again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,))
+                again_if_retried=(grpc.StatusCode.ALREADY_EXISTS,), give_up=give_up)
             if len(resp.ring_secret) < _MIN_RING_SECRET:
                 raise RendezvousRPCError(f"Join for job {self.job_id} worker {self.worker_id}: the "
                                          f"server sent no ring secret ({len(resp.ring_secret)} "

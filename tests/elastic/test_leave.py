@@ -15,6 +15,7 @@ import pytest
 from elastic.preemption import REPEAT_WINDOW_S, insists
 from rendezvous.status_client import StatusClient
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical, check_no_commit_lost
+from tests.native import wire
 
 from .jobs import wait_until
 
@@ -140,6 +141,21 @@ def test_sigterm_while_joining_leaves_once_the_server_answers(job_factory, serve
         check_no_member(status, "w0")
     finally:
         status.close()
+
+
+def test_sigterm_while_no_server_answers_the_join_leaves_at_once(job_factory):
+    # Nothing listens at the rendezvous address: the Join is retried until its 30 s deadline, and
+    # the grace is 30 s. A SIGTERM meanwhile ends it after the attempt under way, with exit 0.
+    job = job_factory(min_np=2, max_np=2, ELASTIC_RENDEZVOUS=wire.closed_port_address())
+    pid = job.start("w0").pid
+    wait_until(lambda: catches(pid, signal.SIGTERM), 25, "w0 to catch SIGTERM while it joins")
+    signalled = time.monotonic()
+    job.kill("w0", signal.SIGTERM)
+    assert job.wait(["w0"], timeout=15) == {"w0": 0}, job.log("w0")
+    print(f"SIGTERM -> exit of a worker no server answers: {time.monotonic() - signalled:.2f} s")
+    log = job.log("w0")
+    assert "worker w0 left job job gracefully (SIGTERM) before any server answered its join" in log, log
+    assert "Join for job job worker w0: given up after" in log, log
 
 
 def test_a_leaver_that_reaches_no_commit_within_the_grace_leaves_as_a_failure(job_factory):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 import grpc
@@ -9,7 +10,7 @@ import pytest
 
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.cli import main
-from rendezvous.channel import RendezvousRPCError
+from rendezvous.channel import RendezvousCallAbandoned, RendezvousRPCError
 from rendezvous.membership import JobSpec
 from rendezvous.watch_events import Ended
 from rendezvous.etcd_process import free_port
@@ -40,6 +41,30 @@ def test_no_reachable_server_fails_within_the_deadline_naming_addresses(client):
         c.join(timeout_s=1.0)
     assert time.monotonic() - start < 5.0
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and dead[0] in str(e.value)
+
+
+def test_a_join_no_server_answers_is_given_up_once_asked_after_the_attempt_under_way(client):
+    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    c = client(dead, "w0", job_id=unique("job"))
+    give_up = threading.Event()
+    threading.Timer(0.5, give_up.set).start()
+    start = time.monotonic()
+    with pytest.raises(RendezvousCallAbandoned) as e:
+        c.join(timeout_s=30.0, give_up=give_up)
+    took = time.monotonic() - start
+    assert 0.5 <= took < 0.5 + 3.0, took   # not at the 30 s deadline: within a backoff of the ask
+    assert e.value.code == grpc.StatusCode.CANCELLED and "given up after" in str(e.value)
+    assert dead[0] in str(e.value) and c.session_id is None
+
+
+def test_a_join_asked_to_give_up_before_it_starts_still_makes_its_first_attempt(server, client):
+    # The attempt under way is never cut short: when it is answered, the join stands (the caller
+    # leaves through the server then, with a session it knows).
+    give_up = threading.Event()
+    give_up.set()
+    c = client(server.address, "w0", job_id=unique("job"))
+    assert c.join(give_up=give_up) == c.session_id and len(c.ring_secret) == 32
+    assert wait_world_of([c], 1)[0].size == 1
 
 
 def test_wait_world_times_out_with_job_and_worker_named(server, client):
