@@ -47,8 +47,8 @@ def test_a_join_no_server_answers_is_given_up_once_asked_after_the_attempt_under
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     c = client(dead, "w0", job_id=unique("job"))
     give_up = threading.Event()
+    start = time.monotonic()   # before the timer starts: it is set 0.5 s or more after this
     threading.Timer(0.5, give_up.set).start()
-    start = time.monotonic()
     with pytest.raises(RendezvousCallAbandoned) as e:
         c.join(timeout_s=30.0, give_up=give_up)
     took = time.monotonic() - start
