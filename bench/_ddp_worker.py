@@ -99,7 +99,7 @@ def main() -> None:
     @elastic.run
     def train(state):
         rates = timed(model, opt, dist.get_rank(), args.warmup, args.steps, args.rounds)
-        report("elastic", rates, params, list(elastic.world.ring().link_kinds))
+        report("elastic", rates, params, list(elastic.runtime.world.ring().link_kinds))
 
     train(state)
 

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 import elastic
-from elastic import logs, world
+from elastic.runtime import logs, world
 
 
 class Block(torch.nn.Module):

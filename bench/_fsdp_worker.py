@@ -219,7 +219,7 @@ def main() -> None:
             for k in (list(trainers) if i % 2 == 0 else list(trainers)[::-1]):
                 rounds[k].append(trainers[k].round())
         results = {k: t.result(rounds[k]) for k, t in trainers.items()}
-        report(args.mode, size, rank, trainers["elastic"].params, results, list(elastic.world.ring().link_kinds))
+        report(args.mode, size, rank, trainers["elastic"].params, results, list(elastic.runtime.world.ring().link_kinds))
         if args.mode == "paired":
             dist.destroy_process_group()
 

@@ -54,7 +54,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from rendezvous.config import ServerConfig  # noqa: E402
+from rendezvous.server.server_config import ServerConfig  # noqa: E402
 from tests.chaos.checks import lost_commits  # noqa: E402
 from tests.rendezvous.rdzv_helpers import ServerProc  # noqa: E402
 from tests.elastic.jobs import Job  # noqa: E402

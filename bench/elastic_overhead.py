@@ -7,7 +7,7 @@
 Each rank is a process on this machine running a ~10M-parameter MLP on synthetic data. In the
 same processes, alternating, it times: (a) elastic DistributedOptimizer, (b) the same with
 state.commit() every 10 steps (an in-memory copy of model + optimizer + a membership check),
-(c) (b) with worker metrics on (elastic.metrics recording every allreduce, commit and sync, and
+(c) (b) with worker metrics on (elastic.runtime.worker_metrics recording every allreduce, commit and sync, and
 pushing a snapshot a second to a receiver in this process, as elastic-run --metrics-port does),
 (d) DistributedDataParallel over gloo. (b) and (c) run back to back, in alternating order, and
 their ratio is also given per round; the recording hooks of one allreduce are timed alone too
@@ -52,7 +52,7 @@ def worker(steps: int, rounds: int) -> None:
     import torch.distributed as dist
 
     import elastic
-    from elastic import metrics
+    from elastic.runtime import worker_metrics as metrics
 
     torch.set_num_threads(1)
     elastic.init()
@@ -109,7 +109,7 @@ def worker(steps: int, rounds: int) -> None:
     # What recording adds to one allreduce, alone: the hooks of an async allreduce and its wait
     # on this ring (what DistributedOptimizer runs per gradient), recording on.
     grad = next(ours_model.parameters()).detach()
-    comm = elastic.world.ring()
+    comm = elastic.runtime.world.ring()
     metrics_on("+metrics", True)
     t0 = time.perf_counter()
     for _ in range(20000):
@@ -151,7 +151,7 @@ def worker(steps: int, rounds: int) -> None:
 
 
 def run(n: int, steps: int, rounds: int, server: str) -> dict:
-    from elastic.launch.metrics import WorkerMetrics
+    from elastic.launch.host_metrics import WorkerMetrics
 
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                ELASTIC_RENDEZVOUS=server, ELASTIC_JOB_ID=f"bench-{n}-{os.getpid()}", ELASTIC_MIN_NP=str(n),

@@ -29,9 +29,9 @@ sys.path.insert(0, REPO)
 import grpc  # noqa: E402
 from grpc import aio  # noqa: E402
 
-from rendezvous.wire import pb, pb_grpc  # noqa: E402
-from rendezvous.channel import channel_options  # noqa: E402
-from rendezvous.etcd_process import EtcdProcess  # noqa: E402
+from rendezvous.wire.messages import pb, pb_grpc  # noqa: E402
+from rendezvous.common.channel import channel_options  # noqa: E402
+from rendezvous.server.etcd_process import EtcdProcess  # noqa: E402
 
 TIMEOUT_S = 120.0
 

@@ -5,40 +5,21 @@ aborted, re-formed for a new world version, and the last committed state is rest
 failure) or kept (on a clean join or leave) and synced to everyone. See ``elastic.run``.
 """
 
-from .collectives import (
-    allgather,
-    allreduce,
-    allreduce_,
-    allreduce_async_,
-    barrier,
-    broadcast_,
-    broadcast_object,
-    synchronize,
-)
-from .communicator import CommConfig, Communicator, ErrorKind, Handle, Listener
-from .errors import (
-    BadPeerError,
-    CollectiveMismatchError,
-    ElasticError,
-    ElasticTimeout,
-    HandshakeError,
-    MembershipChanged,
-    Preempted,
-    RendezvousError,
-    SettingsMismatchError,
-    StaleMeshError,
-    SyncRefusedError,
-    WorkerLostError,
-)
-from .ops import Average, Max, Min, ReduceOp, Sum
-from .run import run
-from .session import init, request_leave, shutdown
-from .world import cross_rank, cross_size, local_rank, local_size, rank, size, world_version
-from .sampler import ElasticSampler
-from .state import ObjectState, State, TorchState
+from elastic.runtime.collectives import (allgather, allreduce, allreduce_, allreduce_async_, barrier, broadcast_,
+    broadcast_object, synchronize)
+from elastic.ring.communicator import CommConfig, Communicator, ErrorKind, Handle, Listener
+from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, ElasticError, ElasticTimeout, HandshakeError,
+    MembershipChanged, Preempted, RendezvousError, SettingsMismatchError, StaleMeshError, SyncRefusedError,
+    WorkerLostError)
+from elastic.ring.ops import Average, Max, Min, ReduceOp, Sum
+from elastic.run import run
+from elastic.runtime.session import init, request_leave, shutdown
+from elastic.runtime.world import cross_rank, cross_size, local_rank, local_size, rank, size, world_version
+from elastic.state.sampler import ElasticSampler
+from elastic.state.states import ObjectState, State, TorchState
 
 from rendezvous import __version__  # the distribution's version, from its metadata
-from . import torch_guidance
+from elastic.torchdist import guidance as torch_guidance
 
 torch_guidance.install_when_torch_loads()   # under elastic-run: torch's errors name our fix
 
@@ -46,19 +27,19 @@ torch_guidance.install_when_torch_loads()   # under elastic-run: torch's errors 
 def __getattr__(name):
     # torch-dependent names load lazily so numpy-only use does not import torch.
     if name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"):
-        from . import optimizer
+        from elastic.torchdist import optimizer
         return getattr(optimizer, name)
     if name in ("ShardedState", "CommitLostError"):
-        from . import sharded
+        from elastic.sharded import sharded_state as sharded
         return getattr(sharded, name)
     if name == "DistributedDataParallel":
-        from . import ddp
+        from elastic.torchdist import ddp
         return ddp.DistributedDataParallel
     if name == "process_group":
-        from . import group
+        from elastic.torchdist import group
         return group.process_group
     if name == "device_mesh":
-        from . import mesh
+        from elastic.torchdist import mesh
         return mesh.device_mesh
     raise AttributeError(f"module 'elastic' has no attribute {name!r}")
 

@@ -1,9 +1,9 @@
 """``elastic.run``: the decorator that runs a training function under the worker's session,
 which keeps it going across failures and world changes. The step protocol it runs (form, sync,
-the function, commits; what each error leads to) is described once, in ``elastic.session``.
+the function, commits; what each error leads to) is described once, in ``elastic.runtime.session``.
 Any exception the protocol does not handle ends this worker with its traceback, among them
 SettingsMismatchError (the workers' ring settings differ: no later world fixes that). What to
-do is decided by the exception's type, never by its text (``elastic.reaction.after_error``).
+do is decided by the exception's type, never by its text (``elastic.runtime.reaction.after_error``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from . import session
-from .state import State
+from elastic.runtime import session
+from elastic.state.states import State
 
 
 def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None, checkpoint_every: int = 10,
@@ -64,7 +64,7 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
 
 def _plug_in_torch() -> None:
     """Imports the torch layer where torch.distributed is there (numpy-only installs lack it):
-    ``elastic.ddp`` and the ``elastic.group`` it imports register their step hooks, on every
+    ``elastic.torchdist.ddp`` and the ``elastic.torchdist.group`` it imports register their step hooks, on every
     rank alike (the default group, DDP's reducers after each sync, torch errors made of ring
     failures)."""
     try:
@@ -72,4 +72,4 @@ def _plug_in_torch() -> None:
     except ImportError:
         return
     if dist.is_available():
-        from . import ddp  # noqa: F401  (importing it registers the hooks)
+        from elastic.torchdist import ddp  # noqa: F401  (importing it registers the hooks)

@@ -1,6 +1,6 @@
 """`python -m rendezvous` is `elastic-rendezvous`."""
 import sys
 
-from .cli import main
+from rendezvous.cli import main
 
 sys.exit(main())

@@ -9,15 +9,17 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from . import __version__, files, status_view
-from .channel import channel_credentials, parse_addresses, read_token_file, read_token_list
-from .status_client import StatusClient, StatusError
-from .config import ServerConfig, default
-from .event_log import EventLog
-from .history import RECENT_PER_JOB
-from .ports import check_can_listen
-from .status_view import format_status
-from .store import EtcdAccessError, EtcdStore, StoreError
+from rendezvous import __version__
+from rendezvous.common import files
+from rendezvous.client import status_view
+from rendezvous.common.channel import channel_credentials, parse_addresses, read_token_file, read_token_list
+from rendezvous.client.status_client import StatusClient, StatusError
+from rendezvous.server.server_config import ServerConfig, default
+from rendezvous.common.event_log import EventLog
+from rendezvous.server.history import RECENT_PER_JOB
+from rendezvous.common.ports import check_can_listen
+from rendezvous.client.status_view import format_status
+from rendezvous.server.store import EtcdAccessError, EtcdStore, StoreError
 
 DESCRIPTION = """\
 The elastic-ring rendezvous service: decides which workers are in a training job (world versions,
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the rendezvous daemon", allow_abbrev=False,
                        description="Run the rendezvous daemon. SIGTERM/SIGINT stop it gracefully "
                                    "(streams end without evicting anyone; leadership is handed over).")
-    # Every default is ServerConfig's (rendezvous/config.py): it is defined there only.
+    # Every default is ServerConfig's (rendezvous/server/server_config.py): it is defined there only.
     s.add_argument("--host", default=default("host"), help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=default("port"),
                    help="port to listen on; 0 picks a free one (default: %(default)s)")
@@ -192,7 +194,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
 
 
 async def _serve(cfg: ServerConfig, port_file: Optional[str], events: EventLog) -> None:
-    from .server import RendezvousServer
+    from rendezvous.server.service import RendezvousServer
 
     log = logging.getLogger("rendezvous")
     warning = cfg.exposure_warning()

@@ -72,7 +72,7 @@ def imported(module: str, path: str) -> Iterator[str]:
                     yield f"{target}.{alias.name}"
                 elif target in ALL and alias.name in top_level_names(target):
                     yield target
-                # else: a compiled module (elastic._native), not a source of circles
+                # else: a compiled module (elastic.ring._native), not a source of circles
 
 
 GRAPH = {m: sorted(set(imported(m, p)) - {m}) for m, p in ALL.items()}
@@ -124,8 +124,8 @@ def circles(package: str, graph: dict[str, list[str]] = GRAPH) -> list[list[str]
 
 def test_the_import_graph_sees_lazy_imports():
     # The check must not be blind to what it is for: cli.py imports the server inside a function.
-    assert "rendezvous.server" in GRAPH["rendezvous.cli"]
-    assert "rendezvous.channel" in GRAPH["rendezvous.store"]   # inside EtcdStore.__init__
+    assert "rendezvous.server.service" in GRAPH["rendezvous.cli"]
+    assert "rendezvous.common.channel" in GRAPH["rendezvous.server.store"]   # inside EtcdStore.__init__
 
 
 def test_a_circle_through_several_modules_is_found_and_only_within_the_package():
@@ -143,27 +143,27 @@ SERVER_USERS = {"rendezvous.cli"}
 
 
 def test_no_server_helper_imports_the_server():
-    users = {m for m, deps in GRAPH.items() if "rendezvous.server" in deps}
+    users = {m for m, deps in GRAPH.items() if "rendezvous.server.service" in deps}
     assert users <= SERVER_USERS, sorted(users - SERVER_USERS)
 
 
 # What of the rendezvous package a worker may load: its client and what both sides share.
-WORKER_SIDE = {"rendezvous", "rendezvous._proto", "rendezvous._proto.rendezvous_pb2",
-               "rendezvous._proto.rendezvous_pb2_grpc", "rendezvous.channel", "rendezvous.files",
-               "rendezvous.membership", "rendezvous.watch_events", "rendezvous.wire",
-               "rendezvous.worker_client"}
-CLIENT_ONLY = {"rendezvous.worker_client", "rendezvous.status_client", "rendezvous.watch_events"}
+WORKER_SIDE = {"rendezvous", "rendezvous.wire._proto", "rendezvous.wire._proto.rendezvous_pb2",
+               "rendezvous.wire._proto.rendezvous_pb2_grpc", "rendezvous.common.channel", "rendezvous.common.files",
+               "rendezvous.wire.membership", "rendezvous.client.watch_events", "rendezvous.wire.messages",
+               "rendezvous.client.worker_client"}
+CLIENT_ONLY = {"rendezvous.client.worker_client", "rendezvous.client.status_client", "rendezvous.client.watch_events"}
 
 
 def test_a_worker_loads_none_of_the_servers_code():
     # What `import elastic` brings in: the training runtime and the worker's client.
     loaded = {m for m in closure("elastic") if m.startswith("rendezvous")}
-    assert "rendezvous.worker_client" in loaded
+    assert "rendezvous.client.worker_client" in loaded
     assert loaded <= WORKER_SIDE, sorted(loaded - WORKER_SIDE)
 
 
 def test_the_server_loads_none_of_the_clients():
-    loaded = closure("rendezvous.server")
+    loaded = closure("rendezvous.server.service")
     assert not loaded & CLIENT_ONLY, sorted(loaded & CLIENT_ONLY)
 
 
@@ -174,7 +174,7 @@ def test_the_rendezvous_service_imports_nothing_of_the_training_runtime():
 # The native core's objects are the Communicator's alone: every other layer uses its public
 # methods (Gloo's algorithms see only the transport interface), so what the core is given is
 # checked in one place.
-NATIVE_OWNER = "elastic.communicator"
+NATIVE_OWNER = "elastic.ring.communicator"
 
 
 def _native_attribute_uses(module: str) -> list[int]:

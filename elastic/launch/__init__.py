@@ -10,9 +10,9 @@ One concept a module:
 * ``report``    what the launcher says as the job runs: a pure function of Status answers
 * ``outcome``   its exit status after the job completed: a pure function of how its workers ended
 
-The job's state comes from the public Status client (``rendezvous.status_client.StatusClient``).
+The job's state comes from the public Status client (``rendezvous.client.status_client.StatusClient``).
 """
 
-from .launcher import main
+from elastic.launch.launcher import main
 
 __all__ = ["main"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from elastic.launch import main
 
 sys.exit(main())

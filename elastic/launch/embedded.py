@@ -1,7 +1,7 @@
 """The embedded rendezvous server: `elastic-run` without --rendezvous runs one as its child.
 
 The launcher never joins a job itself; it follows the job through the public Status client
-(rendezvous.status_client.StatusClient), whichever server it talks to.
+(rendezvous.client.status_client.StatusClient), whichever server it talks to.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Callable
 
-from rendezvous import files
+from rendezvous.common import files
 
-from .procs import with_parent_death_signal
+from elastic.launch.procs import with_parent_death_signal
 
 
 EMBEDDED_HOST = "127.0.0.1"   # where it listens: only this machine reaches it

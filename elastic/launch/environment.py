@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
-from ..config import TLS_VARIABLES
-from ..metrics import ENV_SOCKET, ENV_TOKEN
-from .config import LaunchConfig
-from .procs import worker_env
+from elastic.runtime.worker_config import TLS_VARIABLES
+from elastic.runtime.worker_metrics import ENV_SOCKET, ENV_TOKEN
+from elastic.launch.flags import LaunchConfig
+from elastic.launch.procs import worker_env
 
 # Replaced in every worker's environment by what credential_env gives (if anything).
 CREDENTIAL_VARIABLES = ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE", *TLS_VARIABLES)
@@ -62,7 +62,7 @@ def torchrun_env(cfg: LaunchConfig, slot: int, local_slots: int) -> Dict[str, st
     device selection needs), LOCAL_WORLD_SIZE the slots of this host; OMP_NUM_THREADS=1
     unless the environment has one, as torchrun. RANK and WORLD_SIZE change with every
     world: the runtime sets them in the worker's own environment as each world forms
-    (elastic.world_env); MASTER_ADDR/MASTER_PORT are not set: there is no master."""
+    (elastic.runtime.world_env); MASTER_ADDR/MASTER_PORT are not set: there is no master."""
     env = {"LOCAL_RANK": str(slot), "LOCAL_WORLD_SIZE": str(max(local_slots, slot + 1))}
     if cfg.omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = cfg.omp_num_threads

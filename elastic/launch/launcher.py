@@ -6,20 +6,20 @@ worker id, respawns the ones killed by a signal (with backoff, --max-restarts pe
 follows the job through the Status RPC: it reports worlds and recoveries, ends with the job
 (exit 0 when it completed and every local worker ended well, see elastic/launch/outcome.py; 1
 with a one-line reason otherwise), and on Ctrl-C/SIGTERM drains every worker before it exits.
-Flags: elastic/launch/config.py. With --metrics-port it serves its workers' metrics
-(elastic/launch/metrics.py); with --events it writes one JSON line per event it sees
-(rendezvous/event_log.py): workers started, exited and respawned, worlds formed, recoveries with
+Flags: elastic/launch/flags.py. With --metrics-port it serves its workers' metrics
+(elastic/launch/host_metrics.py); with --events it writes one JSON line per event it sees
+(rendezvous/common/event_log.py): workers started, exited and respawned, worlds formed, recoveries with
 their durations, graceful leaves, the job's end.
 
 Graceful leave: a worker sent SIGTERM leaves the job at its next commit and exits 0 (the
-runtime's side is elastic.preemption). A worker of the job that exits 0 while the job still
+runtime's side is elastic.runtime.preemption). A worker of the job that exits 0 while the job still
 runs has left: it is reported as "left (preempted)" and not respawned. Draining (this launcher's
 SIGTERM/SIGINT, or a slot the discovery script takes away) sends SIGTERM to the worker and
 SIGKILL to its process group after --preempt-grace plus --stop-timeout; a launcher with
 --rendezvous whose workers all left on its SIGTERM exits 0: the job goes on elsewhere.
 
 Everything it learns about the job (worlds, ranks, the end) comes from Status answers, through the
-same public client `elastic-rendezvous status` uses (rendezvous.status_client.StatusClient); nothing a
+same public client `elastic-rendezvous status` uses (rendezvous.client.status_client.StatusClient); nothing a
 worker prints decides anything.
 """
 
@@ -34,23 +34,23 @@ from typing import Dict, List, Optional, Sequence
 
 import grpc
 
-from rendezvous.channel import channel_credentials, is_loopback
-from rendezvous.event_log import EventLog
-from rendezvous.status_client import JobStatusInfo, StatusClient, StatusError, StatusFailure
+from rendezvous.common.channel import channel_credentials, is_loopback
+from rendezvous.common.event_log import EventLog
+from rendezvous.client.status_client import JobStatusInfo, StatusClient, StatusError, StatusFailure
 
-from .config import LaunchConfig, UsageError, parse
-from .discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
-from .embedded import EmbeddedServer, EmbeddedServerFailed
-from .environment import fork_server_env, spawn_env
-from .forkserver import ForkServer, ForkServerError
-from .metrics import WorkerMetrics
-from .outcome import WorkerEnd, completion_failure
-from .procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams, stop_all,
-                    with_parent_death_signal)
-from .report import Reporter
-from .signals import StopSignals
-from .slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
-from .stragglers import StragglerWatch, host_cooling
+from elastic.launch.flags import LaunchConfig, UsageError, parse
+from elastic.launch.discovery import DiscoveryError, DiscoveryPoller, local_slots, run_script
+from elastic.launch.embedded import EmbeddedServer, EmbeddedServerFailed
+from elastic.launch.environment import fork_server_env, spawn_env
+from elastic.launch.forkserver import ForkServer, ForkServerError
+from elastic.launch.host_metrics import WorkerMetrics
+from elastic.launch.outcome import WorkerEnd, completion_failure
+from elastic.launch.procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams,
+    stop_all, with_parent_death_signal)
+from elastic.launch.report import Reporter
+from elastic.launch.signals import StopSignals
+from elastic.launch.slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
+from elastic.launch.straggler_watch import StragglerWatch, host_cooling
 
 POLL_S = 0.05            # reap workers / check signals
 STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status

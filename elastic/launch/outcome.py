@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from .procs import describe_exit, signal_of
+from elastic.launch.procs import describe_exit, signal_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,9 +23,9 @@ import time
 from typing import IO, TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
-    from .forkserver import ForkedProcess, ForkServer
+    from elastic.launch.forkserver import ForkedProcess, ForkServer
 
-# The last line of a Python traceback: "ValueError: ...", "elastic.errors.WorkerLostError: ...".
+# The last line of a Python traceback: "ValueError: ...", "elastic.ring.errors.WorkerLostError: ...".
 # Display text only (quoted in the launcher's reason for a failed job), never a decision.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Finished|Timeout)\b(:|$)")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from rendezvous.status_client import JobStatusInfo
+from rendezvous.client.status_client import JobStatusInfo
 
 
 WAIT_LINE_EVERY_S = 10.0   # while the job waits for workers to reach min-np: a line this often

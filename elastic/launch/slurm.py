@@ -26,8 +26,8 @@ import stat
 import time
 from typing import Callable, List, Mapping, Optional, Tuple
 
-from rendezvous.channel import is_loopback, parse_addresses, read_token_file
-from rendezvous.status_client import StatusClient, StatusError
+from rendezvous.common.channel import is_loopback, parse_addresses, read_token_file
+from rendezvous.client.status_client import StatusClient, StatusError
 
 MAX_NODES = 65536        # a node list expanding to more is refused (a typo like n[1-99999999])
 

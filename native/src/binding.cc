@@ -1,6 +1,6 @@
-// elastic._native: the Python face of the core. Arrays arrive through DLPack (torch
+// elastic.ring._native: the Python face of the core. Arrays arrive through DLPack (torch
 // tensors incl. bfloat16, numpy arrays) without copies; the GIL is released while
-// anything blocks; CommError becomes an elastic exception via elastic.errors._from_native.
+// anything blocks; CommError becomes RingFailure, which elastic.ring.errors turns into the elastic exception.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
@@ -130,6 +130,14 @@ NB_MODULE(_native, m) {
   ERING_ERROR_KINDS(ERING_KIND_BINDING)
 #undef ERING_KIND_BINDING
 
+  // A failed ring operation reaches Python as RingFailure(kind, message, op, world_version,
+  // rank, peer); elastic.ring.errors makes the exception the caller sees of it. The core imports
+  // no Python module: what a failure means to the runtime is decided there, on its kind.
+  // A plain pointer, never released: a static nb::object would be destroyed after the interpreter.
+  static PyObject* ring_failure = PyErr_NewExceptionWithDoc(
+      "elastic.ring._native.RingFailure",
+      "A ring operation failed: args are (kind, message, op, world_version, rank, peer).", nullptr, nullptr);
+  m.attr("RingFailure") = nb::borrow(ring_failure);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -139,9 +147,9 @@ NB_MODULE(_native, m) {
         return;
       }
       try {
-        nb::object mod = nb::module_::import_("elastic.errors");
-        nb::object exc = mod.attr("_from_native")(e.kind, e.what(), e.op, e.world_version, e.rank, e.peer);
-        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+        nb::object failure = nb::handle(ring_failure)(nb::cast(e.kind), nb::str(e.what()), nb::str(e.op.c_str()),
+                                                      e.world_version, e.rank, e.peer);
+        PyErr_SetObject(ring_failure, failure.ptr());
       } catch (nb::python_error& pe) {
         pe.restore();
       }

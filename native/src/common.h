@@ -25,7 +25,7 @@ inline Clock::duration seconds(double s) {
 
 // Why a communicator operation failed. Everything except Invalid poisons the
 // communicator: the caller must discard it and form a new one. One list, so the binding
-// exports exactly these names and values (elastic._native.ErrorKind) and Python never
+// exports exactly these names and values (elastic.ring._native.ErrorKind) and Python never
 // mirrors the numbers.
 #define ERING_ERROR_KINDS(X)                                                                                   \
   X(PeerLost, 0, "a ring neighbour closed or reset its connection")                                           \

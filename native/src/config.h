@@ -1,7 +1,7 @@
 // The settings of a communicator: the one place each is defined and given its default.
 //
 // Python's elastic.CommConfig takes its defaults from here (the binding exposes this struct
-// as elastic._native.CommConfig) and fills one by field name, so no default is written twice.
+// as elastic.ring._native.CommConfig) and fills one by field name, so no default is written twice.
 // Every rank of a world must use the same settings (Communicator.connect() checks).
 #pragma once
 

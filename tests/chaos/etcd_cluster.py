@@ -6,7 +6,7 @@ import os
 import subprocess
 from typing import List, Optional
 
-from rendezvous.etcd_process import find_etcd, free_port
+from rendezvous.server.etcd_process import find_etcd, free_port
 from tests.waiting import wait_until
 
 

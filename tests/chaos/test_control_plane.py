@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from rendezvous.status_client import StatusClient, StatusError
+from rendezvous.client.status_client import StatusClient, StatusError
 from tests.rendezvous.rdzv_helpers import ServerProc
 from tests.waiting import wait_until
 

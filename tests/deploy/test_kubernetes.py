@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from elastic.launch.config import parse as parse_launch
+from elastic.launch.flags import parse as parse_launch
 from elastic.launch.launcher import JobBelowMinNp
 from rendezvous.cli import _parser as rendezvous_parser, config_from_args
 from tests.certs import make_pki

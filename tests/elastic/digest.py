@@ -1,4 +1,4 @@
-"""A bit-for-bit digest of training state, computed without elastic.serialization (so the tests of
+"""A bit-for-bit digest of training state, computed without elastic.ring.serialization (so the tests of
 that format do not check it against itself). Imported by the tests and by job.py, which runs as a
 script from this directory."""
 

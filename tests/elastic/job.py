@@ -58,8 +58,8 @@ import time
 import torch
 
 import elastic
-import elastic.serialization
-import elastic.state_sync
+import elastic.ring.serialization
+import elastic.state.sync
 from digest import bits_digest  # this directory: job.py runs as a script
 
 OUT = os.environ["JOB_OUT"]
@@ -184,7 +184,7 @@ if KILL_AT[0]:
 _sync = state.sync
 
 
-class Announcing(elastic.serialization.Encoded):
+class Announcing(elastic.ring.serialization.Encoded):
     """Bytes to send as the sync state, announced as ``announced`` bytes long."""
 
     def __init__(self, payload, announced):
@@ -207,7 +207,7 @@ def evil_encode(step, from_checkpoint):
     else:
         model["linear.extra"] = torch.zeros(1)
     view["model"] = model
-    return elastic.serialization.encode((step, view))
+    return elastic.ring.serialization.encode((step, view))
 
 
 def sync_maybe_dying():
@@ -217,8 +217,8 @@ def sync_maybe_dying():
         state.encode_for_sync = evil_encode
     if DIE_IN == "sync" and log["restores"] + log["kept"] == DIE_AT:
         # Die between the allgather of positions and digests and the broadcast of the state.
-        comm = elastic.collectives.current_communicator()
-        comm.allgather_equal(elastic.state_sync.announcement(state))
+        comm = elastic.runtime.collectives.current_communicator()
+        comm.allgather_equal(elastic.state.sync.announcement(state))
         os.kill(os.getpid(), signal.SIGKILL)
     _sync()
 
@@ -234,7 +234,7 @@ def sync_stubbornly():
 state.sync = sync_maybe_dying
 
 if STOP_BEFORE_FORM:
-    _connect = elastic.communicator.Communicator.connect
+    _connect = elastic.ring.communicator.Communicator.connect
     connects = {"n": 0}
 
     def connect_maybe_stopping(self):
@@ -243,11 +243,11 @@ if STOP_BEFORE_FORM:
             os.kill(os.getpid(), signal.SIGSTOP)
         return _connect(self)
 
-    elastic.communicator.Communicator.connect = connect_maybe_stopping
+    elastic.ring.communicator.Communicator.connect = connect_maybe_stopping
 
 
 if SLOW_DISK:
-    _write_file = elastic.checkpoint.write
+    _write_file = elastic.state.checkpoint.write
 
     def slow_write(directory, step, snapshot):
         started = time.time()
@@ -256,7 +256,7 @@ if SLOW_DISK:
         event("durable", commit=step, started=started)
         return path
 
-    elastic.checkpoint.DurableWriter.write_file = staticmethod(slow_write)
+    elastic.state.checkpoint.DurableWriter.write_file = staticmethod(slow_write)
 
 
 def event(kind, **fields):

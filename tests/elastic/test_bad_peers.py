@@ -13,10 +13,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rendezvous.channel import RendezvousRPCError
-from rendezvous.membership import JobSpec
-from rendezvous.watch_events import Ended
-from rendezvous.worker_client import RendezvousClient
+from rendezvous.common.channel import RendezvousRPCError
+from rendezvous.wire.membership import JobSpec
+from rendezvous.client.watch_events import Ended
+from rendezvous.client.worker_client import RendezvousClient
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.native import wire
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import elastic
-from elastic.communicator import MAX_ALLGATHER_BYTES, allgather_counts_problem
-from elastic.state_sync import SyncVerdict, judge_sync, sync_size_problem
+from elastic.ring.communicator import MAX_ALLGATHER_BYTES, allgather_counts_problem
+from elastic.state.sync import SyncVerdict, judge_sync, sync_size_problem
 from tests.native.harness import run_world
 
 T, F = True, False

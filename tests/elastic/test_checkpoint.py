@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import elastic
-from elastic import checkpoint, collectives, serialization
+from elastic.state import checkpoint
+from elastic.runtime import collectives
+from elastic.ring import serialization
 
 from .bait import planted_pickle, planted_torch_save, prove_it_bites
 

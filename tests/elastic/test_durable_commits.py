@@ -19,7 +19,9 @@ import pytest
 import torch
 
 import elastic
-from elastic import checkpoint, collectives, serialization
+from elastic.state import checkpoint
+from elastic.runtime import collectives
+from elastic.ring import serialization
 
 from tests.waiting import wait_until
 
@@ -268,7 +270,8 @@ EXIT_SCRIPT = r"""
 import logging, sys, time
 import torch
 import elastic
-from elastic import checkpoint, collectives
+from elastic.runtime import collectives
+from elastic.state import checkpoint
 
 delay, finish_s, directory = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 real = checkpoint.write

@@ -1,4 +1,4 @@
-"""A child forked from a worker lets go of the worker's connections to the rendezvous (elastic/fork_guard.py)."""
+"""A child forked from a worker lets go of the worker's connections to the rendezvous (elastic/runtime/fork_guard.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elastic import fork_guard
+from elastic.runtime import fork_guard
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from elastic.preemption import REPEAT_WINDOW_S, insists
-from rendezvous.status_client import StatusClient
+from elastic.runtime.preemption import REPEAT_WINDOW_S, insists
+from rendezvous.client.status_client import StatusClient
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical, check_no_commit_lost
 from tests.native import wire
 
@@ -180,7 +180,7 @@ def test_a_leaver_that_reaches_no_commit_within_the_grace_leaves_as_a_failure(jo
 
 # ---------------------------------------------------------------------- the request and its grace, in-process
 def test_the_grace_runs_out_once_from_the_first_request():
-    from elastic.preemption import LeaveRequest
+    from elastic.runtime.preemption import LeaveRequest
 
     expired = []
     req = LeaveRequest(0.3, "w", expire=expired.append)
@@ -195,7 +195,7 @@ def test_the_grace_runs_out_once_from_the_first_request():
 
 
 def test_a_finished_request_does_not_expire():
-    from elastic.preemption import LeaveRequest
+    from elastic.runtime.preemption import LeaveRequest
 
     expired = []
     req = LeaveRequest(0.2, "w", expire=expired.append)
@@ -225,7 +225,7 @@ PROLOGUE = """
 import atexit, os, signal, sys, time
 last = []
 atexit.register(lambda: [f() for f in last])
-from elastic import preemption
+from elastic.runtime import preemption
 asked = []
 installed = preemption.install_handlers(asked.append)
 os.kill(os.getpid(), signal.SIGTERM)
@@ -308,7 +308,7 @@ def test_the_repeat_of_the_sigterm_a_worker_left_on_does_not_kill_it_after_it_le
     ("soon", "ELASTIC_PREEMPT_GRACE='soon' is not a valid float"),
 ])
 def test_a_bad_preempt_grace_is_refused_naming_the_variable(raw, message):
-    from elastic.config import WorkerConfig
+    from elastic.runtime.worker_config import WorkerConfig
 
     with pytest.raises(ValueError, match=re.escape(message)):
         WorkerConfig.from_env({"ELASTIC_RENDEZVOUS": "127.0.0.1:1", "ELASTIC_PREEMPT_GRACE": raw})

@@ -1,4 +1,4 @@
-"""The runtime's log handler (elastic.logs): installed when asked, never over a script's own
+"""The runtime's log handler (elastic.runtime.logs): installed when asked, never over a script's own
 logging configuration; in fresh interpreters, as a worker is."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 SCRIPT = """
 import logging, sys
 {setup}
-from elastic import logs
+from elastic.runtime import logs
 print(logs.install({level!r}))
 logging.getLogger("elastic").info("rank line")
 logging.getLogger("elastic").warning("warning line")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import elastic
-from elastic import collectives
+from elastic.runtime import collectives
 
 from ..native.harness import run_world
 

@@ -1,13 +1,13 @@
-"""The worker's reactions to rendezvous events, as rules (elastic/reaction.py)."""
+"""The worker's reactions to rendezvous events, as rules (elastic/runtime/reaction.py)."""
 
 import pytest
 
-from elastic.errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged, SettingsMismatchError,
-                            WorkerLostError)
-from elastic.reaction import (AbortRing, Note, Recovery, View, aborted_while_forming, after_error, holding,
-                              membership_pending, must_form, react, rejoined, superseded, world_to_take)
-from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
-from rendezvous.membership import Member
+from elastic.ring.errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged,
+    SettingsMismatchError, WorkerLostError)
+from elastic.runtime.reaction import (AbortRing, Note, Recovery, View, aborted_while_forming, after_error, holding,
+    membership_pending, must_form, react, rejoined, superseded, world_to_take)
+from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
+from rendezvous.wire.membership import Member
 
 
 def world(version, *ids, me="w0"):

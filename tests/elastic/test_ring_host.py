@@ -1,4 +1,4 @@
-"""Which ring address a worker announces, and when it refuses to start (elastic.config.ring_host_for).
+"""Which ring address a worker announces, and when it refuses to start (elastic.runtime.worker_config.ring_host_for).
 
 A worker whose host name resolves to a loopback address (Debian's /etc/hosts maps it to
 127.0.1.1) would announce an address no other host can reach; in a job that may span hosts
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from elastic.config import WorkerConfig, ring_host_for
+from elastic.runtime.worker_config import WorkerConfig, ring_host_for
 
 from .jobs import JOB, REPO
 

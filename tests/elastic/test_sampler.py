@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from elastic.sampler import ElasticSampler, committed_attrs, partition, processed_indices
+from elastic.state.sampler import ElasticSampler, committed_attrs, partition, processed_indices
 
 
 @pytest.mark.parametrize("remaining,size,expected", [

@@ -1,4 +1,4 @@
-"""elastic.serialization: what it carries comes back bit-exact, what it cannot carry is refused
+"""elastic.ring.serialization: what it carries comes back bit-exact, what it cannot carry is refused
 by name, and hostile bytes only ever raise ValueError (never run code, never another error)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import elastic
-from elastic import serialization as S
+from elastic.ring import serialization as S
 
 from .bait import planted_pickle, prove_it_bites
 

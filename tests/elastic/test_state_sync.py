@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import elastic
-from elastic import checkpoint, collectives, serialization, state_sync
+from elastic.state import checkpoint, sync as state_sync
+from elastic.runtime import collectives
+from elastic.ring import serialization
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.native.harness import run_world
 from tests.waiting import wait_until
@@ -51,7 +53,7 @@ def train(state: elastic.TorchState, steps: int, seed: int) -> None:
 
 
 def digest(state: elastic.TorchState) -> str:
-    """SHA-256 of the whole state, bit for bit, computed without elastic.serialization."""
+    """SHA-256 of the whole state, bit for bit, computed without elastic.ring.serialization."""
     return bits_digest([state.model.state_dict(), state.optimizer.state_dict(), state.sampler.state_dict(),
                         state.scheduler.state_dict(), state.epoch, state.losses, state.noise, state.commit_step])
 
@@ -282,7 +284,7 @@ def test_a_planted_pickle_sent_as_sync_state_is_not_unpickled_and_blames_the_roo
     prove_it_bites(planted, marker)
     results = world(3, _hostile_root, planted, len(planted))
     _check_root_blamed(results, "the state rank 1 sent is malformed")
-    assert "not elastic.serialization data" in results[0][1]
+    assert "not elastic.ring.serialization data" in results[0][1]
     assert not os.path.exists(marker)
 
 

@@ -1,4 +1,4 @@
-"""Where a step stands, and which failures keep the live state: table tests of elastic.step_phase,
+"""Where a step stands, and which failures keep the live state: table tests of elastic.runtime.step_phase,
 the sync root's choice, and a real TorchState (torch model, optimizer and ElasticSampler, no
 ring) following its steps."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import elastic
-from elastic.state_sync import holders, most_advanced, synced_step
-from elastic.step_phase import Event, Phase, advance, completes_a_step, harmless
+from elastic.state.sync import holders, most_advanced, synced_step
+from elastic.runtime.step_phase import Event, Phase, advance, completes_a_step, harmless
 
 B, U, S, R, X = Phase.BOUNDARY, Phase.UPDATING, Phase.STEPPED, Phase.RECORDED, Phase.UNPAIRED
 FWD, BEGINS, ENDS, REC, SETTLED = Event.FORWARD, Event.UPDATE_BEGINS, Event.UPDATE_ENDS, Event.BATCH_RECORDED, \

@@ -13,10 +13,10 @@ import sys
 import grpc
 import pytest
 
-from rendezvous.channel import RendezvousRPCError
-from rendezvous.membership import JobSpec
-from rendezvous.status_client import StatusClient, StatusError
-from rendezvous.worker_client import RendezvousClient
+from rendezvous.common.channel import RendezvousRPCError
+from rendezvous.wire.membership import JobSpec
+from rendezvous.client.status_client import StatusClient, StatusError
+from rendezvous.client.worker_client import RendezvousClient
 
 
 def worker_environ(pid: int) -> dict:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from elastic.launch.config import UsageError, parse
+from elastic.launch.flags import UsageError, parse
 from elastic.launch.environment import fork_server_env
 from elastic.launch.forkserver import ForkServer, ForkServerError, Target, check_request, forkable
 

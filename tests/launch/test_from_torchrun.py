@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rendezvous.status_client import StatusClient
+from rendezvous.client.status_client import StatusClient
 from tests.rendezvous.rdzv_helpers import ServerProc
 from tests.waiting import wait_until
 

@@ -13,8 +13,8 @@ from typing import Dict, FrozenSet, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic.launch.metrics import WorkerMetrics
-from elastic.metrics import Recorder
+from elastic.launch.host_metrics import WorkerMetrics
+from elastic.runtime.worker_metrics import Recorder
 
 from .launch_helpers import wait_until
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from elastic import metrics
-from elastic.metrics import BUCKETS, FORMAT, MAX_SNAPSHOT_BYTES, Recorder, SnapshotRejected, parse_snapshot
+from elastic.runtime import worker_metrics as metrics
+from elastic.runtime.worker_metrics import (BUCKETS, FORMAT, MAX_SNAPSHOT_BYTES, Recorder, SnapshotRejected,
+    parse_snapshot)
 
 TOKENS = {"hA-0": "t0ken", "hA-1": "other"}
 

@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from elastic import checkpoint
+from elastic.state import checkpoint
 from elastic.launch import embedded
-from rendezvous.etcd_process import EtcdProcess
+from rendezvous.server.etcd_process import EtcdProcess
 from tests.waiting import wait_until
 
 from .launch_helpers import REPO
@@ -97,7 +97,7 @@ def test_an_events_file_that_is_a_planted_link_or_fifo_is_refused_and_nothing_is
 def test_elastic_run_events_check_creates_nothing_before_the_launcher_starts(tmp_path):
     # The flag is checked at parse time; the file is created only when the launcher runs.
     events = tmp_path / "events.jsonl"
-    from elastic.launch.config import _events_file
+    from elastic.launch.flags import _events_file
     assert _events_file(str(events)) == str(events)
     assert not os.path.lexists(events)
 

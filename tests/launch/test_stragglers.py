@@ -15,7 +15,7 @@ import time
 import urllib.request
 from typing import Dict, List, Sequence
 
-from rendezvous.status_client import StatusClient
+from rendezvous.client.status_client import StatusClient
 
 from .launch_helpers import REPO, wait_until
 

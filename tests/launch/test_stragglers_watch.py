@@ -1,4 +1,4 @@
-"""The launcher's side of straggler detection, as rules (elastic/launch/stragglers.py): its flags,
+"""The launcher's side of straggler detection, as rules (elastic/launch/straggler_watch.py): its flags,
 which of its workers it names and when, what becomes of the slot of one that left as a straggler,
 and that no respawn goes to a host in the blacklist cooldown."""
 
@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from elastic.launch.config import UsageError, parse
-from elastic.launch.stragglers import StragglerWatch, host_cooling
-from elastic.stragglers import StragglerConfig
-from rendezvous.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo
+from elastic.launch.flags import UsageError, parse
+from elastic.launch.straggler_watch import StragglerWatch, host_cooling
+from elastic.runtime.straggler_detector import StragglerConfig
+from rendezvous.client.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo
 
 
 def view(version=2, events=(), blacklisted=()):

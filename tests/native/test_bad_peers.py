@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import elastic
-from elastic import ErrorKind, _native
-from elastic.errors import _from_native
+from elastic import ErrorKind
+from elastic.ring import _native
+from elastic.ring.errors import RingFailure, from_native
 from tests.waiting import wait_until
 
 from . import wire
@@ -88,9 +89,12 @@ def test_a_world_built_on_the_native_api_with_a_wildcard_peer_fails_typed_at_for
     try:
         comm = _native.Communicator(listener, JOB, SECRET, VERSION, 1, ["0.0.0.0:1", listener.address],
                                     elastic.CommConfig(timeout=5, form_timeout=5).to_native())  # created: not ours
-        with pytest.raises(elastic.BadPeerError) as info:
+        with pytest.raises(_native.RingFailure) as info:   # the core's own failure; the ring layer types it
             comm.form()
-        assert info.value.peer_rank == 0 and info.value.kind == ErrorKind.Unreachable
+        kind, _, op, _, _, peer = info.value.args
+        assert (kind, op, peer) == (ErrorKind.Unreachable, "form", 0)
+        typed = from_native(info.value)
+        assert isinstance(typed, elastic.BadPeerError) and typed.peer_rank == 0
         comm.close()
     finally:
         listener.close()
@@ -167,9 +171,13 @@ def test_a_settings_verdict_is_trusted_when_its_mac_proves_the_secret():
         fake.close()
 
 
+def _failure(kind, op="form"):
+    return RingFailure(kind, "m", op, 4, 0, 1)
+
+
 def test_every_native_error_kind_maps_to_a_typed_exception():
     for kind in ErrorKind:
-        err = _from_native(kind, "m", "form", 4, 0, 1)
+        err = from_native(_failure(kind))
         assert type(err) is not elastic.ElasticError, f"{kind} has no exception class"
         if kind == ErrorKind.Invalid:
             assert isinstance(err, ValueError)
@@ -177,8 +185,8 @@ def test_every_native_error_kind_maps_to_a_typed_exception():
         assert err.kind == kind
         assert err.peer_rank == (1 if kind in (ErrorKind.PeerLost, ErrorKind.Timeout, ErrorKind.Unreachable,
                                                ErrorKind.BadPeer) else None), kind
-    assert _from_native(ErrorKind.Propagated, "m", "allreduce", 4, 0, 1).reason == "propagated"
-    assert _from_native(ErrorKind.Unreachable, "m", "form", 4, 0, 1).reason == "unreachable"
+    assert from_native(_failure(ErrorKind.Propagated, "allreduce")).reason == "propagated"
+    assert from_native(_failure(ErrorKind.Unreachable)).reason == "unreachable"
 
 
 # ---------------------------------------------------------------- dropped connections are retried
@@ -268,7 +276,7 @@ def test_a_connect_dropped_before_its_handshake_completes_is_retried_until_it_fo
 
 
 class _Former(threading.Thread):
-    """Forms a native communicator in the background (it never completes: its neighbour is a test)."""
+    """Forms a communicator in the background (it never completes: its neighbour is a test)."""
 
     def __init__(self, comm):
         super().__init__(daemon=True)
@@ -276,7 +284,7 @@ class _Former(threading.Thread):
 
     def run(self):
         try:
-            self.comm.form()
+            self.comm.connect()
         except Exception as e:  # the abort in stop(); checked there
             self.error = e
 
@@ -294,8 +302,10 @@ def _rank_1(**listener_kw):
     own connection goes to a listener that never forms, so it waits there until the end."""
     listener = elastic.Listener("127.0.0.1", 0, **listener_kw)
     elsewhere = elastic.Listener("127.0.0.1", 0)
-    former = _Former(_native.Communicator(listener, JOB, SECRET, VERSION, 1, [elsewhere.address, listener.address],
-                                          elastic.CommConfig(timeout=30, form_timeout=30).to_native()))
+    config = elastic.CommConfig(timeout=30, form_timeout=30)
+    former = _Former(elastic.Communicator(
+        _native.Communicator(listener, JOB, SECRET, VERSION, 1, [elsewhere.address, listener.address],
+                             config.to_native()), config))
     host, port = listener.address.rsplit(":", 1)
     try:
         yield listener, (host, int(port)), former

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import elastic
-from elastic import _native
+from elastic.ring import _native
 
 
 def _core_settings() -> set:

@@ -168,13 +168,14 @@ def test_abort_breaks_a_form_that_waits_for_a_missing_peer():
     silent = elastic.Listener("127.0.0.1", 0)  # accepts but never forms: our HELLO waits there
     native = {}
     # Build the native communicator ourselves so this thread can abort it mid-form.
-    from elastic import _native
-    comm = _native.Communicator(listener, "j", b"s", 3, 0, [listener.address, silent.address],
-                                elastic.CommConfig(timeout=30, form_timeout=30).to_native())
+    from elastic.ring import _native
+    config = elastic.CommConfig(timeout=30, form_timeout=30)
+    comm = elastic.Communicator(_native.Communicator(listener, "j", b"s", 3, 0, [listener.address, silent.address],
+                                                     config.to_native()), config)
 
     def run():
         try:
-            comm.form()
+            comm.connect()
         except elastic.WorkerLostError as e:
             native["t"] = time.monotonic()
             native["err"] = e

@@ -131,14 +131,15 @@ def test_refusals_are_reported_on_the_acceptor_side():
     listener = elastic.Listener("127.0.0.1", 0)
     other = elastic.Listener("127.0.0.1", 0)
     # `other` forms world version 7 of job "a" (its predecessor never comes); we come as version 6.
-    from elastic import _native
-    waiting = _native.Communicator(other, "a", b"s", 7, 1, [listener.address, other.address],
-                                   elastic.CommConfig(timeout=5, form_timeout=5).to_native())
+    from elastic.ring import _native
+    config = elastic.CommConfig(timeout=5, form_timeout=5)
+    waiting = elastic.Communicator(_native.Communicator(other, "a", b"s", 7, 1, [listener.address, other.address],
+                                                        config.to_native()), config)
     outcome = []
 
     def form():
         try:
-            waiting.form()
+            waiting.connect()
             outcome.append("formed")
         except elastic.WorkerLostError as e:
             outcome.append(e.reason)
@@ -160,7 +161,7 @@ def test_refusals_are_reported_on_the_acceptor_side():
 def test_hmac_matches_the_standard_library():
     import hashlib
     import hmac
-    from elastic import _native
+    from elastic.ring import _native
     for key, data in [(b"", b""), (b"k", b"data"), (b"x" * 100, b"y" * 1000), (bytes(range(64)), b"abc")]:
         assert _native.hmac_sha256(key, data) == hmac.new(key, data, hashlib.sha256).digest()
 

@@ -105,7 +105,7 @@ def test_algorithm_is_read_from_the_environment_and_checked():
         elastic.CommConfig.from_env({"ELASTIC_ALLREDUCE_ALGORITHM": "tree"})
     with pytest.raises(ValueError, match="hierarchical_bytes"):
         elastic.CommConfig(hierarchical_bytes=-1)
-    from elastic import _native
+    from elastic.ring import _native
     with pytest.raises(ValueError, match="unknown allreduce algorithm 'tree'"):
         _native.CommConfig().algorithm = "tree"  # the core's own struct checks the name too
 

@@ -35,4 +35,4 @@ train(state)
 weights = model.weight.detach().view(-1)
 print(json.dumps({"rank": elastic.rank(), "size": elastic.size(), "moved": (start - weights).tolist(),
                   "weights": weights.tolist(), "elastic": elastic.__file__,
-                  "native": elastic._native.__file__, "rendezvous": rendezvous.__file__}), flush=True)
+                  "native": elastic.ring._native.__file__, "rendezvous": rendezvous.__file__}), flush=True)

@@ -27,8 +27,8 @@ VERSION = PYPROJECT["project"]["version"]
 LICENSE = (REPO / "LICENSE").read_bytes()
 
 # Imports everything a user's process needs from the install and says where each came from.
-WHERE = ("import json, elastic, elastic._native, rendezvous, rendezvous._proto.rendezvous_pb2_grpc as g; "
-         "print(json.dumps({'elastic': elastic.__file__, 'native': elastic._native.__file__, "
+WHERE = ("import json, elastic, elastic.ring._native, rendezvous, rendezvous.wire._proto.rendezvous_pb2_grpc as g; "
+         "print(json.dumps({'elastic': elastic.__file__, 'native': elastic.ring._native.__file__, "
          "'rendezvous': rendezvous.__file__, 'stubs': g.__file__, "
          "'versions': [elastic.__version__, rendezvous.__version__]}))")
 
@@ -84,8 +84,8 @@ def test_wheel_holds_the_packages_the_native_core_the_stubs_and_the_license(whee
         names = set(z.namelist())
         dist_info = f"elastic_ring-{VERSION}.dist-info"
         assert {n.split("/")[0] for n in names} == {"elastic", "rendezvous", dist_info}
-        assert [n for n in names if n.startswith("elastic/_native.") and n.endswith(".so")]
-        assert {"rendezvous/_proto/rendezvous_pb2.py", "rendezvous/_proto/rendezvous_pb2_grpc.py"} <= names
+        assert [n for n in names if n.startswith("elastic/ring/_native.") and n.endswith(".so")]
+        assert {"rendezvous/wire/_proto/rendezvous_pb2.py", "rendezvous/wire/_proto/rendezvous_pb2_grpc.py"} <= names
         assert z.read(f"{dist_info}/licenses/LICENSE") == LICENSE
         metadata = z.read(f"{dist_info}/METADATA").decode().split("\n\n", 1)[0].splitlines()
         entry_points = z.read(f"{dist_info}/entry_points.txt").decode()
@@ -142,7 +142,7 @@ def test_sdist_holds_the_sources_and_the_license(sdist):
         assert t.extractfile(f"{top}/LICENSE").read() == LICENSE
         pkg_info = t.extractfile(f"{top}/PKG-INFO").read().decode().split("\n\n", 1)[0].splitlines()
     assert {f"{top}/{p}" for p in ("pyproject.toml", "native/CMakeLists.txt", "native/src/binding.cc",
-                                   "protos/rendezvous.proto", "rendezvous/_proto/rendezvous_pb2.py")} <= names
+                                   "protos/rendezvous.proto", "rendezvous/wire/_proto/rendezvous_pb2.py")} <= names
     assert not [n for n in names if n.startswith((f"{top}/build/", f"{top}/.venv"))]
     assert "License-Expression: Apache-2.0" in pkg_info
     assert "License-File: LICENSE" in pkg_info

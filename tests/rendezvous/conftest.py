@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config
-from rendezvous.etcd_process import EtcdProcess
-from rendezvous.store import EtcdStore, MemoryStore
+from rendezvous.server.etcd_process import EtcdProcess
+from rendezvous.server.store import EtcdStore, MemoryStore
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +27,7 @@ def secure_etcd(tmp_path_factory):
     not an etcd user) opens the connection but grants nothing without a password."""
     import secrets
 
-    from rendezvous.etcd_process import EtcdTls
+    from rendezvous.server.etcd_process import EtcdTls
     from tests.certs import make_pki
 
     pki = make_pki(str(tmp_path_factory.mktemp("etcd-pki")))
@@ -106,7 +106,7 @@ def client():
 def stub():
     """stub(server) -> a bare Rendezvous stub for raw RPCs, on a plaintext channel to the server
     (one per server), closed when the test ends (which cancels its open calls)."""
-    from rendezvous.wire import pb_grpc
+    from rendezvous.wire.messages import pb_grpc
 
     channels = {}
 

@@ -7,10 +7,10 @@ import heapq
 import itertools
 from typing import Optional
 
-from rendezvous import decision as d
-from rendezvous.job_record import Job
-from rendezvous.liveness import Liveness
-from rendezvous.store import MemoryStore, StoreError
+from rendezvous.server import decision as d
+from rendezvous.server.job_record import Job
+from rendezvous.server.liveness import Liveness
+from rendezvous.server.store import MemoryStore, StoreError
 
 CONFIG = d.DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
                           cooldown_max_s=35.0)

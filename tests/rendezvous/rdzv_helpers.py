@@ -139,7 +139,7 @@ class ServerThread:
     def __init__(self, config, store_factory):
         import threading
 
-        from rendezvous.server import RendezvousServer
+        from rendezvous.server.service import RendezvousServer
 
         self.config = config
         self.loop = asyncio.new_event_loop()
@@ -177,7 +177,7 @@ class ServerThread:
 
 
 def server_config(**kw):
-    from rendezvous.config import ServerConfig
+    from rendezvous.server.server_config import ServerConfig
 
     base = dict(host="127.0.0.1", port=0, insecure=True, heartbeat_timeout_s=2.0, settle_s=0.1,
                 etcd_prefix=f"/t/{uuid.uuid4().hex[:12]}")
@@ -186,8 +186,8 @@ def server_config(**kw):
 
 
 def make_client(address, worker_id, job_id="job", host="h", port=None, **kw):
-    from rendezvous.membership import JobSpec
-    from rendezvous.worker_client import RendezvousClient
+    from rendezvous.wire.membership import JobSpec
+    from rendezvous.client.worker_client import RendezvousClient
 
     addresses = address if isinstance(address, list) else [address]
     kw.setdefault("spec", JobSpec(min_np=1, max_np=8))

@@ -42,7 +42,7 @@ def test_serve_rejects_bad_arguments_with_a_clear_message(args, message):
 
 def test_serve_flags_left_out_mean_the_server_configs_defaults():
     from rendezvous.cli import _parser, config_from_args
-    from rendezvous.config import ServerConfig
+    from rendezvous.server.server_config import ServerConfig
 
     got, want = config_from_args(_parser().parse_args(["serve", "--insecure"])), ServerConfig(insecure=True)
     for field in ("host", "port", "etcd_prefix", "heartbeat_timeout_s", "leader_ttl_s", "settle_s",

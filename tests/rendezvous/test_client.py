@@ -10,11 +10,11 @@ import pytest
 
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.cli import main
-from rendezvous.channel import RendezvousCallAbandoned, RendezvousRPCError
-from rendezvous.membership import JobSpec
-from rendezvous.watch_events import Ended
-from rendezvous.etcd_process import free_port
-from rendezvous.store import MemoryStore
+from rendezvous.common.channel import RendezvousCallAbandoned, RendezvousRPCError
+from rendezvous.wire.membership import JobSpec
+from rendezvous.client.watch_events import Ended
+from rendezvous.server.etcd_process import free_port
+from rendezvous.server.store import MemoryStore
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def _events(client, until, timeout_s=5.0):
 
 def _attached(server, job):
     import grpc as _grpc
-    from rendezvous.wire import pb, pb_grpc
+    from rendezvous.wire.messages import pb, pb_grpc
     with _grpc.insecure_channel(server.address) as ch:
         st = pb_grpc.RendezvousStub(ch).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
     return [(m.member.worker_id, m.attached) for m in st.members]
@@ -127,7 +127,7 @@ def _attached(server, job):
 
 @pytest.mark.parametrize("trial", range(3))
 def test_rejoin_delivers_nothing_from_the_replaced_session(server, client, trial):
-    from rendezvous.watch_events import Ended, WorldInfo
+    from rendezvous.client.watch_events import Ended, WorldInfo
 
     job = unique("job")
     c = client(server.address, "a", job_id=job)
@@ -141,7 +141,7 @@ def test_rejoin_delivers_nothing_from_the_replaced_session(server, client, trial
 
 
 def test_world_with_same_version_but_other_members_is_a_new_event(client):
-    from rendezvous.wire import pb
+    from rendezvous.wire.messages import pb
 
     c = client("127.0.0.1:1", "a", job_id="j")
 
@@ -243,8 +243,8 @@ def test_refusals_for_other_reasons_carry_no_outcome(server, client):
 def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server, client):
     """The worker was evicted while its stream was away (stopped, say) and the job ended meanwhile:
     reattaching, it learns how the job ended from the refusal, typed."""
-    from rendezvous import decision as d
-    from rendezvous.job_record import END
+    from rendezvous.server import decision as d
+    from rendezvous.server.job_record import END
 
     job = unique("job")
     a, b = (client(server.address, w, job_id=job) for w in "ab")

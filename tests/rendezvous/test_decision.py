@@ -5,10 +5,10 @@ import pytest
 
 from dataclasses import replace
 
-from rendezvous.decision import (AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld, Attach,
-                                 DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave, Phase, Progress,
-                                 Refusal, Rejected, RingBroken, SpecConflict, Success, Tick,
-                                 decide, from_json, join_spec, new_job, next_deadline, standby_reason, to_json)
+from rendezvous.server.decision import (AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld,
+    Attach, DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave, Phase, Progress, Refusal, Rejected,
+    RingBroken, SpecConflict, Success, Tick, decide, from_json, join_spec, new_job, next_deadline, standby_reason,
+    to_json)
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
                      cooldown_max_s=35.0)
@@ -492,7 +492,7 @@ def test_blacklisted_standby_lets_the_elastic_timeout_fire():
     (0, "zz", False),    # a reporter outside the world changes nothing
 ])
 def test_ring_broken_report_aborts_and_reannounces_the_same_members(version_delta, reporter, expect_new_world):
-    from rendezvous.decision import RingBroken
+    from rendezvous.server.decision import RingBroken
     state = formed([("a", "h1"), ("b", "h1"), ("c", "h2")])
     v = state.version
     state, actions = run(state, [(5.0, RingBroken(reporter, v + version_delta, "timeout on b")), (5.1, Tick()),

@@ -1,4 +1,4 @@
-"""What each decided action is, said once (rendezvous/description.py): the log line, who hears of
+"""What each decided action is, said once (rendezvous/server/description.py): the log line, who hears of
 it, what is counted. The event-log and Status side of the same descriptions is in
 test_server_events.py."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import typing
 
 import pytest
 
-from rendezvous import decision as d
-from rendezvous.description import Audience, describe
+from rendezvous.server import decision as d
+from rendezvous.server.description import Audience, describe
 
 M = (d.Member("a", "h1", "h1:1", 0, 0, 1, 0, 2, 5), d.Member("b", "h2", "h2:1", 1, 0, 1, 1, 2, 5))
 

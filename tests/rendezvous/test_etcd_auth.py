@@ -13,8 +13,8 @@ import pytest
 
 from rdzv_helpers import (REPO, ServerProc, child_env, join_world, make_client, run_async, unique,
                           wait_world_of)
-from rendezvous.config import ServerConfig
-from rendezvous.store import EtcdAccess, EtcdAccessError, EtcdStore, StoreError
+from rendezvous.server.server_config import ServerConfig
+from rendezvous.server.store import EtcdAccess, EtcdAccessError, EtcdStore, StoreError
 
 
 def etcd_args(etcd, *, prefix=None, user="rdzv", password_file=None):
@@ -163,7 +163,7 @@ def test_the_store_reports_a_wrong_password_as_an_access_error(secure_etcd):
 def test_a_member_that_is_down_costs_a_turn_not_the_store(secure_etcd):
     """Authenticating is a round trip: a member down at start is skipped, for writes too (nothing
     was sent to it), and the next member takes the call."""
-    from rendezvous.etcd_process import free_port
+    from rendezvous.server.etcd_process import free_port
 
     pki = secure_etcd.pki
     access = EtcdAccess(ca=pki.ca, cert=pki.client_cert, key=pki.client_key, user="rdzv",

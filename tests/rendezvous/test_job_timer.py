@@ -1,4 +1,4 @@
-"""Each job's timer (rendezvous/job_timer.py) with fakes for what it is given: what is due fires,
+"""Each job's timer (rendezvous/server/job_timer.py) with fakes for what it is given: what is due fires,
 nothing else, and only while this replica leads. No server, sockets or waits."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
 from rdzv_helpers import run_async
-from rendezvous import decision as d
-from rendezvous.job_timer import JobTimers
-from rendezvous.liveness import Liveness
+from rendezvous.server import decision as d
+from rendezvous.server.job_timer import JobTimers
+from rendezvous.server.liveness import Liveness
 
 
 class Service:

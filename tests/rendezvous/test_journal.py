@@ -1,4 +1,4 @@
-"""The journal (rendezvous/journal.py) over a store that fails on demand: a job's actions are
+"""The journal (rendezvous/server/journal.py) over a store that fails on demand: a job's actions are
 delivered only once its state is stored, a burst of changes is one write, a lost answer or a
 refused fence is recognised. No server, sockets or waits: the backoff sleep is a fake."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 
 from fakes import CONFIG, FlakyStore, job_of, running, settle
 from rdzv_helpers import run_async
-from rendezvous import decision as d
-from rendezvous.journal import Journal
-from rendezvous.server_wire import RpcRefusal
-from rendezvous.store import Fence
+from rendezvous.server import decision as d
+from rendezvous.server.journal import Journal
+from rendezvous.server.server_wire import RpcRefusal
+from rendezvous.server.store import Fence
 
 PREFIX = "/t/journal"
 LEADER_KEY = f"{PREFIX}/leader"

@@ -1,4 +1,4 @@
-"""Leadership (rendezvous/leader.py) in virtual time: the key is taken when free and handed over on
+"""Leadership (rendezvous/server/leader.py) in virtual time: the key is taken when free and handed over on
 resign, and the replica steps down by the clock, 0.6 x TTL after its last acknowledged refresh,
 whatever the refresh call is doing. No sockets; time passes only when a test says so."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from fakes import VirtualTime, settle
 from rdzv_helpers import run_async
-from rendezvous.leader import Leadership
-from rendezvous.store import Fence, MemoryStore, StoreError
+from rendezvous.server.leader import Leadership
+from rendezvous.server.store import Fence, MemoryStore, StoreError
 
 KEY = "/t/leader/leader"
 TTL = 3

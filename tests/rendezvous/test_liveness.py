@@ -1,10 +1,10 @@
-"""The liveness clocks of a job, as rules (rendezvous/liveness.py): pure, each instant passed in."""
+"""The liveness clocks of a job, as rules (rendezvous/server/liveness.py): pure, each instant passed in."""
 from __future__ import annotations
 
 import pytest
 
 from fakes import running
-from rendezvous.liveness import Idle, Liveness
+from rendezvous.server.liveness import Idle, Liveness
 
 T = 2.0   # the heartbeat timeout
 

@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rdzv_helpers import (ServerProc, ServerThread, join_world, make_client, server_config,
                           unique, wait_until, wait_world_of)
-from rendezvous import decision as d
-from rendezvous.metrics import job_counts
-from rendezvous.wire import pb, pb_grpc
-from rendezvous.store import EtcdStore, MemoryStore, StoreError
+from rendezvous.server import decision as d
+from rendezvous.server.server_metrics import job_counts
+from rendezvous.wire.messages import pb, pb_grpc
+from rendezvous.server.store import EtcdStore, MemoryStore, StoreError
 
 
 def scrape(port: int) -> dict:
@@ -122,7 +122,7 @@ def test_sigkilled_worker_is_counted_by_cause_with_one_recovery_and_a_newer_worl
 
 
 def test_a_standby_failing_starts_no_recovery_clock():
-    from rendezvous.membership import JobSpec
+    from rendezvous.wire.membership import JobSpec
 
     s = ServerThread(server_config(metrics_port=0), MemoryStore)
     try:
@@ -284,7 +284,7 @@ def test_serve_help_documents_the_metrics_and_events_flags(capsys):
 
 def test_metrics_flags_left_out_mean_the_server_configs_defaults():
     from rendezvous.cli import _parser, config_from_args
-    from rendezvous.config import ServerConfig
+    from rendezvous.server.server_config import ServerConfig
 
     got = config_from_args(_parser().parse_args(["serve", "--insecure"]))
     want = ServerConfig(insecure=True)
@@ -308,9 +308,9 @@ def test_serve_refuses_a_bad_metrics_port(args, message):
 
 
 def test_joins_keep_working_while_another_user_floods_the_metrics_port(tmp_path):
-    from rendezvous.membership import JobSpec
-    from rendezvous.worker_client import RendezvousClient
-    from rendezvous.etcd_process import free_port
+    from rendezvous.wire.membership import JobSpec
+    from rendezvous.client.worker_client import RendezvousClient
+    from rendezvous.server.etcd_process import free_port
     from tests.flood import Flood, open_descriptors, other_user
 
     other_user()   # skipped (with its reason) unless root

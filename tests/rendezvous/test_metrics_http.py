@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from rendezvous import metrics_http
-from rendezvous.metrics_http import MAX_CONNECTIONS, MetricsServer, parse_request
+from rendezvous.common import metrics_http
+from rendezvous.common.metrics_http import MAX_CONNECTIONS, MetricsServer, parse_request
 from tests.waiting import wait_until
 
 

@@ -1,4 +1,4 @@
-"""How a failure report is judged (rendezvous/probes.py), with fakes for what the judge is given:
+"""How a failure report is judged (rendezvous/server/probes.py), with fakes for what the judge is given:
 evict, send (onto a suspect's Watch), the journal's apply and wait_durable, the leader check, and
 the clock. No server, sockets or waits: a probe is answered, or a stream breaks, from the fake send."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 
 from fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
 from rdzv_helpers import run_async
-from rendezvous import decision as d
-from rendezvous.job_record import Stream
-from rendezvous.liveness import Liveness
-from rendezvous.probes import FailureReports
-from rendezvous.server_wire import RpcRefusal
+from rendezvous.server import decision as d
+from rendezvous.server.job_record import Stream
+from rendezvous.server.liveness import Liveness
+from rendezvous.server.probes import FailureReports
+from rendezvous.server.server_wire import RpcRefusal
 
 
 class Service:

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import elastic
-from elastic.session import Ending
+from elastic.runtime.session import Ending
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
-from rendezvous.wire import pb, pb_grpc
-from rendezvous.channel import RendezvousRPCError
-from rendezvous.store import EtcdStore, MemoryStore
+from rendezvous.wire.messages import pb, pb_grpc
+from rendezvous.common.channel import RendezvousRPCError
+from rendezvous.server.store import EtcdStore, MemoryStore
 
 TOKEN, OTHER = "tenant-a-token", "tenant-b-token"
 
@@ -25,8 +25,8 @@ TOKEN, OTHER = "tenant-a-token", "tenant-b-token"
 def _runtime(address: str, job: str, worker: str):
     """A worker's real session (ring listener, rendezvous client, pump), configured from the
     environment the launcher would set."""
-    from elastic.config import WorkerConfig
-    from elastic.session import Session
+    from elastic.runtime.worker_config import WorkerConfig
+    from elastic.runtime.session import Session
 
     rt = Session(WorkerConfig.from_env({
         "ELASTIC_RENDEZVOUS": address, "ELASTIC_JOB_ID": job, "ELASTIC_WORKER_ID": worker,
@@ -141,7 +141,7 @@ def _raw_member(stub, job, worker):
 def _formed_then_restarted(etcd, caplog):
     """Job of two bare members a and b formed on one server, then the server restarted; neither
     has reattached. Returns (new server, its stub, job, a's session, b's session)."""
-    caplog.set_level(logging.INFO, logger="rendezvous.server")
+    caplog.set_level(logging.INFO, logger="rendezvous.server.service")
     prefix = f"/t/{unique('report-restart')}"
     kw = dict(heartbeat_timeout_s=2.0, blacklist_after=1, settle_s=0.05)
     s = _etcd_server(etcd, prefix, **kw)

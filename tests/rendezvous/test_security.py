@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdzv_helpers import ServerThread, server_config
-from rendezvous.wire import pb, pb_grpc
-from rendezvous.store import MemoryStore
+from rendezvous.wire.messages import pb, pb_grpc
+from rendezvous.server.store import MemoryStore
 
 TOKEN = "s3cret-token"
 OTHER = "another-tenants-token"   # also accepted by the server: another tenant of the service
@@ -307,9 +307,9 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
 
 def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(server, stub):
     from rdzv_helpers import unique, wait_world_of
-    from rendezvous.channel import RendezvousRPCError
-    from rendezvous.membership import JobSpec
-    from rendezvous.watch_events import Standby
+    from rendezvous.common.channel import RendezvousRPCError
+    from rendezvous.wire.membership import JobSpec
+    from rendezvous.client.watch_events import Standby
     job = unique("success")
     spec = JobSpec(min_np=1, max_np=1)
     a = _member(server, "a", job, spec=spec)
@@ -377,8 +377,8 @@ def test_joins_that_never_watch_do_not_hold_the_job_cap():
 
 def test_a_watched_forming_job_is_not_dropped():
     from rdzv_helpers import make_client, unique
-    from rendezvous.membership import JobSpec
-    from rendezvous.watch_events import Standby
+    from rendezvous.wire.membership import JobSpec
+    from rendezvous.client.watch_events import Standby
     s = ServerThread(server_config(heartbeat_timeout_s=0.5), MemoryStore)
     try:
         job = unique("forming")
@@ -396,7 +396,7 @@ def test_a_watched_forming_job_is_not_dropped():
 
 def test_a_finished_job_is_launched_again_by_its_own_token_only():
     from rdzv_helpers import make_client, unique, wait_until, wait_world_of
-    from rendezvous.channel import RendezvousRPCError
+    from rendezvous.common.channel import RendezvousRPCError
     s = ServerThread(server_config(insecure=False, tokens=(TOKEN, OTHER), heartbeat_timeout_s=0.5,
                                    leader_ttl_s=1), MemoryStore)
     try:
@@ -435,12 +435,12 @@ def test_peer_supplied_failure_reasons_are_escaped_and_shortened(server, stub, c
     import logging
 
     from rdzv_helpers import unique, wait_world_of
-    from rendezvous.watch_events import Abort
-    caplog.set_level(logging.INFO, logger="rendezvous.server")
+    from rendezvous.client.watch_events import Abort
+    caplog.set_level(logging.INFO, logger="rendezvous.server.service")
     job = unique("reasons")
     a, b = _member(server, "a", job), _member(server, "b", job)
     world = wait_world_of([a, b], 2)[0]
-    forged = "timeout\n2030-01-01 INFO rendezvous.server: job x: world 9 announced\x1b[2J\u202e" + "A" * 900
+    forged = "timeout\n2030-01-01 INFO rendezvous.server.service: job x: world 9 announced\x1b[2J\u202e" + "A" * 900
     assert a.report_failure("b", world.version, forged) is False   # b is alive: answers the probe
     abort = next(ev for ev in iter(lambda: a.next_event(5.0), None) if isinstance(ev, Abort))
     for text in (abort.reason, caplog.text):
@@ -453,8 +453,8 @@ def test_peer_supplied_failure_reasons_are_escaped_and_shortened(server, stub, c
 
 
 def test_a_token_file_holds_one_token_a_line_and_a_one_token_file_still_works(tmp_path):
-    from rendezvous.channel import read_token_list
-    from rendezvous.config import ServerConfig
+    from rendezvous.common.channel import read_token_list
+    from rendezvous.server.server_config import ServerConfig
     one, two, empty = tmp_path / "one", tmp_path / "two", tmp_path / "empty"
     one.write_text("tok-123\n")
     two.write_text("tenant-a\n\n  tenant-b  \n")
@@ -472,7 +472,7 @@ def test_a_running_job_stored_by_an_older_server_is_refused_not_joined_without_a
     import json
     import time
 
-    from rendezvous import decision as d
+    from rendezvous.server import decision as d
     state = json.loads(d.to_json(d.new_job("legacy", d.JobSpec(1, 4, 60.0), time.time())))
     for field in ("credential", "ring_secret", "run"):   # what an older server wrote
         del state[field]
@@ -494,7 +494,7 @@ def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub,
     import threading
     import time
 
-    from rendezvous import request_checks
+    from rendezvous.server import request_checks
     release = threading.Event()
     real = socket.getaddrinfo
 

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from rdzv_helpers import join_world, next_of, unique, wait_until, wait_world_of
-from rendezvous.channel import RendezvousRPCError
-from rendezvous.membership import JobSpec
-from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
-from rendezvous.wire import pb
+from rendezvous.common.channel import RendezvousRPCError
+from rendezvous.wire.membership import JobSpec
+from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
+from rendezvous.wire.messages import pb
 
 
 def test_joined_workers_get_one_world_with_ranks(serve, client):
@@ -161,7 +161,7 @@ def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve
 
 async def _detach(s, job, worker):
     """Forget a worker's stream without evicting it (what a new leader starts with)."""
-    from rendezvous.job_record import END
+    from rendezvous.server.job_record import END
     stream = s.service.jobs[job].streams.pop(worker)
     stream.closed_by_server = True
     stream.queue.put_nowait(END)
@@ -251,7 +251,7 @@ async def _evict(s, job, worker):
 
 def test_status_lists_jobs_members_and_ranks(serve, client, stub):
     from rendezvous.cli import format_status
-    from rendezvous.status_client import StatusClient
+    from rendezvous.client.status_client import StatusClient
 
     s = serve()
     job = unique("job")
@@ -410,7 +410,7 @@ async def _forget_steps(s, job):
 def test_write_that_landed_but_reported_an_error_keeps_leadership(serve, client):
     """An ambiguous etcd write (applied, response lost): the retry's CAS is refused because our own
     write moved the revision; re-reading shows our bytes, so the replica carries on leading."""
-    from rendezvous.store import StoreError
+    from rendezvous.server.store import StoreError
 
     s = serve()
     job = unique("job")
@@ -440,7 +440,7 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
     import asyncio
     import logging
 
-    caplog.set_level(logging.INFO, logger="rendezvous.server")
+    caplog.set_level(logging.INFO, logger="rendezvous.server.service")
     s = serve(settle_s=0.05)
     job = unique("job")
     cs = [client(s.address, w, job_id=job) for w in "ab"]
@@ -467,7 +467,7 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
 
 
 def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
-    from rendezvous.store import StoreError
+    from rendezvous.server.store import StoreError
 
     s = serve()
     store = s.server.store
@@ -492,7 +492,7 @@ def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again(cli
     """etcd stalls right after the campaign: the lease lapses while the jobs load. The replica
     must notice and lead again once etcd answers, not believe it leads and serve nothing."""
     from rdzv_helpers import ServerThread, server_config
-    from rendezvous.store import MemoryStore, StoreError
+    from rendezvous.server.store import MemoryStore, StoreError
 
     class StallAfterCampaign(MemoryStore):
         loads = 0

@@ -8,13 +8,13 @@ import signal
 import pytest
 
 from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config, unique, wait_until
-from rendezvous import decision as d
-from rendezvous.membership import JobSpec
-from rendezvous.status_client import StatusClient
-from rendezvous.event_log import EVENTS, EventLog
-from rendezvous.description import describe
-from rendezvous.history import RECENT_PER_JOB
-from rendezvous.store import MemoryStore
+from rendezvous.server import decision as d
+from rendezvous.wire.membership import JobSpec
+from rendezvous.client.status_client import StatusClient
+from rendezvous.common.event_log import EVENTS, EventLog
+from rendezvous.server.description import describe
+from rendezvous.server.history import RECENT_PER_JOB
+from rendezvous.server.store import MemoryStore
 
 
 def read_events(path) -> list[dict]:
@@ -197,7 +197,7 @@ def test_a_served_process_writes_its_start_and_graceful_stop(tmp_path):
 
 
 def test_recent_events_go_only_to_the_owner_they_were_recorded_for():
-    from rendezvous.history import History
+    from rendezvous.server.history import History
 
     h = History()
     mine = d.new_job("j", d.JobSpec(1, 8, 60.0), 0.0, credential="cred-a")

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from rdzv_helpers import run_async
-from rendezvous.store import Fence
+from rendezvous.server.store import Fence
 
 
 def test_get_missing_key_is_none(make_store, prefix):

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from rdzv_helpers import next_of, unique, wait_until, wait_world_of
-from rendezvous.channel import RendezvousRPCError
-from rendezvous.membership import JobSpec, StragglerReport
-from rendezvous.status_client import StatusClient
-from rendezvous.watch_events import Abort, Pending, WorldInfo
+from rendezvous.common.channel import RendezvousRPCError
+from rendezvous.wire.membership import JobSpec, StragglerReport
+from rendezvous.client.status_client import StatusClient
+from rendezvous.client.watch_events import Abort, Pending, WorldInfo
 
 
 def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_down(serve, client):

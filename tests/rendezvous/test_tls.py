@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from rdzv_helpers import REPO, ServerProc, child_env, make_client, unique, wait_world_of
-from rendezvous.channel import RendezvousRPCError, channel_credentials
-from rendezvous.config import ServerConfig
+from rendezvous.common.channel import RendezvousRPCError, channel_credentials
+from rendezvous.server.server_config import ServerConfig
 from tests.certs import make_pki
 
 TOKEN = "tls-test-token-5b0d1e"
@@ -102,7 +102,7 @@ def test_a_client_the_server_cannot_verify_or_that_cannot_verify_it_is_refused(w
 def test_a_worker_configured_for_tls_never_sends_its_token_in_clear_text(pki, tmp_path):
     """A plaintext listener where the server should be (a spoofed address, a port taken over): the
     worker speaks only TLS to it, so it sees a TLS ClientHello and never the token."""
-    from elastic.config import WorkerConfig
+    from elastic.runtime.worker_config import WorkerConfig
 
     cfg = WorkerConfig.from_env({"ELASTIC_RENDEZVOUS": "127.0.0.1:1", "ELASTIC_TOKEN": TOKEN,
                                  "ELASTIC_TLS_CA": pki.ca, "ELASTIC_TLS_CERT": pki.client_cert,
@@ -150,7 +150,7 @@ def test_a_worker_configured_for_tls_never_sends_its_token_in_clear_text(pki, tm
     ({"ELASTIC_TLS_CA": "{token}"}, "ELASTIC_TLS_CA {token} is not a PEM file"),
 ])
 def test_a_worker_with_unusable_tls_files_fails_at_start_naming_the_variable(env, message, pki, token_file):
-    from elastic.config import WorkerConfig
+    from elastic.runtime.worker_config import WorkerConfig
 
     fill = dict(ca=pki.ca, cert=pki.client_cert, token=token_file)
     env = {k: v.format(**fill) for k, v in env.items()}
@@ -240,7 +240,7 @@ def test_elastic_run_warns_when_its_token_would_cross_the_network_in_clear_text(
     (" , ", "needs HOST:PORT"),
 ])
 def test_parse_addresses(text, result):
-    from rendezvous.channel import parse_addresses
+    from rendezvous.common.channel import parse_addresses
 
     if isinstance(result, tuple):
         assert parse_addresses(text, "--x") == result
@@ -258,7 +258,7 @@ def test_parse_addresses(text, result):
     (b"t" * 5000, "printable ASCII"),
 ])
 def test_read_token_file(content, result, tmp_path):
-    from rendezvous.channel import read_token_file
+    from rendezvous.common.channel import read_token_file
 
     path = tmp_path / "token"
     path.write_bytes(content)

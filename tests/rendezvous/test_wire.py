@@ -7,9 +7,10 @@ import dataclasses
 import grpc
 import pytest
 
-from rendezvous import decision as d
-from rendezvous import server_wire, wire
-from rendezvous.wire import pb
+from rendezvous.server import decision as d
+from rendezvous.server import server_wire
+from rendezvous.wire import messages as wire
+from rendezvous.wire.messages import pb
 
 OUTCOME = wire.JOB_OUTCOME_KEY
 

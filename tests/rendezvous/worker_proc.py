@@ -12,9 +12,9 @@ import time
 
 sys.path.insert(0, sys.argv[0].rsplit("/tests/", 1)[0])  # the repository root
 
-from rendezvous.membership import JobSpec
-from rendezvous.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
-from rendezvous.worker_client import RendezvousClient
+from rendezvous.wire.membership import JobSpec
+from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
+from rendezvous.client.worker_client import RendezvousClient
 
 
 def emit(**kw):

@@ -1,13 +1,13 @@
-"""The flat copy a commit sends to its buddy (elastic.sharded_transfer): one copy of the shards,
+"""The flat copy a commit sends to its buddy (elastic.sharded.transfer): one copy of the shards,
 a layout both sides compute from the table, and a refusal of anything else; after a reshard,
 the same copy put together from the rows the buddy held and the ones it was sent."""
 
 import pytest
 import torch
 
-from elastic.reshard import Generation, Holding, buddy_of, buddy_plan, chunk_rows, decide
-from elastic.sharded_transfer import assemble_buddy, buddy_sent_bytes, check_buddy, flat_copy, flat_layout, \
-    pack_for_buddy
+from elastic.sharded.reshard import Generation, Holding, buddy_of, buddy_plan, chunk_rows, decide
+from elastic.sharded.transfer import (assemble_buddy, buddy_sent_bytes, check_buddy, flat_copy, flat_layout,
+    pack_for_buddy)
 
 TABLE = [["model.w", [10, 3], "torch.float32"], ["model.b", [10], "torch.bfloat16"],
          ["optim.w.exp_avg", [10, 3], "torch.float32"], ["model.e", [2, 5], "torch.int64"]]

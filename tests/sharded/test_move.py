@@ -1,4 +1,4 @@
-"""The rows a reshard moves (elastic.sharded_transfer.move) over a real ring: every new rank's
+"""The rows a reshard moves (elastic.sharded.transfer.move) over a real ring: every new rank's
 shards bitwise the committed rows of its new chunk, each rank receiving only the rows it takes
 or passes on (forward and backward shifts), on TCP and shared memory."""
 
@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 
-from elastic import reshard
-from elastic.sharded_transfer import flat_buffer, move
+from elastic.sharded import reshard
+from elastic.sharded.transfer import flat_buffer, move
 from tests.native.harness import TRANSPORTS, run_world
 
 TABLE = [["model.w", [96, 5], "torch.float32"], ["model.b", [7], "torch.bfloat16"],

@@ -1,11 +1,11 @@
-"""The resharding decision (elastic.reshard) as tables: which commit a new world resumes from,
+"""The resharding decision (elastic.sharded.reshard) as tables: which commit a new world resumes from,
 which rows each new rank receives from whom, and which rows of its new copy a buddy holds."""
 
 import pytest
 import torch
 
-from elastic.reshard import (BUDDY, OWN, BuddyRows, Fresh, Generation, Holding, Hop, Lost, Resume, Transfer, buddy_of,
-                             buddy_plan, chunk_rows, decide, moved_rows, plan, relay)
+from elastic.sharded.reshard import (BUDDY, OWN, BuddyRows, Fresh, Generation, Holding, Hop, Lost, Resume, Transfer,
+    buddy_of, buddy_plan, chunk_rows, decide, moved_rows, plan, relay)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 13, 64, 100])

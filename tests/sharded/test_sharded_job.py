@@ -175,7 +175,7 @@ def test_non_buddies_lose_nothing_and_a_buddy_pair_is_restored_from_durable_comm
     # full tensors, and they hold what elastic-ring's own reader (no pickle) reads
     import torch
     import torch.distributed.checkpoint as dcp
-    from elastic import sharded_checkpoint
+    from elastic.sharded import checkpoint as sharded_checkpoint
     disk = sharded_checkpoint.read_latest(ckpt)
     assert disk is not None and disk.size in (1, 3)
     sd = {sharded_checkpoint.dcp_key(key): torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]))

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import elastic
-from elastic import group, world
+from elastic.torchdist import group
+from elastic.runtime import world
 from tests.native.harness import World, run_world
 
 from .fsdp_job import batch, build, optimizer, reference, shard, train_step

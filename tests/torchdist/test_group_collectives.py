@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from elastic import group_collectives, world
-from elastic.group import pending_failure
-from elastic.config import DEFAULT_GROUP_ENV
+from elastic.torchdist import group_collectives
+from elastic.runtime import world
+from elastic.torchdist.group import pending_failure
+from elastic.runtime.worker_config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
 R = dist.ReduceOp

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import elastic
-from elastic import objects, serialization
-from elastic.communicator import MAX_OBJECT_BYTES
+from elastic.torchdist import objects
+from elastic.ring import serialization
+from elastic.ring.communicator import MAX_OBJECT_BYTES
 from tests.native.harness import run_world
 
 from .test_process_group import _on_default_group
@@ -104,7 +105,7 @@ def _every_object_collective(rank: int, size: int):
     dist.scatter_object_list(mine, [f"for {r}" for r in range(size)] if rank == 0 else None, src=0)
     got["scatter"] = mine == [f"for {rank}"]
     # torch's own function, as code that took it before the group existed holds it: it runs the
-    # torch algorithm, and on this group it too carries elastic.serialization's format.
+    # torch algorithm, and on this group it too carries elastic.ring.serialization's format.
     early = [None] * size
     objects._torch["all_gather_object"](early, {"rank": rank}, group=elastic.process_group())
     got["torch's own"] = early == [{"rank": r} for r in range(size)]
@@ -137,4 +138,4 @@ def test_torchs_own_object_path_on_the_elastic_group_unpickles_nothing():
     results = run_world(3, _on_default_group(_torchs_own_path_from_a_hostile_peer), timeout=120)
     for rank in (0, 2):
         outcome, grown = results[rank]
-        assert "not elastic.serialization data (no magic number)" in outcome and grown < 32, results[rank]
+        assert "not elastic.ring.serialization data (no magic number)" in outcome and grown < 32, results[rank]

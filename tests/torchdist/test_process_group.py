@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from elastic import group, group_collectives, world
-from elastic.config import DEFAULT_GROUP_ENV
+from elastic.torchdist import group, group_collectives
+from elastic.runtime import world
+from elastic.runtime.worker_config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
 

@@ -1,0 +1,178 @@
+"""Exceptions of elastic-ring, and the mapping from the native core's failures.
+
+Every error that changes what ``elastic.run`` does is told apart by its class and its
+``kind`` (an ``ErrorKind`` of the native core, ``elastic.ring._native.ErrorKind``), never by
+its text: messages may quote what a peer sent, and a peer must not steer a worker.
+"""
+
+from __future__ import annotations
+
+import re
+
+from elastic.ring._native import ErrorKind, RingFailure
+
+# Kinds where the peer named in the error is to blame: the runtime reports it to the
+# rendezvous. Aborted and Propagated name a live neighbour; Refused, SettingsMismatch and
+# Mismatch blame nobody (another world version, other settings, a program bug).
+_BLAMES_PEER = frozenset({ErrorKind.PeerLost, ErrorKind.Timeout, ErrorKind.Unreachable, ErrorKind.BadPeer})
+
+
+def _reason(kind: ErrorKind) -> str:
+    """``ErrorKind.PeerLost`` -> ``"peer_lost"``: the ``reason`` strings, derived, not listed."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", kind.name).lower()
+
+
+def _locate(err: Exception, kind: ErrorKind, op: str, world_version: int, rank: int, peer: int) -> None:
+    """What every ring error carries: its kind, the operation, world version, this rank, the
+    neighbour involved (-1: none) and ``peer_rank``, the rank to blame (None: nobody)."""
+    err.kind, err.op, err.world_version, err.rank, err.peer = kind, op, world_version, rank, peer
+    err.peer_rank = peer if kind in _BLAMES_PEER and peer >= 0 else None
+
+
+class ElasticError(Exception):
+    """Base class of every elastic-ring error."""
+
+
+class WorkerLostError(ElasticError):
+    """A peer failed, hung or was fenced out while a collective was in flight.
+
+    The communicator that raised it is unusable; ``elastic.run`` restores the last
+    commit and re-forms the ring for the next world version. Attributes say where:
+    ``op`` (the collective), ``world_version``, ``rank`` (this worker), ``peer`` (the
+    neighbour involved, or -1 when none, e.g. after an abort), ``kind`` (an ``ErrorKind``),
+    ``peer_rank`` (the rank to blame, or None) and ``reason``, the kind in words:
+    ``"peer_lost"`` (the neighbour ``peer`` died or reset), ``"timeout"`` (``peer`` went
+    silent), ``"propagated"`` (the neighbour ``peer`` is alive and gave up because of a
+    failure further round the ring), ``"aborted"`` (``abort()`` was called, e.g. on a
+    rendezvous notice), or for a ``BadPeerError`` ``"unreachable"`` / ``"bad_peer"``.
+    """
+
+    def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1,
+                 peer: int = -1, kind: ErrorKind = ErrorKind.PeerLost):
+        super().__init__(message)
+        _locate(self, kind, op, world_version, rank, peer)
+        self.reason = _reason(kind)
+
+
+class BadPeerError(WorkerLostError):
+    """A peer cannot be part of a ring: its announced address is unusable (not HOST:PORT,
+    a wildcard, a name that does not resolve, nothing accepts connections there: ``kind``
+    ``Unreachable``), what answers there does not prove the job's secret or speak the ring
+    protocol (``BadPeer``; e.g. a refusal without the secret's MAC, whatever it says), or what
+    it sent cannot be received (``BadPeer``: a size or count out of bounds, bytes that do not
+    decode, a sync state that does not fit this worker's, as the majority of the world found).
+
+    It is that peer's failure, not this worker's: ``peer_rank`` names it (``peer`` too, here
+    not necessarily a neighbour), ``elastic.run`` reports it to the rendezvous, which evicts
+    it, and the healthy workers re-form. Nothing it sent was loaded."""
+
+
+class SyncRefusedError(ElasticError):
+    """The majority of a world refused this worker's part of a sync: the state it sent as the
+    most advanced one did not decode or fit theirs, or (as one of a minority) its own state
+    does not fit the state the others accepted. No later world fixes that, so ``elastic.run``
+    ends this worker with it; the others go on without it. ``world_version``, ``rank`` and
+    ``peer`` (the sync's root) say where; ``refused_by`` lists the ranks that refused."""
+
+    def __init__(self, message: str, *, world_version: int = -1, rank: int = -1, peer: int = -1,
+                 refused_by: tuple = ()):
+        super().__init__(message)
+        self.op, self.world_version, self.rank, self.peer = "sync", world_version, rank, peer
+        self.refused_by = tuple(refused_by)
+
+
+class MembershipChanged(ElasticError):
+    """Workers joined or left cleanly; state is kept and the ring re-formed."""
+
+
+class RendezvousError(ElasticError):
+    """The job's membership could not be agreed (rendezvous or ring forming failed)."""
+
+
+class HandshakeError(RendezvousError):
+    """A ring neighbour that proved the job's secret refused the connection: another world
+    version (this worker's is stale), world size or rank, or a duplicate. ``kind`` is
+    ``ErrorKind.Refused``; ``peer`` the neighbour; nobody is to blame (``peer_rank`` None)."""
+
+    def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1):
+        super().__init__(message)
+        _locate(self, ErrorKind.Refused, op, world_version, rank, peer)
+
+
+class SettingsMismatchError(ElasticError):
+    """The ranks of one world run with different ring settings (algorithm, sizes, transport),
+    as an authenticated neighbour says or the check at ``connect()`` found. No later world
+    fixes that, so ``elastic.run`` ends the worker with it. ``kind`` is
+    ``ErrorKind.SettingsMismatch``; ``setting`` names the setting when it is known ("")."""
+
+    def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1,
+                 setting: str = ""):
+        super().__init__(message)
+        _locate(self, ErrorKind.SettingsMismatch, op, world_version, rank, peer)
+        self.setting = setting
+
+
+class CollectiveMismatchError(ElasticError):
+    """Ranks called different collectives (or with different sizes): a bug in the program."""
+
+    def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1, peer: int = -1):
+        super().__init__(message)
+        _locate(self, ErrorKind.Mismatch, op, world_version, rank, peer)
+
+
+class StaleMeshError(ElasticError, RuntimeError):
+    """A DeviceMesh (or an FSDP module or DTensor made on it) of a world that is over was used:
+    its collectives would gather and reduce the wrong shards in the new world. Make the mesh
+    and what is sharded on it again in each world with ``elastic.device_mesh()``.
+    ``world_version`` is the mesh's world, ``current_world_version`` the world now."""
+
+    def __init__(self, message: str, *, world_version: int = -1, current_world_version: int = -1):
+        super().__init__(message)
+        self.world_version, self.current_world_version = world_version, current_world_version
+
+
+class ElasticTimeout(ElasticError):
+    """A wait ran out: the job stayed below its minimum size for longer than its elastic timeout
+    (the rendezvous ended it as failed), or no world included this worker within
+    ``ELASTIC_WORLD_TIMEOUT``."""
+
+
+def from_native(failure: RingFailure) -> Exception:
+    """The exception a caller sees for the core's ``RingFailure``, chosen by its kind alone."""
+    kind, message, op, world_version, rank, peer = failure.args
+    where = dict(world_version=world_version, rank=rank, peer=peer)
+    if kind in (ErrorKind.Unreachable, ErrorKind.BadPeer):
+        return BadPeerError(message, op=op, kind=kind, **where)
+    if kind in (ErrorKind.PeerLost, ErrorKind.Timeout, ErrorKind.Aborted, ErrorKind.Propagated):
+        return WorkerLostError(message, op=op, kind=kind, **where)
+    if kind == ErrorKind.Refused:
+        return HandshakeError(message, op=op, **where)
+    if kind == ErrorKind.SettingsMismatch:
+        return SettingsMismatchError(message, op=op, **where)
+    if kind == ErrorKind.Mismatch:
+        return CollectiveMismatchError(message, op=op, **where)
+    if kind == ErrorKind.Invalid:
+        return ValueError(message)
+    # A kind this module does not know yet: still an ElasticError, never a crash in the translator.
+    err = ElasticError(message)
+    _locate(err, kind, op, world_version, rank, peer)
+    return err
+
+
+class Preempted(SystemExit):
+    """``elastic.run`` ended because this worker left the job gracefully (SIGTERM, SIGINT or
+    ``elastic.request_leave()``), at a commit boundary every rank agreed on.
+
+    A ``SystemExit`` with code 0: uncaught, the process exits 0 without running the code after
+    the training function's call (its result does not exist: training did not finish here), and
+    ``except Exception`` does not catch it. Catch ``elastic.Preempted`` to run code on the way
+    out; the job goes on without this worker, the others keep their state. ``reason`` says
+    what asked for the leave, ``world_version`` and ``commit_step`` where it happened."""
+
+    def __init__(self, reason: str, *, world_version: int = -1, commit_step: int = -1):
+        super().__init__(0)
+        self.reason, self.world_version, self.commit_step = reason, world_version, commit_step
+
+    def __str__(self) -> str:
+        return (f"left the job gracefully ({self.reason}) at commit {self.commit_step} of world version "
+                f"{self.world_version}")

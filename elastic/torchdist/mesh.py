@@ -1,0 +1,70 @@
+"""``elastic.device_mesh()``: torch's DeviceMesh over the current world, made anew for each world.
+
+FSDP2 and DTensor fix a world into what they build: a module's shards are cut for the mesh's
+size, each rank's piece chosen by its rank. A mesh must therefore not outlive its world; one
+that ran on in the next world would gather shards in the wrong order or cut tensors for the
+wrong size. So a mesh holds its world's view of the elastic group
+(``ElasticProcessGroup.world_view()``): the world's rank and size, fixed, and a name of its own
+(``elastic/world<version>``) under which torch.distributed resolves it; once that world is
+over, every collective on it raises ``elastic.StaleMeshError`` naming ``elastic.device_mesh()``.
+That holds however the mesh was made: here, with ``DeviceMesh.from_group(elastic.process_group(),
+"cpu")``, or with ``init_device_mesh("cpu", (n,))`` on the elastic default group (both take the
+process group's ``group_name``, which is its current world view's, and DeviceMesh resolves its
+groups by name).
+
+DeviceMesh compares by its ranks, so two worlds of one size have equal meshes, and DTensor's
+sharding caches (keyed on the mesh) would hand a model rebuilt in the new world the old mesh:
+the caches are cleared when a world's view is made, and the meshes made here carry their
+world's identity besides (see below), so that torch tells them apart everywhere (DTensor ops
+mixing two worlds fail, torch.compile guards recompile).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence, Tuple
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from elastic.torchdist.group import ElasticProcessGroup, process_group
+
+_lock = threading.Lock()
+_made: Optional[Tuple[ElasticProcessGroup, DeviceMesh]] = None   # the last world's view and its mesh
+
+
+def device_mesh(mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """A 1-D ``torch.distributed.device_mesh.DeviceMesh`` on the CPU over the current world:
+    what ``fully_shard(module, mesh=...)``, ``distribute_tensor`` and the DTensor and
+    ``torch.distributed.checkpoint.state_dict`` APIs take.
+
+    One mesh per world (the same object for every call in that world): the world's rank and
+    size are fixed into it. Make it, and everything sharded on it, inside the training
+    function, for each world; used in a later world, its collectives raise
+    ``elastic.StaleMeshError``. ``mesh_dim_names`` names the one dimension (e.g. ``("dp",)``).
+    Needs a current world: call it inside ``elastic.run``.
+    """
+    global _made
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    if names is not None and len(names) != 1:
+        raise ValueError(f"elastic.device_mesh: the elastic world has one dimension; got mesh_dim_names={names}")
+    view = process_group().world_view()
+    with _lock:
+        if _made is not None and _made[0] is view and _made[1].mesh_dim_names == names:
+            return _made[1]
+        # The rank is the view's, not read from torch's default group, so the mesh is right
+        # whether or not the elastic group is the default group.
+        mesh = DeviceMesh("cpu", list(range(view.size())), mesh_dim_names=names, _init_backend=False,
+                          _rank=view.rank())
+        mesh._dim_group_names = [view.group_name]
+        mesh._pg_registry[view.group_name] = view
+        # DeviceMesh compares and hashes (and torch.compile guards it) by ranks, layout, names
+        # and _thread_id, so meshes of two worlds of one size would be equal, and DTensor's
+        # sharding caches, keyed on the mesh, would hand this world's tensors the old mesh.
+        # _thread_id is the field that tells apart meshes of the same ranks (torch sets it for
+        # its threaded test backend); here it is the world's name.
+        mesh._thread_id = view.group_name
+        _made = (view, mesh)
+    return mesh
+
+
+__all__ = ["device_mesh"]

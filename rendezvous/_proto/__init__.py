@@ -1,1 +1,0 @@
-"""Generated gRPC stubs for protos/rendezvous.proto (do not edit; regenerate with `python -m rendezvous._codegen`)."""

@@ -1,0 +1,70 @@
+"""What a worker learns on its Watch stream, as typed values: the worlds it is a member of, and the
+notices around them (`RendezvousClient.next_event` returns them; elastic/runtime/reaction.py decides what
+each means for the ring held).
+
+After `Abort(V)` a member of V failed, so abort what is in flight and form the ring of the next
+`WorldInfo`; after `Pending(V)` a clean join/leave is coming, so keep training in V and move to the
+next `WorldInfo` at a commit boundary every member agrees on. A `Standby` worker waits for a world
+that includes it. `Finished` says how the job ended; `Ended` means the server no longer knows this
+session (it was evicted, e.g. after being stopped longer than the heartbeat timeout): join again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+from rendezvous.wire.membership import Member
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldInfo:
+    """A world this worker is a member of."""
+
+    version: int
+    members: tuple[Member, ...]
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A clean join/leave is coming: switch to the next world at a commit boundary."""
+
+    world_version: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """A member of `world_version` failed: abort what is in flight and wait for the next world."""
+
+    world_version: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Standby:
+    world_version: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    succeeded: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """This session is over (evicted, replaced, or no server reachable): join again or give up.
+    `finished` is True/False when it ended because the job succeeded/failed (join no more)."""
+
+    reason: str
+    finished: Optional[bool] = None
+
+
+Event = Union[WorldInfo, Pending, Abort, Standby, Finished, Ended]

@@ -1,0 +1,150 @@
+"""Leader election among rendezvous replicas through the store: one leased key, held by the leader.
+
+The leader writes every job state fenced by this key (`Fence(key, identity)`), so a replica that lost its
+lease (paused, partitioned) can never overwrite what the new leader wrote. Only the leader's lease is
+kept alive against etcd — not one lease per worker — so the store's load does not grow with the job.
+
+Stepping down is driven by a clock, not by the refresh call: a refresh that hangs (etcd connection
+stalled, etcd overloaded) must not keep this replica serving while etcd expires its lease and another
+replica takes over. Each refresh has a deadline below ttl/3, and leadership is valid only until the
+send time of the last acknowledged refresh plus 0.6 x ttl — well before etcd (which measures the TTL
+from when it received that refresh) can expire the lease. `valid()` says so at any instant, and a
+watchdog calls `on_lost` when that time passes even if the refresh is still stuck.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Optional
+
+from rendezvous.server.store import Fence, Store, StoreError
+
+log = logging.getLogger("rendezvous.server.leader")
+
+
+class Leadership:
+    """This replica's claim on the leader key. `on_lost(why)` is called when it is lost other than
+    by `resign()`/`drop()`. The monotonic `clock` and `sleep` are passed in so the step-down is
+    tested in virtual time (tests/rendezvous/test_leader.py)."""
+
+    def __init__(self, store: Store, key: str, identity: str, ttl_s: int,
+                 on_lost: Callable[[str], None], *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        self.store = store
+        self.key = key
+        self.identity = identity.encode()
+        self.ttl_s = ttl_s
+        self._on_lost = on_lost
+        self._clock = clock
+        self._sleep = sleep
+        self._lease: Optional[int] = None
+        self._keepalive: Optional[asyncio.Task] = None
+        self._watchdog: Optional[asyncio.Task] = None
+        self._valid_until = 0.0          # monotonic: leadership may be acted on until then
+
+    @property
+    def step_down_after_s(self) -> float:
+        return self.ttl_s * 0.6
+
+    def valid(self) -> bool:
+        """Held, and the last acknowledged refresh is recent enough that etcd still counts it."""
+        return self._lease is not None and self._clock() < self._valid_until
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.key, self.identity)
+
+    async def current_leader(self) -> Optional[str]:
+        got = await self.store.get(self.key)
+        return got.value.decode(errors="replace") if got else None
+
+    async def campaign(self) -> None:
+        """Return once this replica holds the leader key (retries store errors with backoff)."""
+        backoff = 0.1
+        while True:
+            try:
+                sent = self._clock()
+                lease = await self.store.grant_lease(self.ttl_s)
+                if await self.store.put(self.key, self.identity, expected_revision=0, lease=lease):
+                    self._lease = lease
+                    self._valid_until = sent + self.step_down_after_s
+                    loop = asyncio.get_running_loop()
+                    self._keepalive = loop.create_task(self._keep_alive(lease))
+                    self._watchdog = loop.create_task(self._watch_validity(lease))
+                    return
+                await self.store.revoke_lease(lease)
+                watch = await self.store.watch(self.key)
+                try:
+                    if await self.store.get(self.key) is not None:  # still held: wait for it to go
+                        try:
+                            while await watch.next(timeout=self.ttl_s) is not None:
+                                pass
+                        except asyncio.TimeoutError:
+                            pass  # re-check: a missed event must not stall the campaign
+                finally:
+                    watch.close()
+                backoff = 0.1
+            except StoreError as e:
+                log.warning("leader campaign: %s; retrying in %.1f s", e, backoff)
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def _keep_alive(self, lease: int) -> None:
+        period = self.ttl_s / 3
+        pause = period
+        while self._lease == lease:
+            await self._sleep(pause)
+            sent = self._clock()
+            try:
+                # Deadline below ttl/3: a hung call must not delay the next attempt.
+                alive = await asyncio.wait_for(self.store.refresh_lease(lease), period * 0.9)
+            except (StoreError, asyncio.TimeoutError) as e:
+                log.warning("leader lease refresh failed: %s", e or "no answer within "
+                            f"{period * 0.9:.2f} s")
+                # A refused call moved the store to another etcd member: try it soon, as waiting
+                # a whole period could outlast the step-down time. After a timeout (a hung call
+                # may still hold a thread) keep the period. The watchdog steps down if this goes on.
+                pause = period if isinstance(e, asyncio.TimeoutError) else min(0.05, period)
+                continue
+            pause = period
+            if self._lease != lease:
+                return
+            if not alive:
+                self._lose(lease, "leader lease expired")
+                return
+            self._valid_until = max(self._valid_until, sent + self.step_down_after_s)
+
+    async def _watch_validity(self, lease: int) -> None:
+        while self._lease == lease:
+            left = self._valid_until - self._clock()
+            if left <= 0:
+                self._lose(lease, f"no lease refresh acknowledged for {self.step_down_after_s:.1f} s "
+                                  f"(etcd unreachable or stalled)")
+                return
+            await self._sleep(left + 0.005)
+
+    def _lose(self, lease: int, reason: str) -> None:
+        if self._lease != lease:
+            return
+        self.drop()
+        self._on_lost(reason)
+
+    async def resign(self) -> None:
+        """Give the key up now (graceful shutdown) so another replica takes over without waiting."""
+        lease = self._lease
+        self.drop()
+        if lease is not None:
+            try:
+                await self.store.revoke_lease(lease)
+            except StoreError as e:
+                log.warning("resign: %s (the lease will expire by itself)", e)
+
+    def drop(self) -> None:
+        """Forget leadership locally (after a fenced write was refused, or on stepping down)."""
+        self._lease = None
+        self._valid_until = 0.0
+        current = asyncio.current_task()
+        for task in (self._keepalive, self._watchdog):
+            if task is not None and task is not current:
+                task.cancel()

@@ -1,0 +1,147 @@
+"""What the service alone puts on the wire: the status of a refused RPC, the Watch events of the
+decision's actions, the snapshot a (re)opened Watch begins with, and a job as Status shows it.
+
+The shared forms (specs, members, the trailing metadata keys) are wire.py's; this module is the
+server's, so a worker never loads it (nor the decision it reads).
+"""
+from __future__ import annotations
+
+from typing import Container, Iterator, Mapping, Optional, Union
+
+import grpc
+
+from rendezvous.server import decision as d
+from rendezvous.wire.membership import StragglerReport
+from rendezvous.wire.messages import member_pb, pb, refusal_metadata, spec_pb, straggler_pb
+
+# What the decision's refusal kinds are on the wire. The server picks the code from the kind,
+# never from a reason's text.
+REFUSAL_CODES = {
+    d.Refusal.FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
+    d.Refusal.BLACKLISTED: grpc.StatusCode.FAILED_PRECONDITION,
+    d.Refusal.WORKER_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    d.Refusal.NOT_MEMBER: grpc.StatusCode.PERMISSION_DENIED,
+}
+NO_WORLD_YET = "no world formed yet"   # d.standby_reason's before the job's first world
+
+
+class RpcRefusal(Exception):
+    """Raised inside handlers: the RPC fails with `code` and `message`. `leader` (a follower's hint)
+    and `finished` (True/False: refused because the job succeeded/failed) go in trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, leader: str = "",
+                 finished: Optional[bool] = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.leader = leader
+        self.finished = finished
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return refusal_metadata(self.leader, self.finished)
+
+
+def outcome(phase: d.Phase) -> Optional[bool]:
+    """True/False for a job that succeeded/failed; None while it runs."""
+    return {d.Phase.SUCCEEDED: True, d.Phase.FAILED: False}.get(phase)
+
+
+def refusal(rejected: d.Rejected, message: str, phase: d.Phase) -> RpcRefusal:
+    """The status of a join or success report the decision refused, in a job now in `phase`."""
+    finished = outcome(phase) if rejected.kind is d.Refusal.FINISHED else None
+    return RpcRefusal(REFUSAL_CODES[rejected.kind], message, finished=finished)
+
+
+def job_status(state: d.JobState, attached: Container[str], now: float,
+               stragglers: Mapping[str, StragglerReport] = {}) -> pb.JobStatus:   # noqa: B006 (read only)
+    """One job as Status shows it: its world's members in rank order, with their straggler
+    reports (`stragglers`, by worker id), then the standby workers."""
+    js = pb.JobStatus(job_id=state.job_id, world_version=state.version, phase=state.phase.value,
+                      reason=state.reason, spec=spec_pb(state.spec),
+                      blacklisted_hosts=state.blacklisted_hosts(now))
+    for m in state.world:
+        if m.worker_id in state.workers:
+            js.members.add(member=member_pb(m), in_world=True, attached=m.worker_id in attached,
+                           age_s=now - state.workers[m.worker_id].joined_at,
+                           straggler=straggler_pb(stragglers.get(m.worker_id)))
+    for wid in state.standby():
+        w = state.workers[wid]
+        js.members.add(member=pb.Member(worker_id=wid, host=w.host, ring_address=w.ring_address,
+                                        committed_step=w.committed_step),
+                       in_world=False, attached=wid in attached, age_s=now - w.joined_at)
+    return js
+
+
+def job_event_pb(e) -> pb.JobEvent:
+    """A history.RecentEvent as Status carries it."""
+    return pb.JobEvent(time=e.time, event=e.event, world_version=e.world_version,
+                       worker_id=e.worker_id, detail=e.detail, numbers=e.numbers)
+
+
+# --------------------------------------------------------------------------------- events
+def world_event(version: int, members: tuple[d.Member, ...], member: d.Member) -> pb.WatchEvent:
+    """The world `members` as `member` receives it (its own rank fields filled in)."""
+    return pb.WatchEvent(world=pb.World(
+        version=version, size=len(members), members=[member_pb(m) for m in members],
+        rank=member.rank, local_rank=member.local_rank, local_size=member.local_size,
+        cross_rank=member.cross_rank, cross_size=member.cross_size))
+
+
+_WORLD_FIELD = bytes([(pb.WatchEvent.WORLD_FIELD_NUMBER << 3) | 2])  # tag: field 1, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def spliced_worlds(action: d.AnnounceWorld, recipients: Container[str]) -> Iterator[tuple[str, bytes]]:
+    """(worker_id, serialized WatchEvent) of the world for each member in `recipients`: the bytes
+    `world_event` would give, built by serializing the member list once and appending each
+    recipient's own rank fields (protobuf merges concatenated messages). At 1,024 workers this
+    turns 1,024 serializations of a ~100 KB message into memory copies."""
+    base = pb.World(version=action.version, size=len(action.members),
+                    members=[member_pb(m) for m in action.members]).SerializeToString()
+    for m in action.members:
+        if m.worker_id in recipients:
+            inner = base + pb.World(rank=m.rank, local_rank=m.local_rank, local_size=m.local_size,
+                                    cross_rank=m.cross_rank,
+                                    cross_size=m.cross_size).SerializeToString()
+            yield m.worker_id, _WORLD_FIELD + _varint(len(inner)) + inner
+
+
+def standby_event(version: int, reason: str) -> pb.WatchEvent:
+    return pb.WatchEvent(standby=pb.Standby(world_version=version, reason=reason))
+
+
+def notice_event(action: Union[d.AnnouncePending, d.AnnounceAbort]) -> pb.WatchEvent:
+    """What the members of the world before the change are told: pending change, or abort."""
+    if isinstance(action, d.AnnouncePending):
+        return pb.WatchEvent(pending=pb.MembershipPending(world_version=action.version,
+                                                          reason=action.reason))
+    return pb.WatchEvent(abort=pb.AbortVersion(world_version=action.version, reason=action.reason))
+
+
+def finished_event(succeeded: bool, reason: str) -> pb.WatchEvent:
+    return pb.WatchEvent(finished=pb.JobOutcome(succeeded=succeeded, reason=reason))
+
+
+def snapshot(state: d.JobState, worker_id: str, now: float) -> list[pb.WatchEvent]:
+    """What a worker opening (or reopening) its Watch is sent first, from the stored `state`: how the
+    job ended; or its world, followed by the abort if that world was aborted; or a Standby notice."""
+    if state.phase in d.TERMINAL:
+        return [finished_event(state.phase is d.Phase.SUCCEEDED, state.reason)]
+    member = state.member(worker_id)
+    if member is None:
+        return [standby_event(state.version, d.standby_reason(state, worker_id, now))]
+    events = [world_event(state.version, state.world, member)]
+    if state.aborted_version == state.version:
+        events.append(pb.WatchEvent(abort=pb.AbortVersion(
+            world_version=state.version, reason="a member of this world failed")))
+    return events

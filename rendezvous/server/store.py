@@ -1,0 +1,463 @@
+"""Where the rendezvous keeps its state: one small async `Store` interface, backed by etcd v3 or memory.
+
+The server needs only: versioned get, compare-and-swap put (optionally fenced by a leadership key), a
+prefix listing, leases (to elect a leader among replicas) and a watch on one key (to notice a leader's
+key vanish without polling). `MemoryStore` implements the same semantics in-process for the embedded
+single-server default; tests/rendezvous/test_store.py runs one suite against both so they cannot drift.
+
+Revisions are store-wide and strictly increasing; revision 0 means "the key does not exist", so
+`put(key, value, expected_revision=0)` creates only if absent.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import threading
+import time
+from typing import Optional, Sequence
+
+import grpc
+
+
+class StoreError(RuntimeError):
+    """The store could not be reached or answered with an error; the message names the operation."""
+
+
+class EtcdAccessError(StoreError):
+    """etcd refused this server's credentials (wrong user or password, no permission on the key
+    prefix, auth not enabled there): trying again does not help, the configuration must change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdAccess:
+    """How the server reaches etcd: over TLS when `ca` is given (trusting it; presenting `cert`
+    and `key` to an etcd started with --client-cert-auth), as etcd user `user` when given."""
+
+    ca: Optional[str] = None
+    cert: Optional[str] = None
+    key: Optional[str] = None
+    user: Optional[str] = None
+    password: Optional[str] = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+    value: bytes
+    revision: int       # the key's modification revision
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """Require `key` to hold `value` for a write to apply (a leader fences its writes with its key)."""
+
+    key: str
+    value: bytes
+
+
+class Store(abc.ABC):
+    @abc.abstractmethod
+    async def get(self, key: str) -> Optional[Versioned]: ...
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, *, expected_revision: Optional[int] = None,
+                  fence: Optional[Fence] = None, lease: Optional[int] = None) -> Optional[int]:
+        """Write; return the new revision, or None if `expected_revision`/`fence` did not hold."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str, *, expected_revision: Optional[int] = None,
+                     fence: Optional[Fence] = None) -> bool:
+        """Delete; False if the key was absent or `expected_revision`/`fence` did not hold."""
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> dict[str, Versioned]: ...
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl_s: int) -> int: ...
+
+    @abc.abstractmethod
+    async def refresh_lease(self, lease_id: int) -> bool:
+        """Keep a lease alive; False if it already expired (keys attached to it are gone)."""
+
+    @abc.abstractmethod
+    async def revoke_lease(self, lease_id: int) -> None: ...
+
+    @abc.abstractmethod
+    async def watch(self, key: str) -> "Watch":
+        """Changes of one key from now on: each `await watch.next(timeout)` yields the new value,
+        None on deletion; raises asyncio.TimeoutError past the timeout. Close it when done."""
+
+    async def close(self) -> None:
+        return None
+
+
+class Watch(abc.ABC):
+    @abc.abstractmethod
+    async def next(self, timeout: float) -> Optional[bytes]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class _QueueWatch(Watch):
+    def __init__(self, on_close):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._on_close = on_close
+
+    async def next(self, timeout: float) -> Optional[bytes]:
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._on_close()
+
+
+# ------------------------------------------------------------------------------------------ memory
+class MemoryStore(Store):
+    """In-process store with etcd's semantics (revisions, CAS, fences, leases, watches)."""
+
+    def __init__(self):
+        self._data: dict[str, Versioned] = {}
+        self._rev = 0
+        self._leases: dict[int, tuple[float, int, set[str]]] = {}  # id -> (expiry, ttl, keys)
+        self._next_lease = 1
+        self._watches: dict[str, list[_QueueWatch]] = {}
+        self._expirer: Optional[asyncio.Task] = None
+
+    def _notify(self, key: str, value: Optional[bytes]) -> None:
+        for w in self._watches.get(key, []):
+            w.queue.put_nowait(value)
+
+    def _delete_now(self, key: str) -> None:
+        if self._data.pop(key, None) is not None:
+            self._rev += 1
+            self._notify(key, None)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for lid, (expiry, _, keys) in list(self._leases.items()):
+            if expiry <= now:
+                del self._leases[lid]
+                for k in keys:
+                    self._delete_now(k)
+
+    async def _expire_loop(self) -> None:
+        while self._leases:
+            nearest = min(e for e, _, _ in self._leases.values())
+            await asyncio.sleep(max(0.0, nearest - time.monotonic()) + 0.01)
+            self._expire()
+        self._expirer = None
+
+    def _fenced_out(self, fence: Optional[Fence]) -> bool:
+        if fence is None:
+            return False
+        cur = self._data.get(fence.key)
+        return cur is None or cur.value != fence.value
+
+    async def get(self, key):
+        self._expire()
+        return self._data.get(key)
+
+    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+        self._expire()
+        cur = self._data.get(key)
+        if expected_revision is not None and (cur.revision if cur else 0) != expected_revision:
+            return None
+        if self._fenced_out(fence):
+            return None
+        if lease is not None:
+            if lease not in self._leases:
+                raise StoreError(f"put {key}: lease {lease:x} not found (expired?)")
+            self._leases[lease][2].add(key)
+        self._rev += 1
+        self._data[key] = Versioned(bytes(value), self._rev)
+        self._notify(key, bytes(value))
+        return self._rev
+
+    async def delete(self, key, *, expected_revision=None, fence=None):
+        self._expire()
+        if self._fenced_out(fence) or key not in self._data:
+            return False
+        if expected_revision is not None and self._data[key].revision != expected_revision:
+            return False
+        self._delete_now(key)
+        return True
+
+    async def get_prefix(self, prefix):
+        self._expire()
+        return {k: v for k, v in self._data.items() if k.startswith(prefix)}
+
+    async def grant_lease(self, ttl_s):
+        lid = self._next_lease
+        self._next_lease += 1
+        self._leases[lid] = (time.monotonic() + ttl_s, ttl_s, set())
+        if self._expirer is None:
+            self._expirer = asyncio.get_running_loop().create_task(self._expire_loop())
+        return lid
+
+    async def refresh_lease(self, lease_id):
+        self._expire()
+        if lease_id not in self._leases:
+            return False
+        _, ttl, keys = self._leases[lease_id]
+        self._leases[lease_id] = (time.monotonic() + ttl, ttl, keys)
+        return True
+
+    async def revoke_lease(self, lease_id):
+        entry = self._leases.pop(lease_id, None)
+        for k in (entry[2] if entry else ()):
+            self._delete_now(k)
+
+    async def watch(self, key):
+        def on_close():
+            if w in self._watches.get(key, []):
+                self._watches[key].remove(w)
+        w = _QueueWatch(on_close)
+        self._watches.setdefault(key, []).append(w)
+        return w
+
+    async def close(self):
+        if self._expirer is not None:
+            self._expirer.cancel()
+
+
+# -------------------------------------------------------------------------------------------- etcd
+class EtcdStore(Store):
+    """etcd v3 through the `etcd3` module (blocking gRPC calls, run in worker threads).
+
+    With `access.user`, each member's client authenticates (a round trip) when it is first used,
+    so a member that is down at start costs nothing until its turn; etcd's token expires after
+    its --auth-token-ttl unused, and dies with a restarted member, so a call refused with
+    UNAUTHENTICATED authenticates again once and is repeated (etcd refused it before applying it,
+    so a write is safe to repeat too)."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 5.0,
+                 access: EtcdAccess = EtcdAccess()):
+        import etcd3  # imported here so the in-memory default does not need it
+        import etcd3.transactions
+
+        from rendezvous.common.channel import channel_credentials
+
+        self._etcd3 = etcd3
+        self._tx = etcd3.transactions
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one HOST:PORT endpoint")
+        eps = []
+        for ep in endpoints:
+            host, sep, port = ep.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint {ep!r} is not HOST:PORT")
+            eps.append((host, int(port)))
+        self.endpoints = list(endpoints)
+        self._creds = channel_credentials(access.ca, access.cert, access.key,
+                                          names=("--etcd-ca", "--etcd-cert", "--etcd-key"))
+        if access.user and self._creds is None:
+            raise ValueError("etcd user/password auth needs TLS (--etcd-ca): the etcd3 client "
+                             "sends its token only over TLS")
+        self._user, self._password = access.user, access.password
+        self._timeout_s = timeout_s
+        self._members = eps
+        # One client per member, failover done here: etcd3's multi-endpoint client shuns a
+        # failed member for 5 minutes, so with members lost one after another the store went
+        # dead long after the cluster healed. Made on first use (see _client).
+        self._clients: list = [None] * len(eps)
+        self._member_locks = [threading.Lock() for _ in eps]
+        self._current = 0
+        self._switch_lock = threading.Lock()
+
+    def _client(self, i: int):
+        """Member i's client, made (and with a user, authenticated) on first use. Raises
+        _NotReached when the member cannot be reached, EtcdAccessError when it refuses us."""
+        with self._member_locks[i]:
+            client = self._clients[i]
+            if client is not None:
+                return client
+            host, port = self._members[i]
+            # time_retry=0: a member that failed is tried again as soon as its turn comes.
+            endpoint = self._etcd3.Endpoint(host, port, secure=self._creds is not None,
+                                            creds=self._creds, time_retry=0)
+            try:
+                client = self._etcd3.MultiEndpointEtcd3Client(
+                    endpoints=[endpoint], timeout=self._timeout_s, user=self._user,
+                    password=self._password)
+            except grpc.RpcError as e:   # only the Authenticate call makes a round trip
+                endpoint.close()
+                where = f"etcd member {host}:{port}"
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _NotReached(f"{where}: {e.code().name}: {e.details()}") from None
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise EtcdAccessError(f"{where} has authentication disabled ({e.details()}): "
+                                          "enable it there or drop --etcd-user") from None
+                raise EtcdAccessError(f"{where} refused etcd user {self._user!r}: "
+                                      f"{e.code().name}: {e.details()}") from None
+            self._clients[i] = client
+            return client
+
+    def _drop(self, i: int, client) -> None:
+        """Forget member i's client (its auth token is no good); the next call makes a new one."""
+        with self._member_locks[i]:
+            if self._clients[i] is client:
+                self._clients[i] = None
+        client.close()
+
+    def _move_on(self, i: int) -> None:
+        """Member i failed: the next call goes to the next member (unless another thread moved on)."""
+        with self._switch_lock:
+            if self._current == i:
+                self._current = (i + 1) % len(self._clients)
+
+    async def _call(self, what: str, fn, *, retry: bool = True):
+        """Runs `fn(client)` in a worker thread. When a member answers UNAVAILABLE (it is down,
+        or etcd is between leaders) the next call goes to the next member; a read or an
+        idempotent call (`retry`) is also tried again there, each member once. A write is not:
+        UNAVAILABLE does not prove it was not applied, so it raises (StoreError: outcome
+        unknown) for the caller to settle, as after a timeout. A member that could not even be
+        reached to authenticate was sent nothing: the next one is tried for writes too."""
+        errors = self._etcd3.exceptions
+
+        def attempt():
+            for tried in range(1, len(self._clients) + 1):
+                i = self._current
+                try:
+                    client = self._client(i)
+                except _NotReached:
+                    self._move_on(i)
+                    if tried == len(self._clients):
+                        raise
+                    continue
+                try:
+                    try:
+                        return fn(client)
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.UNAUTHENTICATED or self._user is None:
+                            raise
+                        self._drop(i, client)   # token expired or unknown: authenticate again
+                        return fn(self._client(i))
+                except errors.ConnectionFailedError:
+                    self._move_on(i)
+                    if not retry or tried == len(self._clients):
+                        raise
+                except errors.ConnectionTimeoutError:
+                    self._move_on(i)
+                    raise
+                except grpc.RpcError as e:
+                    if e.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                                    grpc.StatusCode.UNAUTHENTICATED):
+                        who = f"etcd user {self._user!r}" if self._user else "this client"
+                        raise EtcdAccessError(
+                            f"etcd {what}: {who} is refused by {self.endpoints[i]} "
+                            f"({e.code().name}: {e.details()}); it needs readwrite on the key "
+                            "prefix") from None
+                    raise
+
+        try:
+            return await asyncio.to_thread(attempt)
+        except _NotReached as e:
+            raise StoreError(f"etcd {what} failed: no member of {','.join(self.endpoints)} "
+                             f"reached; last: {e}") from e
+        except StoreError:
+            raise
+        except Exception as e:  # etcd3 raises its own ConnectionFailedError, grpc errors, …
+            raise StoreError(f"etcd {what} failed against {','.join(self.endpoints)}: "
+                             f"{_describe(e)}") from e
+
+    async def verify(self, key: str) -> None:
+        """Read `key` with this store's credentials, for a clear error at start: EtcdAccessError
+        if etcd refuses them, StoreError if no member answers (TLS failures name their cause)."""
+        await self.get(key)
+
+    def _fence_compare(self, fence: Optional[Fence]):
+        return [self._tx.Value(fence.key) == fence.value] if fence else []
+
+    async def get(self, key):
+        value, meta = await self._call(f"get {key}", lambda c: c.get(key))
+        return None if value is None else Versioned(value, meta.mod_revision)
+
+    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+        compare = self._fence_compare(fence)
+        if expected_revision is not None:
+            compare.append(self._tx.Mod(key) == expected_revision)
+        ok, responses = await self._call(
+            f"put {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Put(key, value, lease=lease)],
+                                                  failure=[]), retry=False)
+        if not ok:
+            return None
+        return responses[0].response_put.header.revision
+
+    async def delete(self, key, *, expected_revision=None, fence=None):
+        compare = self._fence_compare(fence)
+        if expected_revision is not None:
+            compare.append(self._tx.Mod(key) == expected_revision)
+        ok, responses = await self._call(
+            f"delete {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Delete(key)], failure=[]),
+            retry=False)
+        return bool(ok and responses[0].response_delete_range.deleted)
+
+    async def get_prefix(self, prefix):
+        items = await self._call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)))
+        return {meta.key.decode(): Versioned(value, meta.mod_revision) for value, meta in items}
+
+    async def grant_lease(self, ttl_s):
+        lease = await self._call(f"grant lease ttl={ttl_s}", lambda c: c.lease(ttl_s))
+        return lease.id
+
+    async def refresh_lease(self, lease_id):
+        responses = await self._call(f"refresh lease {lease_id:x}",
+                                     lambda c: list(c.refresh_lease(lease_id)))
+        return bool(responses) and responses[0].TTL > 0
+
+    async def revoke_lease(self, lease_id):
+        await self._call(f"revoke lease {lease_id:x}", lambda c: c.revoke_lease(lease_id))
+
+    async def watch(self, key):
+        loop = asyncio.get_running_loop()
+        state = {"id": None, "closed": False, "client": None}
+
+        def callback(response):  # runs on etcd3's watcher thread
+            if isinstance(response, Exception):
+                items = [StoreError(f"etcd watch {key} broke: {response}")]
+            else:
+                items = [None if isinstance(ev, self._etcd3.events.DeleteEvent) else ev.value
+                         for ev in response.events]
+            for item in items:
+                loop.call_soon_threadsafe(w.queue.put_nowait, item)
+
+        def on_close():
+            if not state["closed"] and state["id"] is not None:
+                state["closed"] = True
+                try:
+                    state["client"].cancel_watch(state["id"])
+                except Exception:  # the watch dies with the connection anyway
+                    pass
+
+        w = _QueueWatch(on_close)
+        def add(client):
+            state["client"] = client  # cancelled on the member that holds it
+            return client.add_watch_callback(key, callback)
+
+        state["id"] = await self._call(f"watch {key}", add)
+        return w
+
+    async def close(self):
+        def close_all():
+            for c in self._clients:
+                if c is not None:
+                    c.close()
+
+        await asyncio.to_thread(close_all)
+
+
+class _NotReached(StoreError):
+    """An etcd member could not be reached to authenticate (nothing was sent to it)."""
+
+
+def _describe(e: BaseException) -> str:
+    """An etcd3 error with the gRPC detail it hides ("etcd connection failed" says nothing of a TLS
+    handshake that failed on an unknown CA, say)."""
+    text = f"{type(e).__name__}: {e}"
+    cause = e.__context__
+    if isinstance(cause, grpc.RpcError) and not isinstance(e, grpc.RpcError):
+        text += f" ({cause.code().name}: {cause.details()})"
+    return text
