@@ -52,14 +52,17 @@ def _issue(subject: str, key, ca_name: x509.Name, ca_key, *, usage, sans=()) -> 
          .not_valid_before(now - datetime.timedelta(minutes=5))
          .not_valid_after(now + datetime.timedelta(days=1))
          .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+         .add_extension(x509.ExtendedKeyUsage(list(usage) if isinstance(usage, (list, tuple)) else [usage]),
+                        critical=False))
     if sans:
         b = b.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
     return b.sign(ca_key, hashes.SHA256())
 
 
-def make_pki(directory: str, *, client_cn: str = "elastic-client") -> Pki:
-    """A new CA in `directory` with a server certificate (localhost, 127.0.0.1) and a client one."""
+def make_pki(directory: str, *, client_cn: str = "elastic-client", server_also_client: bool = False) -> Pki:
+    """A new CA in `directory` with a server certificate (localhost, 127.0.0.1) and a client one.
+    ``server_also_client``: the server certificate may act as a client too (as etcd's own readiness
+    probe, or a certificate issued for both)."""
     os.makedirs(directory, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -75,7 +78,9 @@ def make_pki(directory: str, *, client_cn: str = "elastic-client") -> Pki:
                                        encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
     server_key = ec.generate_private_key(ec.SECP256R1())
-    server = _issue("localhost", server_key, ca_name, ca_key, usage=ExtendedKeyUsageOID.SERVER_AUTH,
+    server_usage = ([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server_also_client
+                    else ExtendedKeyUsageOID.SERVER_AUTH)
+    server = _issue("localhost", server_key, ca_name, ca_key, usage=server_usage,
                     sans=(x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))))
     client_key = ec.generate_private_key(ec.SECP256R1())
     client = _issue(client_cn, client_key, ca_name, ca_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH)

@@ -17,6 +17,12 @@ A forked worker differs from a new process in what a fork keeps: numpy's global 
 reseeded in each (as a new process would seed it), the string hash seed is the server's for all,
 and /proc/PID/environ shows the server's environment (os.environ is the worker's own).
 
+The preloaded modules are imported from where the worker command itself would import them: the
+server's sys.path[0] is the directory `python SCRIPT` puts there (the script's own, symlinks
+resolved), or the working directory for `python -m MODULE` (`main_path`). Never the launcher's
+working directory for a script elsewhere: whoever else can write there (a shared project
+directory) would otherwise have a planted `numpy.py` run as this user.
+
 The launcher and its server talk over a private socketpair (SOCK_SEQPACKET), one JSON object per
 message, the worker's stdout and stderr pipes passed with the request (SCM_RIGHTS):
   server -> launcher   {"ready": true} or {"error": TEXT}, once, after the imports
@@ -92,6 +98,15 @@ def forkable(command: Sequence[str], executable: str = sys.executable, which=shu
     if rest[0].startswith("-"):
         return None
     return Target("path", rest[0], tuple(rest[1:]), unbuffered)
+
+
+def main_path(target: Target, cwd: str) -> str:
+    """The directory the interpreter puts first on sys.path to run ``target`` in ``cwd``: the
+    script's own, symlinks resolved, for `python SCRIPT`; ``cwd`` itself for `python -m MODULE`
+    (neither under -P or PYTHONSAFEPATH: the caller checks sys.flags.safe_path)."""
+    if target.kind == "module":
+        return cwd
+    return os.path.dirname(os.path.realpath(os.path.join(cwd, target.name)))
 
 
 def check_request(msg: object, fds: Sequence[int]) -> Optional[str]:
@@ -172,8 +187,14 @@ def _alive(pid: int) -> bool:
 class ForkServer:
     """The launcher's handle on its fork server: start it, wait until it preloaded, fork workers."""
 
-    def __init__(self, modules: Sequence[str], env: Mapping[str, str], wrap=lambda cmd: cmd):
+    def __init__(self, modules: Sequence[str], env: Mapping[str, str], *, command: Sequence[str],
+                 wrap=lambda cmd: cmd):
+        """``command``: the worker command the server forks (as ``spawn`` gets it, run in this
+        process's directory); the modules are imported from where it would import them."""
         self.modules = tuple(modules)
+        target = forkable(command)
+        if target is None:
+            raise ForkServerError(f"not a command this interpreter runs: {list(command[:3])}")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for s in (ours, theirs):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_MESSAGE + 4096)
@@ -182,7 +203,8 @@ class ForkServer:
         self._sock = ours
         self.proc = subprocess.Popen(
             # By path, not -m: the server imports nothing of elastic (nor gRPC) before it forks.
-            wrap([sys.executable, os.path.abspath(__file__), str(theirs.fileno()), *self.modules]),
+            wrap([sys.executable, os.path.abspath(__file__), str(theirs.fileno()),
+                  main_path(target, os.getcwd()), *self.modules]),
             env=dict(env), stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
         self._lock = threading.Lock()              # one request in flight
@@ -332,9 +354,13 @@ def _send(sock: socket.socket, msg: dict) -> None:
     sock.send(json.dumps(msg).encode())
 
 
-def serve(fd: int, modules: List[str]) -> int:
+def serve(fd: int, path0: str, modules: List[str]) -> int:
+    """Imports ``modules`` with ``path0`` first on sys.path (where the workers' command imports
+    from), then forks a worker for each request the launcher sends on ``fd``."""
     import importlib
 
+    if not sys.flags.safe_path:   # in place of this file's directory, which `python FILE` put there
+        sys.path[0] = path0
     sock = socket.socket(fileno=fd)
     for name in modules:
         try:
@@ -482,15 +508,13 @@ def _run(target: Target) -> int:
     sys.modules["__main__"] = main
     code = 0
     try:
+        if not sys.flags.safe_path:
+            sys.path[0] = main_path(target, os.getcwd())
         if target.kind == "module":
             sys.argv = ["-m", *target.args]
-            if not sys.flags.safe_path:
-                sys.path[0] = os.getcwd()
             runpy._run_module_as_main(target.name)   # what `python -m` runs, in __main__'s own namespace
         else:
             sys.argv = [target.name, *target.args]
-            if not sys.flags.safe_path:
-                sys.path[0] = os.path.dirname(os.path.realpath(target.name))
             from importlib.machinery import SourceFileLoader
             with open(target.name, "rb") as f:
                 source = f.read()
@@ -558,6 +582,4 @@ def _exit_code(value: object) -> int:
 
 
 if __name__ == "__main__":
-    if not sys.flags.safe_path:
-        sys.path[0] = os.getcwd()   # as `python -m` would: the modules are the worker's, not this directory's
-    sys.exit(serve(int(sys.argv[1]), sys.argv[2:]))
+    sys.exit(serve(int(sys.argv[1]), sys.argv[2], sys.argv[3:]))

@@ -260,7 +260,8 @@ class Launcher:
             self.out.info(f"metrics of this host's workers on http://{_url_host(cfg.metrics_host)}:{self.metrics.port}"
                           "/metrics")
         if cfg.preload:   # it imports while the rendezvous starts
-            self.forkserver = ForkServer(cfg.preload, fork_server_env(os.environ, cfg), wrap=with_parent_death_signal)
+            self.forkserver = ForkServer(cfg.preload, fork_server_env(os.environ, cfg), command=cfg.command,
+                                         wrap=with_parent_death_signal)
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
                                          lambda line: self.out.line("err", None, line.encode()),

@@ -11,105 +11,21 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
-import uuid
-from typing import Dict, List, Tuple
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from elastic.launch.flags import parse as parse_launch
 from elastic.launch.launcher import JobBelowMinNp
-from rendezvous.cli import _parser as rendezvous_parser, config_from_args
-from tests.certs import make_pki
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = os.path.join(REPO, "deploy", "kubernetes")
-CERT_MANAGER = os.path.join(BASE, "cert-manager")
+from .manifests import (BASE, CERT_MANAGER, DOCS, NAMESPACE, WORKLOADS, certificates, container_args,
+                        container_ports, dns_name, kustomization, load, named, of_kind, on_disk, pod_labels,
+                        pod_spec, policy_flows, rendezvous_config, secrets_defined, selects, worker_config,
+                        workloads_selected)
+
 # The oldest Kubernetes whose Job has backoffLimitPerIndex and podFailurePolicy GA (1.33), and
 # the newest schema the pinned kubernetes-validate bundles.
 VERSIONS = ("1.33.0", kubernetes_validate.latest_version())
-WORKLOADS = ("StatefulSet", "Deployment", "Job")
-
-
-def load(path: str) -> List[dict]:
-    with open(path) as f:
-        return [d for d in yaml.safe_load_all(f) if d]
-
-
-def kustomization(directory: str) -> dict:
-    return load(os.path.join(directory, "kustomization.yaml"))[0]
-
-
-def base_docs() -> List[Tuple[str, dict]]:
-    return [(name, d) for name in kustomization(BASE)["resources"] for d in load(os.path.join(BASE, name))]
-
-
-DOCS = base_docs()
-NAMESPACE = kustomization(BASE)["namespace"]
-
-
-def of_kind(kind: str) -> List[dict]:
-    return [d for _, d in DOCS if d["kind"] == kind]
-
-
-def named(kind: str, name: str) -> dict:
-    found = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
-    return found[0]
-
-
-def pod_spec(workload: dict) -> dict:
-    return workload["spec"]["template"]["spec"]
-
-
-def pod_labels(workload: dict) -> Dict[str, str]:
-    return workload["spec"]["template"]["metadata"]["labels"]
-
-
-def selects(selector: dict, labels: Dict[str, str]) -> bool:
-    assert set(selector) <= {"matchLabels"}, f"only matchLabels selectors are checked here: {selector}"
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
-
-
-def workloads_selected(selector: dict) -> List[dict]:
-    return [w for k in WORKLOADS for w in of_kind(k) if selects(selector, pod_labels(w))]
-
-
-def container_ports(workload: dict) -> Dict[str, int]:
-    return {p.get("name", str(p["containerPort"])): p["containerPort"]
-            for c in pod_spec(workload)["containers"] for p in c.get("ports", [])}
-
-
-def expand(value: str, env: Dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion of a container's args from its env."""
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], value)
-
-
-def pod_env(workload: dict, container: dict) -> Dict[str, str]:
-    """The values the downward API would give this pod's env (a pod of the workload, index 0)."""
-    name = workload["metadata"]["name"]
-    pod_name = f"{name}-0" if workload["kind"] == "StatefulSet" else f"{name}-0-x7k2p"
-    by_field = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE, "status.podIP": "10.42.0.17",
-                "metadata.labels['batch.kubernetes.io/controller-uid']": str(uuid.uuid4())}
-    env = {}
-    for e in container.get("env", []):
-        if "value" in e:
-            env[e["name"]] = e["value"]
-        else:
-            env[e["name"]] = by_field[e["valueFrom"]["fieldRef"]["fieldPath"]]
-    return env
-
-
-def container_args(workload: dict, container_name: str) -> Tuple[List[str], Dict[str, str]]:
-    container = next(c for c in pod_spec(workload)["containers"] if c["name"] == container_name)
-    env = pod_env(workload, container)
-    return [expand(a, env) for a in container.get("command", []) + container.get("args", [])], env
-
-
-def dns_name(address: str) -> str:
-    return re.sub(r"^https?://", "", address).rsplit(":", 1)[0]
 
 
 # ---------------------------------------------------------------------- the API schema
@@ -192,36 +108,12 @@ def test_pod_disruption_budgets_select_one_workload_each_and_keep_quorum_and_min
 
 
 def test_network_policies_admit_only_the_pods_and_ports_their_clients_use():
-    admitted = {}   # (policy target, source) -> ports (None: every port)
-    for pol in of_kind("NetworkPolicy"):
-        targets = workloads_selected(pol["spec"]["podSelector"])
-        assert len(targets) == 1 and pol["spec"]["policyTypes"] == ["Ingress"], pol["metadata"]["name"]
-        target = targets[0]["metadata"]["name"]
-        for rule in pol["spec"]["ingress"]:
-            assert rule["from"], "an empty 'from' admits everyone"
-            for peer in rule["from"]:
-                assert set(peer) == {"podSelector"}, f"{pol['metadata']['name']}: only pods of this namespace"
-                sources = workloads_selected(peer["podSelector"])
-                assert len(sources) == 1, pol["metadata"]["name"]
-                ports = None
-                if "ports" in rule:
-                    ports = {p["port"] for p in rule["ports"]}
-                    assert ports <= set(container_ports(targets[0]).values()), (target, ports)
-                admitted[(target, sources[0]["metadata"]["name"])] = ports
-    assert admitted == {("etcd", "elastic-rendezvous"): {2379}, ("etcd", "etcd"): {2379, 2380},
-                        ("elastic-rendezvous", "elastic-train"): {29400},
-                        ("elastic-train", "elastic-train"): None}
-
-
-def secrets_defined() -> Dict[str, set]:
-    """Secret name -> its keys: the kustomization's generators and cert-manager's Certificates."""
-    defined = {g["name"]: {os.path.basename(f.split("=")[0]) for f in g["files"]}
-               for g in kustomization(BASE)["secretGenerator"]}
-    assert kustomization(BASE)["generatorOptions"]["disableNameSuffixHash"], "pods name the Secrets as written"
-    for d in load(os.path.join(CERT_MANAGER, "certificate.yaml")):
-        if d["kind"] == "Certificate":
-            defined[d["spec"]["secretName"]] = {"tls.crt", "tls.key", "ca.crt"}
-    return defined
+    # (policy target, source) -> ports (None: every port); the namespace-wide policies admit
+    # nothing in (test_kubernetes_hardening.py checks them).
+    assert policy_flows("Ingress") == {("etcd", "elastic-rendezvous"): {2379}, ("etcd", "etcd"): {2379, 2380},
+                                       ("elastic-rendezvous", "elastic-train"): {29400},
+                                       ("elastic-train", "elastic-train"): None}
+    assert all("ingress" not in p["spec"] for p in of_kind("NetworkPolicy") if p["spec"]["podSelector"] == {})
 
 
 def test_every_secret_a_pod_mounts_is_defined_with_the_keys_it_reads():
@@ -238,62 +130,13 @@ def test_every_secret_a_pod_mounts_is_defined_with_the_keys_it_reads():
 
 
 def test_workers_get_only_the_ca_certificate_of_the_tls_secret():
-    # With the key, a worker could reach etcd (client certificates are all etcd asks for).
+    # With the key, a worker could pose as a rendezvous replica to the other workers.
     job = named("Job", "elastic-train")
     tls = [v for v in pod_spec(job)["volumes"] if v.get("secret", {}).get("secretName") == "elastic-ring-tls"]
     assert len(tls) == 1 and tls[0]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
 
 
 # ---------------------------------------------------------------------- the arguments, parsed by our parsers
-@pytest.fixture(scope="module")
-def mounted(tmp_path_factory):
-    """A directory standing in for /etc/elastic-ring: what each pod's Secret volumes would hold
-    (real PEM files and a token), so the parsers' own checks of the files run."""
-    root = tmp_path_factory.mktemp("etc-elastic-ring")
-    pki = make_pki(str(root))
-    files = {"tls/tls.crt": open(pki.server_cert).read(), "tls/tls.key": open(pki.server_key).read(),
-             "tls/ca.crt": open(pki.ca).read(), "ca/ca.crt": open(pki.ca).read(), "token/token": uuid.uuid4().hex}
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-        path.chmod(0o600)
-    return str(root)
-
-
-def on_disk(args: List[str], workload: dict, container: str, mounted: str) -> List[str]:
-    """The args with the pod's mount paths moved under `mounted`; every path used must be mounted."""
-    mounts = [m["mountPath"] for c in pod_spec(workload)["containers"] if c["name"] == container
-              for m in c.get("volumeMounts", [])]
-    out = []
-    for a in args:
-        for path in re.findall(r"/etc/elastic-ring/[\w./-]+", a):
-            assert any(path.startswith(m + "/") for m in mounts), f"{path} is not on a mounted volume"
-        out.append(a.replace("/etc/elastic-ring", mounted))
-    return out
-
-
-def rendezvous_config(mounted: str):
-    sts = named("StatefulSet", "elastic-rendezvous")
-    args, env = container_args(sts, "rendezvous")
-    assert args[0] == "elastic-rendezvous"
-    return config_from_args(rendezvous_parser().parse_args(on_disk(args[1:], sts, "rendezvous", mounted))), env
-
-
-def worker_config(mounted: str = ""):
-    job = named("Job", "elastic-train")
-    args, env = container_args(job, "worker")
-    assert args[0] == "elastic-run"
-    if mounted:
-        args = on_disk(args, job, "worker", mounted)
-    sep = args.index("--")
-    assert args[sep + 1] == "python"
-    # The image's python runs the command; here, this one (elastic-run checks it exists).
-    argv = args[1:sep + 1] + [sys.executable] + args[sep + 2:]
-    if not mounted:   # only the numbers: no files to read
-        argv = [a for a in argv if not a.startswith(("--token-file", "--tls-ca"))]
-    return parse_launch(argv, env={**env, "HOME": "/nonexistent"})
-
 
 def test_the_rendezvous_replicas_args_parse_and_name_etcd_and_themselves_as_clients_dial_them(mounted):
     cfg, env = rendezvous_config(mounted)
@@ -340,23 +183,31 @@ def test_a_lost_worker_pod_is_replaced_and_a_failed_job_is_not_retried():
     assert set(fail_job[0]["onExitCodes"]["values"]) == {2, JobBelowMinNp.exit_code}
 
 
-def test_every_name_a_client_dials_is_in_the_tls_certificate(mounted):
-    cert = next(d for d in load(os.path.join(CERT_MANAGER, "certificate.yaml"))
-                if d["kind"] == "Certificate" and d["spec"]["secretName"] == "elastic-ring-tls")
-    names = set(cert["spec"]["dnsNames"])
-    assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
-    dialed = {dns_name(a) for a in worker_config(mounted).rendezvous}
-    dialed |= {dns_name(a) for a in rendezvous_config(mounted)[0].etcd_endpoints}
+def test_every_name_a_client_dials_is_in_its_servers_certificate(mounted):
+    certs = certificates()
+    rendezvous, etcd_server, etcd_peer = (certs[n] for n in ("elastic-ring-tls", "elastic-ring-etcd-server",
+                                                               "elastic-ring-etcd-peer"))
+    assert "server auth" in rendezvous["spec"]["usages"] and "server auth" in etcd_server["spec"]["usages"]
+    assert {"server auth", "client auth"} <= set(etcd_peer["spec"]["usages"])   # a member dials and is dialed
+    dialed = {"elastic-ring-tls": {dns_name(a) for a in worker_config(mounted).rendezvous},
+              "elastic-ring-etcd-server": {dns_name(a) for a in rendezvous_config(mounted)[0].etcd_endpoints},
+              "elastic-ring-etcd-peer": set()}
     etcd = named("StatefulSet", "etcd")
     for i in range(etcd["spec"]["replicas"]):   # each member, as its peers and clients reach it
         args, _ = container_args(etcd, "etcd")
         args = [a.replace("etcd-0", f"etcd-{i}") if a.startswith("--advertise") or a.startswith("--initial-advertise")
                 else a for a in args]
         for a in args:
-            if a.startswith(("--advertise-client-urls=", "--initial-advertise-peer-urls=", "--initial-cluster=")):
-                dialed |= {dns_name(u.split("=", 1)[-1]) for u in a.split("=", 1)[1].split(",")}
-    assert dialed <= names, sorted(dialed - names)
-    assert not any("*" in n for n in names), "etcd checks a peer's names against its address: no wildcards"
+            flag, _, value = a.partition("=")
+            urls = {dns_name(u.split("=", 1)[-1]) for u in value.split(",")}
+            if flag == "--advertise-client-urls":
+                dialed["elastic-ring-etcd-server"] |= urls
+            elif flag in ("--initial-advertise-peer-urls", "--initial-cluster"):
+                dialed["elastic-ring-etcd-peer"] |= urls
+    for secret, names in dialed.items():
+        assert names and names <= set(certs[secret]["spec"]["dnsNames"]), (secret, sorted(names))
+        assert not any("*" in n for n in certs[secret]["spec"]["dnsNames"]), \
+            f"{secret}: etcd checks a peer's names against its address: no wildcards"
 
 
 def test_etcd_serves_and_verifies_tls_from_the_mounted_secret(mounted):

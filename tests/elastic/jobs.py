@@ -32,7 +32,8 @@ _server_lock = threading.Lock()
 
 
 def _pythonpath() -> str:
-    return REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+    # No empty entry: Python reads one as the working directory.
+    return os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
 
 
 def fork_server() -> ForkServer:
@@ -43,7 +44,7 @@ def fork_server() -> ForkServer:
     global _server
     with _server_lock:
         if _server is None or _server.dead:
-            _server = ForkServer(PRELOAD, dict(os.environ, PYTHONPATH=_pythonpath()))
+            _server = ForkServer(PRELOAD, dict(os.environ, PYTHONPATH=_pythonpath()), command=[sys.executable, JOB])
             atexit.register(_server.close)
         _server.wait_ready(timeout_s=120)
         return _server

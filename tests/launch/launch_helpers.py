@@ -45,12 +45,16 @@ def processes_with(marker: str) -> List[int]:
 
 class LaunchProc:
     def __init__(self, tmp_path, *launcher_args: str, command: Optional[List[str]] = None,
-                 prefix: Sequence[str] = (), **env: str):
-        """``prefix`` runs the launcher under another command (e.g. ``prlimit --nofile=…``)."""
+                 prefix: Sequence[str] = (), launcher: Sequence[str] = (sys.executable, "-m", "elastic.launch"),
+                 cwd: str = REPO, **env: str):
+        """``prefix`` runs the launcher under another command (e.g. ``prlimit --nofile=…``);
+        ``launcher`` is how it starts (the installed ``elastic-run``, say), in ``cwd``."""
         self.out_dir = str(tmp_path)
         self.marker = uuid.uuid4().hex
         e = dict(os.environ)
-        e.update({"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "LW_OUT": self.out_dir,
+        # No empty entry: Python reads one as the working directory, which no worker command puts there.
+        pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+        e.update({"PYTHONPATH": pythonpath, "LW_OUT": self.out_dir,
                   "ELASTIC_TEST_MARKER": self.marker, "ELASTIC_WORLD_TIMEOUT": "60",
                   "ELASTIC_COLLECTIVE_TIMEOUT": "20"})
         # tests/launch/worker.py ends its job early once this file exists (``finish()``).
@@ -58,8 +62,8 @@ class LaunchProc:
         e["LW_FINISH_AT"] = self.finish_file
         e.update({k: str(v) for k, v in env.items()})
         command = command or [sys.executable, WORKER]
-        self.args = [*prefix, sys.executable, "-m", "elastic.launch", *launcher_args, "--", *command]
-        self.proc = subprocess.Popen(self.args, cwd=REPO, env=e, stdin=subprocess.DEVNULL,
+        self.args = [*prefix, *launcher, *launcher_args, "--", *command]
+        self.proc = subprocess.Popen(self.args, cwd=cwd, env=e, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.stdout: List[str] = []
         self.stderr: List[str] = []

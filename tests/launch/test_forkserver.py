@@ -137,7 +137,7 @@ if mode == "numpy":
 
 @pytest.fixture
 def server(tmp_path):
-    s = ForkServer(["json", "numpy.random"], dict(os.environ))
+    s = ForkServer(["json", "numpy.random"], dict(os.environ), command=[sys.executable, str(tmp_path / "probe.py")])
     s.wait_ready(60)
     yield s
     s.close()
