@@ -52,7 +52,7 @@ def worker(steps: int, rounds: int) -> None:
     import torch.distributed as dist
 
     import elastic
-    from elastic.runtime import worker_metrics as metrics
+    from elastic.runtime import lifecycle
 
     torch.set_num_threads(1)
     elastic.init()
@@ -95,10 +95,9 @@ def worker(steps: int, rounds: int) -> None:
         if name != "+metrics":
             return
         if on:
-            metrics.start(os.environ["BENCH_METRICS_SOCKET"], os.environ["BENCH_METRICS_TOKEN"],
-                          os.environ["ELASTIC_WORKER_ID"])
+            lifecycle.running().start_metrics(os.environ["BENCH_METRICS_SOCKET"], os.environ["BENCH_METRICS_TOKEN"])
         else:
-            metrics.stop()
+            lifecycle.running().stop_metrics()
 
     runs = {"ours": lambda: ours(False), "ours+commit": lambda: ours(True), "+metrics": lambda: ours(True),
             "ddp-gloo": ddp}
@@ -109,12 +108,13 @@ def worker(steps: int, rounds: int) -> None:
     # What recording adds to one allreduce, alone: the hooks of an async allreduce and its wait
     # on this ring (what DistributedOptimizer runs per gradient), recording on.
     grad = next(ours_model.parameters()).detach()
-    comm = elastic.runtime.world.ring()
+    comm = lifecycle.running().ring()
     metrics_on("+metrics", True)
+    recorder = comm.observer
     t0 = time.perf_counter()
     for _ in range(20000):
-        metrics.allreduce_started(comm, grad)
-        metrics.allreduce_waited(comm, grad, t0)
+        recorder.allreduce_started(comm, grad)
+        recorder.allreduce_waited(comm, grad, t0)
     hook_us = (time.perf_counter() - t0) / 20000 * 1e6
     metrics_on("+metrics", False)
     ops_per_step = len(list(ours_model.parameters())) + 0.1   # a gradient each, a membership check per 10

@@ -1,4 +1,4 @@
-"""``elastic.run``: the decorator that runs a training function under the worker's session,
+"""``elastic.run``: the decorator that runs a training function under the worker's job session,
 which keeps it going across failures and world changes. The step protocol it runs (form, sync,
 the function, commits; what each error leads to) is described once, in ``elastic.runtime.session``.
 Any exception the protocol does not handle ends this worker with its traceback, among them
@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from elastic.runtime import session
+from elastic.runtime import lifecycle
+from elastic.runtime.session import Session
 from elastic.state.states import State
 
 
@@ -36,13 +37,14 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
     only ask this worker to leave. At its next commit boundary (``state.commit()`` /
     ``check_membership()``, or at once while it waits for a world, or once its join is
     answered, or, while no server answers its join, after the attempt under way) it leaves the
-    job and the call raises ``elastic.Preempted`` instead of returning:
-    a ``SystemExit`` with code 0, so uncaught, the process exits 0 without running the code
-    after the call (``except Exception`` does not catch it; ``except elastic.Preempted`` does),
-    and the other workers go on with their state. A worker that reaches no commit boundary
-    within ``ELASTIC_PREEMPT_GRACE`` seconds (default 30; ``elastic-run --preempt-grace``)
-    after the request ends with exit status 143 after a log line, and the others restore their
-    last commit as for any lost worker.
+    job and the call raises ``elastic.LeftJob`` instead of returning: ``elastic.Preempted`` for a
+    signal, ``elastic.LeaveRequested`` for ``request_leave()``, ``elastic.EvictedAsStraggler`` when
+    the straggler policy ``evict`` chose it. A ``SystemExit`` with code 0, so uncaught, the process
+    exits 0 without running the code after the call (``except Exception`` does not catch it;
+    ``except elastic.LeftJob`` does), and the other workers go on with their state. A worker that
+    reaches no commit boundary within ``ELASTIC_PREEMPT_GRACE`` seconds (default 30;
+    ``elastic-run --preempt-grace``) after the request ends with exit status 143 after a log line,
+    and the others restore their last commit as for any lost worker.
     """
     if func is None:
         return lambda f: run(f, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
@@ -54,22 +56,21 @@ def run(func: Optional[Callable] = None, *, checkpoint_dir: Optional[str] = None
             raise TypeError(f"elastic.run: the first argument must be an elastic State, got {type(state).__name__}")
         if checkpoint_dir:
             state.enable_durable_commits(checkpoint_dir, checkpoint_every)
-        _plug_in_torch()
-        s = session.init_for_run()  # join only: forming happens in the loop, with recovery
+        s = lifecycle.init_for_run()  # join only: forming happens in the loop, with recovery
+        _attach_torch(s)
         limit = s.config.reset_limit if reset_limit is None else reset_limit
         return s.run(func, state, args, kwargs, limit)
 
     return wrapper
 
 
-def _plug_in_torch() -> None:
-    """Imports the torch layer where torch.distributed is there (numpy-only installs lack it):
-    ``elastic.torchdist.ddp`` and the ``elastic.torchdist.group`` it imports register their step hooks, on every
-    rank alike (the default group, DDP's reducers after each sync, torch errors made of ring
-    failures)."""
+def _attach_torch(session: Session) -> None:
+    """Attaches the torch layer to the run where torch.distributed is there (numpy-only installs
+    lack it): the default group, DDP's reducers after each sync, on every rank alike."""
     try:
         import torch.distributed as dist
     except ImportError:
         return
     if dist.is_available():
-        from elastic.torchdist import ddp  # noqa: F401  (importing it registers the hooks)
+        from elastic.torchdist import step_hooks
+        step_hooks.attach(session)

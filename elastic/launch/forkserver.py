@@ -467,7 +467,7 @@ def _child(msg: dict, target: Target, fds: Sequence[int], server: int, closing: 
         os.environ.clear()
         os.environ.update(msg["env"])
         os.chdir(msg["cwd"])
-        _fresh_stdio(target.unbuffered or bool(os.environ.get("PYTHONUNBUFFERED")))
+        replaced = _fresh_stdio(target.unbuffered or bool(os.environ.get("PYTHONUNBUFFERED")))  # noqa: F841
         numpy_random = sys.modules.get("numpy.random")
         if numpy_random is not None:   # as a new process: its own seed, not the server's copied state
             numpy_random.seed()
@@ -478,20 +478,21 @@ def _child(msg: dict, target: Target, fds: Sequence[int], server: int, closing: 
     os._exit(code)
 
 
-_REPLACED_STREAMS: list = []   # the server's own: never finalised in a worker (that would close fd 1 or 2)
-
-
-def _fresh_stdio(unbuffered: bool) -> None:
-    """sys.stdout and sys.stderr on the worker's pipes, buffered as the interpreter would set them up."""
+def _fresh_stdio(unbuffered: bool) -> list:
+    """sys.stdout and sys.stderr on the worker's pipes, buffered as the interpreter would set them
+    up. Returns the server's own streams they replace: the caller keeps them until it exits, so
+    they are never finalised in a worker (that would close fd 1 or 2)."""
     import io
 
+    replaced = []
     for fd, name in ((1, "stdout"), (2, "stderr")):
         old = getattr(sys, name)
-        _REPLACED_STREAMS.append(old)
+        replaced.append(old)
         raw = io.FileIO(fd, "w", closefd=False)
         binary = raw if unbuffered else io.BufferedWriter(raw)
         setattr(sys, name, io.TextIOWrapper(binary, encoding=old.encoding, errors=old.errors,
                                             line_buffering=not unbuffered and fd == 2, write_through=unbuffered))
+    return replaced
 
 
 def _run(target: Target) -> int:

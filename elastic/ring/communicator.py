@@ -149,7 +149,7 @@ class Communicator:
         self._native = native
         self.config = config
         self.wait_clock = wait_clock if wait_clock is not None else WaitClock()
-        self._observer = observer
+        self.observer = observer
         # Who this ring is stays readable after close() (a failed connect() closes it while
         # the event thread may still compare versions with it).
         self._rank, self._size, self._world_version = native.rank, native.size, native.world_version
@@ -327,8 +327,8 @@ class Communicator:
     def allreduce_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
         started = time.perf_counter()
         self._native.allreduce_(_native_array(t, "allreduce_"), int(ReduceOp(op)))
-        if self._observer is not None:
-            self._observer.allreduce_done(self, t, started)
+        if self.observer is not None:
+            self.observer.allreduce_done(self, t, started)
         return t
 
     def allreduce(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
@@ -340,8 +340,8 @@ class Communicator:
         submitted = time.perf_counter()
         work = self._native.allreduce_async_(_native_array(t, "allreduce_async_"), int(ReduceOp(op)))
         handle = Handle(self, work, t, submitted)
-        if self._observer is not None:
-            self._observer.allreduce_started(self, t)
+        if self.observer is not None:
+            self.observer.allreduce_started(self, t)
         if len(self._inflight) >= 4096:
             self._inflight = {k: h for k, h in self._inflight.items() if not h.done()}
         self._inflight[id(handle)] = handle
@@ -359,8 +359,8 @@ class Communicator:
         since = handle.submitted if self._flushed_at >= handle.submitted else started
         try:
             self._native.wait(handle._work)
-            if self._observer is not None:
-                self._observer.allreduce_waited(self, handle.tensor, started)
+            if self.observer is not None:
+                self.observer.allreduce_waited(self, handle.tensor, started)
         finally:
             self._inflight.pop(id(handle), None)
             if waiting:

@@ -1,4 +1,4 @@
-"""Exceptions of elastic-ring, and the mapping from the native core's failures.
+"""The ring's exceptions, and how the core's failures become them.
 
 Every error that changes what ``elastic.run`` does is told apart by its class and its
 ``kind`` (an ``ErrorKind`` of the native core, ``elastic.ring._native.ErrorKind``), never by
@@ -67,29 +67,7 @@ class BadPeerError(WorkerLostError):
     it, and the healthy workers re-form. Nothing it sent was loaded."""
 
 
-class SyncRefusedError(ElasticError):
-    """The majority of a world refused this worker's part of a sync: the state it sent as the
-    most advanced one did not decode or fit theirs, or (as one of a minority) its own state
-    does not fit the state the others accepted. No later world fixes that, so ``elastic.run``
-    ends this worker with it; the others go on without it. ``world_version``, ``rank`` and
-    ``peer`` (the sync's root) say where; ``refused_by`` lists the ranks that refused."""
-
-    def __init__(self, message: str, *, world_version: int = -1, rank: int = -1, peer: int = -1,
-                 refused_by: tuple = ()):
-        super().__init__(message)
-        self.op, self.world_version, self.rank, self.peer = "sync", world_version, rank, peer
-        self.refused_by = tuple(refused_by)
-
-
-class MembershipChanged(ElasticError):
-    """Workers joined or left cleanly; state is kept and the ring re-formed."""
-
-
-class RendezvousError(ElasticError):
-    """The job's membership could not be agreed (rendezvous or ring forming failed)."""
-
-
-class HandshakeError(RendezvousError):
+class HandshakeError(ElasticError):
     """A ring neighbour that proved the job's secret refused the connection: another world
     version (this worker's is stale), world size or rank, or a duplicate. ``kind`` is
     ``ErrorKind.Refused``; ``peer`` the neighbour; nobody is to blame (``peer_rank`` None)."""
@@ -120,23 +98,6 @@ class CollectiveMismatchError(ElasticError):
         _locate(self, ErrorKind.Mismatch, op, world_version, rank, peer)
 
 
-class StaleMeshError(ElasticError, RuntimeError):
-    """A DeviceMesh (or an FSDP module or DTensor made on it) of a world that is over was used:
-    its collectives would gather and reduce the wrong shards in the new world. Make the mesh
-    and what is sharded on it again in each world with ``elastic.device_mesh()``.
-    ``world_version`` is the mesh's world, ``current_world_version`` the world now."""
-
-    def __init__(self, message: str, *, world_version: int = -1, current_world_version: int = -1):
-        super().__init__(message)
-        self.world_version, self.current_world_version = world_version, current_world_version
-
-
-class ElasticTimeout(ElasticError):
-    """A wait ran out: the job stayed below its minimum size for longer than its elastic timeout
-    (the rendezvous ended it as failed), or no world included this worker within
-    ``ELASTIC_WORLD_TIMEOUT``."""
-
-
 def from_native(failure: RingFailure) -> Exception:
     """The exception a caller sees for the core's ``RingFailure``, chosen by its kind alone."""
     kind, message, op, world_version, rank, peer = failure.args
@@ -157,22 +118,3 @@ def from_native(failure: RingFailure) -> Exception:
     err = ElasticError(message)
     _locate(err, kind, op, world_version, rank, peer)
     return err
-
-
-class Preempted(SystemExit):
-    """``elastic.run`` ended because this worker left the job gracefully (SIGTERM, SIGINT or
-    ``elastic.request_leave()``), at a commit boundary every rank agreed on.
-
-    A ``SystemExit`` with code 0: uncaught, the process exits 0 without running the code after
-    the training function's call (its result does not exist: training did not finish here), and
-    ``except Exception`` does not catch it. Catch ``elastic.Preempted`` to run code on the way
-    out; the job goes on without this worker, the others keep their state. ``reason`` says
-    what asked for the leave, ``world_version`` and ``commit_step`` where it happened."""
-
-    def __init__(self, reason: str, *, world_version: int = -1, commit_step: int = -1):
-        super().__init__(0)
-        self.reason, self.world_version, self.commit_step = reason, world_version, commit_step
-
-    def __str__(self) -> str:
-        return (f"left the job gracefully ({self.reason}) at commit {self.commit_step} of world version "
-                f"{self.world_version}")

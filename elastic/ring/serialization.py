@@ -50,6 +50,7 @@ large; ``Encoded.copy_into`` writes each buffer once), and read with one copy ea
 from __future__ import annotations
 
 import collections
+import functools
 import struct
 import sys
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -96,23 +97,23 @@ _U64 = struct.Struct("<Q")
 _FLOAT = struct.Struct("<d")
 _COMPLEX = struct.Struct("<dd")
 
-_torch_tables: Optional[Tuple[Any, Dict[int, Any], Dict[Any, int]]] = None
+@functools.lru_cache(maxsize=None)
+def _torch_tables() -> Tuple[Any, Dict[int, Any], Dict[Any, int]]:
+    """torch and its dtype tables, made once (torch is imported only when a value needs it)."""
+    import torch
+    dtypes = {c: getattr(torch, n) for c, n in _TORCH_DTYPE_NAMES.items() if hasattr(torch, n)}
+    by_code = {c: (d, d.itemsize) for c, d in dtypes.items()}
+    return torch, by_code, {d: c for c, d in dtypes.items()}
 
 
 def _torch(needed_for: Optional[str] = None):
     """torch and its dtype tables; on decode (``needed_for``) a missing torch is bad data here."""
-    global _torch_tables
-    if _torch_tables is None:
-        try:
-            import torch
-        except ImportError:
-            if needed_for is None:
-                raise
-            raise ValueError(f"{needed_for}: the data holds a torch value, but torch is not installed") from None
-        dtypes = {c: getattr(torch, n) for c, n in _TORCH_DTYPE_NAMES.items() if hasattr(torch, n)}
-        by_code = {c: (d, d.itemsize) for c, d in dtypes.items()}
-        _torch_tables = (torch, by_code, {d: c for c, d in dtypes.items()})
-    return _torch_tables
+    try:
+        return _torch_tables()
+    except ImportError:
+        if needed_for is None:
+            raise
+        raise ValueError(f"{needed_for}: the data holds a torch value, but torch is not installed") from None
 
 
 # --------------------------------------------------------------------------- encoding

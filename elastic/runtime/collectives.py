@@ -10,8 +10,8 @@ from elastic.ring.ops import ReduceOp
 
 
 def set_communicator(comm: Optional[Communicator]) -> None:
-    """Makes ``comm`` the ring the module-level collectives use while no session runs (tools
-    and tests that form a ring by hand); the session's own ring always comes first."""
+    """Makes ``comm`` the ring the module-level collectives use (tools and tests that form a ring
+    by hand; ``elastic.runtime.world.use_ring``). Refused while a job's session runs."""
     world.use_ring(comm)
 
 

@@ -31,10 +31,6 @@ from typing import Dict, Iterable, Optional, Set, Tuple
 
 Peer = Tuple[str, int]
 
-_lock = threading.Lock()
-_peers: Set[Peer] = set()   # the rendezvous servers of this process's session, as peer_key gives them
-_installed = False
-
 
 def peer_key(host: str, port: int) -> Optional[Peer]:
     """How a server's endpoint is compared with a connection's peer: its IP address in one
@@ -74,10 +70,33 @@ def connections(table: str, byteorder: str = sys.byteorder) -> Dict[int, Peer]:
     return out
 
 
-def guard_rendezvous(addresses: Iterable[str]) -> None:
-    """Makes children forked from now on let go of their inherited connections to these rendezvous
-    servers ("host:port" each; names are resolved here, in the worker, never in the child)."""
-    global _installed
+class RendezvousGuard:
+    """The rendezvous servers a session reaches, let go of in every child forked while it is
+    ``active``; the session holds it and ``release()``s it when it ends."""
+
+    def __init__(self, peers: Set[Peer]):
+        self.peers = frozenset(peers)
+        self.active = True
+        # The lock is held across the fork, so a child never inherits it taken.
+        self._lock = threading.Lock()
+        os.register_at_fork(before=self._lock.acquire, after_in_parent=self._lock.release,
+                            after_in_child=self._in_child)
+
+    def release(self) -> None:
+        with self._lock:
+            self.active = False
+
+    def _in_child(self) -> None:
+        self._lock.release()
+        if self.active:
+            self.active = False   # the child has no session of its own
+            let_go(set(self.peers))
+
+
+def guard_rendezvous(addresses: Iterable[str]) -> RendezvousGuard:
+    """Makes children forked from now on (until the guard is released) let go of their inherited
+    connections to these rendezvous servers ("host:port" each; names are resolved here, in the
+    worker, never in the child)."""
     found = set()
     for address in addresses:
         host, _, port = address.rpartition(":")
@@ -86,20 +105,7 @@ def guard_rendezvous(addresses: Iterable[str]) -> None:
         except (OSError, ValueError, UnicodeError):
             continue   # the client reports an unusable address itself, when it tries it
         found |= {k for k in (peer_key(info[4][0], info[4][1]) for info in infos) if k is not None}
-    with _lock:
-        _peers.update(found)
-        if not _installed:
-            # The lock is held across the fork, so a child never inherits it taken.
-            os.register_at_fork(before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_in_child)
-            _installed = True
-
-
-def _in_child() -> None:
-    _lock.release()
-    peers = set(_peers)
-    _peers.clear()   # the child has no session of its own
-    if peers:
-        let_go(peers)
+    return RendezvousGuard(found)
 
 
 def let_go(peers: Set[Peer]) -> None:

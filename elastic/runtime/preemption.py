@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import enum
 import logging
 import os
 import signal
@@ -54,13 +55,21 @@ def _expire(message: str) -> None:
     os._exit(GRACE_EXPIRED_EXIT)
 
 
+class LeaveCause(enum.Enum):
+    """What asked this worker to leave: the exception ``elastic.run`` ends with says the same."""
+
+    SIGNAL = "signal"          # SIGTERM or SIGINT: a preemption notice (elastic.Preempted)
+    PROGRAM = "program"        # elastic.request_leave() (elastic.LeaveRequested)
+    STRAGGLER = "straggler"    # the straggler policy evict chose it (elastic.EvictedAsStraggler)
+
+
 class LeaveRequest:
     """Whether this worker was asked to leave, and the watch over its grace period.
 
-    ``request(why)`` records the first request (later ones change nothing); ``pending`` is True
-    from then until ``finish()`` (the worker left, or its session ended otherwise). ``straggler``
-    says the first request came from straggler detection (``elastic.runtime.straggler_detector``, the evict
-    policy): the rendezvous is told, and the worker's host cools down. ``on_request``
+    ``request(why, cause)`` records the first request (later ones change nothing); ``pending`` is
+    True from then until ``finish()`` (the worker left, or its session ended otherwise). ``cause``
+    says what asked; a straggler's leave (``elastic.runtime.straggler_detector``, the evict policy)
+    is told to the rendezvous as such, and the worker's host cools down. ``on_request``
     runs once, in the watch thread, when a request arrives (the session wakes its waits with it);
     ``expire(message)`` runs there when the grace runs out first."""
 
@@ -72,16 +81,21 @@ class LeaveRequest:
         self._cond = threading.Condition(threading.RLock())
         self.requested_at: Optional[float] = None
         self.why = ""
-        self.straggler = False
+        self.cause = LeaveCause.SIGNAL
         self._finished = False
         self._thread = threading.Thread(target=self._watch, name="elastic-preempt-grace", daemon=True)
         self._thread.start()
 
-    def request(self, why: str, straggler: bool = False) -> None:
+    def request(self, why: str, cause: LeaveCause = LeaveCause.SIGNAL) -> None:
         with self._cond:
             if self.requested_at is None and not self._finished:
-                self.requested_at, self.why, self.straggler = time.monotonic(), why, straggler
+                self.requested_at, self.why, self.cause = time.monotonic(), why, cause
                 self._cond.notify_all()
+
+    @property
+    def straggler(self) -> bool:
+        """The request came from straggler detection."""
+        return self.cause is LeaveCause.STRAGGLER
 
     @property
     def pending(self) -> bool:

@@ -21,21 +21,24 @@ Rules:
 
 And what the session's loop does after an error (``after_error``), when it forms a ring
 (``must_form``) and when a ring that just connected is already dead (``aborted_while_forming``):
-* A lost worker (``WorkerLostError``, ``BadPeerError`` too): restore the last commit, report the
+* A lost worker (``WorkerLostError``, ``BadPeerError`` too): restore the last commit (or keep the
+  live state where it is usable: nothing changed it since the last completed step), report the
   suspect, take a world newer than both the ring held and the one the error names.
-* A neighbour at another world version (``HandshakeError``): ours is stale; restore, and take a
-  world newer than the one held. Nothing to report: the neighbour is alive.
+* A neighbour at another world version (``HandshakeError``): ours is stale; restore (or keep the
+  live state), and take a world newer than the one held. Nothing to report: the neighbour is alive.
 * A clean join or leave (``MembershipChanged``): keep the state, take a world newer than the one held.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Optional, Tuple, Union
 
 from rendezvous.client.watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
 
-from elastic.ring.errors import HandshakeError, MembershipChanged, WorkerLostError
+from elastic.ring.errors import HandshakeError, WorkerLostError
+from elastic.runtime.errors import MembershipChanged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,22 +153,34 @@ def must_form(ring_version: int, ring_failed: bool, min_version: int) -> bool:
     return ring_version <= 0 or ring_failed or ring_version < min_version
 
 
+class StateAction(enum.Enum):
+    """What a recovery does with the state."""
+
+    KEEP = "keep"            # a clean change: nothing failed, the state stays as it is
+    KEEP_LIVE = "keep_live"  # a failure before the optimizer changed anything: the live state stays
+    RESTORE = "restore"      # a failure: the state rolls back to the last commit
+
+
 @dataclasses.dataclass(frozen=True)
 class Recovery:
-    """What the loop does after an error the training function (or a form, or a sync) raised."""
+    """The whole plan after an error the training function (or a form, or a sync) raised."""
 
-    min_version: int   # the lowest world version to take next
-    restore: bool      # roll the state back to the last commit (a failure), else keep it (a clean change)
-    report: bool       # tell the rendezvous which peer broke
+    min_version: int     # the lowest world version to take next
+    state: StateAction   # keep, keep live, or restore
+    report: bool         # tell the rendezvous which peer broke
+    stale: bool          # this worker's world is stale (a neighbour at another version), not a failure of a peer
 
 
-def after_error(error: BaseException, ring_version: int) -> Optional[Recovery]:
-    """The next-world rule for ``error`` while holding the ring of ``ring_version`` (0: none);
-    None for an error that is not the loop's to handle (it ends the worker)."""
+def after_error(error: BaseException, ring_version: int, live_state_usable: bool) -> Optional[Recovery]:
+    """The plan for ``error`` while holding the ring of ``ring_version`` (0: none);
+    ``live_state_usable``: the state can keep its live values (the failure came before the
+    optimizer changed anything, ``State.live_state_usable``). None for an error that is not the
+    loop's to handle (it ends the worker)."""
+    failed = StateAction.KEEP_LIVE if live_state_usable else StateAction.RESTORE
     if isinstance(error, WorkerLostError):   # BadPeerError too: reported as an unusable address
-        return Recovery(max(error.world_version, ring_version) + 1, restore=True, report=True)
+        return Recovery(max(error.world_version, ring_version) + 1, failed, report=True, stale=False)
     if isinstance(error, HandshakeError):
-        return Recovery(ring_version + 1, restore=True, report=False)
+        return Recovery(ring_version + 1, failed, report=False, stale=True)
     if isinstance(error, MembershipChanged):
-        return Recovery(ring_version + 1, restore=False, report=False)
+        return Recovery(ring_version + 1, StateAction.KEEP, report=False, stale=False)
     return None

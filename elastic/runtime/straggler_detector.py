@@ -53,7 +53,6 @@ import numpy as np
 
 from rendezvous.wire.membership import StragglerReport
 
-from elastic.runtime import worker_metrics as metrics
 
 log = logging.getLogger("elastic")
 
@@ -212,14 +211,15 @@ class Detector:
 
     ``leave(why)`` asks this worker to leave (the evict policy); ``room()`` gives the job's
     min-np and the spares the rendezvous last reported, for ``may_leave``. ``now`` and
-    ``waited`` are the clocks: wall time, and the seconds spent inside collectives so far."""
+    ``waited`` are the clocks: wall time, and the seconds spent inside collectives so far;
+    ``scored(score)`` is told this worker's score each time a window is judged (its metrics)."""
 
     def __init__(self, config: StragglerConfig, worker_id: str, *, leave: Callable[[str], None],
                  room: Callable[[], Tuple[int, int]], now: Callable[[], float] = time.perf_counter,
-                 waited: Callable[[], float]):
+                 waited: Callable[[], float], scored: Callable[[float], None] = lambda score: None):
         self.config, self.worker_id = config, worker_id
         self._leave, self._room = leave, room
-        self._now, self._waited_so_far = now, waited
+        self._now, self._waited_so_far, self._scored = now, waited, scored
         self._comm: Any = None        # the ring whose window is open
         self._opened = 0.0            # perf_counter when it opened
         self._waited = 0.0            # waited() then
@@ -271,7 +271,7 @@ class Detector:
         me = comm.rank
         named = me in verdict.stragglers
         self.report = StragglerReport(comm.world_version, verdict.scores[me], verdict.streaks[me], named)
-        metrics.straggler_score(verdict.scores[me])
+        self._scored(verdict.scores[me])
         # The one to go, as long as it stays the worst (``told`` carries it out).
         self._evict = (comm.world_version, comm.size, f"a straggler: {verdict.scores[me]:.2f}x the median compute "
                        f"time for {verdict.streaks[me]} windows") if (self.config.policy == "evict"

@@ -3,9 +3,9 @@
 ``elastic-run --metrics-port P`` serves one ``/metrics`` for all the workers of its host
 (elastic/launch/host_metrics.py). It gives each worker two variables, ELASTIC_METRICS_SOCKET (a Unix
 datagram socket in a directory only this user can enter) and ELASTIC_METRICS_TOKEN (random, one
-per worker incarnation); ``WorkerConfig`` reads them and ``Session.start`` calls ``start``. A
+per worker incarnation); ``WorkerConfig`` reads them and the session calls ``start``. A
 daemon thread then sends a small JSON snapshot of the counters about once a second, and one
-last at shutdown. Without those variables nothing is recorded: every hook is one global read.
+last at shutdown. Without those variables nothing is recorded: the session holds no recorder.
 
 What is recorded, and where the hook sits (one line each, so the step protocol stays readable):
 - allreduce calls, bytes and seconds by transport (``Communicator.allreduce_`` and the async
@@ -28,6 +28,7 @@ names below, finite non-negative numbers, the sender's token).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -152,7 +153,12 @@ class Recorder:
             self.steps_redone += max(0, self.step_at_failure - step)
             self.failed_at = None
 
+    def world_formed(self, version: int, rank: int, size: int) -> None:
+        self.world_version, self.rank, self.size = version, rank, size
+
     def failure(self, step: int, kept: bool = False) -> None:
+        """A failure hit at commit ``step``: a recovery starts; the state is about to be restored,
+        or was ``kept`` live."""
         if not kept:
             self.restores += 1
         if self.failed_at is not None:
@@ -174,16 +180,14 @@ class Recorder:
         return json.dumps(doc, separators=(",", ":")).encode()
 
 
-# ---------------------------------------------------------------------- the process's recorder
-_rec: Optional[Recorder] = None
-_pusher: Optional["_Pusher"] = None
-_lock = threading.Lock()
+# ---------------------------------------------------------------------- the session's recorder
+class Pusher(threading.Thread):
+    """Sends ``recorder``'s snapshot to the launcher about once a second, and one last at ``close``.
+    A session starts one (``start``) and holds it; nothing here is process-wide."""
 
-
-class _Pusher(threading.Thread):
-    def __init__(self, rec: Recorder, path: str):
+    def __init__(self, recorder: Recorder, path: str):
         super().__init__(name="elastic-metrics", daemon=True)
-        self.rec, self.path = rec, path
+        self.recorder, self.path = recorder, path
         self.stop_event = threading.Event()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
@@ -191,7 +195,7 @@ class _Pusher(threading.Thread):
 
     def send(self, final: bool = False) -> None:
         try:
-            self.sock.sendto(self.rec.snapshot(final), self.path)
+            self.sock.sendto(self.recorder.snapshot(final), self.path)
         except OSError as e:   # launcher gone or busy: this snapshot is lost, the next one may pass
             if not self._warned:
                 log.warning("metrics: cannot reach the launcher at %s (%s); retrying every %g s", self.path,
@@ -203,58 +207,20 @@ class _Pusher(threading.Thread):
             self.send()
 
     def close(self) -> None:
+        """Sends the last snapshot and stops."""
         self.stop_event.set()
         self.join(2.0)
         self.send(final=True)
         self.sock.close()
 
 
-def start(socket_path: Optional[str], token: Optional[str], worker_id: str) -> None:
-    """Starts recording and pushing (no socket given: nothing is recorded). Idempotent."""
-    global _rec, _pusher
+def start(socket_path: Optional[str], token: Optional[str], worker_id: str) -> Optional[Pusher]:
+    """A recorder pushing to ``socket_path``, started; None (nothing recorded) without a socket."""
     if not socket_path or not token:
-        return
-    with _lock:
-        if _rec is not None:
-            return
-        rec = Recorder(worker_id, token)
-        _pusher = _Pusher(rec, socket_path)
-        _rec = rec
-        _pusher.start()
-
-
-def stop() -> None:
-    """Sends the last snapshot and stops recording."""
-    global _rec, _pusher
-    with _lock:
-        pusher, _pusher, _rec = _pusher, None, None
-    if pusher is not None:
-        pusher.close()
-
-
-def recorder() -> Optional[Recorder]:
-    return _rec
-
-
-# -- hooks: each a no-op unless the launcher asked for metrics
-def world_formed(version: int, rank: int, size: int) -> None:
-    rec = _rec
-    if rec is not None:
-        rec.world_version, rec.rank, rec.size = version, rank, size
-
-
-def straggler_score(score: float) -> None:
-    """The verdict on a commit window gave this worker ``score`` (elastic.runtime.straggler_detector)."""
-    rec = _rec
-    if rec is not None:
-        rec.straggler_score = score
-
-
-def failure(state: Any, kept: bool = False) -> None:
-    """A failure hit: a recovery starts; the state is about to be restored, or was ``kept`` live."""
-    rec = _rec
-    if rec is not None:
-        rec.failure(state.commit_step, kept)
+        return None
+    pusher = Pusher(Recorder(worker_id, token), socket_path)
+    pusher.start()
+    return pusher
 
 
 class _Timed:
@@ -275,23 +241,10 @@ class _Timed:
             self.rec.sync_done(step, self.started)
 
 
-class _Untimed:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, kind, value, tb) -> None:
-        pass
-
-
-_UNTIMED = _Untimed()
-
-
-def timed(state: Any, what: str) -> Any:
-    """``with metrics.timed(state, "commit"|"sync"):`` around a commit or a sync."""
-    rec = _rec
-    return _UNTIMED if rec is None else _Timed(rec, state, what)
+def timed(recorder: Optional[Recorder], state: Any, what: str) -> Any:
+    """``with timed(recorder, state, "commit"|"sync"):`` around a commit or a sync; nothing
+    is timed without a recorder."""
+    return contextlib.nullcontext() if recorder is None else _Timed(recorder, state, what)
 
 
 # ---------------------------------------------------------------------- the snapshot, as received

@@ -1,137 +1,72 @@
 """The current world as this process sees it: ``rank()``, ``size()`` … and the ring the collectives run on.
 
-The running session (``elastic.runtime.session``) holds the current world and its ring; it is entered
-here when ``elastic.init()`` starts it and left when it ends, and the last world it was in stays
-readable then: after ``elastic.run`` returned, ``rank()``, ``size()`` … answer with the last
+Every answer comes from the process's session (``elastic.runtime.current``), so every layer gets
+the same one. After ``elastic.run`` returned, ``rank()``, ``size()`` … answer with the last
 world's values. A worker whose function returned keeps that world's ring for the collectives a
 script runs after training (a barrier, a last all_reduce), no longer elastic, until
-``dist.destroy_process_group()``, ``elastic.shutdown()``, the next ``elastic.init()`` or the
-exit; otherwise ``ring()`` raises an error saying the job has finished. A ring formed by hand
-from an explicit peer list (tools, tests: ``Communicator.form``) can be installed with
-``use_ring()``; the session's ring comes first while one runs.
-
-Everything that asks "which world am I in" asks here, so every layer gets the same answer.
+``dist.destroy_process_group()``, ``elastic.shutdown()``, the next ``elastic.init()`` or the exit;
+otherwise ``ring()`` raises an error saying the job has finished. A ring formed by hand from an
+explicit peer list (tools, tests: ``Communicator.form``) is installed with ``use_ring()``, as a
+session of its own; it never replaces a running job's.
 """
 
 from __future__ import annotations
 
-import atexit
-import threading
-from typing import Optional, Protocol, Tuple
+from typing import Optional, Tuple
 
 from rendezvous.client.watch_events import WorldInfo
 
 from elastic.ring.communicator import Communicator
-from elastic.ring.errors import RendezvousError
+from elastic.runtime import current
+from elastic.runtime.errors import RendezvousError
+from elastic.runtime.session import Session
 
 
-class Holder(Protocol):
-    """What holds the current world: the running session (``elastic.runtime.session.Session``)."""
-
-    comm: Optional[Communicator]   # the ring of ``world``, formed or forming; None once left
-    world: Optional[WorldInfo]     # None until the first world is taken
-
-
-_lock = threading.Lock()
-_holder: Optional[Holder] = None
-_ring: Optional[Communicator] = None        # a ring installed by hand (tools, tests), when no session runs
-_last: Optional[Tuple[str, Optional[WorldInfo]]] = None   # (job id, last world) once the session ended
-_after: Optional[Communicator] = None       # the last world's ring, kept after elastic.run returned
-
-
-def attach(holder: Holder) -> None:
-    """``holder`` (a session that just started) answers from now on."""
-    global _holder, _last
-    with _lock:
-        _holder, _last = holder, None
-
-
-def detach(holder: Holder, job_id: str) -> None:
-    """``holder`` ended: its last world answers ``rank()`` … from now on, and collectives raise
-    (unless ``keep_after_run`` is given that world's ring)."""
-    global _holder, _last
-    with _lock:
-        if _holder is holder:
-            _holder, _last = None, (job_id, holder.world)
-
-
-def keep_after_run(comm: Communicator) -> None:
-    """Collectives after ``elastic.run`` returned run on ``comm``, the last world's ring."""
-    global _after
-    with _lock:
-        old, _after = _after, comm
-    if old is not None:
-        old.close()
-
-
-def close_after_run() -> None:
-    """Closes the ring kept for collectives after ``elastic.run`` returned, if any."""
-    global _after
-    with _lock:
-        comm, _after = _after, None
-    if comm is not None:
-        comm.close()
-
-
-atexit.register(close_after_run)
-
-
-def holder() -> Optional[Holder]:
-    return _holder
-
-
-def use_ring(comm: Optional[Communicator]) -> None:
-    """Makes ``comm`` the ring the collectives run on while no session runs: for tools and
-    tests that form a ring by hand from an explicit peer list (``Communicator.form``)."""
-    global _ring
-    with _lock:
-        _ring = comm
+def ring(what: str = "") -> Communicator:
+    """The ring the collectives run on now; a clear error when there is none."""
+    s = current.session()
+    if s is None:
+        raise RendezvousError("no ring: call elastic.init() (or run your function under @elastic.run) first")
+    return s.ring(what)
 
 
 def current_ring() -> Optional[Communicator]:
     """The ring the collectives run on now, or None (``ring()`` says why)."""
-    h = _holder
-    if h is not None:
-        return h.comm
-    return _ring if _ring is not None else _after
+    s = current.session()
+    return s.comm if s is not None else None
 
 
-def ring() -> Communicator:
-    """The ring the collectives run on now; a clear error when there is none."""
-    comm = current_ring()
-    if comm is not None:
-        return comm
-    last = _last
-    if last is not None:
-        raise RendezvousError(f"job {last[0]} has finished and this worker's ring is closed (elastic.run returned "
-                              "without this worker's function completing, or dist.destroy_process_group() or "
-                              "elastic.shutdown() ran): rank(), size() and world_version() still answer with its "
-                              "last world")
-    raise RendezvousError("no ring: call elastic.init() (or run your function under @elastic.run) first")
+def use_ring(comm: Optional[Communicator]) -> None:
+    """Makes ``comm`` the ring the collectives run on (None: none), for tools and tests that
+    form a ring by hand from an explicit peer list (``Communicator.form``). Refused while a job's
+    session runs: its ring is the one every layer must use."""
+    s = current.session()
+    if s is not None and type(s) is not Session and not s.ended:
+        raise RendezvousError("use_ring: a job's session runs in this process; its ring is the current one")
+    replaced = current.install(Session(comm) if comm is not None else None)
+    if replaced is not None and type(replaced) is not Session:
+        replaced.close_ring()   # the ring an ended job kept for collectives after its run
+
+
+def close_kept_ring() -> None:
+    """Closes the ring an ended job kept for collectives after its run, if any
+    (``dist.destroy_process_group()``); a running job's ring, or one installed by hand, stays."""
+    s = current.session()
+    if s is not None and s.ended:
+        s.close_ring()
 
 
 def current_world() -> Optional[WorldInfo]:
     """The world this worker is in, or the last one it was in after the session ended; None
     before any (a worker that has not joined, or only uses a ring formed by hand)."""
-    h = _holder
-    if h is not None:
-        return h.world
-    last = _last
-    return last[1] if last is not None else None
+    s = current.session()
+    return s.world if s is not None else None
 
 
 def position() -> Optional[Tuple[int, int]]:
-    """(rank, size) of this process now, the one answer every layer uses: the running session's
-    world, else that of a ring installed by hand (the collectives run on it), else the last
-    world's after the session ended; None before any."""
-    h = _holder
-    if h is not None and h.world is not None:
-        return h.world.rank, h.world.size
-    comm = _ring
-    if h is None and comm is not None:
-        return comm.rank, comm.size
-    world = current_world()
-    return (world.rank, world.size) if world is not None else None
+    """(rank, size) of this process now, the one answer every layer uses; None before any world or ring."""
+    s = current.session()
+    return s.position() if s is not None else None
 
 
 def rank_now(default: int = 0) -> int:
@@ -169,7 +104,9 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """This worker's index among the workers on its host."""
+    """This worker's index among the workers on its host in the current world. It changes with
+    worlds and is not a device index: a GPU is named by ``LOCAL_RANK`` (set by elastic-run for the
+    worker's life) or ``torch.cuda.current_device()``."""
     return _world("local_rank").local_rank
 
 

@@ -42,16 +42,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from elastic.state import checkpoint
-from elastic.runtime import hooks, worker_metrics as metrics, session, world
-from elastic.sharded import reshard
-from elastic.sharded import checkpoint as durable_format
-from elastic.sharded import transfer
-from elastic.ring.errors import BadPeerError, ElasticError, MembershipChanged, Preempted
-from elastic.ring.errors import ErrorKind
+from elastic.ring.errors import BadPeerError, ElasticError, ErrorKind
 from elastic.ring.ops import Sum
-from elastic.state.states import ObjectState
+from elastic.runtime import hooks, lifecycle
+from elastic.runtime.errors import LeftJob, MembershipChanged
+from elastic.sharded import checkpoint as durable_format
+from elastic.sharded import reshard, transfer
+from elastic.state import checkpoint
 from elastic.state.sampler import committed_attrs
+from elastic.state.states import ObjectState
 
 log = logging.getLogger("elastic")
 
@@ -82,7 +81,7 @@ class ShardedState(ObjectState):
         for k, v in (("_build", build), ("_shard", shard), ("_make_optimizer", optimizer), ("model", None),
                      ("optimizer", None), ("_own", None), ("_buddy", None), ("_held", None), ("_full", None),
                      ("_pending", None), ("_reset_due", False), ("last_reshard", None),
-                     ("_written", None), ("_resharded", None), ("_sync_timer", None),
+                     ("_written", None), ("_resharded", None),
                      ("_hooks", _ReshardOnNewWorld(self))):
             object.__setattr__(self, k, v)
         super().__init__(**attrs)
@@ -166,17 +165,16 @@ class ShardedState(ObjectState):
     def commit(self) -> None:
         """Copies this rank's shards and the replicated state, sends the shards to the buddy,
         then checks for a pending membership change (the commit's agreement)."""
-        with metrics.timed(self, "commit"):
+        session = lifecycle.session_now("ShardedState.commit()")
+        with session.timed(self, "commit"):
             if self.model is None:
                 raise RuntimeError("ShardedState.commit(): there is no model yet; commit inside the function "
                                    "elastic.run runs")
-            comm = world.ring()
+            comm = session.ring("ShardedState.commit()")
             step = self.commit_step + 1
 
-            def boundary() -> None:   # as the step protocol's commit: the hooks, then the membership check
-                for h in hooks.registered():
-                    h.committed(self, step)
-                session.protocol().check_membership()
+            def boundary() -> None:   # as the step protocol's commit: recorded, the hooks, the membership check
+                session.boundary(self, step, comm)
 
             try:
                 self._take_copies(comm, step, boundary)
@@ -252,7 +250,7 @@ class ShardedState(ObjectState):
             agree()
             agreed = True
             clock.mark("agreement")
-        except (MembershipChanged, Preempted):
+        except (MembershipChanged, LeftJob):
             agreed = True   # raised after the allreduce completed: the commit holds
             raise
         finally:
@@ -262,7 +260,7 @@ class ShardedState(ObjectState):
                 object.__setattr__(self, "_held", (gen, comm.rank))
                 object.__setattr__(self, "_pending", None)
                 object.__setattr__(self, "commit_step", step)
-                session.protocol().record_commit(step)
+                lifecycle.session_now("ShardedState").record_commit(step)
             else:
                 # Sent and received, not agreed: kept apart, announced at the next sync as pending.
                 object.__setattr__(self, "_pending", (gen, comm.rank, own, buddy))
@@ -302,52 +300,35 @@ class ShardedState(ObjectState):
     def _new_world(self) -> None:
         """``world_changed``: this world's model and optimizer built and the commit every rank
         agreed on loaded onto them, resharded (module doc), before the reset callbacks run, so
-        they act on them. ``sync`` then commits that layout again."""
-        comm = world.ring()
-        timer = metrics.timed(self, "sync")   # closed by sync(): the whole of a world's sync
-        timer.__enter__()
-        try:
-            object.__setattr__(self, "_resharded", self._reshard(comm))
-        except BaseException as e:
-            timer.__exit__(type(e), e, e.__traceback__)
-            raise
-        object.__setattr__(self, "_sync_timer", timer)
+        they act on them. ``sync`` then commits that layout again. The sync's time counts from here."""
+        session = lifecycle.session_now("ShardedState")
+        comm = session.ring("ShardedState")
+        session.start_sync_clock(self, comm)
+        object.__setattr__(self, "_resharded", self._reshard(comm))
 
     def on_reset(self) -> None:
         resharded = self._resharded
-        if resharded is not None and resharded["version"] == world.ring().world_version:
+        if resharded is not None and resharded["version"] == lifecycle.session_now("ShardedState").ring().world_version:
             super().on_reset()   # the new world's model and optimizer are there already
         else:   # resharded by sync() itself: the callbacks run there, on the new model
             object.__setattr__(self, "_reset_due", True)
 
-    def sync(self) -> None:
-        """Commits the layout ``world_changed`` loaded (own copy, buddy copy); without one for
-        this world (its first), builds and reshards first."""
-        comm = world.ring()
-        hooks.add_hooks(self._hooks)   # from now on each new world is resharded as its ring forms
-        for h in hooks.registered():
-            h.before_sync(self)
-        r, timer = self._resharded, self._sync_timer
+    def sync_over(self, comm: Any) -> Tuple[int, int]:
+        """The sharded state's part of a sync: commits the layout ``world_changed`` loaded (own
+        copy, buddy copy); without one for this world (its first), builds and reshards first.
+        Returns (the rank the replicated state came from, the commit step every rank holds)."""
+        # From now on each new world is resharded as its ring forms.
+        lifecycle.session_now("ShardedState.sync()").add_hooks(self._hooks)
+        r = self._resharded
         object.__setattr__(self, "_resharded", None)
-        object.__setattr__(self, "_sync_timer", None)
         if r is None or r["version"] != comm.world_version:
-            timer = metrics.timed(self, "sync")
-            timer.__enter__()
-            r = None
-        try:
-            if r is None:
-                r = self._reshard(comm)
-            if self._reset_due:
-                object.__setattr__(self, "_reset_due", False)
-                super().on_reset()
-            if r["disk"] is not None:
-                object.__setattr__(self, "_written", r["disk"].step)
-            sent = self._take_copies(comm, r["step"], _agreement(comm), r["clock"], taken=r["taken"],
-                                     local=r["local"])
-        except BaseException as e:
-            timer.__exit__(type(e), e, e.__traceback__)
-            raise
-        timer.__exit__(None, None, None)
+            r = self._reshard(comm)
+        if self._reset_due:
+            object.__setattr__(self, "_reset_due", False)
+            super().on_reset()
+        if r["disk"] is not None:
+            object.__setattr__(self, "_written", r["disk"].step)
+        sent = self._take_copies(comm, r["step"], _agreement(comm), r["clock"], taken=r["taken"], local=r["local"])
         seconds = time.monotonic() - r["started"]
         object.__setattr__(self, "last_reshard", {"from": r["from"], "moved_bytes": r["moved"],
                                                   "buddy_bytes": sent, "seconds": seconds,
@@ -359,8 +340,7 @@ class ShardedState(ObjectState):
             g = r["from"]
             log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
                      "in %.3f s", comm.world_version, g.step, g.size, g.version, r["moved"], seconds)
-        for h in hooks.registered():   # the torch group and DDP follow the new world
-            h.after_sync(self, r["root"])
+        return r["root"], self.commit_step
 
     def _reshard(self, comm) -> Dict[str, Any]:
         """Builds this world's model and optimizer and loads the agreed commit onto them; what
@@ -523,7 +503,7 @@ class ShardedState(ObjectState):
     def on_finish(self) -> None:
         """``elastic.run``'s function returned on every rank: gather the full model while the
         ring is still up, for ``full_state_dict()`` after the run."""
-        hooks.remove_hooks(self._hooks)
+        lifecycle.session_now("ShardedState").remove_hooks(self._hooks)
         try:
             object.__setattr__(self, "_full", self.full_state_dict())
         except ElasticError as e:
@@ -534,11 +514,11 @@ class ShardedState(ObjectState):
 
         Inside ``elastic.run`` a collective: every rank calls it and gets the same dict. After
         the run, the model as the function left it, gathered when it returned."""
-        if session.active() is None and self._full is not None:
+        if lifecycle.running() is None and self._full is not None:
             return self._full
         if self.model is None:
             raise RuntimeError("ShardedState.full_state_dict(): no model yet (it is made by elastic.run)")
-        comm = world.ring()
+        comm = lifecycle.session_now("ShardedState.full_state_dict()").ring("ShardedState.full_state_dict()")
         out: Dict[str, torch.Tensor] = {fqn: transfer.gather(comm, p, fqn) for fqn, p in self._params()}
         for fqn, b in self.model.named_buffers():
             out[fqn] = b.detach().clone()
@@ -551,7 +531,7 @@ class ShardedState(ObjectState):
         collective inside ``elastic.run``: every rank calls it."""
         if self.optimizer is None:
             return {}
-        comm = world.ring()
+        comm = lifecycle.session_now("ShardedState.full_optimizer_state()").ring("ShardedState.full_optimizer_state()")
         out: Dict[str, Dict[str, Any]] = {}
         for fqn, p in self._params():
             for name, v in sorted(self.optimizer.state.get(p, {}).items()):

@@ -239,7 +239,12 @@ class DurableWriter:
         self._thread: Optional[threading.Thread] = None
         self.written: Optional[int] = None  # step of the last commit written
         self.failed: Optional[Tuple[int, str]] = None  # (step, reason) of the last failure, until a write succeeds
-        _writers.add(self)
+        me = weakref.ref(self)   # neither hook keeps a writer its State dropped
+        # Runs before the interpreter stops daemon threads: a completed job's last durable commit
+        # reaches the disk even when the script ends right after its last commit.
+        atexit.register(lambda: me() is not None and me().finish())
+        # A forked child has no writer thread: nothing of the parent's is in flight there.
+        os.register_at_fork(after_in_child=lambda: me() is not None and me()._forget_after_fork())
 
     def holds(self, snapshot: Any) -> bool:
         """Whether ``snapshot`` is handed over and not yet written (its buffers are being read)."""
@@ -332,24 +337,8 @@ class DurableWriter:
                 self._cond.notify_all()
 
     def _forget_after_fork(self) -> None:
-        # A forked child has no writer thread: nothing of the parent's is in flight there.
         self._cond = threading.Condition()
         self._job, self._thread = None, None
-
-
-_writers: "weakref.WeakSet[DurableWriter]" = weakref.WeakSet()
-
-
-@atexit.register
-def _finish_at_exit() -> None:
-    # Runs before the interpreter stops daemon threads: a completed job's last durable commit
-    # reaches the disk even when the script ends right after its last commit.
-    for w in list(_writers):
-        w.finish()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: [w._forget_after_fork() for w in list(_writers)])
 
 
 __all__ = ["MAGIC", "VERSION", "KEEP", "FINISH_TIMEOUT_S", "file_name", "check_directory", "prepare_directory",

@@ -34,7 +34,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import numpy as np
 
 from elastic.state import checkpoint
-from elastic.runtime import worker_metrics as metrics, session, step_phase
+from elastic.runtime import step_phase
+from elastic.runtime.lifecycle import session_now
+from elastic.state import sync as state_sync
 from elastic.ring import serialization
 from elastic.state.sampler import ElasticSampler, committed_attrs
 
@@ -129,8 +131,7 @@ class State:
         An attribute the sync format cannot carry (a function, a class instance, a set …)
         raises ``TypeError`` naming it, before anything is copied: the last commit stays.
         """
-        with metrics.timed(self, "commit"):
-            session.protocol().commit(self)
+        session_now("State.commit()").commit(self)
 
     def restore(self) -> None:
         """Rolls the live state back to the last commit (no-op before the first)."""
@@ -139,11 +140,16 @@ class State:
         object.__setattr__(self, "_progress", 0)
         self._settled()
 
-    def keep_live(self) -> bool:
-        """After a peer's failure: keeps the live state instead of restoring the last commit when
-        the failure cannot have left it half-changed, and says whether it did. This base class
-        never does (``TorchState`` does; see ``elastic.runtime.step_phase``)."""
+    def live_state_usable(self) -> bool:
+        """After a peer's failure: whether the live state can be kept instead of restoring the
+        last commit, because the failure cannot have left it half-changed. This base class never
+        can (``TorchState`` can; see ``elastic.runtime.step_phase``)."""
         return False
+
+    def keep_live(self) -> None:
+        """Keeps the live state after a failure (``live_state_usable`` said it may): it becomes the
+        step boundary the next sync compares."""
+        raise NotImplementedError(f"{type(self).__name__} cannot keep its live state after a failure")
 
     def sync_position(self) -> Tuple[int, int]:
         """How far this state is, as syncs compare it: (its commit step, the steps completed
@@ -152,14 +158,26 @@ class State:
 
     def check_membership(self) -> None:
         """Raises MembershipChanged on every rank at once when a clean join/leave is pending."""
-        session.protocol().check_membership()
+        session_now("State.check_membership()").check_membership()
 
     def sync(self) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""
-        with metrics.timed(self, "sync"):
-            session.protocol().sync(self)
+        session_now("State.sync()").sync(self)
 
     # -- snapshots, as the session's step protocol takes and loads them
+    def take_commit(self, durable: bool, wait_s: float) -> None:
+        """The state's part of ``commit()``: the snapshot, counted, and (``durable``: this rank
+        writes durable commits) every ``checkpoint_every``-th commit handed to the durable
+        writer, waiting at most ``wait_s`` for the write before it."""
+        self.take_snapshot()
+        if durable and self._checkpoint_dir and self.commit_step % self._checkpoint_every == 0:
+            self.write_checkpoint(wait_s)
+
+    def sync_over(self, comm: Any) -> Tuple[int, int]:
+        """The state's part of ``sync()``: the most advanced rank's commit to every rank of
+        ``comm`` (``elastic.state.sync``); returns (that rank, the commit step every rank holds)."""
+        return state_sync.transfer(comm, self)
+
     def take_snapshot(self) -> None:
         """The in-memory half of ``commit()``: check, copy, and count the commit."""
         view = self.live()
@@ -168,10 +186,6 @@ class State:
         object.__setattr__(self, "commit_step", self.commit_step + 1)
         object.__setattr__(self, "_progress", 0)
         self._settled()
-
-    def checkpoint_due(self) -> bool:
-        """The commit just taken is one to write durably."""
-        return bool(self._checkpoint_dir) and self.commit_step % self._checkpoint_every == 0
 
     def encode_for_sync(self, step: int, from_checkpoint: bool) -> serialization.Encoded:
         """The sync root's (step, state) to broadcast: the newest durable commit when asked to
@@ -479,7 +493,6 @@ class TorchState(ObjectState):
             self._tracked.append(model)
         for value in [optimizer, *attrs.values()]:
             self._follow(value)
-        _trackers.add(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -546,14 +559,17 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_buffers_at_step", _copy_into(self._buffers_at_step,
                                                                 dict(self._persistent_buffers())))
 
-    def keep_live(self) -> bool:
-        # Keeps only what the hooks follow: this model's forwards and this optimizer's steps.
+    def live_state_usable(self) -> bool:
+        # Only what the hooks follow can be kept: this model's forwards and this optimizer's steps.
         tracked = self.model is not None and self.optimizer is not None and \
             any(self.model is t for t in self._tracked) and any(self.optimizer is t for t in self._tracked)
         if not tracked or not step_phase.harmless(self._phase):
             log.info("the failure came where the live state may be half-changed (%s; elastic.runtime.step_phase): "
                      "restoring the last commit", self._phase.value if tracked else "no model and optimizer followed")
             return False
+        return True
+
+    def keep_live(self) -> None:
         torch = sys.modules["torch"]
         with torch.no_grad():   # the copy goes back into the live buffers (same names, shapes, dtypes)
             _copy_into(dict(self._persistent_buffers()), self._buffers_at_step or {})
@@ -652,11 +668,6 @@ class TorchState(ObjectState):
         self._load_attributes(snapshot["attrs"])
 
 
-# TorchStates that follow their step: elastic.DistributedDataParallel tells them a training
-# forward begins before its buffer broadcast (the model's own pre-hook runs after it).
-_trackers: "weakref.WeakSet[TorchState]" = weakref.WeakSet()
-
-
 def _uncompiled(hook: Callable) -> Callable:
     """``hook`` left out of torch.compile's graphs (it is bookkeeping in Python, run eagerly)."""
     return sys.modules["torch"].compiler.disable(hook)
@@ -668,8 +679,9 @@ def _tell(ref: "weakref.ref[TorchState]", event: step_phase.Event) -> None:
         state._step_event(event)
 
 
-def training_forward_begins(module: Any) -> None:
-    """A DDP wrapper of ``module`` begins a forward: every TorchState holding ``module`` learns it."""
-    for state in list(_trackers):
-        if state.model is module:
-            state._step_event(step_phase.Event.FORWARD)
+def training_forward_begins(state: Any, module: Any) -> None:
+    """A DDP wrapper of ``module`` begins a forward (before its buffer broadcast, a collective a
+    peer's failure may surface in; the model's own pre-hook runs after it): ``state``, the State
+    ``elastic.run`` runs, learns it when it holds ``module``."""
+    if isinstance(state, TorchState) and state.model is module:
+        state._step_event(step_phase.Event.FORWARD)

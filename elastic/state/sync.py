@@ -41,7 +41,8 @@ import numpy as np
 
 from elastic.ring.errors import ErrorKind
 from elastic.ring.communicator import Communicator
-from elastic.ring.errors import BadPeerError, SyncRefusedError
+from elastic.ring.errors import BadPeerError
+from elastic.state.errors import SyncRefusedError
 
 log = logging.getLogger("elastic")
 

@@ -1,10 +1,10 @@
 """``elastic.DistributedDataParallel``: torch DDP whose gradient allreduce runs on the elastic ring.
 
 The gradient allreduce must overlap backward, so it is the one asynchronous path on the ring:
-it runs in a comm hook, whose failed future torch turns into a ``RuntimeError`` from
-``backward()`` (DDP survives it); the ring's error is kept by the elastic group
-(``elastic.torchdist.group.pending_failure``) and ``elastic.run`` handles what escaped the training
-function as that ``WorkerLostError``.
+it runs in a comm hook whose state is the session (as TorchFT's hook gets its manager), and whose
+failed future torch turns into a ``RuntimeError`` from ``backward()`` (DDP survives it); the ring's
+error is noted by the session (``Session.note_failure``) and ``elastic.run`` handles what escaped
+the training function as that ``WorkerLostError``.
 
 DDP rebuilds its gradient buckets in its second iteration, in the order gradients became ready,
 and broadcasts rank 0's order. After a re-form a joiner's DDP is new and a survivor's has
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import queue
-import threading
 import warnings
 import weakref
 from typing import Any, List, Optional, Sequence
@@ -27,66 +25,44 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from elastic.runtime import hooks, world
 from elastic.ring.errors import WorkerLostError
-from elastic.torchdist.group import _not_compiled, process_group
-from elastic.torchdist.group_collectives import NATIVE
 from elastic.ring.ops import Average
+from elastic.runtime import current
 from elastic.state.states import training_forward_begins
+from elastic.torchdist.group import ElasticProcessGroup, _not_compiled, process_group
+from elastic.torchdist.group_collectives import NATIVE
 
-# Every live DistributedDataParallel, in the order they were made: the same order on every rank
-# (the same script makes them), which the broadcasts at sync rely on.
-_ddps: "List[weakref.ref]" = []
-_ddps_lock = threading.Lock()
-
-
-def _live_ddps() -> "List[DistributedDataParallel]":
-    with _ddps_lock:
-        live = [(r, r()) for r in _ddps]
-        _ddps[:] = [r for r, d in live if d is not None]
+def _live_ddps(group: ElasticProcessGroup) -> "List[DistributedDataParallel]":
+    """The DDPs made on ``group`` that still exist, in the order they were made: the same order on
+    every rank (the same script makes them), which the broadcasts at sync rely on."""
+    with group._lock:
+        live = [(r, r()) for r in group.ddps]
+        group.ddps[:] = [r for r, d in live if d is not None]
         return [d for _, d in live if d is not None]
 
 
-class _Completions:
-    """Completes DDP's bucket futures in order as the ring finishes their allreduces, on one
-    thread, so backward goes on computing while the ring moves the earlier buckets."""
-
-    def __init__(self) -> None:
-        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-
-    def put(self, comm, handle, fut: torch.futures.Future, buf: torch.Tensor) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="elastic-ddp-completions", daemon=True)
-                self._thread.start()
-        self._q.put((comm, handle, fut, buf))
-
-    def _loop(self) -> None:
-        while True:
-            comm, handle, fut, buf = self._q.get()
-            try:
-                comm.synchronize(handle)   # bounded by the ring's collective timeout or an abort
-            except WorkerLostError as e:
-                process_group()._record(e)
-                fut.set_exception(RuntimeError(f"elastic ring: {e}"))
-            except Exception as e:  # the future must finish, or DDP's backward waits forever
-                fut.set_exception(RuntimeError(f"elastic ring: gradient allreduce failed: {e}"))
-            else:
-                fut.set_result(buf)
-
-
-_completions = _Completions()
-
-
 @_not_compiled
-def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP's comm hook: the bucket averaged over the current world, asynchronously."""
+def _allreduce_hook(session: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP's comm hook, its state the session (``None`` before the first sync: the current one):
+    the bucket averaged over the current world, asynchronously, completed in order by the
+    session's ``completions`` thread while backward goes on."""
     buf = bucket.buffer()
     fut: torch.futures.Future = torch.futures.Future()
+    session = session if session is not None else current.session()
+
+    def done(error: Optional[BaseException]) -> None:
+        if error is None:
+            fut.set_result(buf)
+            return
+        if isinstance(error, WorkerLostError) and session is not None:
+            session.note_failure(error)
+        # torch makes a RuntimeError of a failed future; elastic.run raises the noted failure instead.
+        fut.set_exception(RuntimeError(f"elastic ring: {error}"))
+
     try:
-        comm = world.ring()
+        if session is None:
+            raise RuntimeError("no session: train inside the function @elastic.run runs")
+        comm = session.ring("DistributedDataParallel")
         if buf.dtype not in NATIVE:
             raise NotImplementedError(f"DistributedDataParallel: gradients of dtype {buf.dtype} are not supported "
                                       "by the elastic ring")
@@ -94,19 +70,17 @@ def _allreduce_hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Futur
         # Its own operation: the core fuses open async allreduces until something waits, and
         # the completion thread waits at times of its own, so fusing would differ by rank.
         comm.flush()
-    except WorkerLostError as e:
-        process_group()._record(e)
-        fut.set_exception(RuntimeError(f"elastic ring: {e}"))
+    except Exception as e:  # noqa: BLE001 (the future must fail, or backward waits forever)
+        done(e)
         return fut
-    except Exception as e:
-        fut.set_exception(RuntimeError(f"elastic ring: {e}"))
-        return fut
-    _completions.put(comm, handle, fut, buf)
+    session.completions.put(comm, handle, done)
     return fut
 
 
 def _forward_begins(ddp: "DistributedDataParallel", args: Any) -> None:
-    training_forward_begins(ddp.module)
+    s = current.session()
+    if s is not None:
+        training_forward_begins(s.state, ddp.module)
 
 
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
@@ -144,27 +118,29 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if kwargs.get("device_ids"):
             raise NotImplementedError("elastic.DistributedDataParallel: device_ids= needs a GPU data plane, "
                                       "which the elastic ring does not have yet")
-        super().__init__(module, process_group=process_group(), init_sync=False, **kwargs)
-        dist._register_comm_hook(self.reducer, None, _allreduce_hook)
+        group = process_group()
+        super().__init__(module, process_group=group, init_sync=False, **kwargs)
+        dist._register_comm_hook(self.reducer, current.session(), _allreduce_hook)
         # A TorchState holding the wrapped module learns that a training forward begins before
         # DDP broadcasts the buffers (a collective a peer's failure may surface in).
         self.register_forward_pre_hook(_not_compiled(_forward_begins))
-        with _ddps_lock:
-            _ddps.append(weakref.ref(self))
+        with group._lock:
+            group.ddps.append(weakref.ref(self))
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         raise NotImplementedError("elastic.DistributedDataParallel runs the elastic ring's allreduce as its "
                                   "comm hook; another hook cannot be registered")
 
-    def _elastic_reset(self) -> None:
+    def _elastic_reset(self, session: Any) -> None:
         """A fresh reducer, as at construction: every rank's buckets are the same again, and
-        they rebuild together (see the module doc). Also clears what a failed backward left."""
+        they rebuild together (see the module doc). Also clears what a failed backward left. Its
+        comm hook runs on ``session``'s ring."""
         self.reducer._remove_autograd_hooks()
         parameters, expect_sparse_gradient = self._build_params_for_reducer()
         mapping = self._build_debug_param_to_name_mapping(parameters)
         static = bool(self.static_graph)   # given to the constructor, or _set_static_graph() later
         self._ddp_init_helper(parameters, expect_sparse_gradient, mapping, static)
-        dist._register_comm_hook(self.reducer, None, _allreduce_hook)
+        dist._register_comm_hook(self.reducer, session, _allreduce_hook)
         self._has_rebuilt_buckets = False
         if static:
             # torch's own switch, so the new reducer's first iteration is a static graph's first
@@ -200,20 +176,21 @@ def _signature(ddps: Sequence[DistributedDataParallel]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
-def after_sync(state: Any, root: int) -> None:
+def after_sync(session: Any, state: Any, root: int) -> None:
     """Called on every rank at the end of each sync (a step hook, after the group's own): the
     ring is new or kept, the state is everyone's. Each DDP's module the state does not carry gets
-    the root's parameters and buffers, and every DDP a fresh reducer.
+    the root's parameters and buffers, and every DDP a fresh reducer on ``session``'s ring.
 
     One 16-byte allgather first checks that every rank has the same DDPs outside the state: a
     DDP one rank made and another did not would otherwise take another module's weights."""
-    ddps = _live_ddps()
+    group = process_group()
+    ddps = _live_ddps(group)
     outside = [d for d in ddps if not _covered(state, d)]
     if outside:
         gc.collect()   # a DDP dropped since (built in an earlier attempt) must not count on this rank only
-        ddps = _live_ddps()
+        ddps = _live_ddps(group)
         outside = [d for d in ddps if not _covered(state, d)]
-    comm = world.ring()
+    comm = session.ring("DistributedDataParallel")
     mine = torch.tensor([len(outside), _signature(outside)], dtype=torch.int64)
     rows = comm.allgather_equal(mine).tolist()
     if any(row != rows[0] for row in rows):
@@ -223,15 +200,7 @@ def after_sync(state: Any, root: int) -> None:
     for ddp in outside:
         ddp._elastic_broadcast(root)
     for ddp in ddps:
-        ddp._elastic_reset()
-
-
-class _DDPHooks(hooks.StepHooks):
-    def after_sync(self, state: Any, root: int) -> None:
-        after_sync(state, root)
-
-
-hooks.add_hooks(_DDPHooks())   # after the group's (imported above), on every rank that imports this module
+        ddp._elastic_reset(session)
 
 
 __all__ = ["DistributedDataParallel", "after_sync"]

@@ -8,9 +8,9 @@ group (``install_default_group``): ``dist.get_rank()``, ``dist.all_reduce(t)`` �
 Failures never vanish. Every collective runs synchronously and raises the ring's own
 ``WorkerLostError`` (``async_op=True`` hands back a finished ``Work``): torch loses the error of a
 ``Work`` whose future failed, and DDP's reducer crashes on one. The one asynchronous path is
-DDP's gradient allreduce (``elastic.torchdist.ddp``), which must overlap backward; the ring's error it
-hits is kept here (``pending_failure``) and ``elastic.run`` handles what escaped the training
-function as that ``WorkerLostError``. torch's object collectives (``all_gather_object`` …)
+DDP's gradient allreduce (``elastic.torchdist.ddp``), which must overlap backward. A ring error
+any of them hits is noted by the session (``Session.note_failure``), and ``elastic.run`` handles
+what escaped the training function as that ``WorkerLostError``. torch's object collectives (``all_gather_object`` …)
 pickle; on this group they run in ``elastic.torchdist.objects`` instead, whose format calls nothing a peer
 names and whose sizes are bounded.
 
@@ -22,26 +22,29 @@ gathers and reduce-scatters they call are the ring's own phases (``elastic.torch
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
-from elastic.runtime import hooks, world
-from elastic.torchdist import objects
+from elastic.ring.errors import WorkerLostError
+from elastic.runtime import current, world
+from elastic.runtime.errors import RendezvousError
 from elastic.runtime.worker_config import default_group_from_env
-from elastic.ring.errors import RendezvousError, StaleMeshError, WorkerLostError
+from elastic.torchdist import c10d_tables, objects
+from elastic.torchdist.errors import StaleMeshError
 from elastic.torchdist.group_collectives import (NATIVE, WIDEN, Contiguous, all_gather_into_tensor, all_gather_list,
     check_cpu, reduce_scatter_list, reduce_scatter_tensor, ring_op)
 
 log = logging.getLogger("elastic")
 
 GROUP_NAME = "elastic"
-BACKEND = "elastic"
+BACKEND = c10d_tables.BACKEND
 
 _MAX_ALLTOALL_BYTES = 1 << 36   # every rank holds the whole exchange
 
@@ -98,7 +101,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-class ElasticProcessGroup(dist.ProcessGroup):
+class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
     """The current world as a ``torch.distributed.ProcessGroup`` (see the module doc).
 
     ``rank()``/``size()`` answer with the current world (after ``elastic.run`` returned: its
@@ -116,13 +119,14 @@ class ElasticProcessGroup(dist.ProcessGroup):
         # caller gets the overrides below, and DDP's reducer (the one C++ user) takes its
         # divide factor from the comm hook, which averages over the current size.
         super().__init__(0, 1)
-        self._failure: Optional[WorkerLostError] = None
         self._lock = threading.Lock()
         self._world = world       # a world view's ring (its Communicator); None for the process's group
         self._name = name
-        self._parent = parent     # a world view's process group, which keeps the failures
+        self._parent = parent     # a world view's process group
         self._view: "Optional[ElasticProcessGroup]" = None   # the process group's view of the current world
         self._view_names: set = set()
+        self.ddps: List[weakref.ref] = []   # the DistributedDataParallels made on this group, in order
+        self.mesh: Any = None               # a world view's DeviceMesh (elastic.torchdist.mesh)
 
     # ------------------------------------------------------------------ identity
     @_not_compiled
@@ -176,14 +180,15 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 # mesh made anew for this world (from_group) the last world's equal one.
                 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
                 _clear_sharding_prop_cache()
-            if c10d._world.pg_names.get(view) != view.group_name:   # new, or destroy_process_group() emptied them
-                _enter_view(view)
+            if c10d_tables.entered_as(view) != view.group_name:   # new, or destroy_process_group() emptied them
+                c10d_tables.enter_world_view(view, lambda pg: isinstance(pg, ElasticProcessGroup) and
+                                             pg._world is not None)
         return view
 
     def shutdown(self) -> None:
         """``dist.destroy_process_group()``: closes the ring kept for collectives after
         ``elastic.run`` returned; a running session's ring is the session's to close."""
-        world.close_after_run()
+        world.close_kept_ring()
 
     def abort(self) -> None:
         comm = world.current_ring()
@@ -191,29 +196,12 @@ class ElasticProcessGroup(dist.ProcessGroup):
             comm.abort("torch.distributed ProcessGroup.abort()")
 
     # ------------------------------------------------------------------ failures
-    def _record(self, err: WorkerLostError) -> None:
-        if self._parent is not None:   # elastic.run reads the failure from the process's group
-            self._parent._record(err)
-            return
-        with self._lock:
-            if self._failure is None or err.world_version >= self._failure.world_version:
-                self._failure = err
-
-    def pending_failure(self) -> Optional[WorkerLostError]:
-        """The ring failure a collective run for torch hit, if the current ring is that one
-        (or none is held): what ``elastic.run`` raises in place of torch's ``RuntimeError``."""
-        with self._lock:
-            err = self._failure
-        if err is None:
-            return None
-        comm = world.current_ring()
-        if comm is None or comm.failed or comm.world_version <= err.world_version:
-            return err
-        return None
-
-    def clear_failure(self) -> None:
-        with self._lock:
-            self._failure = None
+    def _note(self, err: WorkerLostError) -> None:
+        """The session notes the ring failure a collective run for torch hit: torch turns it into
+        an error of its own, and ``elastic.run`` raises this one in its place."""
+        s = current.session()
+        if s is not None:
+            s.note_failure(err)
 
     def _ring(self, what: str):
         try:
@@ -230,11 +218,11 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return comm
 
     def _run(self, fn, *args):
-        """``fn(*args)``, keeping the ring failure it raises for ``pending_failure``."""
+        """``fn(*args)``, the ring failure it raises noted by the session."""
         try:
             return fn(*args)
         except WorkerLostError as e:
-            self._record(e)
+            self._note(e)
             raise
 
     # ------------------------------------------------------------------ reductions
@@ -539,122 +527,46 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self._unsupported("merge_remote_group")
 
 
-_group_lock = threading.Lock()
-_group: Optional[ElasticProcessGroup] = None
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _the_group() -> ElasticProcessGroup:
+    """The one group, made on first use (under ``_lock``: never two)."""
+    c10d_tables.check()
+    c10d_tables.register_backend()
+    group = ElasticProcessGroup()
+    # torch's object collectives pickle; on this group they carry elastic.ring.serialization's format.
+    c10d_tables.replace_functions(objects.PUBLIC, objects.HELPERS)
+    return group
 
 
 def process_group() -> ElasticProcessGroup:
     """The process's elastic ``torch.distributed.ProcessGroup``: the same object across re-forms."""
-    global _group
-    with _group_lock:
-        if _group is None:
-            _group = ElasticProcessGroup()
-            # torch's object collectives pickle; on this group they carry elastic.ring.serialization's format.
-            objects.install(lambda: _group, _group._ring)
-        pg = _group
-    _register(pg)
+    with _lock:
+        pg = _the_group()
+    c10d_tables.enter_group(pg, GROUP_NAME)
     return pg
-
-
-def pending_failure() -> Optional[WorkerLostError]:
-    """The ring failure behind a torch error (see ``ElasticProcessGroup.pending_failure``)."""
-    g = _group
-    return g.pending_failure() if g is not None else None
-
-
-# ---------------------------------------------------------------------- torch's tables
-class _NoStore(dist.Store):
-    """The elastic group's entry where torch keeps a group's key-value store: it has none (the
-    rendezvous decides membership), so whatever asks for one gets a clear error, not a store
-    that is local to this process and silently wrong."""
-
-    def _none(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("the elastic group has no torch.distributed key-value store (membership is the "
-                                  "rendezvous server's)")
-
-    set = get = add = wait = compare_set = delete_key = num_keys = check = set_timeout = _none
-
-
-def _no_subgroups(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("torch.distributed.new_group / DeviceMesh: subgroups of the elastic group are not "
-                              "supported (the world changes with every re-form)")
-
-
-# new_group() on the default group makes a group of its backend: this one refuses, by name.
-if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
-    dist.Backend.register_backend(BACKEND, _no_subgroups, devices=["cpu"])
-
-
-def _register(pg: ElasticProcessGroup) -> None:
-    """Enters the group in torch.distributed's tables (its name, its ranks for the current world),
-    so calls that pass ``group=`` (rooted ones look ranks up there) work whether or not it is the
-    default group. Again after every sync: the world's size changes, and a script's
-    ``destroy_process_group()`` empties the tables."""
-    world = c10d._world
-    if pg not in world.pg_map:
-        world.pg_map[pg] = (BACKEND, _NoStore())
-        world.pg_names[pg] = GROUP_NAME
-        world.pg_backend_config[pg] = f"cpu:{BACKEND}"
-        world.pg_to_tag[pg] = f"ptd:{GROUP_NAME}"
-        for tag in (f"ptd:{GROUP_NAME}", ""):
-            if pg not in world.tags_to_pg.setdefault(tag, []):
-                world.tags_to_pg[tag].append(pg)
-    world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
-    if world.default_pg is pg:
-        torch._C._distributed_c10d._set_global_rank(pg.rank())
-
-
-def _enter_view(view: ElasticProcessGroup) -> None:
-    """Makes ``view`` the elastic group's world entry in torch.distributed's tables (rooted
-    calls look ranks up there) in place of the previous world's, and registers its name with
-    torch's resolver (for good: a stale mesh resolves it and gets its clear error)."""
-    world = c10d._world
-    for old in [pg for pg in world.pg_map if isinstance(pg, ElasticProcessGroup) and pg._world is not None
-                and pg is not view]:
-        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config):
-            table.pop(old, None)
-    world.pg_map[view] = (BACKEND, _NoStore())
-    world.pg_names[view] = view.group_name
-    world.pg_group_ranks[view] = {i: i for i in range(view.size())}
-    world.pg_backend_config[view] = f"cpu:{BACKEND}"
-    try:
-        c10d._resolve_process_group(view.group_name)
-    except (RuntimeError, ValueError, KeyError):   # new, or unregistered by destroy_process_group()
-        c10d._register_process_group(view.group_name, view)
-
-
-def _registered() -> bool:
-    return _group is not None and c10d._world.default_pg is _group
 
 
 def install_default_group(enabled: Optional[bool] = None) -> bool:
     """Makes the elastic group torch.distributed's default group (inside ``elastic.run``).
 
-    Skipped when not ``enabled`` (default: ``ELASTIC_DEFAULT_GROUP``, read by ``elastic.runtime.worker_config``)
-    or when the script initialized a default group itself (that one is left alone and does not
-    follow re-forms; a warning says so). Returns whether the elastic group is the default group
-    now. torch's tables are private: if they change shape, this logs why and training goes on
-    without the default group.
+    Skipped when not ``enabled`` (default: ``ELASTIC_DEFAULT_GROUP``, read by
+    ``elastic.runtime.worker_config``) or when the script initialized a default group itself (that
+    one is left alone and does not follow re-forms; a warning says so). Returns whether the elastic
+    group is the default group now. torch's tables are private: if they change shape, this logs
+    why and training goes on without the default group.
     """
     if not (default_group_from_env() if enabled is None else enabled):
         return False
-    if _registered():
-        _register(_group)
-        return True
-    if dist.is_initialized():
+    if dist.is_initialized() and not c10d_tables.is_default(process_group()):
         log.warning("torch.distributed's default group was initialized by the script (backend %s): elastic.run "
                     "leaves it, and dist.* calls on it do not survive failures; pass "
                     "group=elastic.process_group(), or drop init_process_group()", dist.get_backend())
         return False
     try:
-        pg = process_group()
-        for name_it in (lambda: pg._set_group_name(GROUP_NAME), lambda: c10d._register_process_group(GROUP_NAME, pg)):
-            try:
-                name_it()
-            except RuntimeError:   # named already (installed before, then destroyed)
-                pass
-        c10d._update_default_pg(pg)
-        _register(pg)
+        c10d_tables.make_default(process_group(), GROUP_NAME)
     except Exception as e:  # noqa: BLE001 (torch internals; the ring itself is unaffected)
         log.warning("could not make the elastic ring torch.distributed's default group (%s: %s); dist.* calls "
                     "need group=elastic.process_group()", type(e).__name__, e)
@@ -662,23 +574,4 @@ def install_default_group(enabled: Optional[bool] = None) -> bool:
     return True
 
 
-class _GroupHooks(hooks.StepHooks):
-    """The group's part in the step protocol: the default group inside ``elastic.run``, torch's
-    tables after every sync, and the ring failure behind a torch error."""
-
-    def run_starting(self, default_group: bool) -> None:
-        install_default_group(default_group)
-
-    def after_sync(self, state: Any, root: int) -> None:
-        group = process_group()
-        group.clear_failure()
-        _register(group)
-
-    def failure_behind(self, error: BaseException) -> Optional[WorkerLostError]:
-        return pending_failure()
-
-
-hooks.add_hooks(_GroupHooks())
-
-
-__all__ = ["ElasticProcessGroup", "process_group", "install_default_group", "pending_failure"]
+__all__ = ["ElasticProcessGroup", "process_group", "install_default_group"]

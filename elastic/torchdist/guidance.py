@@ -36,12 +36,9 @@ TORCH_DDP = (
     "was built with): use elastic.DistributedDataParallel(module, ...) with the same arguments "
     "(from elastic import DistributedDataParallel as DDP), built before @elastic.run's function")
 
-_installed = False
-
-
 def install_when_torch_loads() -> None:
     """In a worker of elastic-run: installs the wrappers now if torch is loaded, else once it is."""
-    if WORKER_ENV not in os.environ or _installed:
+    if WORKER_ENV not in os.environ or _installed():
         return
     if _DDP_MODULE in sys.modules:
         install()
@@ -49,28 +46,32 @@ def install_when_torch_loads() -> None:
         sys.meta_path.insert(0, _AfterTorchLoads())
 
 
+def _installed() -> bool:
+    """Whether torch's DDP constructor is ours already (the mark is on torch's object, not here)."""
+    ddp_module = sys.modules.get(_DDP_MODULE)
+    return ddp_module is not None and getattr(ddp_module.DistributedDataParallel.__init__, "_elastic_guidance", False)
+
+
 def install() -> None:
     """Wraps torch's default-group lookup and DDP's constructor (idempotent)."""
-    global _installed
     # From sys.modules: this may run while ``import torch`` itself is still under way.
     dist = sys.modules.get("torch.distributed")
     ddp_module = sys.modules.get(_DDP_MODULE)
-    if _installed or dist is None or ddp_module is None or not dist.is_available():
+    if dist is None or ddp_module is None or not dist.is_available() or _installed():
         return
-    _installed = True
     c10d = sys.modules["torch.distributed.distributed_c10d"]
+    from elastic.torchdist import c10d_tables   # torch.distributed is loaded by now
 
-    original_lookup = c10d._get_default_group
-
-    @functools.wraps(original_lookup)
-    def _get_default_group():
-        if not c10d.is_initialized():
-            raise ValueError(NO_DEFAULT_GROUP)
-        return original_lookup()
+    def guided(original_lookup):
+        @functools.wraps(original_lookup)
+        def _get_default_group():
+            if not c10d.is_initialized():
+                raise ValueError(NO_DEFAULT_GROUP)
+            return original_lookup()
+        return _get_default_group
 
     # torch's DDP module imported the function by name: both names must see the wrapper.
-    c10d._get_default_group = _get_default_group
-    ddp_module._get_default_group = _get_default_group
+    c10d_tables.wrap_default_group_lookup(guided, ddp_module)
 
     torch_ddp = ddp_module.DistributedDataParallel
     original_init = torch_ddp.__init__
@@ -91,6 +92,7 @@ def install() -> None:
                 raise TypeError(TORCH_DDP)
         original_init(self, module, *args, **kwargs)
 
+    __init__._elastic_guidance = True   # type: ignore[attr-defined]
     torch_ddp.__init__ = __init__
 
 

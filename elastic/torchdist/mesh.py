@@ -21,15 +21,12 @@ mixing two worlds fail, torch.compile guards recompile).
 
 from __future__ import annotations
 
-import threading
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from elastic.torchdist.group import ElasticProcessGroup, process_group
-
-_lock = threading.Lock()
-_made: Optional[Tuple[ElasticProcessGroup, DeviceMesh]] = None   # the last world's view and its mesh
+from elastic.torchdist import c10d_tables
+from elastic.torchdist.group import process_group
 
 
 def device_mesh(mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
@@ -43,27 +40,26 @@ def device_mesh(mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
     ``elastic.StaleMeshError``. ``mesh_dim_names`` names the one dimension (e.g. ``("dp",)``).
     Needs a current world: call it inside ``elastic.run``.
     """
-    global _made
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
     if names is not None and len(names) != 1:
         raise ValueError(f"elastic.device_mesh: the elastic world has one dimension; got mesh_dim_names={names}")
     view = process_group().world_view()
-    with _lock:
-        if _made is not None and _made[0] is view and _made[1].mesh_dim_names == names:
-            return _made[1]
+    with view._lock:   # the world's view keeps its world's mesh
+        made = view.mesh
+        if made is not None and made.mesh_dim_names == names:
+            return made
         # The rank is the view's, not read from torch's default group, so the mesh is right
         # whether or not the elastic group is the default group.
         mesh = DeviceMesh("cpu", list(range(view.size())), mesh_dim_names=names, _init_backend=False,
                           _rank=view.rank())
-        mesh._dim_group_names = [view.group_name]
-        mesh._pg_registry[view.group_name] = view
+        c10d_tables.enter_mesh_group(mesh, view)
         # DeviceMesh compares and hashes (and torch.compile guards it) by ranks, layout, names
         # and _thread_id, so meshes of two worlds of one size would be equal, and DTensor's
         # sharding caches, keyed on the mesh, would hand this world's tensors the old mesh.
         # _thread_id is the field that tells apart meshes of the same ranks (torch sets it for
         # its threaded test backend); here it is the world's name.
         mesh._thread_id = view.group_name
-        _made = (view, mesh)
+        view.mesh = mesh
     return mesh
 
 

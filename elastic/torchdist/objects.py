@@ -18,8 +18,8 @@ elastic group they run here instead:
 Every rank that receives an object decodes the same bytes, so all of them reach the same
 verdict. On any other group torch's own functions run, unchanged.
 
-``install`` puts these functions in ``torch.distributed`` and ``distributed_c10d``, where callers
-look them up. Code that took torch's own before (``from torch.distributed import
+``elastic.torchdist.c10d_tables`` puts these functions in ``torch.distributed`` and
+``distributed_c10d``, where callers look them up, when the elastic group is first made. Code that took torch's own before (``from torch.distributed import
 all_gather_object`` before ``elastic.process_group()`` first ran) still runs torch's, which
 encodes and decodes through ``_object_to_tensor``/``_tensor_to_object``: those are replaced too,
 so on the elastic group that path also carries this format and unpickles nothing (the sizes it
@@ -31,35 +31,30 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from elastic.ring import serialization
 from elastic.ring.communicator import MAX_OBJECT_BYTES, Communicator, encode_object
 
-_OwnGroup = Callable[[], Any]             # the elastic group, or None before it exists
-_Ring = Callable[[str], Communicator]     # the ring its collectives run on (raises when none)
+class RingGroup:
+    """What a group whose collectives run on the elastic ring adds to ``torch.distributed.ProcessGroup``
+    (the elastic group and each world's view of it): ``_ring(op)`` gives the ring a call runs on,
+    and raises for a view of a world that is over."""
 
-_own_group: Optional[_OwnGroup] = None
-_ring: Optional[_Ring] = None
-_torch: dict = {}   # torch's own functions, as they were before install()
+    def _ring(self, what: str) -> Communicator:
+        raise NotImplementedError
 
 
 def _elastic(group: Any) -> bool:
     """Whether ``group`` (None: the default group) is the elastic group: the process's, or one
     world's view of it (``elastic.device_mesh()``'s group, which raises once its world is over)."""
-    own = _own_group() if _own_group is not None else None
-    if own is None:
-        return False
-    g = c10d._world.default_pg if group is None else group
-    return g is own or isinstance(g, type(own))
+    return isinstance(c10d._world.default_pg if group is None else group, RingGroup)
 
 
 def _comm(group: Any, op: str) -> Communicator:
     """The ring a call on the elastic group ``group`` runs on (its own check: a view of an
     earlier world raises instead of running on this one)."""
-    g = c10d._world.default_pg if group is None else group
-    return g._ring(op) if g is not _own_group() else _ring(op)
+    return (c10d._world.default_pg if group is None else group)._ring(op)
 
 
 def _gather(comm: Communicator, obj: Any, op: str) -> List[Any]:
@@ -75,10 +70,10 @@ def _gather(comm: Communicator, obj: Any, op: str) -> List[Any]:
     return comm.allgather_encoded(encoded, size, check)
 
 
-def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:
+def all_gather_object(torch_own: Callable, object_list: List[Any], obj: Any, group: Any = None) -> None:
     """``torch.distributed.all_gather_object``; on the elastic group, see the module doc."""
     if not _elastic(group):
-        return _torch["all_gather_object"](object_list, obj, group=group)
+        return torch_own(object_list, obj, group=group)
     op = "all_gather_object"
     comm = _comm(group, op)
     got = [comm.decode_object(data, r, op) for r, data in enumerate(_gather(comm, obj, op))]
@@ -86,12 +81,12 @@ def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> No
         object_list[r] = value
 
 
-def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst: Optional[int] = None,
-                  group: Any = None, group_dst: Optional[int] = None) -> None:
+def gather_object(torch_own: Callable, obj: Any, object_gather_list: Optional[List[Any]] = None,
+                  dst: Optional[int] = None, group: Any = None, group_dst: Optional[int] = None) -> None:
     """``torch.distributed.gather_object``; on the elastic group, see the module doc (every rank
     moves every object, as the ring has no gather; only ``dst`` decodes them)."""
     if not _elastic(group):
-        return _torch["gather_object"](obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
+        return torch_own(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
     op = "gather_object"
     comm = _comm(group, op)
     root = _root(comm, dst, group_dst, op)
@@ -105,11 +100,11 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
         object_gather_list[r] = value
 
 
-def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, group: Any = None,
-                          device: Any = None, group_src: Optional[int] = None) -> None:
+def broadcast_object_list(torch_own: Callable, object_list: List[Any], src: Optional[int] = None,
+                          group: Any = None, device: Any = None, group_src: Optional[int] = None) -> None:
     """``torch.distributed.broadcast_object_list``; on the elastic group, see the module doc."""
     if not _elastic(group):
-        return _torch["broadcast_object_list"](object_list, src=src, group=group, device=device,
+        return torch_own(object_list, src=src, group=group, device=device,
                                                group_src=group_src)
     op = "broadcast_object_list"
     comm = _comm(group, op)
@@ -123,12 +118,13 @@ def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, gro
     object_list[:] = got
 
 
-def scatter_object_list(scatter_object_output_list: List[Any], scatter_object_input_list: Optional[List[Any]] = None,
-                        src: Optional[int] = None, group: Any = None, group_src: Optional[int] = None) -> None:
+def scatter_object_list(torch_own: Callable, scatter_object_output_list: List[Any],
+                        scatter_object_input_list: Optional[List[Any]] = None, src: Optional[int] = None,
+                        group: Any = None, group_src: Optional[int] = None) -> None:
     """``torch.distributed.scatter_object_list``; on the elastic group, see the module doc (the
     root's list goes to every rank, as the ring has no scatter; each keeps its entry)."""
     if not _elastic(group):
-        return _torch["scatter_object_list"](scatter_object_output_list, scatter_object_input_list, src=src,
+        return torch_own(scatter_object_output_list, scatter_object_input_list, src=src,
                                              group=group, group_src=group_src)
     op = "scatter_object_list"
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
@@ -154,9 +150,9 @@ def _root(comm: Communicator, rank: Optional[int], group_rank: Optional[int], op
 
 
 # Where code that took torch's functions early encodes and decodes.
-def _object_to_tensor(obj: Any, device: Any, group: Any):
+def _object_to_tensor(torch_own: Callable, obj: Any, device: Any, group: Any):
     if not _elastic(group):
-        return _torch["_object_to_tensor"](obj, device, group)
+        return torch_own(obj, device, group)
     encoded, failure, size = encode_object(obj)
     if failure is not None:
         raise failure
@@ -167,9 +163,9 @@ def _object_to_tensor(obj: Any, device: Any, group: Any):
     return data, torch.tensor([size], dtype=torch.long)
 
 
-def _tensor_to_object(tensor: torch.Tensor, tensor_size: Any, group: Any) -> Any:
+def _tensor_to_object(torch_own: Callable, tensor: torch.Tensor, tensor_size: Any, group: Any) -> Any:
     if not _elastic(group):
-        return _torch["_tensor_to_object"](tensor, tensor_size, group)
+        return torch_own(tensor, tensor_size, group)
     n = int(tensor_size)
     if not 0 <= n <= min(MAX_OBJECT_BYTES, tensor.numel()):
         raise ValueError(f"an object received on the elastic group announced {n} bytes (at most "
@@ -177,26 +173,13 @@ def _tensor_to_object(tensor: torch.Tensor, tensor_size: Any, group: Any) -> Any
     return serialization.loads(tensor.detach().cpu().reshape(-1)[:n].numpy())
 
 
-_REPLACED = {"all_gather_object": all_gather_object, "gather_object": gather_object,
-             "broadcast_object_list": broadcast_object_list, "scatter_object_list": scatter_object_list}
-_HELPERS = {"_object_to_tensor": _object_to_tensor, "_tensor_to_object": _tensor_to_object}
+# What ``c10d_tables.replace_functions`` puts in place of torch's own, each given torch's own
+# as its first argument: the public functions (in ``torch.distributed`` and ``distributed_c10d``)
+# and the helpers code that took the public ones early still encodes and decodes through.
+PUBLIC = {"all_gather_object": all_gather_object, "gather_object": gather_object,
+          "broadcast_object_list": broadcast_object_list, "scatter_object_list": scatter_object_list}
+HELPERS = {"_object_to_tensor": _object_to_tensor, "_tensor_to_object": _tensor_to_object}
 
 
-def install(own_group: _OwnGroup, ring: _Ring) -> None:
-    """Routes torch's object collectives on the group ``own_group()`` returns through this module
-    (idempotent); ``ring(op)`` is the communicator its collectives run on."""
-    global _own_group, _ring
-    _own_group, _ring = own_group, ring
-    if _torch:
-        return
-    for name in (*_REPLACED, *_HELPERS):
-        _torch[name] = getattr(c10d, name)
-    for name, fn in _REPLACED.items():
-        setattr(c10d, name, fn)
-        setattr(dist, name, fn)
-    for name, fn in _HELPERS.items():
-        setattr(c10d, name, fn)
-
-
-__all__ = ["MAX_OBJECT_BYTES", "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
-           "install"]
+__all__ = ["MAX_OBJECT_BYTES", "RingGroup", "PUBLIC", "HELPERS", "all_gather_object", "gather_object",
+           "broadcast_object_list", "scatter_object_list"]

@@ -181,7 +181,7 @@ if KILL_AT[0]:
 
     opt.synchronize = dying_synchronize
     base_opt.register_step_pre_hook(lambda o, a, k: kill_here("optimizer") if o._elastic_synchronized else None)
-_sync = state.sync
+_sync_over = state.sync_over   # the state's part of every sync the session runs
 
 
 class Announcing(elastic.ring.serialization.Encoded):
@@ -210,28 +210,27 @@ def evil_encode(step, from_checkpoint):
     return elastic.ring.serialization.encode((step, view))
 
 
-def sync_maybe_dying():
+def sync_maybe_dying(comm):
     if EVIL_SYNC:
         # Claims the most advanced commit, so it is the root, and forges what its encode path sends.
         object.__setattr__(state, "commit_step", 10 ** 9)
         state.encode_for_sync = evil_encode
     if DIE_IN == "sync" and log["restores"] + log["kept"] == DIE_AT:
         # Die between the allgather of positions and digests and the broadcast of the state.
-        comm = elastic.runtime.collectives.current_communicator()
         comm.allgather_equal(elastic.state.sync.announcement(state))
         os.kill(os.getpid(), signal.SIGKILL)
-    _sync()
+    return _sync_over(comm)
 
 
-def sync_stubbornly():
+def sync_stubbornly(comm):
     try:
-        sync_maybe_dying()
+        return sync_maybe_dying(comm)
     except elastic.SyncRefusedError as e:
         event("refused", message=str(e))
         threading.Event().wait()   # a hostile member does not leave: its session stays, its pump thread answers
 
 
-state.sync = sync_maybe_dying
+state.sync_over = sync_maybe_dying
 
 if STOP_BEFORE_FORM:
     _connect = elastic.ring.communicator.Communicator.connect
@@ -276,18 +275,19 @@ def state_digest():
     return bits_digest([state.live(), state.commit_step])
 
 
-def logged_sync():
+def logged_sync(comm):
     before = dict(held)
     live_step = state.step   # the commit's after a restore; a later one when kept after a failure
     before_digest = state_digest()
-    (sync_stubbornly if EVIL_SYNC else sync_maybe_dying)()
+    synced = (sync_stubbornly if EVIL_SYNC else sync_maybe_dying)(comm)
     held.update(commit=state.commit_step, step=state.step)
     event("sync", before=before["commit"], before_step=before["step"], before_live=live_step,
           commit=state.commit_step, step=state.step, v=elastic.world_version(), size=elastic.size(),
           before_digest=before_digest, digest=state_digest())
+    return synced
 
 
-state.sync = logged_sync
+state.sync_over = logged_sync
 
 
 def progress(text):
@@ -370,7 +370,7 @@ def train(state):
 
 try:
     train(state)
-except elastic.Preempted as e:
+except elastic.LeftJob as e:
     event("left", commit=e.commit_step, v=e.world_version, step=state.step)
     raise
 event("returned", commit=state.commit_step)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from elastic.ring.errors import (BadPeerError, ElasticTimeout, HandshakeError, MembershipChanged,
-    SettingsMismatchError, WorkerLostError)
-from elastic.runtime.reaction import (AbortRing, Note, Recovery, View, aborted_while_forming, after_error, holding,
+from elastic.ring.errors import BadPeerError, HandshakeError, SettingsMismatchError, WorkerLostError
+from elastic.runtime.errors import ElasticTimeout, MembershipChanged
+from elastic.runtime.reaction import (AbortRing, Note, Recovery, StateAction, View, aborted_while_forming, after_error, holding,
     membership_pending, must_form, react, rejoined, superseded, world_to_take)
 from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.wire.membership import Member
@@ -124,29 +124,42 @@ def test_no_ring_means_nothing_pending():
 
 
 # ---------------------------------------------------------------------- the loop's rules
+KEEP, KEEP_LIVE, RESTORE = StateAction.KEEP, StateAction.KEEP_LIVE, StateAction.RESTORE
+
+
 @pytest.mark.parametrize("error, held, recovery", [
     # a lost peer: restore, report, and take a world newer than both the ring held and the error's
-    (WorkerLostError("peer 1 closed", world_version=4), 4, Recovery(5, restore=True, report=True)),
-    (WorkerLostError("aborted: a newer world failed", world_version=6), 4, Recovery(7, restore=True, report=True)),
-    (WorkerLostError("from an older ring", world_version=2), 4, Recovery(5, restore=True, report=True)),
-    (WorkerLostError("while forming the first ring", world_version=1), 0, Recovery(2, restore=True, report=True)),
+    (WorkerLostError("peer 1 closed", world_version=4), 4, Recovery(5, RESTORE, report=True, stale=False)),
+    (WorkerLostError("aborted: a newer world failed", world_version=6), 4, Recovery(7, RESTORE, report=True, stale=False)),
+    (WorkerLostError("from an older ring", world_version=2), 4, Recovery(5, RESTORE, report=True, stale=False)),
+    (WorkerLostError("while forming the first ring", world_version=1), 0, Recovery(2, RESTORE, report=True, stale=False)),
     # an unusable neighbour address is a lost peer too, reported so the server evicts it
     (BadPeerError("rank 1 does not prove the secret", world_version=3, peer=1), 3,
-     Recovery(4, restore=True, report=True)),
+     Recovery(4, RESTORE, report=True, stale=False)),
     # a neighbour at another world version: ours is stale; nobody to report
-    (HandshakeError("rank 1 is at world version 5", world_version=4), 4, Recovery(5, restore=True, report=False)),
-    (HandshakeError("before any ring", world_version=1), 0, Recovery(1, restore=True, report=False)),
+    (HandshakeError("rank 1 is at world version 5", world_version=4), 4, Recovery(5, RESTORE, report=False, stale=True)),
+    (HandshakeError("before any ring", world_version=1), 0, Recovery(1, RESTORE, report=False, stale=True)),
     # a clean join or leave keeps the state
-    (MembershipChanged("w2 joined"), 4, Recovery(5, restore=False, report=False)),
+    (MembershipChanged("w2 joined"), 4, Recovery(5, KEEP, report=False, stale=False)),
 ])
 def test_after_each_error_the_next_world_and_the_state(error, held, recovery):
-    assert after_error(error, held) == recovery
+    assert after_error(error, held, live_state_usable=False) == recovery
+
+
+@pytest.mark.parametrize("error, held, action", [
+    (WorkerLostError("peer 1 closed", world_version=4), 4, KEEP_LIVE),
+    (HandshakeError("rank 1 is at world version 5", world_version=4), 4, KEEP_LIVE),
+    # nothing failed: the state is kept whatever the step's phase
+    (MembershipChanged("w2 joined"), 4, KEEP),
+])
+def test_a_failure_before_the_optimizer_changed_anything_keeps_the_live_state(error, held, action):
+    assert after_error(error, held, live_state_usable=True).state is action
 
 
 @pytest.mark.parametrize("error", [SettingsMismatchError("ring settings differ", setting="algorithm"),
                                    ElasticTimeout("no world"), ValueError("a bug in the training function")])
 def test_an_error_no_later_world_fixes_is_not_the_loops_to_handle(error):
-    assert after_error(error, 4) is None
+    assert after_error(error, 4, live_state_usable=True) is None
 
 
 @pytest.mark.parametrize("ring_version, failed, min_version, form", [

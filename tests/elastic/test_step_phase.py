@@ -141,7 +141,8 @@ def test_a_torch_state_keeps_what_the_last_completed_step_left_and_puts_its_buff
     torch.nn.functional.mse_loss(model(x), y).backward()
     assert not torch.equal(model[1].running_mean, buffers["1.running_mean"])
     assert state.sync_position() == (0, 3)   # three steps past commit 0
-    assert state.keep_live() is True
+    assert state.live_state_usable() is True
+    state.keep_live()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     assert all(torch.equal(opt.state[k]["momentum_buffer"], v) for k, v in opt_state.items())
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
@@ -158,9 +159,9 @@ def test_a_torch_state_restores_after_a_failure_inside_or_right_after_a_step():
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()   # a collective now (a loss averaged for the log) would fail after the update ...
-    assert state.keep_live() is False
+    assert state.live_state_usable() is False
     sampler.record_batch(1, len(x))
-    assert state.keep_live() is False   # ... and before the next forward (state.step not counted yet)
+    assert state.live_state_usable() is False   # ... and before the next forward (state.step not counted yet)
 
 
 def test_a_torch_state_restores_when_batches_are_recorded_before_their_steps():
@@ -174,10 +175,10 @@ def test_a_torch_state_restores_when_batches_are_recorded_before_their_steps():
         sampler.record_batch(i, len(x))
         opt.step()
     torch.nn.functional.mse_loss(model(batches[3][0]), batches[3][1]).backward()
-    assert state.keep_live() is False
+    assert state.live_state_usable() is False
     state.take_snapshot()   # a commit settles: the next failure at a boundary may keep again
     torch.nn.functional.mse_loss(model(batches[3][0]), batches[3][1]).backward()
-    assert state.keep_live() is True
+    assert state.live_state_usable() is True
 
 
 def test_an_evaluation_forward_without_gradients_is_not_a_training_step():
@@ -187,7 +188,7 @@ def test_an_evaluation_forward_without_gradients_is_not_a_training_step():
     one_step(state, model, opt, sampler, 0, *batches[0])
     with torch.no_grad():
         model(batches[1][0])   # evaluation between steps: the step's bookkeeping may not be done
-    assert state.keep_live() is False
+    assert state.live_state_usable() is False
 
 
 def test_a_second_optimizer_held_by_the_state_makes_its_steps_unpaired():
@@ -202,11 +203,11 @@ def test_a_second_optimizer_held_by_the_state_makes_its_steps_unpaired():
     other.step()
     sampler.record_batch(0, len(x))
     torch.nn.functional.mse_loss(model(batches[1][0]), batches[1][1]).backward()
-    assert state.keep_live() is False
+    assert state.live_state_usable() is False
 
 
 def test_a_state_without_a_followed_model_and_optimizer_always_restores():
     model = torch.nn.Linear(2, 2)
-    assert elastic.TorchState(model=model).keep_live() is False
-    assert elastic.TorchState(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).keep_live() is False
-    assert elastic.ObjectState(step=0).keep_live() is False
+    assert elastic.TorchState(model=model).live_state_usable() is False
+    assert elastic.TorchState(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).live_state_usable() is False
+    assert elastic.ObjectState(step=0).live_state_usable() is False

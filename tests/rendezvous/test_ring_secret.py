@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import elastic
-from elastic.runtime.session import Ending
+from elastic.runtime.job_session import Ending
 from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.common.channel import RendezvousRPCError
@@ -26,7 +26,7 @@ def _runtime(address: str, job: str, worker: str):
     """A worker's real session (ring listener, rendezvous client, pump), configured from the
     environment the launcher would set."""
     from elastic.runtime.worker_config import WorkerConfig
-    from elastic.runtime.session import Session
+    from elastic.runtime.job_session import JobSession as Session
 
     rt = Session(WorkerConfig.from_env({
         "ELASTIC_RENDEZVOUS": address, "ELASTIC_JOB_ID": job, "ELASTIC_WORKER_ID": worker,

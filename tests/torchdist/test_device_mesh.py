@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import elastic
+from elastic.runtime import current
 from elastic.torchdist import group
 from elastic.runtime import world
 from tests.native.harness import World, run_world
@@ -143,7 +144,7 @@ def _stale_mesh(comm):
             shard(fresh, mesh)
             train_step(fresh, optimizer(fresh), x, y)
             got[f"rebuilt on {how} trains"] = True
-        got["pending failure"] = group.pending_failure()
+        got["pending failure"] = current.session().noted_failure()
     finally:
         world.use_ring(comm)
         new.close()
@@ -172,7 +173,7 @@ def _lose_a_peer_in_backward(comm):
         raised = "nothing"
     except Exception as e:  # noqa: BLE001 (what autograd hands back is the point)
         raised = type(e).__name__
-    return raised, type(group.pending_failure()).__name__
+    return raised, type(current.session().noted_failure()).__name__
 
 
 def test_a_peer_lost_in_fsdp2_backward_is_the_rings_worker_lost_error():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import elastic
 from elastic.torchdist import group_collectives
 from elastic.runtime import world
-from elastic.torchdist.group import pending_failure
+from elastic.runtime import current
 from elastic.runtime.worker_config import DEFAULT_GROUP_ENV
 from tests.native.harness import TRANSPORTS, World, run_world
 
@@ -250,7 +250,7 @@ def _lose_a_peer_mid_fsdp_call(comm):
             caught[name] = "returned"
         except elastic.WorkerLostError as e:
             caught[name] = type(e).__name__
-    caught["pending"] = type(pending_failure()).__name__
+    caught["pending"] = type(current.session().noted_failure()).__name__
     return caught
 
 

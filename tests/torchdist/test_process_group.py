@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import elastic
+from elastic.runtime import current
 from elastic.torchdist import group, group_collectives
 from elastic.runtime import world
 from elastic.runtime.worker_config import DEFAULT_GROUP_ENV
@@ -139,7 +140,7 @@ def _lose_a_peer(rank: int, size: int):
             caught[name] = "returned"
         except elastic.WorkerLostError as e:
             caught[name] = type(e).__name__
-    caught["pending"] = type(group.pending_failure()).__name__
+    caught["pending"] = type(current.session().noted_failure()).__name__
     return caught
 
 

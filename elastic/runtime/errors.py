@@ -1,0 +1,57 @@
+"""The runtime's exceptions: membership changes, the rendezvous, waits that ran out, and graceful leaves.
+
+What ``elastic.run`` does after one is decided by its class (``elastic.runtime.reaction``), never
+by its text. The ring's own failures are in ``elastic.ring.errors``.
+"""
+
+from __future__ import annotations
+
+from elastic.ring.errors import ElasticError
+
+
+class MembershipChanged(ElasticError):
+    """Workers joined or left cleanly; state is kept and the ring re-formed."""
+
+
+class RendezvousError(ElasticError):
+    """The job's membership could not be agreed (rendezvous or ring forming failed)."""
+
+
+class ElasticTimeout(ElasticError):
+    """A wait ran out: the job stayed below its minimum size for longer than its elastic timeout
+    (the rendezvous ended it as failed), or no world included this worker within
+    ``ELASTIC_WORLD_TIMEOUT``."""
+
+
+class LeftJob(SystemExit):
+    """``elastic.run`` ended because this worker left the job gracefully, at a commit boundary
+    every rank agreed on; the subclass says what asked it to: ``Preempted`` (SIGTERM, SIGINT),
+    ``LeaveRequested`` (``elastic.request_leave()``) or ``EvictedAsStraggler`` (the straggler
+    policy ``evict`` chose it).
+
+    A ``SystemExit`` with code 0: uncaught, the process exits 0 without running the code after
+    the training function's call (its result does not exist: training did not finish here), and
+    ``except Exception`` does not catch it. Catch ``elastic.LeftJob`` (or one subclass) to run code
+    on the way out; the job goes on without this worker, the others keep their state. ``reason``
+    says what asked for the leave, ``world_version`` and ``commit_step`` where it happened."""
+
+    def __init__(self, reason: str, *, world_version: int = -1, commit_step: int = -1):
+        super().__init__(0)
+        self.reason, self.world_version, self.commit_step = reason, world_version, commit_step
+
+    def __str__(self) -> str:
+        return (f"left the job gracefully ({self.reason}) at commit {self.commit_step} of world version "
+                f"{self.world_version}")
+
+
+class Preempted(LeftJob):
+    """This worker left because it was preempted: SIGTERM or SIGINT (a scheduler's notice,
+    ``scancel``, Kubernetes eviction, elastic-run passing on its own signal or dropping the host)."""
+
+
+class LeaveRequested(LeftJob):
+    """This worker left because the program asked it to (``elastic.request_leave()``)."""
+
+
+class EvictedAsStraggler(LeftJob):
+    """This worker left because it was the straggler the ``evict`` policy removes."""

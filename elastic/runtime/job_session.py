@@ -1,0 +1,442 @@
+"""A worker's session joined to its job: join, follow the announced worlds, form their rings, run the loop, leave.
+
+``JobSession`` adds membership to the step protocol of ``elastic.runtime.session`` (whose module doc
+describes the protocol): it holds the ring listener and the rendezvous client, forms the ring of
+each world that includes this worker, and runs ``elastic.run``'s loop, carrying out the recovery
+plan ``elastic.runtime.reaction.after_error`` makes of each error. Its pump thread reads the
+rendezvous events and carries out what ``reaction.react`` decides they mean (abort the ring in
+flight, record a pending change), so a collective stuck on a stopped peer fails within
+milliseconds of the announcement.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from rendezvous.client.watch_events import Ended, WorldInfo
+from rendezvous.client.worker_client import RendezvousClient
+from rendezvous.common.channel import RendezvousCallAbandoned
+from rendezvous.common.channel import RendezvousRPCError as _ClientError
+from rendezvous.wire.membership import JobSpec
+
+from elastic.ring.communicator import Communicator, Listener
+from elastic.ring.errors import BadPeerError, ErrorKind, HandshakeError, WorkerLostError
+from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
+from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
+                                    Preempted, RendezvousError)
+from elastic.runtime.hooks import WorldChange
+from elastic.runtime.preemption import LeaveCause
+from elastic.runtime.session import Session
+from elastic.runtime.worker_config import WorkerConfig
+
+log = logging.getLogger("elastic")
+
+_LEFT_BY_CAUSE = {LeaveCause.SIGNAL: Preempted, LeaveCause.PROGRAM: LeaveRequested,
+                  LeaveCause.STRAGGLER: EvictedAsStraggler}
+
+
+class JobDone(RendezvousError):
+    """The job finished (another worker reported success, or it failed) while this worker waited."""
+
+    def __init__(self, message: str, succeeded: bool):
+        super().__init__(message)
+        self.succeeded = succeeded
+
+
+class Ending(enum.Enum):
+    """How a session ends, as the rendezvous server is told."""
+
+    SUCCEEDED = "succeeded"   # report success: the job is done
+    LEFT = "left"             # leave the job cleanly: the others go on without this worker
+    CLOSED = "closed"         # tell nothing (it departed already, or another worker reported success)
+
+
+class JobSession(Session):
+    """The worker's session with its job (see the module doc); ``elastic.init()`` makes the process's one."""
+
+    def __init__(self, config: WorkerConfig):
+        super().__init__(job_id=config.job_id)
+        self.config = config
+        # Opened before rendezvous: its address is what this worker announces.
+        self.listener = Listener(config.ring_host, 0)
+        self.client = RendezvousClient(
+            list(config.rendezvous), job_id=config.job_id, worker_id=config.worker_id, host=config.host,
+            ring_address=self.listener.address, token=config.token,
+            credentials=config.channel_credentials(),
+            spec=JobSpec(min_np=config.min_np, max_np=config.max_np, elastic_timeout_s=config.elastic_timeout),
+            spec_if_new=JobSpec(min_np=config.min_np_if_new, max_np=config.max_np_if_new))
+        # A child forked from here on (a DataLoader's workers) must not keep this worker's stream
+        # open after it dies: the server would learn of the death only at the heartbeat timeout.
+        self._fork_guard = fork_guard.guard_rendezvous(self.client.addresses)
+        self._cond = threading.Condition()
+        self._view = reaction.View()
+        self._stop = threading.Event()
+        self._pump = threading.Thread(target=self._pump_loop, name="elastic-rendezvous-pump", daemon=True)
+        self._leave_asked = threading.Event()   # set with the request: a join gives up on it
+        self.leave_request = preemption.LeaveRequest(config.preempt_grace, config.worker_id,
+                                                     on_request=self._on_leave_request)
+        self.departed = False   # this worker left the job gracefully (depart() ran)
+        self._leave_signals: Optional[preemption.Handlers] = None   # while elastic.run runs
+        self._metrics_pusher: Optional[worker_metrics.Pusher] = None
+        self.straggler_detector = straggler_detector.Detector(
+            config.stragglers, config.worker_id,
+            leave=lambda why: self.leave_request.request(why, LeaveCause.STRAGGLER),
+            room=lambda: (self.client.job_spec.min_np, self.client.spares), waited=lambda: self.wait_clock.seconds,
+            scored=self._straggler_scored)
+
+    # ------------------------------------------------------------------ lifecycle
+    def catch_leave_signals(self) -> None:
+        """From now until ``run`` ends, SIGTERM and SIGINT ask this worker to leave
+        (``elastic.runtime.preemption``). ``elastic.run`` calls it before the join: a request that
+        comes while joining is then a leave at once, not the death of a member just admitted."""
+        if self._leave_signals is None:
+            self._leave_signals = preemption.install_handlers(self.leave_request.request)
+
+    def release_leave_signals(self) -> None:
+        handlers, self._leave_signals = self._leave_signals, None
+        preemption.restore_handlers(handlers)
+
+    def start(self) -> None:
+        """Joins the job. While leave signals are caught (``elastic.run``), a leave request ends
+        a join no server answers with a ``LeftJob``, after the attempt under way: this worker is
+        then in no world, so it has nothing to hand on and leaves at once. A join that is
+        answered stands, and the worker departs through the rendezvous (``next_world``)."""
+        give_up = self._leave_asked if self._leave_signals is not None else None
+        try:
+            self.client.join(committed_step=-1, give_up=give_up)
+        except _ClientError as e:
+            self.client.close()
+            self.listener.close()
+            self.leave_request.finish()
+            if isinstance(e, RendezvousCallAbandoned):
+                log.warning("worker %s left job %s gracefully (%s) before any server answered its join: %s",
+                            self.config.worker_id, self.config.job_id, self.leave_request.why, e)
+                raise self._left(world_version=0, commit_step=-1) from None
+            raise RendezvousError(f"cannot join job {self.config.job_id!r} at {','.join(self.config.rendezvous)}: "
+                                  f"{e}") from None
+        self._pump.start()
+        self.start_metrics(self.config.metrics_socket, self.config.metrics_token)
+
+    def start_metrics(self, socket_path: Optional[str], token: Optional[str]) -> None:
+        """Records this worker's counters and pushes them to ``socket_path`` (none given: nothing)."""
+        self.stop_metrics()
+        self._metrics_pusher = worker_metrics.start(socket_path, token, self.config.worker_id)
+        self.metrics = self._metrics_pusher.recorder if self._metrics_pusher is not None else None
+        if self.comm is not None:
+            self.comm.observer = self.metrics
+
+    def stop_metrics(self) -> None:
+        """Sends the last snapshot and stops recording."""
+        pusher, self._metrics_pusher, self.metrics = self._metrics_pusher, None, None
+        if self.comm is not None:
+            self.comm.observer = None
+        if pusher is not None:
+            pusher.close()
+
+    def _straggler_scored(self, score: float) -> None:
+        if self.metrics is not None:
+            self.metrics.straggler_score = score
+
+    def finish(self, ending: Ending, keep_ring: bool = False) -> None:
+        """Ends this worker's part: tells the server how (``ending``) and releases everything
+        but, with ``keep_ring``, the ring of the last world (collectives after the run)."""
+        self._stop.set()
+        try:
+            if self.departed:
+                pass   # it told the server already
+            elif ending is Ending.SUCCEEDED:
+                self.client.report_success()
+            elif ending is Ending.LEFT:
+                self.client.leave()
+        except _ClientError as e:
+            finished = self._view.finished
+            if ending is Ending.SUCCEEDED and finished is not None:
+                log.info("job already finished: %s", finished.reason)
+            elif ending is Ending.SUCCEEDED and e.finished is not None:
+                log.info("job already finished (another worker reported success first)")
+            else:
+                log.warning("could not tell the rendezvous server this worker %s: %s", ending.value, e)
+        comm = self.comm
+        if comm is not None and not (keep_ring and not comm.failed):
+            self.close_ring()
+        elif comm is not None:
+            atexit.register(self.close_ring)   # kept for collectives after the run, at most until the exit
+        self.end()
+        self.client.close()
+        self._pump.join(timeout=5)
+        self.listener.close()
+        self.leave_request.finish()
+        self.stop_metrics()
+        self._fork_guard.release()
+
+    def depart(self) -> LeftJob:
+        """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
+        ``LeftJob`` that ends ``elastic.run``. Called at a commit boundary every rank agreed on
+        (after its allreduce: until then the ring is in use), or holding no ring in use."""
+        world, commit_step = self.world, self.commit_step
+        self._stop.set()
+        try:
+            self.client.leave(straggler=self.leave_request.straggler)
+        except _ClientError as e:   # it is evicted when its stream ends instead: the others restore
+            log.warning("worker %s could not tell the rendezvous server it leaves: %s", self.config.worker_id, e)
+        with self._cond:
+            comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.close()
+        self.departed = True
+        self.leave_request.finish()
+        version = world.version if world is not None else 0
+        log.warning("worker %s left job %s gracefully (%s) at commit %d of world version %d", self.config.worker_id,
+                    self.config.job_id, self.leave_request.why, commit_step, version)
+        return self._left(world_version=version, commit_step=commit_step)
+
+    def _left(self, world_version: int, commit_step: int) -> LeftJob:
+        """The exception that says why this worker left: preempted, asked to, or evicted as a straggler."""
+        kind = _LEFT_BY_CAUSE[self.leave_request.cause]
+        return kind(self.leave_request.why, world_version=world_version, commit_step=commit_step)
+
+    def _on_leave_request(self) -> None:
+        self._leave_asked.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ events
+    def _pump_loop(self) -> None:
+        reported, last_report, told = -1, 0.0, None
+        while not self._stop.is_set():
+            ev = self.client.next_event(0.2)
+            if ev is not None:
+                with self._cond:
+                    try:
+                        self._apply(ev)
+                    except Exception:  # this thread must outlive any one event, or the worker goes deaf
+                        log.exception("worker %s: error handling rendezvous event %r", self.config.worker_id, ev)
+                    self._cond.notify_all()
+            # Progress reports let the server make the most advanced worker rank 0 of the next
+            # world. Sent from here, at most once a second, so commit() never waits on the network.
+            # The straggler verdict rides along (elastic.runtime.straggler_detector), at once when it
+            # names this worker.
+            commit_step, verdict = self.commit_step, self.straggler_detector.report
+            named = verdict is not None and verdict.named and not (told is not None and told.named and
+                                                                   told.world_version == verdict.world_version)
+            if (commit_step != reported or verdict is not told) and (named or time.monotonic() - last_report >= 1.0):
+                try:
+                    self.client.heartbeat(committed_step=commit_step, straggler=verdict)
+                    reported, told = commit_step, verdict
+                    self.straggler_detector.told(verdict)
+                except _ClientError as e:
+                    log.debug("progress report failed: %s", e)
+                except ValueError:
+                    if self._stop.is_set():   # finish() closed the client's channel under this call
+                        return
+                    raise
+                last_report = time.monotonic()
+
+    def _apply(self, ev) -> None:
+        self._view, actions = reaction.react(self._view, ev)
+        for action in actions:
+            if isinstance(action, reaction.AbortRing):
+                if self.comm is not None:
+                    self.comm.abort(action.reason)
+            elif isinstance(action, reaction.Note):
+                log.info("worker %s %s", self.config.worker_id, action.message)
+
+    # ------------------------------------------------------------------ worlds
+    def membership_pending(self) -> bool:
+        with self._cond:
+            return reaction.membership_pending(self._view)
+
+    def leave_pending(self) -> bool:
+        return self.leave_request.pending
+
+    def next_world(self, min_version: int) -> WorldInfo:
+        """Waits for the newest world (version >= min_version) that includes this worker."""
+        deadline = time.monotonic() + self.config.world_timeout
+        with self._cond:
+            while not self.leave_request.pending:
+                view = self._view
+                if view.finished is not None:
+                    raise JobDone(f"job {self.config.job_id} finished: {view.finished.reason}",
+                                  view.finished.succeeded)
+                if view.ended is not None:
+                    # Forget the old membership before the lock is released: worlds that arrive
+                    # while joining belong to the new one.
+                    self._view, min_version = reaction.rejoined(view)
+                    self._rejoin(view.ended)
+                    continue
+                w = reaction.world_to_take(view, min_version)
+                if w is not None:
+                    return w
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ElasticTimeout(
+                        f"worker {self.config.worker_id} of job {self.config.job_id}: no world (version >= "
+                        f"{min_version}) included it within {self.config.world_timeout:g} s (ELASTIC_WORLD_TIMEOUT)")
+                self._cond.wait(min(left, 1.0))
+        # Asked to leave while waiting: no ring of this worker is in use, it may go now.
+        raise self.depart()
+
+    def _rejoin(self, ended: Ended) -> None:
+        """Joins again as a new member after the session ended (called holding the lock)."""
+        if ended.finished is not None:  # e.g. evicted while stopped, woken after the end
+            raise JobDone(f"job {self.config.job_id} finished without worker {self.config.worker_id}: "
+                          f"{ended.reason}", ended.finished)
+        log.warning("session of worker %s ended (%s); joining again as a new member", self.config.worker_id,
+                    ended.reason)
+        self._cond.release()
+        try:
+            self.client.join(committed_step=self.commit_step)
+        except _ClientError as e:
+            if e.finished is not None:
+                raise JobDone(f"job {self.config.job_id} finished without worker {self.config.worker_id}: {e}",
+                              e.finished) from None
+            raise RendezvousError(f"cannot rejoin job {self.config.job_id}: {e}") from None
+        finally:
+            self._cond.acquire()
+
+    def form(self, world: WorldInfo) -> Communicator:
+        """Forms the ring of ``world``; raises WorkerLostError if it is aborted or superseded meanwhile."""
+        # The job's random secret, from the server's answer to this worker's Join.
+        comm = Communicator.create(listener=self.listener, job_id=self.config.job_id,
+                                   secret=self.client.ring_secret, world_version=world.version, rank=world.rank,
+                                   peers=[m.ring_address for m in world.members],
+                                   hosts=[m.host for m in world.members],  # same host: shared memory
+                                   config=self.config.comm, wait_clock=self.wait_clock, observer=self.metrics)
+        with self._cond:
+            old, self.comm, self.world = self.comm, comm, world
+            self._view = reaction.holding(self._view, world.version)
+            superseded = reaction.superseded(self._view, world.version)
+        if old is not None:
+            old.close()
+        if superseded:
+            comm.abort(f"world version {world.version} was superseded before it formed")
+        comm.connect()
+        with self._cond:
+            self._view = reaction.holding(self._view, world.version, formed=True)
+            if reaction.aborted_while_forming(self._view, world.version):
+                comm.abort(f"world version {world.version} was aborted while forming")
+        if self.metrics is not None:
+            self.metrics.world_formed(world.version, world.rank, world.size)
+        world_env.publish(world.rank, world.size)
+        return comm
+
+    def report_failure(self, err: WorkerLostError) -> None:
+        """Tells the server which peer broke, so it checks that peer at once instead of at its timeout.
+
+        A ``BadPeerError`` is reported as an unusable address: the server evicts that peer even
+        though it is alive, since a member nobody can connect to can never be in a ring."""
+        world = self.world
+        # No peer to blame: aborted (the server already knows) or propagated (the neighbour is
+        # alive, the failed rank is further on and its own neighbour reports it).
+        if world is None or err.peer_rank is None or err.world_version != world.version or \
+                not 0 <= err.peer_rank < len(world.members):
+            return
+        suspect = world.members[err.peer_rank].worker_id
+        try:
+            evicted = self.client.report_failure(suspect, world.version, reason=str(err)[:1000],
+                                                 unusable_address=isinstance(err, BadPeerError),
+                                                 timed_out=err.kind == ErrorKind.Timeout)
+            log.info("reported %s (world %d): %s", suspect, world.version,
+                     "evicted" if evicted else "still alive")
+        except _ClientError as e:
+            log.warning("could not report failed peer %s: %s", suspect, e)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, func: Callable, state: Any, args: tuple, kwargs: dict, reset_limit: int) -> Any:
+        """Runs ``func(state, *args, **kwargs)`` to completion across failures and world changes
+        and returns its result; ends the session (success reported, or left) either way."""
+        resets, first, min_version, restored = 0, True, 1, False
+        ending = Ending.LEFT
+        self.state = state
+        self.catch_leave_signals()
+        for h in self.hooks:
+            h.run_starting(self.config.default_group)
+        try:
+            while True:
+                try:
+                    held = self.world.version if self.comm is not None else 0
+                    if reaction.must_form(held, self.comm is not None and self.comm.failed, min_version):
+                        self._form_next(min_version, restored)
+                    if not first:
+                        state.on_reset()
+                    # The most advanced rank's state, after its reset callbacks, goes to everyone.
+                    self.sync(state)
+                    first = restored = False
+                    result = self._call(func, state, args, kwargs)
+                    state.on_finish()
+                    ending = Ending.SUCCEEDED
+                    return result
+                except (WorkerLostError, HandshakeError, MembershipChanged) as e:
+                    held = self.world.version if self.world is not None else 0
+                    plan = reaction.after_error(e, held, state.live_state_usable())
+                    min_version, restored = plan.min_version, self.recover(e, plan, state)
+                resets += 1
+                if reset_limit and resets > reset_limit:
+                    raise RendezvousError(f"elastic.run: gave up after {reset_limit} re-forms (reset limit)")
+        except JobDone as e:
+            if e.succeeded:
+                log.info("%s", e)
+                ending = Ending.CLOSED  # another worker reported success; nothing more to say
+                return None
+            # A job fails only by staying below min_np for its elastic timeout.
+            raise ElasticTimeout(str(e)) from None
+        except LeftJob:
+            ending = Ending.CLOSED   # left: depart() told the server
+            raise
+        finally:
+            self.release_leave_signals()
+            # The last durable commit may still be on the writer thread: on disk before success
+            # is reported and before the code after training runs (a deadline, logged if missed).
+            state.finish_durable_commits()
+            # A worker whose function returned keeps its last world's ring: torchrun scripts end
+            # with dist.barrier(), a last all_reduce of metrics, destroy_process_group().
+            self.finish(ending, keep_ring=ending is Ending.SUCCEEDED)
+
+    def _form_next(self, min_version: int, restored: bool) -> None:
+        started, previous = time.monotonic(), self.world
+        self.form(self.next_world(min_version))
+        log.info("worker %s is rank %d of %d in world version %d (formed in %.3f s)", self.config.worker_id,
+                 self.world.rank, self.world.size, self.world.version, time.monotonic() - started)
+        change = WorldChange(previous, self.world, restored)
+        for h in self.hooks:
+            h.world_changed(change)
+
+    def recover(self, error: BaseException, plan: reaction.Recovery, state: Any) -> bool:
+        """Carries out ``plan`` for ``error``; returns whether the state was rolled back."""
+        action = plan.state
+        if plan.stale:   # a neighbour at another world version: ours is stale
+            log.warning("%s", error)
+        elif action is reaction.StateAction.KEEP_LIVE:
+            log.warning("%s; keeping the live state (commit %d and %d step(s) since, none half done)",
+                        error, *state.sync_position())
+        elif action is reaction.StateAction.RESTORE:
+            log.warning("%s; restoring commit %d", error, state.commit_step)
+        else:
+            log.info("%s", error)
+        if action is not reaction.StateAction.KEEP and self.metrics is not None:
+            self.metrics.failure(state.commit_step, kept=action is reaction.StateAction.KEEP_LIVE)
+        if action is reaction.StateAction.KEEP_LIVE:
+            state.keep_live()
+        elif action is reaction.StateAction.RESTORE:
+            state.restore()
+        if plan.report:
+            self.report_failure(error)
+        return action is reaction.StateAction.RESTORE
+
+    def _call(self, func: Callable, state: Any, args: tuple, kwargs: dict) -> Any:
+        """``func(state, …)``; an error a layer above made of a ring failure (DDP's backward raises
+        a RuntimeError when its comm hook's allreduce fails) becomes that ring's WorkerLostError."""
+        try:
+            return func(state, *args, **kwargs)
+        except (WorkerLostError, MembershipChanged, HandshakeError, RendezvousError):
+            raise
+        except Exception as e:
+            lost = self.noted_failure()
+            if lost is not None:
+                raise lost from e
+            raise
