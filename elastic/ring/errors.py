@@ -32,6 +32,8 @@ def _locate(err: Exception, kind: ErrorKind, op: str, world_version: int, rank: 
 class ElasticError(Exception):
     """Base class of every elastic-ring error."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
 
 class WorkerLostError(ElasticError):
     """A peer failed, hung or was fenced out while a collective was in flight.
@@ -46,6 +48,8 @@ class WorkerLostError(ElasticError):
     failure further round the ring), ``"aborted"`` (``abort()`` was called, e.g. on a
     rendezvous notice), or for a ``BadPeerError`` ``"unreachable"`` / ``"bad_peer"``.
     """
+
+    __module__ = "elastic"   # its public name, whatever module defines it
 
     def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1,
                  peer: int = -1, kind: ErrorKind = ErrorKind.PeerLost):
@@ -66,11 +70,15 @@ class BadPeerError(WorkerLostError):
     not necessarily a neighbour), ``elastic.run`` reports it to the rendezvous, which evicts
     it, and the healthy workers re-form. Nothing it sent was loaded."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
 
 class HandshakeError(ElasticError):
     """A ring neighbour that proved the job's secret refused the connection: another world
     version (this worker's is stale), world size or rank, or a duplicate. ``kind`` is
     ``ErrorKind.Refused``; ``peer`` the neighbour; nobody is to blame (``peer_rank`` None)."""
+
+    __module__ = "elastic"   # its public name, whatever module defines it
 
     def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1):
         super().__init__(message)
@@ -83,6 +91,8 @@ class SettingsMismatchError(ElasticError):
     fixes that, so ``elastic.run`` ends the worker with it. ``kind`` is
     ``ErrorKind.SettingsMismatch``; ``setting`` names the setting when it is known ("")."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
     def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1,
                  setting: str = ""):
         super().__init__(message)
@@ -92,6 +102,8 @@ class SettingsMismatchError(ElasticError):
 
 class CollectiveMismatchError(ElasticError):
     """Ranks called different collectives (or with different sizes): a bug in the program."""
+
+    __module__ = "elastic"   # its public name, whatever module defines it
 
     def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1, peer: int = -1):
         super().__init__(message)

@@ -12,15 +12,21 @@ from elastic.ring.errors import ElasticError
 class MembershipChanged(ElasticError):
     """Workers joined or left cleanly; state is kept and the ring re-formed."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
 
 class RendezvousError(ElasticError):
     """The job's membership could not be agreed (rendezvous or ring forming failed)."""
+
+    __module__ = "elastic"   # its public name, whatever module defines it
 
 
 class ElasticTimeout(ElasticError):
     """A wait ran out: the job stayed below its minimum size for longer than its elastic timeout
     (the rendezvous ended it as failed), or no world included this worker within
     ``ELASTIC_WORLD_TIMEOUT``."""
+
+    __module__ = "elastic"   # its public name, whatever module defines it
 
 
 class LeftJob(SystemExit):
@@ -35,6 +41,8 @@ class LeftJob(SystemExit):
     on the way out; the job goes on without this worker, the others keep their state. ``reason``
     says what asked for the leave, ``world_version`` and ``commit_step`` where it happened."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
     def __init__(self, reason: str, *, world_version: int = -1, commit_step: int = -1):
         super().__init__(0)
         self.reason, self.world_version, self.commit_step = reason, world_version, commit_step
@@ -48,10 +56,16 @@ class Preempted(LeftJob):
     """This worker left because it was preempted: SIGTERM or SIGINT (a scheduler's notice,
     ``scancel``, Kubernetes eviction, elastic-run passing on its own signal or dropping the host)."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
 
 class LeaveRequested(LeftJob):
     """This worker left because the program asked it to (``elastic.request_leave()``)."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
 
 class EvictedAsStraggler(LeftJob):
     """This worker left because it was the straggler the ``evict`` policy removes."""
+
+    __module__ = "elastic"   # its public name, whatever module defines it

@@ -60,6 +60,8 @@ class CommitLostError(ElasticError):
     """Both holders of some rank's committed shards are gone and there is no durable commit to
     restore from: the job cannot go on. Raised on every rank of the world that found it."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
 
 class ShardedState(ObjectState):
     """Committed FSDP2 model, optimizer and attributes, resharded onto every world (module doc).

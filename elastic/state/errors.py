@@ -12,6 +12,8 @@ class SyncRefusedError(ElasticError):
     ends this worker with it; the others go on without it. ``world_version``, ``rank`` and
     ``peer`` (the sync's root) say where; ``refused_by`` lists the ranks that refused."""
 
+    __module__ = "elastic"   # its public name, whatever module defines it
+
     def __init__(self, message: str, *, world_version: int = -1, rank: int = -1, peer: int = -1,
                  refused_by: tuple = ()):
         super().__init__(message)

@@ -90,7 +90,7 @@ def test_below_min_np_fails_within_the_elastic_timeout_and_leaves_nothing(launch
                         r"for the elastic timeout of 3 s \(last failure on this host: worker hA-0 \(rank \d\) "
                         r"killed by SIGKILL\)", last_line(p)), p.text()
     # The survivor's elastic.run ends with the contract's exception for a wait that ran out.
-    assert any(line.startswith("[hA-1] elastic.ring.errors.ElasticTimeout: job default finished") for line in p.stderr), \
+    assert any(line.startswith("[hA-1] elastic.ElasticTimeout: job default finished") for line in p.stderr), \
         p.text()
     p.wait_no_leftovers()
 

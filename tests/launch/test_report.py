@@ -165,9 +165,9 @@ def test_exit_statuses_are_described_and_signals_recognised(code, text, sig):
 
 def test_the_reason_of_a_failed_worker_is_its_exception_line_even_with_noise_after_it():
     lines = ["Traceback (most recent call last):", '  File "t.py", line 3, in <module>',
-             "elastic.ring.errors.WorkerLostError: forming world version 1 aborted",
+             "elastic.WorkerLostError: forming world version 1 aborted",
              "nanobind: leaked 2 instances!", "See https://nanobind.readthedocs.io/en/latest/refleaks.html"]
-    assert exception_line(lines) == "elastic.ring.errors.WorkerLostError: forming world version 1 aborted"
+    assert exception_line(lines) == "elastic.WorkerLostError: forming world version 1 aborted"
     assert exception_line(["ValueError: bad input"]) == "ValueError: bad input"
     assert exception_line(["something went wrong", "exiting"]) == "exiting"
     assert exception_line([]) == ""

@@ -84,7 +84,7 @@ def test_a_stranger_with_the_old_derived_secret_is_refused_by_a_real_workers_rin
         assert all(b[0] == 3.0 for b in bufs)   # the ring never noticed
     finally:
         for rt in rts:
-            rt.shutdown(Ending.CLOSED)
+            rt.finish(Ending.CLOSED)
         s.stop()
 
 
