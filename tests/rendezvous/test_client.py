@@ -8,13 +8,14 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.cli import main
 from rendezvous.common.channel import RendezvousCallAbandoned, RendezvousRPCError
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.watch_events import Ended
 from rendezvous.server.etcd_process import free_port
 from rendezvous.server.store import MemoryStore
+
+from .rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 
 
 @pytest.fixture(scope="module")

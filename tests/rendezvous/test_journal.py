@@ -6,12 +6,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from fakes import CONFIG, FlakyStore, job_of, running, settle
-from rdzv_helpers import run_async
 from rendezvous.server import decision as d
 from rendezvous.server.journal import Journal
 from rendezvous.server.server_wire import RpcRefusal
 from rendezvous.server.store import Fence
+
+from .fakes import CONFIG, FlakyStore, job_of, running, settle
+from .rdzv_helpers import run_async
 
 PREFIX = "/t/journal"
 LEADER_KEY = f"{PREFIX}/leader"

@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 
-from fakes import VirtualTime, settle
-from rdzv_helpers import run_async
 from rendezvous.server.leader import Leadership
 from rendezvous.server.store import Fence, MemoryStore, StoreError
+
+from .fakes import VirtualTime, settle
+from .rdzv_helpers import run_async
 
 KEY = "/t/leader/leader"
 TTL = 3

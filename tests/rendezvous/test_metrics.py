@@ -11,12 +11,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rdzv_helpers import (ServerProc, ServerThread, join_world, make_client, server_config,
-                          unique, wait_until, wait_world_of)
 from rendezvous.server import decision as d
 from rendezvous.server.server_metrics import job_counts
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.server.store import EtcdStore, MemoryStore, StoreError
+
+from .rdzv_helpers import (REPO, ServerProc, ServerThread, child_env, join_world, make_client, server_config,
+                           unique, wait_until, wait_world_of)
 
 
 def scrape(port: int) -> dict:
@@ -255,8 +256,6 @@ def test_leader_metric_flips_to_the_other_replica_after_the_leader_is_killed(etc
 def test_serve_refuses_a_metrics_port_in_use_in_one_line(tmp_path):
     import subprocess
     import sys
-
-    from rdzv_helpers import REPO, child_env
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -8,13 +8,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
-from rdzv_helpers import run_async
 from rendezvous.server import decision as d
 from rendezvous.server.job_record import Stream
 from rendezvous.server.liveness import Liveness
 from rendezvous.server.probes import FailureReports
 from rendezvous.server.server_wire import RpcRefusal
+
+from .fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
+from .rdzv_helpers import run_async
 
 
 class Service:

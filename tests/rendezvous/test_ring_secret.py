@@ -14,10 +14,11 @@ import pytest
 
 import elastic
 from elastic.runtime.session import Ending
-from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.common.channel import RendezvousRPCError
 from rendezvous.server.store import EtcdStore, MemoryStore
+
+from .rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 
 TOKEN, OTHER = "tenant-a-token", "tenant-b-token"
 

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdzv_helpers import ServerThread, server_config
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.server.store import MemoryStore
+
+from .rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 
 TOKEN = "s3cret-token"
 OTHER = "another-tenants-token"   # also accepted by the server: another tenant of the service
@@ -195,7 +196,6 @@ def test_fuzzed_raw_bytes_never_crash_the_server(server, stub, method, payload):
 # ------------------------------------------------------------------ who may do what
 def _member(server, worker, job, **kw):
     """A real worker-side client of the job, joined with TOKEN."""
-    from rdzv_helpers import make_client
     c = make_client(server.address, worker, job_id=job, token=TOKEN, **kw)
     c.join()
     return c
@@ -206,7 +206,6 @@ def _status(stub, job, auth=AUTH):
 
 
 def test_a_join_with_another_token_is_denied_and_gets_no_secret(server, stub):
-    from rdzv_helpers import unique, wait_world_of
     job = unique("owned")
     a = _member(server, "a", job)
     wait_world_of([a], 1)
@@ -230,7 +229,6 @@ def test_ring_secrets_are_random_per_job_and_shared_by_its_members(server):
     import hashlib
     import hmac as hmac_
 
-    from rdzv_helpers import unique
     jobs = [unique("secret"), unique("secret")]
     clients = [_member(server, w, j) for j in jobs for w in ("a", "b")]
     secrets = [c.ring_secret for c in clients]
@@ -255,7 +253,6 @@ def _forged_sessions(real: str) -> list[str]:
 
 
 def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, stub):
-    from rdzv_helpers import unique, wait_world_of
     job = unique("sessions")
     a = _member(server, "a", job)
     world = wait_world_of([a], 1)[0]
@@ -283,7 +280,6 @@ def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, 
 
 @pytest.mark.parametrize("session", ["", "forged"], ids=["no session", "made-up session"])
 def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays(server, stub, session):
-    from rdzv_helpers import unique, wait_world_of
     job = unique("takeover")
     a = _member(server, "a", job)
     world = wait_world_of([a], 1)[0]
@@ -306,7 +302,6 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
 
 
 def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(server, stub):
-    from rdzv_helpers import unique, wait_world_of
     from rendezvous.common.channel import RendezvousRPCError
     from rendezvous.wire.membership import JobSpec
     from rendezvous.client.watch_events import Standby
@@ -358,7 +353,6 @@ def test_connectable_ring_addresses_are_accepted(stub, address):
 
 
 def test_joins_that_never_watch_do_not_hold_the_job_cap():
-    from rdzv_helpers import unique, wait_until
     s = ServerThread(server_config(max_jobs=2, heartbeat_timeout_s=0.5), MemoryStore)
     try:
         with grpc.insecure_channel(s.address) as ch:
@@ -376,7 +370,6 @@ def test_joins_that_never_watch_do_not_hold_the_job_cap():
 
 
 def test_a_watched_forming_job_is_not_dropped():
-    from rdzv_helpers import make_client, unique
     from rendezvous.wire.membership import JobSpec
     from rendezvous.client.watch_events import Standby
     s = ServerThread(server_config(heartbeat_timeout_s=0.5), MemoryStore)
@@ -395,7 +388,6 @@ def test_a_watched_forming_job_is_not_dropped():
 
 
 def test_a_finished_job_is_launched_again_by_its_own_token_only():
-    from rdzv_helpers import make_client, unique, wait_until, wait_world_of
     from rendezvous.common.channel import RendezvousRPCError
     s = ServerThread(server_config(insecure=False, tokens=(TOKEN, OTHER), heartbeat_timeout_s=0.5,
                                    leader_ttl_s=1), MemoryStore)
@@ -434,7 +426,6 @@ def test_a_finished_job_is_launched_again_by_its_own_token_only():
 def test_peer_supplied_failure_reasons_are_escaped_and_shortened(server, stub, caplog):
     import logging
 
-    from rdzv_helpers import unique, wait_world_of
     from rendezvous.client.watch_events import Abort
     caplog.set_level(logging.INFO, logger="rendezvous.server.service")
     job = unique("reasons")

@@ -8,11 +8,12 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import join_world, next_of, unique, wait_until, wait_world_of
 from rendezvous.common.channel import RendezvousRPCError
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.wire.messages import pb
+
+from .rdzv_helpers import ServerThread, join_world, next_of, server_config, unique, wait_until, wait_world_of
 
 
 def test_joined_workers_get_one_world_with_ranks(serve, client):
@@ -491,7 +492,6 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
 def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again(client):
     """etcd stalls right after the campaign: the lease lapses while the jobs load. The replica
     must notice and lead again once etcd answers, not believe it leads and serve nothing."""
-    from rdzv_helpers import ServerThread, server_config
     from rendezvous.server.store import MemoryStore, StoreError
 
     class StallAfterCampaign(MemoryStore):

@@ -5,8 +5,9 @@ import asyncio
 
 import pytest
 
-from rdzv_helpers import run_async
 from rendezvous.server.store import Fence
+
+from .rdzv_helpers import run_async
 
 
 def test_get_missing_key_is_none(make_store, prefix):

@@ -8,11 +8,12 @@ import math
 import grpc
 import pytest
 
-from rdzv_helpers import next_of, unique, wait_until, wait_world_of
 from rendezvous.common.channel import RendezvousRPCError
 from rendezvous.wire.membership import JobSpec, StragglerReport
 from rendezvous.client.status_client import StatusClient
 from rendezvous.client.watch_events import Abort, Pending, WorldInfo
+
+from .rdzv_helpers import next_of, unique, wait_until, wait_world_of
 
 
 def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_down(serve, client):
