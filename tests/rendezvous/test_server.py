@@ -506,10 +506,17 @@ def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again(cli
                 StallAfterCampaign.stalled = False
             return await super().get_prefix(prefix)
 
-        async def refresh_lease(self, lease_id):
-            if StallAfterCampaign.stalled:
-                raise StoreError("etcd stalled (test)")
-            return await super().refresh_lease(lease_id)
+        async def claim(self, key, value, ttl_s):
+            claim = await super().claim(key, value, ttl_s)
+            if claim is not None:   # its refreshes fail while the first load stalls
+                refresh = claim.refresh
+
+                async def stalled_refresh():
+                    if StallAfterCampaign.stalled:
+                        raise StoreError("etcd stalled (test)")
+                    return await refresh()
+                claim.refresh = stalled_refresh
+            return claim
 
     s = ServerThread(server_config(leader_ttl_s=1), StallAfterCampaign)  # waits until it leads
     try:
