@@ -244,7 +244,7 @@ class Session(StepProtocol):
         answered stands, and the worker departs through the rendezvous (``next_world``)."""
         give_up = self._leave_asked if self._leave_signals is not None else None
         try:
-            self.client.join(committed_step=-1, give_up=give_up)
+            self.client.join(commit_step=-1, give_up=give_up)
         except _ClientError as e:
             self.client.close()
             self.listener.close()
@@ -335,7 +335,7 @@ class Session(StepProtocol):
                                                                    told.world_version == verdict.world_version)
             if (step != reported or verdict is not told) and (named or time.monotonic() - last_report >= 1.0):
                 try:
-                    self.client.heartbeat(committed_step=step, straggler=verdict)
+                    self.client.report_progress(commit_step=step, straggler=verdict)
                     reported, told = step, verdict
                     self.straggler_detector.told(verdict)
                 except _ClientError as e:
@@ -399,7 +399,7 @@ class Session(StepProtocol):
                     ended.reason)
         self._cond.release()
         try:
-            self.client.join(committed_step=self.committed_step)
+            self.client.join(commit_step=self.committed_step)
         except _ClientError as e:
             if e.finished is not None:
                 raise JobDone(f"job {self.config.job_id} finished without worker {self.config.worker_id}: {e}",

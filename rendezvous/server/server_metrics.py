@@ -90,7 +90,7 @@ class _JobsCollector:
                 continue
             members, standby, pending = job_counts(state)
             labels = [state.job_id]
-            gauges["world_version"].add_metric(labels, state.version)
+            gauges["world_version"].add_metric(labels, state.world_version)
             gauges["members"].add_metric(labels, members)
             gauges["standby"].add_metric(labels, standby)
             gauges["pending"].add_metric(labels, pending)

@@ -23,8 +23,8 @@ Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
   C core without the GIL, cost nothing in Python on either side, and a stopped process answers none:
   the server pings every heartbeat_timeout/3 and drops the connection when an ack is
   heartbeat_timeout/3 late (so a stopped worker is cut within 2/3 of the timeout), which cancels the
-  stream and evicts the worker. So the open stream plus keepalive is the liveness signal; the Heartbeat
-  RPC only carries progress (committed step) and probe answers.
+  stream and evicts the worker. So the open stream plus keepalive is the liveness signal; no RPC is
+  a heartbeat (ReportProgress carries progress, AnswerProbe probe answers).
 * A peer's ReportFailure is evidence, not a verdict (probes.py): a suspect whose stream is open is
   probed, and keepalive is trusted over a probe left unanswered.
 * A worker must open its Watch within heartbeat_timeout of joining; until it has, it is not put into a
@@ -32,7 +32,7 @@ Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
 * After a leader change or restart nobody has a stream yet: each registered worker gets the reattach
   window (heartbeat timeout + leader lease TTL + client reconnect allowance) before it is evicted, and
   such evictions are not counted against its host.
-* Committed steps (Heartbeat, Watch) are soft state: a client resends its step when it reattaches.
+* Commit steps (ReportProgress, Watch) are soft state: a client resends its step when it reattaches.
 
 Who may do what (beyond auth.py's rules on tokens and sessions):
 * A Join naming a registered worker must present its current session, or is refused (ALREADY_EXISTS)
@@ -230,7 +230,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     def _deliver(self, job: Job, action: d.Action, before: d.JobState) -> None:
         """Carry out a durable action (the journal calls it): logged, counted and recorded when it
         takes effect (durable, sent), not when decided; then sent to those its description names."""
-        what = describe(action, before.version)
+        what = describe(action, before.world_version)
         log.info("job %s: %s", job.state.job_id, what.summary)
         recovery_s = job.liveness.world_announced(time.monotonic()) if what.world_announced else None
         self.metrics.delivered(what, recovery_s)
@@ -241,7 +241,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             now = time.time()
             for w in action.standby:
                 self.send(job, w, server_wire.standby_event(
-                    action.version, d.standby_reason(job.state, w, now)))
+                    action.world_version, d.standby_reason(job.state, w, now)))
         elif what.audience is Audience.WORLD_BEFORE:
             event = server_wire.notice_event(action)
             for m in before.world:
@@ -343,7 +343,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         request_checks.check_id("job_id", request.job_id)
         request_checks.check_id("worker_id", request.worker_id)
         request_checks.check_host(request.host)
-        request_checks.check_step(request.committed_step)
+        request_checks.check_step(request.commit_step)
         spec = request.spec
         for name, timeout in (("spec", spec.elastic_timeout_s),
                               ("spec_if_new", request.spec_if_new.elastic_timeout_s)):
@@ -400,7 +400,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         sid, session_hash = auth.new_session(job.state, request.worker_id)
         proof = auth.session_hash(previous[1]) if previous is not None else ""
         seq, actions = self.journal.apply(job, d.Join(request.worker_id, request.host,
-                                                      request.ring_address, request.committed_step,
+                                                      request.ring_address, request.commit_step,
                                                       attached=False, session_hash=session_hash,
                                                       proof=proof))
         for a in actions:
@@ -414,7 +414,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.history.job(job.state, "worker_joined", worker_id=request.worker_id,
                          host=request.host, rejoin=previous is not None,
                          detail=f"on host {request.host}")
-        return pb.JoinResponse(session_id=sid, world_version=job.state.version,
+        return pb.JoinResponse(session_id=sid, world_version=job.state.world_version,
                                spec=wire.spec_pb(job.state.spec),
                                ring_secret=bytes.fromhex(job.state.ring_secret))
 
@@ -498,8 +498,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         job.attached = asyncio.Event()
         if not w.attached:
             self.journal.apply(job, d.Attach(w.worker_id))
-        if request.committed_step > w.committed_step:   # resent on reattach: progress is soft state
-            self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))
+        if request.commit_step > w.commit_step:   # resent on reattach: progress is soft state
+            self.journal.apply(job, d.Progress(w.worker_id, request.commit_step))
         # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
         # write fails and another replica takes over); later changes follow through the outbox.
         state = job.durable_state if job.durable_state is not None else job.state
@@ -528,27 +528,35 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                         self.evict(job, w.worker_id, "watch stream broken",
                                    cause=d.Departure.STREAM_BROKEN)
 
-    async def Heartbeat(self, request, context):
+    async def ReportProgress(self, request, context):
         await self.require_leader()
-        request_checks.check_step(request.committed_step)
+        request_checks.check_step(request.commit_step)
         if request.HasField("straggler"):
             request_checks.check_straggler(request.straggler.score)
         job, w = self._by_session(request.session_id)
-        if request.probe_nonce:
-            probed, fut = job.probes.get(request.probe_nonce, (None, None))
-            # Only the probed worker's own session proves it alive: another member answering
-            # for it would keep a dead peer in the world.
-            if fut is not None and probed == w.worker_id and not fut.done():
-                fut.set_result(w.worker_id)
-        if request.committed_step > w.committed_step:
-            self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))
-        if request.aborted_version:
-            self.journal.apply(job, d.AbortAck(w.worker_id, request.aborted_version))
+        if request.commit_step > w.commit_step:
+            self.journal.apply(job, d.Progress(w.worker_id, request.commit_step))
         spare = 0
-        if request.HasField("straggler"):   # its pace: soft state (stragglers.py)
+        if request.HasField("straggler"):   # its pace: soft state (pace.py)
             spare = job.stragglers.heard(job.state, w, wire.straggler_from_pb(request.straggler), time.time(),
                                          record=self.history.job)
-        return pb.HeartbeatResponse(world_version=job.state.version, spares=spare)
+        return pb.ReportProgressResponse(world_version=job.state.world_version, spares=spare)
+
+    async def AnswerProbe(self, request, context):
+        await self.require_leader()
+        job, w = self._by_session(request.session_id)
+        probed, fut = job.probes.get(request.nonce, (None, None))
+        # Only the probed worker's own session proves it alive: another member answering for it
+        # would keep a dead peer in the world.
+        if fut is not None and probed == w.worker_id and not fut.done():
+            fut.set_result(w.worker_id)
+        return pb.AnswerProbeResponse()
+
+    async def AcknowledgeAbort(self, request, context):
+        await self.require_leader()
+        job, w = self._by_session(request.session_id)
+        self.journal.apply(job, d.AbortAck(w.worker_id, request.world_version))
+        return pb.AcknowledgeAbortResponse()
 
     async def Leave(self, request, context):
         await self.require_leader()

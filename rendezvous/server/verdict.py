@@ -136,7 +136,7 @@ Verdict = Union[Refuse, Dismiss, AwaitReattach, Probe, AwaitProbe, Evict, Gone, 
 def judge_report(state: d.JobState, stream: SuspectStream, report: Report, inquiry: Inquiry,
                  now: float) -> tuple[Inquiry, Verdict]:
     """The verdict on `report` about `state`'s world at monotonic `now`, and the inquiry to ask with next."""
-    version, suspect = state.version, report.suspect
+    version, suspect = state.world_version, report.suspect
     if inquiry.suspect_seq is None:   # the report has just arrived
         if report.world_version != version:
             return inquiry, Dismiss(f"stale report: world {report.world_version} is not the current "

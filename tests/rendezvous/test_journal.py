@@ -87,10 +87,10 @@ def test_progress_alone_is_soft_state_and_not_written():
         seq, actions = h.journal.apply(job, d.Progress("a", 40))
         await settle()
         assert (seq, actions) == (before, []) and h.store.puts == 0
-        assert job.state.workers["a"].committed_step == 40        # kept in memory
+        assert job.state.workers["a"].commit_step == 40        # kept in memory
         seq, _ = h.journal.apply(job, d.Leave("c"))
         await h.journal.wait_durable(job, seq)
-        assert (await h.stored(job)).workers["a"].committed_step == 40   # rides along
+        assert (await h.stored(job)).workers["a"].commit_step == 40   # rides along
     run(body)
 
 
@@ -123,7 +123,7 @@ def test_a_write_the_fence_refuses_steps_down_and_delivers_nothing():
         h.journal.apply(job, d.Evict("b", "stream broken"))
         await settle()
         assert len(h.fenced) == 1 and "another replica leads" in h.fenced[0]
-        assert h.delivered == [] and (await h.stored(job)).version == 1
+        assert h.delivered == [] and (await h.stored(job)).world_version == 1
     run(body)
 
 

@@ -67,7 +67,7 @@ def test_every_departure_is_mapped_and_labels_are_distinct():
 def _state(world, registered, max_np):
     workers = {w: d.Worker(w, "h", "h:1", -1, i, 0.0) for i, w in enumerate(registered)}
     members = tuple(d.Member(w, "h", "h:1", r, r, len(world), 0, 1, -1) for r, w in enumerate(world))
-    return d.JobState("j", d.JobSpec(1, max_np, 60.0), 0.0, phase=d.Phase.RUNNING, version=1,
+    return d.JobState("j", d.JobSpec(1, max_np, 60.0), 0.0, phase=d.Phase.RUNNING, world_version=1,
                       world=members, workers=workers)
 
 
@@ -180,7 +180,7 @@ def test_store_errors_and_rpc_codes_are_counted_by_operation_and_method():
             return await real_put(key, value, **kw)
         store.put = failing_put
         join = pb.JoinRequest(job_id=unique("job"), worker_id="w", host="h",
-                              ring_address="127.0.0.1:5", committed_step=-1,
+                              ring_address="127.0.0.1:5", commit_step=-1,
                               spec=pb.JobSpec(min_np=1, max_np=2))
         with grpc.insecure_channel(s.address) as ch:
             stub = pb_grpc.RendezvousStub(ch)

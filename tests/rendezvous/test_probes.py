@@ -70,9 +70,9 @@ class Service:
         self.recorded.append((event, fields))
 
 
-def report(suspect="b", reporter="a", version=1, reason="connection reset", unusable=False,
+def report(suspect="b", reporter="a", world_version=1, reason="connection reset", unusable=False,
            timed_out=False):
-    return SimpleNamespace(world_version=version, suspect_worker_id=suspect, reason=reason,
+    return SimpleNamespace(world_version=world_version, suspect_worker_id=suspect, reason=reason,
                            unusable_address=unusable, timed_out=timed_out), reporter
 
 

@@ -20,7 +20,8 @@ AUTH = (("authorization", f"Bearer {TOKEN}"),)
 OTHER_AUTH = (("authorization", f"Bearer {OTHER}"),)
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-METHODS = ["Join", "Heartbeat", "Leave", "ReportFailure", "ReportSuccess", "Status"]
+METHODS = ["Join", "ReportProgress", "AnswerProbe", "AcknowledgeAbort", "Leave", "ReportFailure", "ReportSuccess",
+           "Status"]
 # Codes a well-behaved server may answer bad input with; never INTERNAL/UNKNOWN (a bug).
 REJECTIONS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -55,7 +56,7 @@ def code_of(fn, *args, **kw):
 
 def good_join(job="good", worker="w0"):
     return pb.JoinRequest(job_id=job, worker_id=worker, host="h", ring_address="127.0.0.1:1234",
-                          committed_step=-1, spec=pb.JobSpec(min_np=1, max_np=4))
+                          commit_step=-1, spec=pb.JobSpec(min_np=1, max_np=4))
 
 
 def test_requests_without_token_are_unauthenticated(stub):
@@ -80,7 +81,7 @@ def test_wrong_tokens_are_unauthenticated(stub, token):
 @pytest.mark.parametrize("field,value", [
     ("job_id", ""), ("job_id", "a/b"), ("job_id", "x" * 129), ("worker_id", "w 1"),
     ("host", ""), ("ring_address", "nohostport"), ("ring_address", "h:0"), ("ring_address", "h:99999"),
-    ("committed_step", -2),
+    ("commit_step", -2),
     # `$` also matches before a trailing newline: the checks must match the whole value.
     ("job_id", "job\n"), ("worker_id", "w\n"), ("host", "h\n"), ("ring_address", "1.2.3.4:80\n")])
 def test_invalid_join_fields_are_named_in_invalid_argument(stub, field, value):
@@ -111,10 +112,11 @@ def test_spec_mismatch_with_existing_job_is_failed_precondition(stub):
 
 
 def test_unknown_and_malformed_sessions(stub):
-    code, details = code_of(stub.Heartbeat, pb.HeartbeatRequest(session_id=f"nojob/0a1b2c3d/w/{'0' * 48}"),
+    code, details = code_of(stub.ReportProgress,
+                            pb.ReportProgressRequest(session_id=f"nojob/0a1b2c3d/w/{'0' * 48}"),
                             timeout=5, metadata=AUTH)
     assert code == grpc.StatusCode.NOT_FOUND and "nojob" in details
-    code, details = code_of(stub.Heartbeat, pb.HeartbeatRequest(session_id="nojob/w/0"), timeout=5,
+    code, details = code_of(stub.ReportProgress, pb.ReportProgressRequest(session_id="nojob/w/0"), timeout=5,
                             metadata=AUTH)   # the old, guessable form
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in details
     code, details = code_of(stub.Leave, pb.LeaveRequest(session_id="garbage"), timeout=5,
@@ -156,7 +158,7 @@ text = st.text(max_size=300)
 def test_fuzzed_joins_never_crash_the_server(stub, job, worker, host, addr, step, min_np, max_np,
                                              timeout):
     req = pb.JoinRequest(job_id=job, worker_id=worker, host=host, ring_address=addr,
-                         committed_step=step,
+                         commit_step=step,
                          spec=pb.JobSpec(min_np=min_np, max_np=max_np, elastic_timeout_s=timeout))
     code, details = code_of(stub.Join, req, timeout=5, metadata=AUTH)
     assert code in REJECTIONS | {grpc.StatusCode.OK}, (code, details)
@@ -166,7 +168,9 @@ def test_fuzzed_joins_never_crash_the_server(stub, job, worker, host, addr, step
 @FUZZ
 @given(session=text, version=st.integers(0, 2 ** 64 - 1), suspect=text, reason=st.text(max_size=2000))
 def test_fuzzed_session_calls_never_crash_the_server(stub, session, version, suspect, reason):
-    calls = [(stub.Heartbeat, pb.HeartbeatRequest(session_id=session, committed_step=version % 10)),
+    calls = [(stub.ReportProgress, pb.ReportProgressRequest(session_id=session, commit_step=version % 10)),
+             (stub.AnswerProbe, pb.AnswerProbeRequest(session_id=session, nonce=version)),
+             (stub.AcknowledgeAbort, pb.AcknowledgeAbortRequest(session_id=session, world_version=version)),
              (stub.Leave, pb.LeaveRequest(session_id=session)),
              (stub.ReportSuccess, pb.ReportSuccessRequest(session_id=session)),
              (stub.ReportFailure, pb.ReportFailureRequest(session_id=session, world_version=version,
@@ -218,7 +222,7 @@ def test_a_join_with_another_token_is_denied_and_gets_no_secret(server, stub):
     code, _ = code_of(stub.Status, pb.StatusRequest(job_id=job), timeout=5, metadata=OTHER_AUTH)
     assert code == grpc.StatusCode.NOT_FOUND
     # Even the member's real session is nothing to the other token.
-    code, _ = code_of(stub.Heartbeat, pb.HeartbeatRequest(session_id=a.session_id), timeout=5,
+    code, _ = code_of(stub.ReportProgress, pb.ReportProgressRequest(session_id=a.session_id), timeout=5,
                       metadata=OTHER_AUTH)
     assert code == grpc.StatusCode.NOT_FOUND
     assert [m.member.worker_id for m in _status(stub, job).members] == ["a"]
@@ -257,7 +261,9 @@ def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, 
     a = _member(server, "a", job)
     world = wait_world_of([a], 1)[0]
     for sid in _forged_sessions(a.session_id):
-        calls = [(stub.Heartbeat, pb.HeartbeatRequest(session_id=sid, committed_step=5)),
+        calls = [(stub.ReportProgress, pb.ReportProgressRequest(session_id=sid, commit_step=5)),
+                 (stub.AnswerProbe, pb.AnswerProbeRequest(session_id=sid, nonce=1)),
+                 (stub.AcknowledgeAbort, pb.AcknowledgeAbortRequest(session_id=sid, world_version=1)),
                  (stub.ReportFailure, pb.ReportFailureRequest(session_id=sid, world_version=1,
                                                               suspect_worker_id="a")),
                  (stub.ReportSuccess, pb.ReportSuccessRequest(session_id=sid, world_version=1)),
@@ -274,7 +280,7 @@ def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, 
     assert st.phase == "RUNNING" and st.world_version == world.version
     assert [(m.member.worker_id, m.attached) for m in st.members] == [("a", True)]
     assert a.next_event(0.3) is None          # the real worker heard nothing
-    assert a.heartbeat(committed_step=3) == world.version   # and its own session still works
+    assert a.report_progress(commit_step=3) == world.version   # and its own session still works
     a.close()
 
 
@@ -295,7 +301,7 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
         [("a", a.ring_address, True)]
     assert st.world_version == world.version
     assert a.next_event(0.3) is None
-    assert a.heartbeat() == world.version
+    assert a.report_progress() == world.version
     a.join()   # the worker itself, with its session, may
     assert a.wait_world(timeout_s=5.0, min_version=world.version + 1).members[0].worker_id == "a"
     a.close()

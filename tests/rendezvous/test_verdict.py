@@ -70,7 +70,7 @@ def test_an_admitted_report_remembers_which_session_of_the_suspect_it_is_about()
 
 
 def test_admission_is_judged_once_so_a_world_formed_meanwhile_does_not_make_the_report_stale():
-    later = replace(WORLD, version=2)
+    later = replace(WORLD, world_version=2)
     assert isinstance(verdict(inquiry=admitted(), state=later), Probe)
 
 
