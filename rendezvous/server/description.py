@@ -1,9 +1,9 @@
 """What one decided action is, said once: `describe(action, world_version_before) -> Description`.
 
-The server's log line, the event log and Status (history.py), the counters (metrics.py) and the
-routing of the Watch events (who is sent what) all read the same description, so they cannot
-disagree about what an action was, and a new kind of action is described in one place. Pure: no
-clock, no I/O. Text a peer chose (a report's reason) is escaped for the event log and Status here.
+The server's log line, the event log and Status (history.py), the counters (server_metrics.py)
+and the routing of the Watch events (who is sent what) all read the same description, so they
+cannot disagree about what an action was, and a new kind of action is described in one place.
+Pure: no clock, no I/O. Text a peer chose (a report's reason) is escaped for the event log and Status here.
 """
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ state to the store and only then are the actions sent on the workers' Watch stre
 announced world is durable before anyone sees it, a restarted server or a new leader reloads the same
 worlds and changes nothing; workers simply reattach their sessions.
 
-The rest lives beside it, each part given plain functions rather than this service: tokens,
-credentials and session ids are auth.py's; the protobuf forms wire.py's and server_wire.py's; what
-a delivered action is (for the log, the event log, the counters and its recipients) description.py's;
-each job's Watch and idle deadlines and its recovery clock liveness.py's; the time-driven changes
-job_timer.py's; the rules of failure reports verdict.py's and carrying them out probes.py's;
-what is counted (Prometheus) metrics.py's and what is recorded (the event log, each job's recent
-events for Status) history.py's.
+The rest lives beside it in rendezvous/server/, each part given plain functions rather than this
+service: tokens, credentials and session ids are auth.py's; the protobuf forms server_wire.py's
+(and, for what both sides share, rendezvous/wire/messages.py's); what a delivered action is (for
+the log, the event log, the counters and its recipients) description.py's; each job's Watch and
+idle deadlines and its recovery clock liveness.py's; the time-driven changes job_timer.py's; the
+rules of failure reports verdict.py's and carrying them out probes.py's; what is counted
+(Prometheus) server_metrics.py's and what is recorded (the event log, each job's recent events
+for Status) history.py's.
 
 Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
 * A crashed worker's stream breaks at once (socket EOF/RST) and the grpc.aio handler is cancelled: we
