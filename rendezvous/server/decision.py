@@ -3,7 +3,7 @@
 No sockets, threads, clocks or I/O live here: the server feeds events (joins, leaves, evictions, ticks)
 with the current wall-clock time and carries out the returned actions (persist, then announce). That
 keeps every membership rule testable as a table (tests/rendezvous/test_decision.py) and makes the state
-a plain value that round-trips through etcd as JSON, so a restarted server or another replica continues
+a plain value that round-trips through etcd as JSON (job_json.py), so a restarted server or another replica continues
 exactly where the last one stopped.
 
 Rules:
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import enum
 import hmac
-import json
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
 
@@ -656,39 +655,3 @@ def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
                                   cross_rank=hosts_with_lr.index(h), cross_size=len(hosts_with_lr),
                                   commit_step=worker.commit_step))
     return tuple(members)
-
-
-# ------------------------------------------------------------------------------------ serialization
-def to_json(state: JobState) -> bytes:
-    """Serialize for the store (all times are wall-clock seconds, meaningful across replicas)."""
-    # vars() instead of dataclasses.asdict: asdict deep-copies, which dominated at 1,024 workers.
-    d = dict(vars(state))
-    d["spec"] = vars(state.spec)
-    d["phase"] = state.phase.value
-    d["world"] = [vars(m) for m in state.world]
-    d["workers"] = {k: vars(w) for k, w in state.workers.items()}
-    d["hosts"] = {k: vars(h) for k, h in state.hosts.items()}
-    return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
-
-
-def from_json(data: bytes) -> JobState:
-    """The state `to_json` stored, also as stored before `world_version` and `commit_step` had
-    these names (`version`, `committed_step`)."""
-    d = json.loads(data)
-    world_version = d["world_version"] if "world_version" in d else d["version"]
-    return JobState(
-        job_id=d["job_id"], spec=JobSpec(**d["spec"]), created_at=d["created_at"],
-        phase=Phase(d["phase"]), world_version=world_version,
-        world=tuple(Member(**_step_renamed(m)) for m in d["world"]),
-        aborted_version=d["aborted_version"],
-        pending_version=d.get("pending_version", 0), abort_acks=tuple(d.get("abort_acks", ())),
-        workers={k: Worker(**_step_renamed(v)) for k, v in d["workers"].items()},
-        hosts={k: HostRecord(**v) for k, v in d["hosts"].items()},
-        change_first=d["change_first"], change_last=d["change_last"],
-        below_min_since=d["below_min_since"], next_seq=d["next_seq"], reason=d["reason"],
-        finished_at=d.get("finished_at"), credential=d.get("credential", ""),
-        ring_secret=d.get("ring_secret", ""), run=d.get("run", ""))
-
-
-def _step_renamed(record: dict) -> dict:
-    return {"commit_step" if k == "committed_step" else k: v for k, v in record.items()}

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from rendezvous.server import decision as d
+from rendezvous.server import job_json
 from rendezvous.server.journal import Journal
 from rendezvous.server.server_wire import RpcRefusal
 from rendezvous.server.store import Fence
@@ -50,7 +51,7 @@ class Harness:
 
     async def stored(self, job):
         got = await self.store.get(self.journal.key(job.state.job_id))
-        return d.from_json(got.value) if got else None
+        return job_json.from_json(got.value) if got else None
 
 
 def run(body):

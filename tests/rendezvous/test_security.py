@@ -470,7 +470,8 @@ def test_a_running_job_stored_by_an_older_server_is_refused_not_joined_without_a
     import time
 
     from rendezvous.server import decision as d
-    state = json.loads(d.to_json(d.new_job("legacy", d.JobSpec(1, 4, 60.0), time.time())))
+    from rendezvous.server import job_json
+    state = json.loads(job_json.to_json(d.new_job("legacy", d.JobSpec(1, 4, 60.0), time.time())))
     for field in ("credential", "ring_secret", "run"):   # what an older server wrote
         del state[field]
     store = MemoryStore()
