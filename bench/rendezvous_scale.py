@@ -4,7 +4,8 @@ For each N it prints: time from the last join until every worker holds the same 
 killing 10% of the workers (their connections drop, as on a crash) until every survivor holds the next
 world; the server's CPU time and peak memory (it runs as its own process against a local etcd).
 With --liveness it also compares the server's CPU cost of keeping N idle workers alive with HTTP/2
-keepalive only (the design) against 1 Hz Heartbeat RPCs (the alternative).
+keepalive only (the design) against a unary RPC per worker per second, as Python heartbeats would
+be (the alternative; ReportProgress stands in for one).
 
     python bench/rendezvous_scale.py                    # N = 64, 256, 1024
     python bench/rendezvous_scale.py --sizes 64,128 --liveness
@@ -89,7 +90,7 @@ class Worker:
     async def join(self) -> float:
         resp = await self.stub.Join(pb.JoinRequest(
             job_id=self.job, worker_id=f"w{self.i:05d}", host=f"host{self.i // 8}",
-            ring_address=f"127.0.0.1:{10000 + self.i}", committed_step=-1,
+            ring_address=f"127.0.0.1:{10000 + self.i}", commit_step=-1,
             spec=pb.JobSpec(min_np=1, max_np=self.n)), timeout=TIMEOUT_S)
         self.session = resp.session_id
         self.task = asyncio.get_running_loop().create_task(self._watch())
@@ -99,7 +100,7 @@ class Worker:
         try:
             async for ev in self.stub.Watch(pb.WatchRequest(session_id=self.session)):
                 if ev.WhichOneof("event") == "world":
-                    self.worlds[ev.world.version] = (time.monotonic(), ev.world.size)
+                    self.worlds[ev.world.world_version] = (time.monotonic(), ev.world.size)
                     self.changed.set()
         except (grpc.RpcError, asyncio.CancelledError):
             pass
@@ -119,8 +120,9 @@ class Worker:
 
     async def heartbeat_forever(self, period_s: float) -> None:
         while True:
-            await self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session,
-                                                          committed_step=-1), timeout=TIMEOUT_S)
+            # What a Python heartbeat would cost the server: one unary RPC of this session.
+            await self.stub.ReportProgress(pb.ReportProgressRequest(session_id=self.session,
+                                                                    commit_step=-1), timeout=TIMEOUT_S)
             await asyncio.sleep(period_s)
 
 
@@ -163,7 +165,7 @@ async def run_size(server: Server, n: int, liveness: bool) -> dict:
 
 
 async def idle_cost(server: Server, workers: list, seconds: float = 5.0) -> dict:
-    """Server CPU while N workers sit idle: keepalive only, then with 1 Hz Heartbeat RPCs."""
+    """Server CPU while N workers sit idle: keepalive only, then with 1 Hz heartbeat-like RPCs."""
     c0 = server.cpu_s()
     await asyncio.sleep(seconds)
     keepalive = (server.cpu_s() - c0) / seconds

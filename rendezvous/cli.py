@@ -13,6 +13,7 @@ from rendezvous import __version__
 from rendezvous.common import files
 from rendezvous.client import status_view
 from rendezvous.common.channel import channel_credentials, parse_addresses, read_token_file, read_token_list
+from rendezvous.common.client_flags import add_client_flags
 from rendezvous.client.status_client import StatusClient, StatusError
 from rendezvous.server.server_config import ServerConfig, default
 from rendezvous.common.event_log import EventLog
@@ -120,11 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the rendezvous servers, as elastic-run --rendezvous takes them: each is asked in turn "
                         "until one answers (any replica answers Status)")
     t.add_argument("--job", default="", help="only this job")
-    t.add_argument("--token-file", metavar="F", help="file holding the token, if the server wants one")
-    t.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
-    t.add_argument("--tls-cert", metavar="PEM",
-                   help="client certificate, for a server started with --tls-client-ca")
-    t.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+    add_client_flags(t)   # --token-file, --tls-ca, --tls-cert, --tls-key, as elastic-run's
     t.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="give up on a server after S seconds (default: %(default)s)")
     t.add_argument("--watch", action="store_true",

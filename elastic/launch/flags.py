@@ -21,11 +21,12 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 from rendezvous import __version__
 from rendezvous.common import files
 from rendezvous.common.channel import channel_credentials, parse_addresses, read_token_file
+from rendezvous.common.client_flags import TLS_FLAGS, TLS_VARIABLES, TOKEN_FILE, TOKEN_VARIABLE, add_client_flags
 from rendezvous.wire.membership import DEFAULT_MAX_NP
 from rendezvous.common.ports import check_can_listen
 
 from elastic.ring.communicator import CommConfig
-from elastic.runtime.worker_config import TLS_VARIABLES, _host_address as host_address
+from elastic.runtime.worker_config import _host_address as host_address
 from elastic.runtime.straggler_detector import POLICIES, StragglerConfig
 from elastic.launch.embedded import EMBEDDED_HOST
 from elastic.launch.forkserver import forkable
@@ -215,16 +216,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, metavar="S",
                    help="give up when no --rendezvous server answers within S seconds at start "
                         "(default: 10; under srun, 60 for the batch host's server to be announced)")
-    p.add_argument("--token-file", metavar="F",
-                   help="token file of the --rendezvous servers, passed to workers as ELASTIC_TOKEN_FILE")
-    p.add_argument("--tls-ca", metavar="PEM",
-                   help="connect to the --rendezvous servers with TLS, trusting this CA; passed to "
-                        "workers as ELASTIC_TLS_CA (default: $ELASTIC_TLS_CA)")
-    p.add_argument("--tls-cert", metavar="PEM",
-                   help="client certificate, for servers started with --tls-client-ca; passed to "
-                        "workers as ELASTIC_TLS_CERT (default: $ELASTIC_TLS_CERT)")
-    p.add_argument("--tls-key", metavar="PEM",
-                   help="private key for --tls-cert; passed as ELASTIC_TLS_KEY (default: $ELASTIC_TLS_KEY)")
+    add_client_flags(p, for_workers=True)   # --token-file, --tls-ca, --tls-cert, --tls-key
     p.add_argument("--stop-timeout", type=float, default=10.0, metavar="S",
                    help="after the job ended, SIGKILL workers still running S seconds after SIGTERM; "
                         "on Ctrl-C/SIGTERM (draining) and discovery scale-down, --preempt-grace + S seconds "
@@ -300,7 +292,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -411,7 +402,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         omp_num_threads=None if env.get("OMP_NUM_THREADS") or np_ == 1 else "1",
                         metrics_port=a.metrics_port, metrics_host=metrics_host,
                         events=events, token=token, stragglers=stragglers,
-                        inherited_token_env=tuple((k, env[k]) for k in ("ELASTIC_TOKEN", "ELASTIC_TOKEN_FILE")
+                        inherited_token_env=tuple((k, env[k]) for k in (TOKEN_VARIABLE, TOKEN_FILE.variable)
                                                   if env.get(k)),
                         embedded_host=embedded_host, slurm=slurm, slurm_role=role, announce_dir=announce_dir,
                         preload=preload)
@@ -529,10 +520,10 @@ def _token(token_file: Optional[str], env: Mapping[str, str]) -> Optional[str]:
     try:
         if token_file:
             return read_token_file(token_file, "--token-file")
-        if env.get("ELASTIC_TOKEN"):
-            return env["ELASTIC_TOKEN"]
-        if env.get("ELASTIC_TOKEN_FILE"):
-            return read_token_file(env["ELASTIC_TOKEN_FILE"], "ELASTIC_TOKEN_FILE")
+        if env.get(TOKEN_VARIABLE):
+            return env[TOKEN_VARIABLE]
+        if env.get(TOKEN_FILE.variable):
+            return read_token_file(env[TOKEN_FILE.variable], TOKEN_FILE.variable)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return None

@@ -108,7 +108,7 @@ class JobSession(Session):
         answered stands, and the worker departs through the rendezvous (``next_world``)."""
         give_up = self._leave_asked if self._leave_signals is not None else None
         try:
-            self.client.join(committed_step=-1, give_up=give_up)
+            self.client.join(commit_step=-1, give_up=give_up)
         except _ClientError as e:
             self.client.close()
             self.listener.close()
@@ -226,7 +226,7 @@ class JobSession(Session):
                                                                    told.world_version == verdict.world_version)
             if (commit_step != reported or verdict is not told) and (named or time.monotonic() - last_report >= 1.0):
                 try:
-                    self.client.heartbeat(committed_step=commit_step, straggler=verdict)
+                    self.client.report_progress(commit_step=commit_step, straggler=verdict)
                     reported, told = commit_step, verdict
                     self.straggler_detector.told(verdict)
                 except _ClientError as e:
@@ -290,7 +290,7 @@ class JobSession(Session):
                     ended.reason)
         self._cond.release()
         try:
-            self.client.join(committed_step=self.commit_step)
+            self.client.join(commit_step=self.commit_step)
         except _ClientError as e:
             if e.finished is not None:
                 raise JobDone(f"job {self.config.job_id} finished without worker {self.config.worker_id}: {e}",

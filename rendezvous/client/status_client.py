@@ -28,7 +28,7 @@ class MemberStatusInfo:
     host: str
     rank: Optional[int]              # None: on standby (not in the world)
     attached: bool                   # has an open Watch stream on the leader
-    committed_step: int
+    commit_step: int
     ring_address: str = ""
     local_rank: int = 0              # this and the three below: meaningful in the world only
     local_size: int = 0
@@ -118,7 +118,7 @@ class StatusError(RendezvousRPCError):
 def _member_status(m: pb.MemberStatus) -> MemberStatusInfo:
     mm = m.member
     return MemberStatusInfo(mm.worker_id, mm.host, mm.rank if m.in_world else None, m.attached,
-                            mm.committed_step, mm.ring_address, mm.local_rank, mm.local_size,
+                            mm.commit_step, mm.ring_address, mm.local_rank, mm.local_size,
                             mm.cross_rank, mm.cross_size, m.age_s,
                             straggler_from_pb(m.straggler) if m.HasField("straggler") else None)
 

@@ -68,7 +68,7 @@ def format_status(status: StatusInfo, events: int = 0) -> str:
             rows.append((str(m.rank) if m.in_world else "standby", safe(m.worker_id), safe(m.host),
                          f"{m.local_rank}/{m.local_size}" if m.in_world else "-",
                          f"{m.cross_rank}/{m.cross_size}" if m.in_world else "-",
-                         safe(m.ring_address), str(m.committed_step), format_pace(m.straggler),
+                         safe(m.ring_address), str(m.commit_step), format_pace(m.straggler),
                          "yes" if m.attached else "no", format_age(m.age_s)))
         lines += _table(rows)
     if events:

@@ -8,10 +8,10 @@ that is tried next), costs one backoff step, never an error, until the call's de
     client = RendezvousClient(["10.0.0.1:29400", "10.0.0.2:29400"], job_id="job", worker_id="w0",
                               host="node1", ring_address="10.0.0.5:41000", token=token,
                               spec=JobSpec(min_np=2, max_np=8))
-    client.join(committed_step=-1)                   # client.ring_secret: the job's ring secret
+    client.join(commit_step=-1)                      # client.ring_secret: the job's ring secret
     world = client.wait_world(timeout_s=60)          # WorldInfo: version, rank, size, members, …
     ev = client.next_event(timeout_s=0.0)            # World / Pending / Abort / Standby / Finished / Ended
-    client.heartbeat(committed_step=120)             # optional: progress picks rank 0 of the next world
+    client.report_progress(commit_step=120)          # optional: progress picks rank 0 of the next world
                                                      # (and straggler=StragglerReport(…): its pace)
     client.report_failure("w3", world.version)       # a peer broke; the server checks it at once
     client.leave()                                   # or client.report_success()
@@ -25,7 +25,8 @@ end), `Ended.finished` and `RendezvousRPCError.finished` are True (succeeded) or
 from the server's `elastic-job-outcome` trailing metadata. None means "not because the job is over".
 
 Liveness needs nothing from the caller: the open Watch stream plus gRPC keepalive (answered by gRPC's
-C core, without the GIL) tell the server this process is alive.
+C core, without the GIL) tell the server this process is alive. The Watch thread answers the
+server's probes (AnswerProbe) and acknowledges aborts (AcknowledgeAbort) by itself, at once.
 
 Sessions are numbered: `join()` starts a new one, empties the event queue, and events still arriving
 from the replaced session (its stream being closed, a stale `Ended`) are dropped, under the same lock
@@ -64,7 +65,7 @@ _MIN_RING_SECRET = 16   # bytes; a server that sends less is not one this client
 
 def _world(w: pb.World) -> WorldInfo:
     members = tuple(wire.member_from_pb(m) for m in w.members)
-    return WorldInfo(w.version, members, w.rank, w.size, w.local_rank, w.local_size, w.cross_rank,
+    return WorldInfo(w.world_version, members, w.rank, w.size, w.local_rank, w.local_size, w.cross_rank,
                      w.cross_size)
 
 
@@ -99,7 +100,7 @@ class RendezvousClient:
         self.ring_secret: Optional[bytes] = None      # the job's ring secret, from the Join answer
         self.job_spec = JobSpec()                     # the job's limits, from the Join answer
         self.spares = 0                               # workers that could take this one's place, from
-                                                      # the last Heartbeat answer
+                                                      # the last ReportProgress answer
         self.world: Optional[WorldInfo] = None        # the latest world received
         self._closed = threading.Event()
         self._watch_thread: Optional[threading.Thread] = None
@@ -108,7 +109,7 @@ class RendezvousClient:
         self._join_lock = threading.Condition()
         self._gen = 0                       # session number: bumped by every join()
         self._watching = False              # a watch thread runs (or is about to) for this client
-        self._committed_step = -1           # resent on every (re)attach: the server keeps it soft
+        self._commit_step = -1           # resent on every (re)attach: the server keeps it soft
         self._last_world_key = None         # (version, members) of the last pushed world
         self._last_abort: Optional[int] = None
         self._last: Optional[Event] = None
@@ -182,7 +183,7 @@ class RendezvousClient:
                 backoff = min(backoff * 2, self.backoff_max_s)
 
     # --------------------------------------------------------------------------------- API
-    def join(self, committed_step: int = -1, timeout_s: float = 30.0,
+    def join(self, commit_step: int = -1, timeout_s: float = 30.0,
              give_up: Optional[threading.Event] = None) -> str:
         """Join the job (creating it with `spec` if new) and start following it; returns the session.
         Once `give_up` is set, a failed attempt ends it with RendezvousCallAbandoned.
@@ -194,14 +195,14 @@ class RendezvousClient:
         with self._join_lock:
             self._gen += 1
             old_sid, self.session_id = self.session_id, None   # the watch thread pauses meanwhile
-            self._committed_step = max(self._committed_step, committed_step)
+            self._commit_step = max(self._commit_step, commit_step)
         try:
             # A Join whose first attempt timed out may have registered a session we never learnt:
             # the retry is then refused ALREADY_EXISTS until that session, never watched, is
             # evicted (the server's heartbeat timeout), so keep retrying within the deadline.
             resp = self._call("Join", pb.JoinRequest(
                 job_id=self.job_id, worker_id=self.worker_id, host=self.host,
-                ring_address=self.ring_address, committed_step=committed_step,
+                ring_address=self.ring_address, commit_step=commit_step,
                 spec=wire.spec_pb(self.spec), session_id=old_sid or "",
                 spec_if_new=wire.spec_pb(self.spec_if_new) if self.spec_if_new else None),
                 timeout_s,
@@ -274,19 +275,20 @@ class RendezvousClient:
                 raise RendezvousRPCError(f"job {self.job_id} worker {self.worker_id}: {ev.reason}",
                                          finished=ev.finished)
 
-    def heartbeat(self, committed_step: int = -1, timeout_s: float = 1.0,
-                  straggler: Optional[StragglerReport] = None) -> int:
-        """Report the last committed step (and this worker's pace, ``straggler``); returns the
-        server's current world version. ``spares`` keeps what the answer says of the workers
-        that could take this one's place.
+    def report_progress(self, commit_step: int = -1, timeout_s: float = 1.0,
+                        straggler: Optional[StragglerReport] = None) -> int:
+        """Report the step of the last commit (-1: unchanged) and this worker's pace
+        (``straggler``); returns the server's current world version. ``spares`` keeps what the
+        answer says of the workers that could take this one's place.
 
         Short default deadline: callers send it from their event loop, which must not stall for long
         during a server outage (the step is resent on the next call and on reattach anyway).
         """
-        if committed_step > self._committed_step:
-            self._committed_step = committed_step
-        resp = self._call("Heartbeat", pb.HeartbeatRequest(session_id=self._sid(), committed_step=committed_step,
-                                                           straggler=wire.straggler_pb(straggler)), timeout_s)
+        if commit_step > self._commit_step:
+            self._commit_step = commit_step
+        resp = self._call("ReportProgress", pb.ReportProgressRequest(
+            session_id=self._sid(), commit_step=commit_step, straggler=wire.straggler_pb(straggler)),
+            timeout_s)
         self.spares = resp.spares
         return resp.world_version
 
@@ -361,7 +363,7 @@ class RendezvousClient:
             address = self.addresses[self._current]
             try:
                 call = self._stub(address).Watch(
-                    pb.WatchRequest(session_id=sid, committed_step=self._committed_step),
+                    pb.WatchRequest(session_id=sid, commit_step=self._commit_step),
                     metadata=self._metadata)
                 self._watch_call = call
                 for ev in call:
@@ -416,10 +418,11 @@ class RendezvousClient:
             self._events.put(ev)
             return True
 
-    def _answer(self, address: str, request: pb.HeartbeatRequest, what: str) -> None:
-        """A Heartbeat to the server whose Watch sent `address` the notice it answers."""
+    def _answer(self, address: str, method: str, request, what: str) -> None:
+        """`method` to the server at `address`, whose Watch sent the notice it answers."""
         try:
-            self._stub(address).Heartbeat(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
+            getattr(self._stub(address), method)(request, timeout=self.rpc_timeout_s,
+                                                  metadata=self._metadata)
         except grpc.RpcError as e:
             log.warning("worker %s: %s failed: %s", self.worker_id, what, e.details())
 
@@ -427,8 +430,8 @@ class RendezvousClient:
         kind = ev.WhichOneof("event")
         if kind == "probe":
             # Answer at once, from this thread: proof that this process is alive and not wedged.
-            self._answer(address, pb.HeartbeatRequest(session_id=self.session_id, committed_step=-1,
-                                                      probe_nonce=ev.probe.nonce), "answering a probe")
+            self._answer(address, "AnswerProbe", pb.AnswerProbeRequest(
+                session_id=self.session_id, nonce=ev.probe.nonce), "answering a probe")
         elif kind == "world":
             world = _world(ev.world)
             key = (world.version, world.members)
@@ -445,17 +448,17 @@ class RendezvousClient:
         elif kind == "pending":
             self._push(Pending(ev.pending.world_version, ev.pending.reason), gen)
         elif kind == "abort":
-            version = ev.abort.world_version
+            world_version = ev.abort.world_version
             with self._join_lock:
-                if gen != self._gen or self._last_abort == version:
+                if gen != self._gen or self._last_abort == world_version:
                     return
-                self._last_abort = version
-                self._last = ev = Abort(version, ev.abort.reason)
+                self._last_abort = world_version
+                self._last = ev = Abort(world_version, ev.abort.reason)
                 self._events.put(ev)
             # Acknowledge at once, from this thread, as a probe is answered: the next world forms
             # as soon as every live member has, instead of after the server's settle window.
-            self._answer(address, pb.HeartbeatRequest(session_id=self.session_id, committed_step=-1,
-                                                      aborted_version=version), "acknowledging the abort")
+            self._answer(address, "AcknowledgeAbort", pb.AcknowledgeAbortRequest(
+                session_id=self.session_id, world_version=world_version), "acknowledging the abort")
         elif kind == "standby":
             self._push(Standby(ev.standby.world_version, ev.standby.reason), gen)
         elif kind == "finished":

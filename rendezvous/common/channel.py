@@ -3,7 +3,7 @@ options, and the error a call ends with when it fails for good.
 
 Every client of the service uses these: workers (worker_client.py), the launcher's Status polls and
 `elastic-rendezvous status` (status_client.py), and the rendezvous server itself for its etcd
-connection and its settings (store.py, config.py). Nothing here knows the service's messages.
+connection and its settings (server/store.py, server/server_config.py). Nothing here knows the service's messages.
 
 TLS: `channel_credentials(ca, cert, key)` reads the PEM files once (a clear ValueError naming the
 flag or variable if one is unreadable). With a CA the channel is TLS and never falls back to

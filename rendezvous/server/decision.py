@@ -3,7 +3,7 @@
 No sockets, threads, clocks or I/O live here: the server feeds events (joins, leaves, evictions, ticks)
 with the current wall-clock time and carries out the returned actions (persist, then announce). That
 keeps every membership rule testable as a table (tests/rendezvous/test_decision.py) and makes the state
-a plain value that round-trips through etcd as JSON, so a restarted server or another replica continues
+a plain value that round-trips through etcd as JSON (job_json.py), so a restarted server or another replica continues
 exactly where the last one stopped.
 
 Rules:
@@ -16,7 +16,7 @@ Rules:
 * At most `max_np` workers are in the world; the rest are hot spares that fill a failed member's place in
   the next world without waiting for a new join.
 * Stable ranks: survivors keep their relative order, newcomers are appended, the member with the highest
-  committed step becomes rank 0, and the ranks of one host are contiguous.
+  commit step becomes rank 0, and the ranks of one host are contiguous.
 * A failure (eviction) aborts the current version at once; a clean join/leave only announces that a
   change is pending, so workers can switch at a commit boundary.
 * Hosts failing `blacklist_after` times are refused for a cooldown that doubles on each blacklisting,
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import enum
 import hmac
-import json
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
 
@@ -109,7 +108,7 @@ class Worker:
     worker_id: str
     host: str
     ring_address: str
-    committed_step: int
+    commit_step: int
     join_seq: int
     joined_at: float
     attached: bool = True      # opened its Watch stream at least once (only then can it enter a world)
@@ -130,7 +129,7 @@ class JobState:
     spec: JobSpec
     created_at: float
     phase: Phase = Phase.FORMING
-    version: int = 0
+    world_version: int = 0
     world: tuple[Member, ...] = ()
     aborted_version: int = 0                 # last version an abort was announced for
     pending_version: int = 0                 # last version a pending change was announced for (once
@@ -182,7 +181,7 @@ class Join:
     worker_id: str
     host: str
     ring_address: str
-    committed_step: int = -1
+    commit_step: int = -1
     attached: bool = True      # the server joins workers unattached and sends Attach on their Watch
     session_hash: str = ""     # hash of the session the server issues for this join
     proof: str = ""            # hash of the previous session the joiner presented ("" none)
@@ -246,27 +245,27 @@ class Evict:
 
 @dataclass(frozen=True)
 class RingBroken:
-    """A member reports that the ring of `version` broke although its suspect is alive (a
+    """A member reports that the ring of `world_version` broke although its suspect is alive (a
     collective timed out on a slow peer, say). The world is unusable all the same: abort it
     and announce it again, so every member re-forms instead of waiting for an eviction."""
 
     reporter_id: str
-    version: int
+    world_version: int
     reason: str
 
 
 @dataclass(frozen=True)
 class AbortAck:
-    """A member received the abort of `version`: it is alive and waits for the next world."""
+    """A member received the abort of `world_version`: it is alive and waits for the next world."""
 
     worker_id: str
-    version: int
+    world_version: int
 
 
 @dataclass(frozen=True)
 class Progress:
     worker_id: str
-    committed_step: int
+    commit_step: int
 
 
 @dataclass(frozen=True)
@@ -288,24 +287,24 @@ Event = Union[Join, Attach, Leave, Evict, RingBroken, AbortAck, Progress, Succes
 class AnnounceWorld:
     """A new world: send it to its members, Standby to everyone else registered."""
 
-    version: int
+    world_version: int
     members: tuple[Member, ...]
     standby: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class AnnouncePending:
-    """Tell the members of `version` that a clean change will produce a new world."""
+    """Tell the members of `world_version` that a clean change will produce a new world."""
 
-    version: int
+    world_version: int
     reason: str
 
 
 @dataclass(frozen=True)
 class AnnounceAbort:
-    """A member of `version` failed: tell its survivors to abort what is in flight."""
+    """A member of `world_version` failed: tell its survivors to abort what is in flight."""
 
-    version: int
+    world_version: int
     reason: str
 
 
@@ -372,10 +371,10 @@ def decide(state: JobState, event: Event, now: float,
         state = _remove(state, event.worker_id, event.reason, now, actions, failure=True,
                         config=config, count_failure=event.count_failure, cause=event.cause)
     elif isinstance(event, RingBroken):
-        if event.version == state.version and state.in_world(event.reporter_id):
-            if state.aborted_version != state.version:
-                actions.append(AnnounceAbort(state.version, event.reason))
-                state = replace(state, aborted_version=state.version)
+        if event.world_version == state.world_version and state.in_world(event.reporter_id):
+            if state.aborted_version != state.world_version:
+                actions.append(AnnounceAbort(state.world_version, event.reason))
+                state = replace(state, aborted_version=state.world_version)
             state = _mark_change(state, now)
     elif isinstance(event, Attach):
         w = state.workers.get(event.worker_id)
@@ -384,23 +383,24 @@ def decide(state: JobState, event: Event, now: float,
             if not state.in_world(w.worker_id):
                 state = _mark_change(state, now)
     elif isinstance(event, AbortAck):
-        if (event.version == state.version == state.aborted_version and state.in_world(event.worker_id)
-                and event.worker_id in state.workers and event.worker_id not in state.abort_acks):
+        if (event.world_version == state.world_version == state.aborted_version
+                and state.in_world(event.worker_id) and event.worker_id in state.workers
+                and event.worker_id not in state.abort_acks):
             state = replace(state, abort_acks=state.abort_acks + (event.worker_id,))
     elif isinstance(event, Progress):
         w = state.workers.get(event.worker_id)
-        if w is not None and event.committed_step > w.committed_step:
+        if w is not None and event.commit_step > w.commit_step:
             state = replace(state, workers={**state.workers, w.worker_id:
-                                            replace(w, committed_step=event.committed_step)})
+                                            replace(w, commit_step=event.commit_step)})
     elif isinstance(event, Success):
         w = state.workers.get(event.worker_id)
         # Members stay in every world from their first one until they are removed, so "in the
         # current world, and a member since the version named" means a member of that world.
         if (w is None or not state.in_world(w.worker_id)
-                or not 0 < w.member_since <= event.world_version <= state.version):
+                or not 0 < w.member_since <= event.world_version <= state.world_version):
             actions.append(Rejected(event.worker_id, f"job {state.job_id}: worker {event.worker_id} "
                                                      f"is not a member of world {event.world_version} "
-                                                     f"(current world {state.version}); only a member "
+                                                     f"(current world {state.world_version}); only a member "
                                                      f"can end the job", Refusal.NOT_MEMBER))
             return state, actions
         reason = f"worker {event.worker_id} reported success"
@@ -436,7 +436,7 @@ def next_deadline(state: JobState, config: DecisionConfig) -> Optional[float]:
 def abort_acknowledged(state: JobState) -> bool:
     """The current world was aborted and every member of it still registered acknowledged that:
     nobody the next world could wait for is left, so it need not wait out the settle window."""
-    if state.aborted_version != state.version or not state.world:
+    if state.aborted_version != state.world_version or not state.world:
         return False
     alive = [m.worker_id for m in state.world if m.worker_id in state.workers]
     return bool(alive) and all(w in state.abort_acks for w in alive)
@@ -493,7 +493,7 @@ def _on_join(state: JobState, ev: Join, now: float, config: DecisionConfig,
         state = _remove(state, ev.worker_id, f"worker {ev.worker_id} rejoined (previous session "
                                              f"replaced)", now, actions, failure=True,
                         config=config, count_failure=False, cause=Departure.REJOINED)
-    worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.committed_step, state.next_seq, now,
+    worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.commit_step, state.next_seq, now,
                     attached=ev.attached, session_hash=ev.session_hash)
     state = replace(state, workers={**state.workers, ev.worker_id: worker},
                     next_seq=state.next_seq + 1)
@@ -517,10 +517,10 @@ def _reset_expired_blacklists(state: JobState, now: float) -> JobState:
 
 def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
     # One notice per version: a burst of joins must not cost O(joins x members) messages.
-    if state.aborted_version == state.version or state.pending_version == state.version:
+    if state.aborted_version == state.world_version or state.pending_version == state.world_version:
         return state
-    actions.append(AnnouncePending(state.version, reason))
-    return replace(state, pending_version=state.version)
+    actions.append(AnnouncePending(state.world_version, reason))
+    return replace(state, pending_version=state.world_version)
 
 
 def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: list[Action], *,
@@ -536,9 +536,9 @@ def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: l
         state = _count_host_failure(state, worker.host, now, config)
     if state.in_world(worker_id):
         if failure:
-            if state.aborted_version != state.version:
-                actions.append(AnnounceAbort(state.version, reason))
-                state = replace(state, aborted_version=state.version)
+            if state.aborted_version != state.world_version:
+                actions.append(AnnounceAbort(state.world_version, reason))
+                state = replace(state, aborted_version=state.world_version)
         else:
             state = _pending(state, reason, actions)
         state = _mark_change(state, now)
@@ -590,20 +590,20 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
         return state, actions
     members = compute_world(state, now)
     state = replace(state, change_first=None, change_last=None, abort_acks=())
-    # The same members, whatever order their committed steps would give them now: rank 0 is chosen
+    # The same members, whatever order their commit steps would give them now: rank 0 is chosen
     # when a world forms, and a change that leaves the members as they are (a spare joining a full
     # world, a standby attaching) must not re-form a running job only because steps moved on.
     unchanged = ({(m.worker_id, m.ring_address) for m in members}
                  == {(m.worker_id, m.ring_address) for m in state.world})
     # Re-announcing an unchanged world is needed after an abort (the ring broke) and after a pending
     # notice (its members wait for a version > V, e.g. a newcomer that left within the window).
-    if (unchanged and state.world and state.aborted_version != state.version
-            and state.pending_version != state.version):
+    if (unchanged and state.world and state.aborted_version != state.world_version
+            and state.pending_version != state.world_version):
         return state, actions  # e.g. a standby joined a full world: nothing to re-form
-    version = state.version + 1
+    version = state.world_version + 1
     newcomers = {m.worker_id: replace(state.workers[m.worker_id], member_since=version)
                  for m in members if not state.workers[m.worker_id].member_since}
-    state = replace(state, version=version, world=members, phase=Phase.RUNNING, reason="",
+    state = replace(state, world_version=version, world=members, phase=Phase.RUNNING, reason="",
                     workers={**state.workers, **newcomers} if newcomers else state.workers)
     actions.append(AnnounceWorld(version, members, tuple(state.standby())))
     return state, actions
@@ -621,7 +621,7 @@ def standby_reason(state: JobState, worker_id: str, now: float) -> str:
     if len(state.world) >= state.spec.max_np:
         return (f"beyond max_np={state.spec.max_np}: a hot spare, it takes the place of the next member that "
                 f"fails or leaves")
-    return (f"joins world {state.version + 1} at the next commit of world {state.version} "
+    return (f"joins world {state.world_version + 1} at the next commit of world {state.world_version} "
             f"({len(state.world)} of max_np={state.spec.max_np} in it)")
 
 
@@ -630,8 +630,8 @@ def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
     chosen = eligible(state, now)[:state.spec.max_np]
     if not chosen:
         return ()
-    # Highest committed step first; max() keeps the earliest (lowest old rank) among ties.
-    best = max(chosen, key=lambda w: (state.workers[w].committed_step, -chosen.index(w)))
+    # Highest commit step first; max() keeps the earliest (lowest old rank) among ties.
+    best = max(chosen, key=lambda w: (state.workers[w].commit_step, -chosen.index(w)))
     chosen.remove(best)
     chosen.insert(0, best)
     # Group by host in order of each host's first appearance; stable within a host.
@@ -653,33 +653,5 @@ def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
                                   rank=len(members), local_rank=local_rank,
                                   local_size=len(by_host[h]),
                                   cross_rank=hosts_with_lr.index(h), cross_size=len(hosts_with_lr),
-                                  committed_step=worker.committed_step))
+                                  commit_step=worker.commit_step))
     return tuple(members)
-
-
-# ------------------------------------------------------------------------------------ serialization
-def to_json(state: JobState) -> bytes:
-    """Serialize for the store (all times are wall-clock seconds, meaningful across replicas)."""
-    # vars() instead of dataclasses.asdict: asdict deep-copies, which dominated at 1,024 workers.
-    d = dict(vars(state))
-    d["spec"] = vars(state.spec)
-    d["phase"] = state.phase.value
-    d["world"] = [vars(m) for m in state.world]
-    d["workers"] = {k: vars(w) for k, w in state.workers.items()}
-    d["hosts"] = {k: vars(h) for k, h in state.hosts.items()}
-    return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
-
-
-def from_json(data: bytes) -> JobState:
-    d = json.loads(data)
-    return JobState(
-        job_id=d["job_id"], spec=JobSpec(**d["spec"]), created_at=d["created_at"],
-        phase=Phase(d["phase"]), version=d["version"],
-        world=tuple(Member(**m) for m in d["world"]), aborted_version=d["aborted_version"],
-        pending_version=d.get("pending_version", 0), abort_acks=tuple(d.get("abort_acks", ())),
-        workers={k: Worker(**v) for k, v in d["workers"].items()},
-        hosts={k: HostRecord(**v) for k, v in d["hosts"].items()},
-        change_first=d["change_first"], change_last=d["change_last"],
-        below_min_since=d["below_min_since"], next_seq=d["next_seq"], reason=d["reason"],
-        finished_at=d.get("finished_at"), credential=d.get("credential", ""),
-        ring_secret=d.get("ring_secret", ""), run=d.get("run", ""))

@@ -1,9 +1,9 @@
-"""What one decided action is, said once: `describe(action, version_before) -> Description`.
+"""What one decided action is, said once: `describe(action, world_version_before) -> Description`.
 
-The server's log line, the event log and Status (history.py), the counters (metrics.py) and the
-routing of the Watch events (who is sent what) all read the same description, so they cannot
-disagree about what an action was, and a new kind of action is described in one place. Pure: no
-clock, no I/O. Text a peer chose (a report's reason) is escaped for the event log and Status here.
+The server's log line, the event log and Status (history.py), the counters (server_metrics.py)
+and the routing of the Watch events (who is sent what) all read the same description, so they
+cannot disagree about what an action was, and a new kind of action is described in one place.
+Pure: no clock, no I/O. Text a peer chose (a report's reason) is escaped for the event log and Status here.
 """
 from __future__ import annotations
 
@@ -38,51 +38,52 @@ class Description:
     world_announced: bool = False    # a new world: counted, and the recovery clock stops
 
 
-def describe(action: d.Action, version_before: int) -> Description:
-    """The description of `action`, decided while the job's world had version `version_before`."""
-    return _DESCRIBERS[type(action)](action, version_before)
+def describe(action: d.Action, world_version_before: int) -> Description:
+    """The description of `action`, decided while the job's world had version `world_version_before`."""
+    return _DESCRIBERS[type(action)](action, world_version_before)
 
 
 def _world(a: d.AnnounceWorld, _: int) -> Description:
     members = [{"worker_id": m.worker_id, "rank": m.rank, "host": m.host} for m in a.members]
     counts = f"{len(a.members)} member(s), {len(a.standby)} standby"
-    return Description(f"world {a.version} announced: {counts}", Audience.NEW_WORLD, a.version,
+    return Description(f"world {a.world_version} announced: {counts}", Audience.NEW_WORLD, a.world_version,
                        "world_formed", fields={"size": len(a.members), "members": members,
                                                "standby": len(a.standby)},
                        detail=counts, world_announced=True)
 
 
-def _pending(a: d.AnnouncePending, version_before: int) -> Description:
-    return Description(f"change pending for world {a.version}: {a.reason}", Audience.WORLD_BEFORE,
-                       version_before)
+def _pending(a: d.AnnouncePending, world_version_before: int) -> Description:
+    return Description(f"change pending for world {a.world_version}: {a.reason}", Audience.WORLD_BEFORE,
+                       world_version_before)
 
 
-def _abort(a: d.AnnounceAbort, version_before: int) -> Description:
-    return Description(f"abort world {a.version}: {a.reason}", Audience.WORLD_BEFORE, version_before)
+def _abort(a: d.AnnounceAbort, world_version_before: int) -> Description:
+    return Description(f"abort world {a.world_version}: {a.reason}", Audience.WORLD_BEFORE,
+                       world_version_before)
 
 
-def _dropped(a: d.Dropped, version_before: int) -> Description:
+def _dropped(a: d.Dropped, world_version_before: int) -> Description:
     summary = f"worker {a.worker_id} dropped: {a.reason}"
     reason = shown(a.reason)
     cause = a.cause.eviction
     if cause is None:   # a clean leave; a straggler's is an event of its own (its host cools down)
         event = "straggler_left" if a.cause is d.Departure.STRAGGLER else "worker_left"
-        return Description(summary, Audience.DROPPED, version_before, event, a.worker_id,
+        return Description(summary, Audience.DROPPED, world_version_before, event, a.worker_id,
                            {"reason": reason}, reason)
-    return Description(summary, Audience.DROPPED, version_before, "worker_evicted", a.worker_id,
+    return Description(summary, Audience.DROPPED, world_version_before, "worker_evicted", a.worker_id,
                        {"cause": cause, "reason": reason}, f"{cause}: {reason}", eviction=cause)
 
 
-def _finished(a: d.AnnounceFinished, version_before: int) -> Description:
+def _finished(a: d.AnnounceFinished, world_version_before: int) -> Description:
     outcome = "succeeded" if a.succeeded else "failed"
     reason = shown(a.reason)
-    return Description(f"finished ({outcome}): {a.reason}", Audience.EVERYONE, version_before,
+    return Description(f"finished ({outcome}): {a.reason}", Audience.EVERYONE, world_version_before,
                        "job_finished", fields={"outcome": outcome, "reason": reason},
                        detail=f"{outcome}: {reason}")
 
 
-def _rejected(a: d.Rejected, version_before: int) -> Description:
-    return Description(f"worker {a.worker_id} refused: {a.reason}", Audience.CALLER, version_before)
+def _rejected(a: d.Rejected, world_version_before: int) -> Description:
+    return Description(f"worker {a.worker_id} refused: {a.reason}", Audience.CALLER, world_version_before)
 
 
 _DESCRIBERS: dict[type, Callable[[Any, int], Description]] = {

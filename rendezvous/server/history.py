@@ -44,7 +44,7 @@ class History:
     def job(self, state: d.JobState, event: str, *, worker_id: str = "", detail: str = "",
             world_version: Optional[int] = None, **fields: Any) -> None:
         """An event of the job whose state is now `state` (its world's version unless told)."""
-        version = state.version if world_version is None else world_version
+        version = state.world_version if world_version is None else world_version
         if worker_id:
             fields = {"worker_id": worker_id, **fields}
         self.log.emit(event, job_id=state.job_id, world_version=version, **fields)

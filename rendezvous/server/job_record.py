@@ -2,7 +2,7 @@
 
 A job's record holds its state as decided and as last stored (the journal's), and what hangs on it:
 open streams, its liveness clocks (liveness.py, their one owner), outstanding probes, its timer, and
-its members' straggler reports (stragglers.py: soft state, never stored)."""
+its members' straggler reports (pace.py: soft state, never stored)."""
 from __future__ import annotations
 
 import asyncio

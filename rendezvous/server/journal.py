@@ -18,6 +18,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from rendezvous.server import decision as d
+from rendezvous.server import job_json
 from rendezvous.server.job_record import Job
 from rendezvous.server.store import Fence, Store, StoreError
 from rendezvous.server.server_wire import RpcRefusal
@@ -59,7 +60,7 @@ class Journal:
     async def load(self) -> list[tuple[d.JobState, int]]:
         """Every stored job with its revision; raises StoreError."""
         items = await self.store.get_prefix(f"{self.prefix}/jobs/")
-        return [(d.from_json(v.value), v.revision) for v in items.values()]
+        return [(job_json.from_json(v.value), v.revision) for v in items.values()]
 
     def apply(self, job: Job, event: d.Event) -> tuple[int, list]:
         """Decide; queue the actions for after the next durable write. Returns (seq, actions)."""
@@ -94,7 +95,7 @@ class Journal:
         try:
             while job.durable_seq < job.seq and self._is_leader():
                 seq, state = job.seq, job.state
-                data = d.to_json(state)
+                data = job_json.to_json(state)
                 try:
                     rev = await self.store.put(key, data, expected_revision=job.revision,
                                                fence=self._fence())
@@ -152,7 +153,7 @@ class Journal:
         Returns its revision; None when the fenced write was refused; RpcRefusal UNAVAILABLE when
         the store failed and the write did not land."""
         key = self.key(state.job_id)
-        data = d.to_json(state)
+        data = job_json.to_json(state)
         try:
             return await self.store.put(key, data, expected_revision=expected_revision,
                                         fence=self._fence())

@@ -1,8 +1,9 @@
-"""Leader election among rendezvous replicas through the store: one leased key, held by the leader.
+"""Leader election among rendezvous replicas through the store: one claimed key, held by the leader.
 
 The leader writes every job state fenced by this key (`Fence(key, identity)`), so a replica that lost its
-lease (paused, partitioned) can never overwrite what the new leader wrote. Only the leader's lease is
-kept alive against etcd — not one lease per worker — so the store's load does not grow with the job.
+claim (paused, partitioned) can never overwrite what the new leader wrote. Only the leader's claim (an
+etcd lease) is kept alive against etcd — not one lease per worker — so the store's load does not grow
+with the job. The other replicas read the key every TTL/8 and claim it once it is gone.
 
 Stepping down is driven by a clock, not by the refresh call: a refresh that hangs (etcd connection
 stalled, etcd overloaded) must not keep this replica serving while etcd expires its lease and another
@@ -18,7 +19,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Optional
 
-from rendezvous.server.store import Fence, Store, StoreError
+from rendezvous.server.store import Claim, Fence, Store, StoreError
 
 log = logging.getLogger("rendezvous.server.leader")
 
@@ -38,7 +39,7 @@ class Leadership:
         self._on_lost = on_lost
         self._clock = clock
         self._sleep = sleep
-        self._lease: Optional[int] = None
+        self._claim: Optional[Claim] = None
         self._keepalive: Optional[asyncio.Task] = None
         self._watchdog: Optional[asyncio.Task] = None
         self._valid_until = 0.0          # monotonic: leadership may be acted on until then
@@ -49,7 +50,7 @@ class Leadership:
 
     def valid(self) -> bool:
         """Held, and the last acknowledged refresh is recent enough that etcd still counts it."""
-        return self._lease is not None and self._clock() < self._valid_until
+        return self._claim is not None and self._clock() < self._valid_until
 
     @property
     def fence(self) -> Fence:
@@ -59,46 +60,43 @@ class Leadership:
         got = await self.store.get(self.key)
         return got.value.decode(errors="replace") if got else None
 
+    @property
+    def poll_s(self) -> float:
+        """How often a replica that does not lead looks whether the key is free."""
+        return self.ttl_s / 8
+
     async def campaign(self) -> None:
         """Return once this replica holds the leader key (retries store errors with backoff)."""
         backoff = 0.1
         while True:
             try:
                 sent = self._clock()
-                lease = await self.store.grant_lease(self.ttl_s)
-                if await self.store.put(self.key, self.identity, expected_revision=0, lease=lease):
-                    self._lease = lease
+                claim = await self.store.claim(self.key, self.identity, self.ttl_s)
+                if claim is not None:
+                    self._claim = claim
                     self._valid_until = sent + self.step_down_after_s
                     loop = asyncio.get_running_loop()
-                    self._keepalive = loop.create_task(self._keep_alive(lease))
-                    self._watchdog = loop.create_task(self._watch_validity(lease))
+                    self._keepalive = loop.create_task(self._keep_alive(claim))
+                    self._watchdog = loop.create_task(self._watch_validity(claim))
                     return
-                await self.store.revoke_lease(lease)
-                watch = await self.store.watch(self.key)
-                try:
-                    if await self.store.get(self.key) is not None:  # still held: wait for it to go
-                        try:
-                            while await watch.next(timeout=self.ttl_s) is not None:
-                                pass
-                        except asyncio.TimeoutError:
-                            pass  # re-check: a missed event must not stall the campaign
-                finally:
-                    watch.close()
+                # Held: read (not claim) until it is gone. A read costs etcd no lease and no write.
+                while await self.store.get(self.key) is not None:
+                    await self._sleep(self.poll_s)
                 backoff = 0.1
             except StoreError as e:
                 log.warning("leader campaign: %s; retrying in %.1f s", e, backoff)
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
-    async def _keep_alive(self, lease: int) -> None:
+    async def _keep_alive(self, claim: Claim) -> None:
         period = self.ttl_s / 3
         pause = period
-        while self._lease == lease:
+        while self._claim is claim:
             await self._sleep(pause)
             sent = self._clock()
             try:
                 # Deadline below ttl/3: a hung call must not delay the next attempt.
-                alive = await asyncio.wait_for(self.store.refresh_lease(lease), period * 0.9)
+                alive = await asyncio.wait_for(claim.refresh(), period * 0.9)
             except (StoreError, asyncio.TimeoutError) as e:
                 log.warning("leader lease refresh failed: %s", e or "no answer within "
                             f"{period * 0.9:.2f} s")
@@ -108,41 +106,41 @@ class Leadership:
                 pause = period if isinstance(e, asyncio.TimeoutError) else min(0.05, period)
                 continue
             pause = period
-            if self._lease != lease:
+            if self._claim is not claim:
                 return
             if not alive:
-                self._lose(lease, "leader lease expired")
+                self._lose(claim, "leader lease expired")
                 return
             self._valid_until = max(self._valid_until, sent + self.step_down_after_s)
 
-    async def _watch_validity(self, lease: int) -> None:
-        while self._lease == lease:
+    async def _watch_validity(self, claim: Claim) -> None:
+        while self._claim is claim:
             left = self._valid_until - self._clock()
             if left <= 0:
-                self._lose(lease, f"no lease refresh acknowledged for {self.step_down_after_s:.1f} s "
+                self._lose(claim, f"no lease refresh acknowledged for {self.step_down_after_s:.1f} s "
                                   f"(etcd unreachable or stalled)")
                 return
             await self._sleep(left + 0.005)
 
-    def _lose(self, lease: int, reason: str) -> None:
-        if self._lease != lease:
+    def _lose(self, claim: Claim, reason: str) -> None:
+        if self._claim is not claim:
             return
         self.drop()
         self._on_lost(reason)
 
     async def resign(self) -> None:
         """Give the key up now (graceful shutdown) so another replica takes over without waiting."""
-        lease = self._lease
+        claim = self._claim
         self.drop()
-        if lease is not None:
+        if claim is not None:
             try:
-                await self.store.revoke_lease(lease)
+                await claim.release()
             except StoreError as e:
                 log.warning("resign: %s (the lease will expire by itself)", e)
 
     def drop(self) -> None:
         """Forget leadership locally (after a fenced write was refused, or on stepping down)."""
-        self._lease = None
+        self._claim = None
         self._valid_until = 0.0
         current = asyncio.current_task()
         for task in (self._keepalive, self._watchdog):

@@ -23,7 +23,7 @@ class StragglerBoard:
     """The latest straggler report of each member of one job's current world."""
 
     def __init__(self) -> None:
-        self._version = 0
+        self._world_version = 0
         self._reports: dict[str, StragglerReport] = {}
 
     def heard(self, state: d.JobState, worker: d.Worker, report: StragglerReport, now: float, *,
@@ -43,23 +43,23 @@ class StragglerBoard:
         member of it; returns the fields of a `straggler_detected` event when it names the worker
         a straggler for the first time in this world (else None)."""
         member = state.member(worker_id)
-        if report.world_version != state.version or member is None:
+        if report.world_version != state.world_version or member is None:
             return None
-        if report.world_version != self._version:   # a new world: the last one's verdicts are over
-            self._version, self._reports = report.world_version, {}
+        if report.world_version != self._world_version:   # a new world: the last one's verdicts are over
+            self._world_version, self._reports = report.world_version, {}
         before = self._reports.get(worker_id)
         self._reports[worker_id] = report
         if not report.named or (before is not None and before.named):
             return None
         log.warning("job %s: worker %s (rank %d, host %s) is a straggler in world %d: %.2fx the median compute "
-                    "time for %d windows", state.job_id, worker_id, member.rank, member.host, state.version,
-                    report.score, report.slow_windows)
+                    "time for %d windows", state.job_id, worker_id, member.rank, member.host,
+                    state.world_version, report.score, report.slow_windows)
         return {"rank": member.rank, "host": member.host, "factor": round(report.score, 3),
                 "windows": report.slow_windows}
 
     def current(self, state: d.JobState) -> dict[str, StragglerReport]:
         """The reports of the current world's members (none from an earlier world)."""
-        if self._version != state.version:
+        if self._world_version != state.world_version:
             return {}
         return {w: r for w, r in self._reports.items() if state.in_world(w)}
 

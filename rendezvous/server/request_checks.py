@@ -42,7 +42,7 @@ def check_host(value: str) -> None:
 
 def check_step(value: int) -> None:
     if value < -1:
-        raise bad("committed_step", value, ">= -1")
+        raise bad("commit_step", value, ">= -1")
 
 
 MAX_SCORE = 1e6

@@ -137,6 +137,29 @@ class ServerConfig:
         return grpc.ssl_server_credentials([pair], root_certificates=read_pem(
             self.tls_client_ca, "--tls-client-ca"), require_client_auth=True)
 
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The gRPC server's options. The keepalive ones follow from the heartbeat timeout T: they
+        are what makes an open Watch stream the liveness signal (service.py)."""
+        # Ping every T/3 and wait T/3 for the ack: a worker stopped right after an ack is cut off by
+        # 2T/3, so the heartbeat timeout T holds with a third to spare for scheduling delays.
+        third_ms = int(self.heartbeat_timeout_s * 1000 / 3)
+        return [
+            ("grpc.keepalive_time_ms", third_ms),
+            ("grpc.keepalive_timeout_ms", third_ms),
+            # Measured with grpcio 1.85: keepalive_timeout_ms alone never closed the connection of a
+            # SIGSTOPped client; the ping ack deadline that does is this one.
+            ("grpc.http2.ping_timeout_ms", third_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Watch streams are idle between events; without this the server stops pinging after two
+            # pings without data and a stopped worker would never be detected.
+            ("grpc.http2.max_pings_without_data", 0),
+            # Clients ping too (to notice a dead server): accept it instead of answering GOAWAY.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.max_receive_message_length", 1 << 20),
+            ("grpc.so_reuseport", 0),
+        ]
+
     def etcd_access(self) -> "EtcdAccess":
         from rendezvous.server.store import EtcdAccess
 

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from rendezvous.server import decision as d
 from rendezvous.server.description import Description
 from rendezvous.common.metrics_http import MetricsServer
-from rendezvous.server.store import Store, StoreError
+from rendezvous.server.store import Claim, Store, StoreError
 
 P = "elastic_rendezvous_"
 
@@ -36,8 +36,7 @@ P = "elastic_rendezvous_"
 RECOVERY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-STORE_OPERATIONS = ("get", "put", "delete", "get_prefix", "grant_lease", "refresh_lease",
-                    "revoke_lease", "watch")
+STORE_OPERATIONS = ("get", "get_prefix", "put", "delete", "claim", "refresh_claim", "release_claim")
 
 
 def job_counts(state: d.JobState) -> tuple[int, int, int]:
@@ -91,7 +90,7 @@ class _JobsCollector:
                 continue
             members, standby, pending = job_counts(state)
             labels = [state.job_id]
-            gauges["world_version"].add_metric(labels, state.version)
+            gauges["world_version"].add_metric(labels, state.world_version)
             gauges["members"].add_metric(labels, members)
             gauges["standby"].add_metric(labels, standby)
             gauges["pending"].add_metric(labels, pending)
@@ -268,28 +267,33 @@ class MeteredStore(Store):
     async def get(self, key):
         return await self._timed("get", self.inner.get(key))
 
-    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+    async def get_prefix(self, prefix):
+        return await self._timed("get_prefix", self.inner.get_prefix(prefix))
+
+    async def put(self, key, value, *, expected_revision=None, fence=None):
         return await self._timed("put", self.inner.put(key, value, expected_revision=expected_revision,
-                                                       fence=fence, lease=lease))
+                                                       fence=fence))
 
     async def delete(self, key, *, expected_revision=None, fence=None):
         return await self._timed("delete", self.inner.delete(key, expected_revision=expected_revision,
                                                              fence=fence))
 
-    async def get_prefix(self, prefix):
-        return await self._timed("get_prefix", self.inner.get_prefix(prefix))
-
-    async def grant_lease(self, ttl_s):
-        return await self._timed("grant_lease", self.inner.grant_lease(ttl_s))
-
-    async def refresh_lease(self, lease_id):
-        return await self._timed("refresh_lease", self.inner.refresh_lease(lease_id))
-
-    async def revoke_lease(self, lease_id):
-        return await self._timed("revoke_lease", self.inner.revoke_lease(lease_id))
-
-    async def watch(self, key):
-        return await self._timed("watch", self.inner.watch(key))
+    async def claim(self, key, value, ttl_s):
+        claim = await self._timed("claim", self.inner.claim(key, value, ttl_s))
+        return None if claim is None else _MeteredClaim(claim, self)
 
     async def close(self):
         await self.inner.close()
+
+
+class _MeteredClaim(Claim):
+    """A claim of a MeteredStore: its refreshes and its release are timed and counted too."""
+
+    def __init__(self, inner: Claim, store: MeteredStore):
+        self.inner, self._store = inner, store
+
+    async def refresh(self):
+        return await self._store._timed("refresh_claim", self.inner.refresh())
+
+    async def release(self):
+        return await self._store._timed("release_claim", self.inner.release())

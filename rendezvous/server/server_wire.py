@@ -1,8 +1,8 @@
 """What the service alone puts on the wire: the status of a refused RPC, the Watch events of the
 decision's actions, the snapshot a (re)opened Watch begins with, and a job as Status shows it.
 
-The shared forms (specs, members, the trailing metadata keys) are wire.py's; this module is the
-server's, so a worker never loads it (nor the decision it reads).
+The shared forms (specs, members, the trailing metadata keys) are rendezvous/wire/messages.py's;
+this module is the server's, so a worker never loads it (nor the decision it reads).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def job_status(state: d.JobState, attached: Container[str], now: float,
                stragglers: Mapping[str, StragglerReport] = {}) -> pb.JobStatus:   # noqa: B006 (read only)
     """One job as Status shows it: its world's members in rank order, with their straggler
     reports (`stragglers`, by worker id), then the standby workers."""
-    js = pb.JobStatus(job_id=state.job_id, world_version=state.version, phase=state.phase.value,
+    js = pb.JobStatus(job_id=state.job_id, world_version=state.world_version, phase=state.phase.value,
                       reason=state.reason, spec=spec_pb(state.spec),
                       blacklisted_hosts=state.blacklisted_hosts(now))
     for m in state.world:
@@ -67,7 +67,7 @@ def job_status(state: d.JobState, attached: Container[str], now: float,
     for wid in state.standby():
         w = state.workers[wid]
         js.members.add(member=pb.Member(worker_id=wid, host=w.host, ring_address=w.ring_address,
-                                        committed_step=w.committed_step),
+                                        commit_step=w.commit_step),
                        in_world=False, attached=wid in attached, age_s=now - w.joined_at)
     return js
 
@@ -79,10 +79,10 @@ def job_event_pb(e) -> pb.JobEvent:
 
 
 # --------------------------------------------------------------------------------- events
-def world_event(version: int, members: tuple[d.Member, ...], member: d.Member) -> pb.WatchEvent:
+def world_event(world_version: int, members: tuple[d.Member, ...], member: d.Member) -> pb.WatchEvent:
     """The world `members` as `member` receives it (its own rank fields filled in)."""
     return pb.WatchEvent(world=pb.World(
-        version=version, size=len(members), members=[member_pb(m) for m in members],
+        world_version=world_version, size=len(members), members=[member_pb(m) for m in members],
         rank=member.rank, local_rank=member.local_rank, local_size=member.local_size,
         cross_rank=member.cross_rank, cross_size=member.cross_size))
 
@@ -106,7 +106,7 @@ def spliced_worlds(action: d.AnnounceWorld, recipients: Container[str]) -> Itera
     `world_event` would give, built by serializing the member list once and appending each
     recipient's own rank fields (protobuf merges concatenated messages). At 1,024 workers this
     turns 1,024 serializations of a ~100 KB message into memory copies."""
-    base = pb.World(version=action.version, size=len(action.members),
+    base = pb.World(world_version=action.world_version, size=len(action.members),
                     members=[member_pb(m) for m in action.members]).SerializeToString()
     for m in action.members:
         if m.worker_id in recipients:
@@ -116,16 +116,16 @@ def spliced_worlds(action: d.AnnounceWorld, recipients: Container[str]) -> Itera
             yield m.worker_id, _WORLD_FIELD + _varint(len(inner)) + inner
 
 
-def standby_event(version: int, reason: str) -> pb.WatchEvent:
-    return pb.WatchEvent(standby=pb.Standby(world_version=version, reason=reason))
+def standby_event(world_version: int, reason: str) -> pb.WatchEvent:
+    return pb.WatchEvent(standby=pb.Standby(world_version=world_version, reason=reason))
 
 
 def notice_event(action: Union[d.AnnouncePending, d.AnnounceAbort]) -> pb.WatchEvent:
     """What the members of the world before the change are told: pending change, or abort."""
     if isinstance(action, d.AnnouncePending):
-        return pb.WatchEvent(pending=pb.MembershipPending(world_version=action.version,
+        return pb.WatchEvent(pending=pb.MembershipPending(world_version=action.world_version,
                                                           reason=action.reason))
-    return pb.WatchEvent(abort=pb.AbortVersion(world_version=action.version, reason=action.reason))
+    return pb.WatchEvent(abort=pb.AbortVersion(world_version=action.world_version, reason=action.reason))
 
 
 def finished_event(succeeded: bool, reason: str) -> pb.WatchEvent:
@@ -139,9 +139,9 @@ def snapshot(state: d.JobState, worker_id: str, now: float) -> list[pb.WatchEven
         return [finished_event(state.phase is d.Phase.SUCCEEDED, state.reason)]
     member = state.member(worker_id)
     if member is None:
-        return [standby_event(state.version, d.standby_reason(state, worker_id, now))]
-    events = [world_event(state.version, state.world, member)]
-    if state.aborted_version == state.version:
+        return [standby_event(state.world_version, d.standby_reason(state, worker_id, now))]
+    events = [world_event(state.world_version, state.world, member)]
+    if state.aborted_version == state.world_version:
         events.append(pb.WatchEvent(abort=pb.AbortVersion(
-            world_version=state.version, reason="a member of this world failed")))
+            world_version=state.world_version, reason="a member of this world failed")))
     return events

@@ -6,12 +6,14 @@ state to the store and only then are the actions sent on the workers' Watch stre
 announced world is durable before anyone sees it, a restarted server or a new leader reloads the same
 worlds and changes nothing; workers simply reattach their sessions.
 
-The rest lives beside it, each part given plain functions rather than this service: tokens,
-credentials and session ids are auth.py's; the protobuf forms wire.py's and server_wire.py's; what
-a delivered action is (for the log, the event log, the counters and its recipients) description.py's;
-each job's Watch and idle deadlines and its recovery clock liveness.py's; the time-driven changes
-job_timer.py's; the judging of failure reports probes.py's; what is counted (Prometheus)
-metrics.py's and what is recorded (the event log, each job's recent events for Status) history.py's.
+The rest lives beside it in rendezvous/server/, each part given plain functions rather than this
+service: tokens, credentials and session ids are auth.py's; the protobuf forms server_wire.py's
+(and, for what both sides share, rendezvous/wire/messages.py's); what a delivered action is (for
+the log, the event log, the counters and its recipients) description.py's; each job's Watch and
+idle deadlines and its recovery clock liveness.py's; the time-driven changes job_timer.py's; the
+rules of failure reports verdict.py's and carrying them out probes.py's; what is counted
+(Prometheus) server_metrics.py's and what is recorded (the event log, each job's recent events
+for Status) history.py's.
 
 Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
 * A crashed worker's stream breaks at once (socket EOF/RST) and the grpc.aio handler is cancelled: we
@@ -22,8 +24,8 @@ Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
   C core without the GIL, cost nothing in Python on either side, and a stopped process answers none:
   the server pings every heartbeat_timeout/3 and drops the connection when an ack is
   heartbeat_timeout/3 late (so a stopped worker is cut within 2/3 of the timeout), which cancels the
-  stream and evicts the worker. So the open stream plus keepalive is the liveness signal; the Heartbeat
-  RPC only carries progress (committed step) and probe answers.
+  stream and evicts the worker. So the open stream plus keepalive is the liveness signal; no RPC is
+  a heartbeat (ReportProgress carries progress, AnswerProbe probe answers).
 * A peer's ReportFailure is evidence, not a verdict (probes.py): a suspect whose stream is open is
   probed, and keepalive is trusted over a probe left unanswered.
 * A worker must open its Watch within heartbeat_timeout of joining; until it has, it is not put into a
@@ -31,7 +33,7 @@ Liveness, measured (bench/rendezvous_scale.py, tests/rendezvous/test_server.py):
 * After a leader change or restart nobody has a stream yet: each registered worker gets the reattach
   window (heartbeat timeout + leader lease TTL + client reconnect allowance) before it is evicted, and
   such evictions are not counted against its host.
-* Committed steps (Heartbeat, Watch) are soft state: a client resends its step when it reattaches.
+* Commit steps (ReportProgress, Watch) are soft state: a client resends its step when it reattaches.
 
 Who may do what (beyond auth.py's rules on tokens and sessions):
 * A Join naming a registered worker must present its current session, or is refused (ALREADY_EXISTS)
@@ -229,7 +231,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     def _deliver(self, job: Job, action: d.Action, before: d.JobState) -> None:
         """Carry out a durable action (the journal calls it): logged, counted and recorded when it
         takes effect (durable, sent), not when decided; then sent to those its description names."""
-        what = describe(action, before.version)
+        what = describe(action, before.world_version)
         log.info("job %s: %s", job.state.job_id, what.summary)
         recovery_s = job.liveness.world_announced(time.monotonic()) if what.world_announced else None
         self.metrics.delivered(what, recovery_s)
@@ -240,7 +242,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             now = time.time()
             for w in action.standby:
                 self.send(job, w, server_wire.standby_event(
-                    action.version, d.standby_reason(job.state, w, now)))
+                    action.world_version, d.standby_reason(job.state, w, now)))
         elif what.audience is Audience.WORLD_BEFORE:
             event = server_wire.notice_event(action)
             for m in before.world:
@@ -342,7 +344,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         request_checks.check_id("job_id", request.job_id)
         request_checks.check_id("worker_id", request.worker_id)
         request_checks.check_host(request.host)
-        request_checks.check_step(request.committed_step)
+        request_checks.check_step(request.commit_step)
         spec = request.spec
         for name, timeout in (("spec", spec.elastic_timeout_s),
                               ("spec_if_new", request.spec_if_new.elastic_timeout_s)):
@@ -399,7 +401,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         sid, session_hash = auth.new_session(job.state, request.worker_id)
         proof = auth.session_hash(previous[1]) if previous is not None else ""
         seq, actions = self.journal.apply(job, d.Join(request.worker_id, request.host,
-                                                      request.ring_address, request.committed_step,
+                                                      request.ring_address, request.commit_step,
                                                       attached=False, session_hash=session_hash,
                                                       proof=proof))
         for a in actions:
@@ -413,7 +415,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.history.job(job.state, "worker_joined", worker_id=request.worker_id,
                          host=request.host, rejoin=previous is not None,
                          detail=f"on host {request.host}")
-        return pb.JoinResponse(session_id=sid, world_version=job.state.version,
+        return pb.JoinResponse(session_id=sid, world_version=job.state.world_version,
                                spec=wire.spec_pb(job.state.spec),
                                ring_secret=bytes.fromhex(job.state.ring_secret))
 
@@ -497,8 +499,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         job.attached = asyncio.Event()
         if not w.attached:
             self.journal.apply(job, d.Attach(w.worker_id))
-        if request.committed_step > w.committed_step:   # resent on reattach: progress is soft state
-            self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))
+        if request.commit_step > w.commit_step:   # resent on reattach: progress is soft state
+            self.journal.apply(job, d.Progress(w.worker_id, request.commit_step))
         # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
         # write fails and another replica takes over); later changes follow through the outbox.
         state = job.durable_state if job.durable_state is not None else job.state
@@ -527,27 +529,35 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                         self.evict(job, w.worker_id, "watch stream broken",
                                    cause=d.Departure.STREAM_BROKEN)
 
-    async def Heartbeat(self, request, context):
+    async def ReportProgress(self, request, context):
         await self.require_leader()
-        request_checks.check_step(request.committed_step)
+        request_checks.check_step(request.commit_step)
         if request.HasField("straggler"):
             request_checks.check_straggler(request.straggler.score)
         job, w = self._by_session(request.session_id)
-        if request.probe_nonce:
-            probed, fut = job.probes.get(request.probe_nonce, (None, None))
-            # Only the probed worker's own session proves it alive: another member answering
-            # for it would keep a dead peer in the world.
-            if fut is not None and probed == w.worker_id and not fut.done():
-                fut.set_result(w.worker_id)
-        if request.committed_step > w.committed_step:
-            self.journal.apply(job, d.Progress(w.worker_id, request.committed_step))
-        if request.aborted_version:
-            self.journal.apply(job, d.AbortAck(w.worker_id, request.aborted_version))
+        if request.commit_step > w.commit_step:
+            self.journal.apply(job, d.Progress(w.worker_id, request.commit_step))
         spare = 0
-        if request.HasField("straggler"):   # its pace: soft state (stragglers.py)
+        if request.HasField("straggler"):   # its pace: soft state (pace.py)
             spare = job.stragglers.heard(job.state, w, wire.straggler_from_pb(request.straggler), time.time(),
                                          record=self.history.job)
-        return pb.HeartbeatResponse(world_version=job.state.version, spares=spare)
+        return pb.ReportProgressResponse(world_version=job.state.world_version, spares=spare)
+
+    async def AnswerProbe(self, request, context):
+        await self.require_leader()
+        job, w = self._by_session(request.session_id)
+        probed, fut = job.probes.get(request.nonce, (None, None))
+        # Only the probed worker's own session proves it alive: another member answering for it
+        # would keep a dead peer in the world.
+        if fut is not None and probed == w.worker_id and not fut.done():
+            fut.set_result(w.worker_id)
+        return pb.AnswerProbeResponse()
+
+    async def AcknowledgeAbort(self, request, context):
+        await self.require_leader()
+        job, w = self._by_session(request.session_id)
+        self.journal.apply(job, d.AbortAck(w.worker_id, request.world_version))
+        return pb.AcknowledgeAbortResponse()
 
     async def Leave(self, request, context):
         await self.require_leader()
@@ -605,28 +615,6 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         return out
 
 
-def server_options(config: ServerConfig) -> list[tuple[str, int]]:
-    # Ping every T/3 and wait T/3 for the ack: a worker stopped right after an ack is cut off by
-    # 2T/3, so the heartbeat timeout T holds with a third to spare for scheduling delays.
-    third_ms = int(config.heartbeat_timeout_s * 1000 / 3)
-    return [
-        ("grpc.keepalive_time_ms", third_ms),
-        ("grpc.keepalive_timeout_ms", third_ms),
-        # Measured with grpcio 1.85: keepalive_timeout_ms alone never closed the connection of a
-        # SIGSTOPped client; the ping ack deadline that does is this one.
-        ("grpc.http2.ping_timeout_ms", third_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # Watch streams are idle between events; without this the server stops pinging after two
-        # pings without data and a stopped worker would never be detected.
-        ("grpc.http2.max_pings_without_data", 0),
-        # Clients ping too (to notice a dead server): accept it instead of answering GOAWAY.
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.max_receive_message_length", 1 << 20),
-        ("grpc.so_reuseport", 0),
-    ]
-
-
 class RendezvousServer:
     """A running server: `await start()`, then `port`, then `await stop()`."""
 
@@ -650,7 +638,7 @@ class RendezvousServer:
     async def start(self) -> int:
         self.server = aio.server(interceptors=[self.service.metrics.interceptor(),
                                                auth.Guard(self.config.accepted_tokens())],
-                                 options=server_options(self.config))
+                                 options=self.config.grpc_options())
         pb_grpc.add_RendezvousServicer_to_server(self.service, self.server)
         addr = f"{self.config.host}:{self.config.port}"
         credentials = self.config.server_credentials()

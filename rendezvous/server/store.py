@@ -1,11 +1,33 @@
 """Where the rendezvous keeps its state: one small async `Store` interface, backed by etcd v3 or memory.
 
-The server needs only: versioned get, compare-and-swap put (optionally fenced by a leadership key), a
-prefix listing, leases (to elect a leader among replicas) and a watch on one key (to notice a leader's
-key vanish without polling). `MemoryStore` implements the same semantics in-process for the embedded
-single-server default; tests/rendezvous/test_store.py runs one suite against both so they cannot drift.
+The server holds no state that the store does not, so the interface is what the server's uses need
+and no more. Each member stays because something would break without it:
 
-Revisions are store-wide and strictly increasing; revision 0 means "the key does not exist", so
+* `get(key)`: one key, with its revision. The journal re-reads a job after a write whose answer
+  was lost or whose revision was refused; the leader hint and the campaign read the leader key.
+* `get_prefix(prefix)`: every key under a prefix. A new leader loads every job at once, and a
+  follower answers Status from the store; one key per job keeps writes of one job from
+  contending with another's (torch elastic's backend holds one state for its one rendezvous).
+* `put(key, value, expected_revision=, fence=)`: the only way state changes. Compare-and-swap on
+  the revision, so two writers of one job never both win; fenced by the leader key, so a replica
+  that lost leadership while paused is refused even when its revision is still the latest (it may
+  not have been written since).
+* `delete(key, expected_revision=, fence=)`: a finished or abandoned job leaves the store, under
+  the same conditions as a write; a tombstone put instead would be loaded by every new leader
+  forever.
+* `claim(key, value, ttl_s)` and the `Claim` it returns (`refresh()`, `release()`): leader
+  election among replicas needs a key that disappears when its holder stops renewing it, timed
+  by the store. In etcd that is a lease: its keep-alives write nothing (renewing by puts would
+  add a revision to etcd's history every TTL/3, forever, unless someone compacts it), it is
+  timed by etcd rather than by another replica's clock, and a crashed leader's key is gone by
+  itself, so a replica started later takes over without waiting out a TTL.
+
+No watch: its only use was a candidate waiting for the leader key to vanish, and the campaign
+reads the key every TTL/8 instead (leader.py); a failover costs that much more, and etcd a read.
+
+`MemoryStore` implements the same semantics in-process for the embedded single-server default;
+tests/rendezvous/test_store.py runs one suite against both so they cannot drift. Revisions are
+store-wide and strictly increasing; revision 0 means "the key does not exist", so
 `put(key, value, expected_revision=0)` creates only if absent.
 """
 from __future__ import annotations
@@ -15,7 +37,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import grpc
 
@@ -60,8 +82,11 @@ class Store(abc.ABC):
     async def get(self, key: str) -> Optional[Versioned]: ...
 
     @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> dict[str, Versioned]: ...
+
+    @abc.abstractmethod
     async def put(self, key: str, value: bytes, *, expected_revision: Optional[int] = None,
-                  fence: Optional[Fence] = None, lease: Optional[int] = None) -> Optional[int]:
+                  fence: Optional[Fence] = None) -> Optional[int]:
         """Write; return the new revision, or None if `expected_revision`/`fence` did not hold."""
 
     @abc.abstractmethod
@@ -70,85 +95,53 @@ class Store(abc.ABC):
         """Delete; False if the key was absent or `expected_revision`/`fence` did not hold."""
 
     @abc.abstractmethod
-    async def get_prefix(self, prefix: str) -> dict[str, Versioned]: ...
-
-    @abc.abstractmethod
-    async def grant_lease(self, ttl_s: int) -> int: ...
-
-    @abc.abstractmethod
-    async def refresh_lease(self, lease_id: int) -> bool:
-        """Keep a lease alive; False if it already expired (keys attached to it are gone)."""
-
-    @abc.abstractmethod
-    async def revoke_lease(self, lease_id: int) -> None: ...
-
-    @abc.abstractmethod
-    async def watch(self, key: str) -> "Watch":
-        """Changes of one key from now on: each `await watch.next(timeout)` yields the new value,
-        None on deletion; raises asyncio.TimeoutError past the timeout. Close it when done."""
+    async def claim(self, key: str, value: bytes, ttl_s: int) -> Optional["Claim"]:
+        """Create `key` holding `value` if it is absent, for as long as the claim is refreshed
+        within `ttl_s` seconds; None if the key exists (someone else holds it)."""
 
     async def close(self) -> None:
         return None
 
 
-class Watch(abc.ABC):
-    @abc.abstractmethod
-    async def next(self, timeout: float) -> Optional[bytes]: ...
+class Claim(abc.ABC):
+    """A key held for as long as it is refreshed (Store.claim)."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    async def refresh(self) -> bool:
+        """Keep the key for another TTL; False if it already lapsed (the key is gone)."""
 
-
-class _QueueWatch(Watch):
-    def __init__(self, on_close):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._on_close = on_close
-
-    async def next(self, timeout: float) -> Optional[bytes]:
-        item = await asyncio.wait_for(self.queue.get(), timeout)
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._on_close()
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """Give the key up now."""
 
 
 # ------------------------------------------------------------------------------------------ memory
 class MemoryStore(Store):
-    """In-process store with etcd's semantics (revisions, CAS, fences, leases, watches)."""
+    """In-process store with etcd's semantics (revisions, CAS, fences, claims that lapse).
 
-    def __init__(self):
+    A claim is an etcd lease with one key: a put or delete of that key by other means detaches it
+    (the claim lives on, holding nothing), and a claim that lapses or is released deletes the key
+    only while it still holds it. Claims lapse by the monotonic `clock`, checked at every call:
+    nothing in this store waits for a deletion, so nothing must happen at the instant one lapses."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._data: dict[str, Versioned] = {}
         self._rev = 0
-        self._leases: dict[int, tuple[float, int, set[str]]] = {}  # id -> (expiry, ttl, keys)
-        self._next_lease = 1
-        self._watches: dict[str, list[_QueueWatch]] = {}
-        self._expirer: Optional[asyncio.Task] = None
-
-    def _notify(self, key: str, value: Optional[bytes]) -> None:
-        for w in self._watches.get(key, []):
-            w.queue.put_nowait(value)
-
-    def _delete_now(self, key: str) -> None:
-        if self._data.pop(key, None) is not None:
-            self._rev += 1
-            self._notify(key, None)
+        self._live: set["_MemoryClaim"] = set()       # claims not lapsed nor released
+        self._held: dict[str, "_MemoryClaim"] = {}    # key -> the claim that holds it
+        self._clock = clock
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        for lid, (expiry, _, keys) in list(self._leases.items()):
-            if expiry <= now:
-                del self._leases[lid]
-                for k in keys:
-                    self._delete_now(k)
+        now = self._clock()
+        for claim in [c for c in self._live if c.expiry <= now]:
+            self._end(claim)
 
-    async def _expire_loop(self) -> None:
-        while self._leases:
-            nearest = min(e for e, _, _ in self._leases.values())
-            await asyncio.sleep(max(0.0, nearest - time.monotonic()) + 0.01)
-            self._expire()
-        self._expirer = None
+    def _end(self, claim: "_MemoryClaim") -> None:
+        self._live.discard(claim)
+        if self._held.get(claim.key) is claim:
+            del self._held[claim.key]
+            del self._data[claim.key]
+            self._rev += 1
 
     def _fenced_out(self, fence: Optional[Fence]) -> bool:
         if fence is None:
@@ -160,20 +153,20 @@ class MemoryStore(Store):
         self._expire()
         return self._data.get(key)
 
-    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+    async def get_prefix(self, prefix):
+        self._expire()
+        return {k: v for k, v in self._data.items() if k.startswith(prefix)}
+
+    async def put(self, key, value, *, expected_revision=None, fence=None):
         self._expire()
         cur = self._data.get(key)
         if expected_revision is not None and (cur.revision if cur else 0) != expected_revision:
             return None
         if self._fenced_out(fence):
             return None
-        if lease is not None:
-            if lease not in self._leases:
-                raise StoreError(f"put {key}: lease {lease:x} not found (expired?)")
-            self._leases[lease][2].add(key)
+        self._held.pop(key, None)
         self._rev += 1
         self._data[key] = Versioned(bytes(value), self._rev)
-        self._notify(key, bytes(value))
         return self._rev
 
     async def delete(self, key, *, expected_revision=None, fence=None):
@@ -182,45 +175,37 @@ class MemoryStore(Store):
             return False
         if expected_revision is not None and self._data[key].revision != expected_revision:
             return False
-        self._delete_now(key)
+        self._held.pop(key, None)
+        del self._data[key]
+        self._rev += 1
         return True
 
-    async def get_prefix(self, prefix):
+    async def claim(self, key, value, ttl_s):
         self._expire()
-        return {k: v for k, v in self._data.items() if k.startswith(prefix)}
+        if key in self._data:
+            return None
+        claim = _MemoryClaim(self, key, ttl_s)
+        self._live.add(claim)
+        self._held[key] = claim
+        self._rev += 1
+        self._data[key] = Versioned(bytes(value), self._rev)
+        return claim
 
-    async def grant_lease(self, ttl_s):
-        lid = self._next_lease
-        self._next_lease += 1
-        self._leases[lid] = (time.monotonic() + ttl_s, ttl_s, set())
-        if self._expirer is None:
-            self._expirer = asyncio.get_running_loop().create_task(self._expire_loop())
-        return lid
 
-    async def refresh_lease(self, lease_id):
-        self._expire()
-        if lease_id not in self._leases:
+class _MemoryClaim(Claim):
+    def __init__(self, store: MemoryStore, key: str, ttl_s: int):
+        self._store, self.key, self._ttl_s = store, key, ttl_s
+        self.expiry = store._clock() + ttl_s
+
+    async def refresh(self):
+        self._store._expire()
+        if self not in self._store._live:
             return False
-        _, ttl, keys = self._leases[lease_id]
-        self._leases[lease_id] = (time.monotonic() + ttl, ttl, keys)
+        self.expiry = self._store._clock() + self._ttl_s
         return True
 
-    async def revoke_lease(self, lease_id):
-        entry = self._leases.pop(lease_id, None)
-        for k in (entry[2] if entry else ()):
-            self._delete_now(k)
-
-    async def watch(self, key):
-        def on_close():
-            if w in self._watches.get(key, []):
-                self._watches[key].remove(w)
-        w = _QueueWatch(on_close)
-        self._watches.setdefault(key, []).append(w)
-        return w
-
-    async def close(self):
-        if self._expirer is not None:
-            self._expirer.cancel()
+    async def release(self):
+        self._store._end(self)
 
 
 # -------------------------------------------------------------------------------------------- etcd
@@ -375,12 +360,16 @@ class EtcdStore(Store):
         value, meta = await self._call(f"get {key}", lambda c: c.get(key))
         return None if value is None else Versioned(value, meta.mod_revision)
 
-    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+    async def get_prefix(self, prefix):
+        items = await self._call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)))
+        return {meta.key.decode(): Versioned(value, meta.mod_revision) for value, meta in items}
+
+    async def put(self, key, value, *, expected_revision=None, fence=None):
         compare = self._fence_compare(fence)
         if expected_revision is not None:
             compare.append(self._tx.Mod(key) == expected_revision)
         ok, responses = await self._call(
-            f"put {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Put(key, value, lease=lease)],
+            f"put {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Put(key, value)],
                                                   failure=[]), retry=False)
         if not ok:
             return None
@@ -395,50 +384,26 @@ class EtcdStore(Store):
             retry=False)
         return bool(ok and responses[0].response_delete_range.deleted)
 
-    async def get_prefix(self, prefix):
-        items = await self._call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)))
-        return {meta.key.decode(): Versioned(value, meta.mod_revision) for value, meta in items}
-
-    async def grant_lease(self, ttl_s):
-        lease = await self._call(f"grant lease ttl={ttl_s}", lambda c: c.lease(ttl_s))
-        return lease.id
-
-    async def refresh_lease(self, lease_id):
-        responses = await self._call(f"refresh lease {lease_id:x}",
-                                     lambda c: list(c.refresh_lease(lease_id)))
-        return bool(responses) and responses[0].TTL > 0
-
-    async def revoke_lease(self, lease_id):
-        await self._call(f"revoke lease {lease_id:x}", lambda c: c.revoke_lease(lease_id))
-
-    async def watch(self, key):
-        loop = asyncio.get_running_loop()
-        state = {"id": None, "closed": False, "client": None}
-
-        def callback(response):  # runs on etcd3's watcher thread
-            if isinstance(response, Exception):
-                items = [StoreError(f"etcd watch {key} broke: {response}")]
-            else:
-                items = [None if isinstance(ev, self._etcd3.events.DeleteEvent) else ev.value
-                         for ev in response.events]
-            for item in items:
-                loop.call_soon_threadsafe(w.queue.put_nowait, item)
-
-        def on_close():
-            if not state["closed"] and state["id"] is not None:
-                state["closed"] = True
-                try:
-                    state["client"].cancel_watch(state["id"])
-                except Exception:  # the watch dies with the connection anyway
-                    pass
-
-        w = _QueueWatch(on_close)
-        def add(client):
-            state["client"] = client  # cancelled on the member that holds it
-            return client.add_watch_callback(key, callback)
-
-        state["id"] = await self._call(f"watch {key}", add)
-        return w
+    async def claim(self, key, value, ttl_s):
+        lease = (await self._call(f"claim {key}: grant lease ttl={ttl_s}", lambda c: c.lease(ttl_s))).id
+        claim = _EtcdClaim(self, key, lease)
+        try:
+            ok, _ = await self._call(
+                f"claim {key}", lambda c: c.transaction(compare=[self._tx.Mod(key) == 0],
+                                                        success=[self._tx.Put(key, value, lease=lease)],
+                                                        failure=[]), retry=False)
+        except StoreError:
+            # It may have landed: revoking the lease deletes the key then. Failing that, the
+            # lease lapses within its TTL, as it would after a crash here.
+            try:
+                await claim.release()
+            except StoreError:
+                pass
+            raise
+        if not ok:
+            await claim.release()
+            return None
+        return claim
 
     async def close(self):
         def close_all():
@@ -447,6 +412,22 @@ class EtcdStore(Store):
                     c.close()
 
         await asyncio.to_thread(close_all)
+
+
+class _EtcdClaim(Claim):
+    """A key put with a lease of its own: refreshing keeps the lease alive, releasing revokes it."""
+
+    def __init__(self, store: EtcdStore, key: str, lease: int):
+        self._store, self.key, self._lease = store, key, lease
+
+    async def refresh(self):
+        responses = await self._store._call(f"refresh the lease of {self.key} ({self._lease:x})",
+                                            lambda c: list(c.refresh_lease(self._lease)))
+        return bool(responses) and responses[0].TTL > 0
+
+    async def release(self):
+        await self._store._call(f"revoke the lease of {self.key} ({self._lease:x})",
+                                lambda c: c.revoke_lease(self._lease))
 
 
 class _NotReached(StoreError):

@@ -44,7 +44,7 @@ class Member:
     local_size: int
     cross_rank: int
     cross_size: int
-    committed_step: int
+    commit_step: int
 
 
 @dataclass(frozen=True)

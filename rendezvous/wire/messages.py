@@ -63,12 +63,12 @@ def spec_from_pb(spec: pb.JobSpec) -> JobSpec:
 def member_pb(m: Member) -> pb.Member:
     return pb.Member(worker_id=m.worker_id, host=m.host, ring_address=m.ring_address, rank=m.rank,
                      local_rank=m.local_rank, local_size=m.local_size, cross_rank=m.cross_rank,
-                     cross_size=m.cross_size, committed_step=m.committed_step)
+                     cross_size=m.cross_size, commit_step=m.commit_step)
 
 
 def member_from_pb(m: pb.Member) -> Member:
     return Member(m.worker_id, m.host, m.ring_address, m.rank, m.local_rank, m.local_size,
-                  m.cross_rank, m.cross_size, m.committed_step)
+                  m.cross_rank, m.cross_size, m.commit_step)
 
 
 def straggler_pb(r: Optional[StragglerReport]) -> Optional[pb.StragglerReport]:

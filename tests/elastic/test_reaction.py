@@ -12,7 +12,7 @@ from rendezvous.wire.membership import Member
 
 def world(version, *ids, me="w0"):
     members = tuple(Member(worker_id=w, host="h", ring_address=f"127.0.0.1:{9000 + i}", rank=i,
-                               local_rank=i, local_size=len(ids), cross_rank=0, cross_size=1, committed_step=-1)
+                               local_rank=i, local_size=len(ids), cross_rank=0, cross_size=1, commit_step=-1)
                     for i, w in enumerate(ids))
     rank = ids.index(me)
     return WorldInfo(version=version, members=members, rank=rank, size=len(ids), local_rank=rank,

@@ -6,9 +6,10 @@ import uuid
 import grpc
 import pytest
 
-from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config
 from rendezvous.server.etcd_process import EtcdProcess
 from rendezvous.server.store import EtcdStore, MemoryStore
+
+from .rdzv_helpers import ServerThread, WorkerProc, make_client, server_config
 
 
 @pytest.fixture(scope="session")

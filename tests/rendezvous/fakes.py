@@ -64,13 +64,12 @@ class FlakyStore(MemoryStore):
         self.lose_answers = 0
         self.log: list = []
 
-    async def put(self, key, value, *, expected_revision=None, fence=None, lease=None):
+    async def put(self, key, value, *, expected_revision=None, fence=None):
         self.puts += 1
         if self.fail_puts:
             self.fail_puts -= 1
             raise StoreError(f"put {key}: connection reset")
-        rev = await super().put(key, value, expected_revision=expected_revision, fence=fence,
-                                lease=lease)
+        rev = await super().put(key, value, expected_revision=expected_revision, fence=fence)
         if rev is not None:
             self.log.append(("put", key))
         if self.lose_answers:

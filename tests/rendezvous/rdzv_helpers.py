@@ -1,7 +1,7 @@
 """Helpers shared by the rendezvous tests: deadlines, in-process servers, clients, real processes.
 
-(A uniquely named module rather than conftest.py, so `import` works whatever other conftest files the
-rest of the test tree has.)
+Tests here import them relatively (`from .rdzv_helpers import ...`); other folders as
+`tests.rendezvous.rdzv_helpers`.
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from rdzv_helpers import REPO, ServerProc, child_env, join_world, make_client, unique, wait_world_of
 from rendezvous.cli import main
+
+from .rdzv_helpers import REPO, ServerProc, child_env, join_world, make_client, unique, wait_world_of
 
 
 def test_serve_help_documents_the_flags(capsys):

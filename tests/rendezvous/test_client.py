@@ -8,13 +8,14 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.cli import main
 from rendezvous.common.channel import RendezvousCallAbandoned, RendezvousRPCError
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.watch_events import Ended
 from rendezvous.server.etcd_process import free_port
 from rendezvous.server.store import MemoryStore
+
+from .rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def test_dead_address_is_skipped_for_the_next_one(server, client):
     c = client([dead, server.address], "w0", job_id=job)
     c.join(timeout_s=10)
     assert wait_world_of([c], 1)[0].version == 1
-    assert c.heartbeat(committed_step=3) == 1
+    assert c.report_progress(commit_step=3) == 1
 
 
 def test_no_reachable_server_fails_within_the_deadline_naming_addresses(client):
@@ -78,7 +79,7 @@ def test_wait_world_times_out_with_job_and_worker_named(server, client):
 def test_calls_before_join_are_refused_clearly(server, client):
     c = client(server.address, "early", job_id=unique("job"))
     with pytest.raises(RendezvousRPCError, match="join\\(\\) first"):
-        c.heartbeat(1)
+        c.report_progress(1)
 
 
 def test_tls_server_accepts_tls_clients_and_refuses_plaintext(client, tmp_path, capsys):
@@ -146,7 +147,7 @@ def test_world_with_same_version_but_other_members_is_a_new_event(client):
     c = client("127.0.0.1:1", "a", job_id="j")
 
     def world(*members):
-        return pb.WatchEvent(world=pb.World(version=1, size=len(members), members=[
+        return pb.WatchEvent(world=pb.World(world_version=1, size=len(members), members=[
             pb.Member(worker_id=w, rank=i) for i, w in enumerate(members)]))
     for ev in (world("a", "b"), world("a", "b"), world("a", "c")):
         c._handle(ev, "127.0.0.1:1", c._gen)
@@ -195,7 +196,7 @@ def test_internal_errors_are_not_retried_and_leave_still_closes(client):
             raise RuntimeError("bug")
         s.service._by_session = broken
         with pytest.raises(RendezvousRPCError) as e:
-            c.heartbeat(committed_step=1, timeout_s=3.0)
+            c.report_progress(commit_step=1, timeout_s=3.0)
         assert e.value.code == grpc.StatusCode.INTERNAL and len(calls) == 1
         with pytest.raises(RendezvousRPCError):
             c.leave()

@@ -1,14 +1,15 @@
 """Table tests of the membership decision: pure function, no sockets, threads or sleeps."""
 from __future__ import annotations
 
-import pytest
-
+import json
 from dataclasses import replace
+
+import pytest
 
 from rendezvous.server.decision import (AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld,
     Attach, DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave, Phase, Progress, Refusal, Rejected,
-    RingBroken, SpecConflict, Success, Tick, decide, from_json, join_spec, new_job, next_deadline, standby_reason,
-    to_json)
+    RingBroken, SpecConflict, Success, Tick, decide, join_spec, new_job, next_deadline, standby_reason)
+from rendezvous.server.job_json import from_json, to_json
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
                      cooldown_max_s=35.0)
@@ -52,13 +53,13 @@ def test_world_forms_only_after_settle_window():
     assert next_deadline(s, CFG) == pytest.approx(0.25)
     s, acts = run(s, [(0.25, Tick())])
     assert [ids(a) for a in announces(acts)] == [["a", "b"]]
-    assert s.version == 1 and s.phase is Phase.RUNNING
+    assert s.world_version == 1 and s.phase is Phase.RUNNING
 
 
 def test_simultaneous_joins_batch_into_one_world():
     evs = [(0.01 * i, Join(f"w{i}", "h", f"h:{i}")) for i in range(4)]
     s, acts = run(job(), evs + [(0.5, Tick())])
-    assert len(announces(acts)) == 1 and s.version == 1
+    assert len(announces(acts)) == 1 and s.world_version == 1
     assert ids(announces(acts)[0]) == ["w0", "w1", "w2", "w3"]
 
 
@@ -85,7 +86,7 @@ def test_workers_beyond_max_np_are_standby():
 def test_standby_joining_full_world_changes_nothing():
     s = formed([("a", "h"), ("b", "h")], max_np=2)
     s, acts = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick())])
-    assert acts == [] and s.version == 1 and s.standby() == ["c"]
+    assert acts == [] and s.world_version == 1 and s.standby() == ["c"]
 
 
 @pytest.mark.parametrize("before, event", [
@@ -97,8 +98,8 @@ def test_a_spare_for_a_full_world_re_forms_nothing_after_steps_changed_who_would
     s = formed([("a", "h"), ("b", "h")], max_np=2, steps={"a": 5, "b": 5})
     s, _ = run(s, [(1.5, Progress("b", 9))] + [(1.6, e) for e in before])
     s, acts = run(s, [(2.0, event), (3.0, Tick())])
-    assert acts == [] and s.version == 1
-    assert ids(AnnounceWorld(s.version, s.world, ())) == ["a", "b"] and s.standby() == ["c"]
+    assert acts == [] and s.world_version == 1
+    assert ids(AnnounceWorld(s.world_version, s.world, ())) == ["a", "b"] and s.standby() == ["c"]
 
 
 def test_hot_spare_replaces_failed_member_without_new_join():
@@ -107,7 +108,7 @@ def test_hot_spare_replaces_failed_member_without_new_join():
     s, acts = run(s, [(3.0, Evict("a", "crashed")), (3.2, Tick())])
     assert [type(a) for _, a in acts if not isinstance(a, type(None))][-1] is AnnounceWorld
     assert [a for _, a in acts if isinstance(a, AnnounceAbort)] == [AnnounceAbort(1, "crashed")]
-    assert ids(announces(acts)[0]) == ["b", "spare"] and s.version == 2
+    assert ids(announces(acts)[0]) == ["b", "spare"] and s.world_version == 2
 
 
 def test_failure_aborts_old_version_at_once_and_new_world_after_settle():
@@ -168,7 +169,7 @@ def test_an_acknowledgement_before_any_abort_or_from_a_standby_changes_nothing()
     assert acts == [] and s == before
     # After an abort, the spare's acknowledgement does not stand in for a member's.
     s, _ = run(s, [(4.0, Evict("b", "x")), (4.01, AbortAck("spare", 1)), (4.02, Tick())])
-    assert s.version == 1 and s.abort_acks == ()
+    assert s.world_version == 1 and s.abort_acks == ()
     s, acts = run(s, [(4.03, AbortAck("a", 1))])
     assert [ids(a) for a in announces(acts)] == [["a", "spare"]] and s.abort_acks == ()
 
@@ -176,7 +177,7 @@ def test_an_acknowledgement_before_any_abort_or_from_a_standby_changes_nothing()
 def test_a_ring_broken_report_re_forms_the_same_world_once_everyone_acknowledged():
     s = formed([("a", "h"), ("b", "h")])
     s, acts = run(s, [(2.0, RingBroken("a", 1, "timed out")), (2.01, AbortAck("a", 1)), (2.02, AbortAck("b", 1))])
-    assert [(a.version, ids(a)) for a in announces(acts)] == [(2, ["a", "b"])]
+    assert [(a.world_version, ids(a)) for a in announces(acts)] == [(2, ["a", "b"])]
 
 
 def test_abort_acknowledgements_round_trip_through_json():
@@ -202,17 +203,17 @@ def test_survivors_keep_relative_order_and_newcomers_are_appended():
     assert ids(announces(acts)[0]) == ["a", "c", "d", "e"]
 
 
-def test_highest_committed_step_becomes_rank_zero():
+def test_highest_commit_step_becomes_rank_zero():
     s = formed([("a", "h"), ("b", "h"), ("c", "h")], steps={"a": 5, "b": 5, "c": 5})
     s, _ = run(s, [(1.5, Progress("c", 9)), (1.5, Progress("b", 3))])  # lower steps are ignored
     s, acts = run(s, [(2.0, Evict("a", "x")), (3.0, Tick())])
     (a,) = announces(acts)
-    assert ids(a) == ["c", "b"] and a.members[0].committed_step == 9
+    assert ids(a) == ["c", "b"] and a.members[0].commit_step == 9
 
 
-def test_ties_in_committed_step_keep_lowest_rank_first():
+def test_ties_in_commit_step_keep_lowest_rank_first():
     s = formed([("a", "h"), ("b", "h"), ("c", "h")], steps={"a": 1, "b": 7, "c": 7})
-    assert ids(AnnounceWorld(s.version, s.world, ())) == ["b", "a", "c"]
+    assert ids(AnnounceWorld(s.world_version, s.world, ())) == ["b", "a", "c"]
 
 
 def test_ranks_of_one_host_are_contiguous_with_local_and_cross_ranks():
@@ -331,13 +332,13 @@ def test_join_naming_a_registered_worker_without_its_session_is_refused_and_it_s
                           (3.0, Tick())])
     assert [(a.kind, a.worker_id) for _, a in acts] == [(Refusal.WORKER_EXISTS, "b")]
     assert "session_id" in acts[0][1].reason
-    assert after.workers == s.workers and after.world == s.world and after.version == s.version
+    assert after.workers == s.workers and after.world == s.world and after.world_version == s.world_version
 
 
 def test_members_record_the_first_world_they_were_in():
     s = formed([("a", "h"), ("b", "h")])
     s, _ = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick())])
-    assert s.version == 2
+    assert s.world_version == 2
     assert {w: s.workers[w].member_since for w in "abc"} == {"a": 1, "b": 1, "c": 2}
 
 
@@ -357,7 +358,7 @@ def test_success_counts_only_from_a_member_of_the_world_it_names(reporter, versi
     s = formed([("a", "h"), ("b", "h")], max_np=3)
     s, _ = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick()), (3.5, Join("d", "h", "h:4")),
                    (4.0, Tick())])
-    assert s.version == 2 and s.standby() == ["d"]
+    assert s.world_version == 2 and s.standby() == ["d"]
     after, acts = run(s, [(5.0, Success(reporter, version))])
     if accepted:
         assert after.phase is Phase.SUCCEEDED
@@ -396,13 +397,22 @@ def test_job_credential_secret_run_and_sessions_round_trip_through_json():
     assert back.workers["a"].session_hash == "5" * 64 and back.workers["a"].member_since == 1
 
 
+def test_a_state_stored_before_world_version_and_commit_step_had_their_names_still_loads():
+    s = formed([("a", "h1"), ("b", "h2")], steps={"a": 7})
+    old = json.loads(to_json(s))
+    old["version"] = old.pop("world_version")
+    for record in old["world"] + list(old["workers"].values()):
+        record["committed_step"] = record.pop("commit_step")
+    assert from_json(json.dumps(old).encode()) == s
+
+
 def test_burst_of_joins_into_running_world_sends_one_pending_notice():
     s = formed([("a", "h"), ("b", "h")], max_np=16)
     s, acts = run(s, [(2.0 + 0.01 * i, Join(f"n{i}", "h", f"h:{100 + i}")) for i in range(10)])
     assert ([a for _, a in acts if isinstance(a, AnnouncePending)]
             == [AnnouncePending(1, "worker n0 on h joined")])
     s, acts = run(s, [(3.0, Tick())])
-    assert announces(acts)[0].version == 2 and len(s.world) == 12
+    assert announces(acts)[0].world_version == 2 and len(s.world) == 12
     s, acts = run(s, [(4.0, Join("late", "h", "h:999"))])
     # A new version: notify again.
     assert [a for _, a in acts] == [AnnouncePending(2, "worker late on h joined")]
@@ -410,7 +420,7 @@ def test_burst_of_joins_into_running_world_sends_one_pending_notice():
 
 # ------------------------------------------- pending notices, attaching, blacklisted standbys
 def kinds(actions):
-    return [f"{type(a).__name__}{getattr(a, 'version', '')}" for _, a in actions]
+    return [f"{type(a).__name__}{getattr(a, 'world_version', '')}" for _, a in actions]
 
 
 @pytest.mark.parametrize("gone", [Leave("c"), Evict("c", "stream broken")], ids=["leave", "crash"])
@@ -421,7 +431,7 @@ def test_pending_notice_is_always_followed_by_a_new_version(gone):
     s, acts = run(s, [(2.0, Join("c", "h", "h:3")), (2.1, gone), (3.0, Tick())])
     assert kinds(acts)[0] == "AnnouncePending1"
     (a,) = announces(acts)
-    assert a.version == 2 and ids(a) == ["a", "b"] and s.version == 2
+    assert a.world_version == 2 and ids(a) == ["a", "b"] and s.world_version == 2
 
 
 def test_unattached_worker_stays_out_of_worlds_until_it_attaches():
@@ -494,14 +504,14 @@ def test_blacklisted_standby_lets_the_elastic_timeout_fire():
 def test_ring_broken_report_aborts_and_reannounces_the_same_members(version_delta, reporter, expect_new_world):
     from rendezvous.server.decision import RingBroken
     state = formed([("a", "h1"), ("b", "h1"), ("c", "h2")])
-    v = state.version
+    v = state.world_version
     state, actions = run(state, [(5.0, RingBroken(reporter, v + version_delta, "timeout on b")), (5.1, Tick()),
                                  (6.0, Tick())])
     aborts = [a for _, a in actions if isinstance(a, AnnounceAbort)]
     new = announces(actions)
     if expect_new_world:
-        assert [a.version for a in aborts] == [v]
-        assert len(new) == 1 and new[0].version == v + 1 and ids(new[0]) == ["a", "b", "c"]
+        assert [a.world_version for a in aborts] == [v]
+        assert len(new) == 1 and new[0].world_version == v + 1 and ids(new[0]) == ["a", "b", "c"]
     else:
         assert aborts == [] and new == []
 

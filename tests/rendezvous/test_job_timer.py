@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
-from rdzv_helpers import run_async
 from rendezvous.server import decision as d
 from rendezvous.server.job_timer import JobTimers
 from rendezvous.server.liveness import Liveness
+
+from .fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
+from .rdzv_helpers import run_async
 
 
 class Service:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from fakes import CONFIG, FlakyStore, job_of, running, settle
-from rdzv_helpers import run_async
 from rendezvous.server import decision as d
+from rendezvous.server import job_json
 from rendezvous.server.journal import Journal
 from rendezvous.server.server_wire import RpcRefusal
 from rendezvous.server.store import Fence
+
+from .fakes import CONFIG, FlakyStore, job_of, running, settle
+from .rdzv_helpers import run_async
 
 PREFIX = "/t/journal"
 LEADER_KEY = f"{PREFIX}/leader"
@@ -49,7 +51,7 @@ class Harness:
 
     async def stored(self, job):
         got = await self.store.get(self.journal.key(job.state.job_id))
-        return d.from_json(got.value) if got else None
+        return job_json.from_json(got.value) if got else None
 
 
 def run(body):
@@ -86,10 +88,10 @@ def test_progress_alone_is_soft_state_and_not_written():
         seq, actions = h.journal.apply(job, d.Progress("a", 40))
         await settle()
         assert (seq, actions) == (before, []) and h.store.puts == 0
-        assert job.state.workers["a"].committed_step == 40        # kept in memory
+        assert job.state.workers["a"].commit_step == 40        # kept in memory
         seq, _ = h.journal.apply(job, d.Leave("c"))
         await h.journal.wait_durable(job, seq)
-        assert (await h.stored(job)).workers["a"].committed_step == 40   # rides along
+        assert (await h.stored(job)).workers["a"].commit_step == 40   # rides along
     run(body)
 
 
@@ -122,7 +124,7 @@ def test_a_write_the_fence_refuses_steps_down_and_delivers_nothing():
         h.journal.apply(job, d.Evict("b", "stream broken"))
         await settle()
         assert len(h.fenced) == 1 and "another replica leads" in h.fenced[0]
-        assert h.delivered == [] and (await h.stored(job)).version == 1
+        assert h.delivered == [] and (await h.stored(job)).world_version == 1
     run(body)
 
 

@@ -1,31 +1,40 @@
-"""Leadership (rendezvous/server/leader.py) in virtual time: the key is taken when free and handed over on
-resign, and the replica steps down by the clock, 0.6 x TTL after its last acknowledged refresh,
-whatever the refresh call is doing. No sockets; time passes only when a test says so."""
+"""Leadership (rendezvous/server/leader.py) in virtual time: the key is taken when free and handed over
+on resign or once the leader's claim lapses, and the replica steps down by the clock, 0.6 x TTL after
+its last acknowledged refresh, whatever the refresh call is doing. No sockets; time passes only when a
+test says so."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 
-from fakes import VirtualTime, settle
-from rdzv_helpers import run_async
 from rendezvous.server.leader import Leadership
 from rendezvous.server.store import Fence, MemoryStore, StoreError
+
+from .fakes import VirtualTime, settle
+from .rdzv_helpers import run_async
 
 KEY = "/t/leader/leader"
 TTL = 3
 
 
 class Refreshes(MemoryStore):
-    """A store whose lease refreshes answer as told: "ok", "error" (StoreError), "expired"
-    (False: the lease is gone) or "hang" (never return)."""
+    """A store whose claims' refreshes answer as told: "ok", "error" (StoreError), "expired"
+    (False: the claim lapsed) or "hang" (never return)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, clock):
+        super().__init__(clock)
         self.answer = "ok"
         self.calls = 0
 
-    async def refresh_lease(self, lease_id):
+    async def claim(self, key, value, ttl_s):
+        claim = await super().claim(key, value, ttl_s)
+        if claim is not None:
+            claim.refresh = functools.partial(self._refresh, claim.refresh)
+        return claim
+
+    async def _refresh(self, refresh):
         self.calls += 1
         if self.answer == "error":
             raise StoreError("refresh: connection refused")
@@ -33,7 +42,7 @@ class Refreshes(MemoryStore):
             return False
         if self.answer == "hang":
             await asyncio.Event().wait()
-        return await super().refresh_lease(lease_id)
+        return await refresh()
 
 
 def replica(store, vt, lost, identity="r1|10.0.0.1:29400"):
@@ -42,7 +51,8 @@ def replica(store, vt, lost, identity="r1|10.0.0.1:29400"):
 
 def run(body):
     async def main():
-        vt, store, lost = VirtualTime(), Refreshes(), []
+        vt, lost = VirtualTime(), []
+        store = Refreshes(vt.clock)   # claims lapse in virtual time too
         leader = replica(store, vt, lost)
         try:
             await body(vt, store, lost, leader)
@@ -69,9 +79,25 @@ def test_a_second_replica_waits_for_the_key_and_takes_it_when_the_leader_resigns
         await settle()
         assert not campaign.done() and not other.valid()
         await leader.resign()
+        await vt.advance(other.poll_s)      # it looks again, finds the key free and claims it
         await asyncio.wait_for(campaign, 5.0)
         assert other.valid() and not leader.valid() and lost == []
         assert await other.current_leader() == "r2|10.0.0.2:29400"
+        other.drop()
+    run(body)
+
+
+def test_a_replica_takes_the_key_within_a_poll_once_a_crashed_leaders_claim_lapses():
+    async def body(vt, store, lost, leader):
+        await leader.campaign()
+        leader.drop()                      # crashed: no more refreshes, and no release
+        other = replica(store, vt, lost, identity="r2|10.0.0.2:29400")
+        campaign = asyncio.ensure_future(other.campaign())
+        await vt.advance(TTL - 0.01)
+        assert not campaign.done() and await other.current_leader() == "r1|10.0.0.1:29400"
+        await vt.advance(other.poll_s + 0.02)
+        await asyncio.wait_for(campaign, 5.0)
+        assert other.valid() and await other.current_leader() == "r2|10.0.0.2:29400"
         other.drop()
     run(body)
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from fakes import running
 from rendezvous.server.liveness import Idle, Liveness
+
+from .fakes import running
 
 T = 2.0   # the heartbeat timeout
 

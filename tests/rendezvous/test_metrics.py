@@ -11,12 +11,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rdzv_helpers import (ServerProc, ServerThread, join_world, make_client, server_config,
-                          unique, wait_until, wait_world_of)
 from rendezvous.server import decision as d
 from rendezvous.server.server_metrics import job_counts
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.server.store import EtcdStore, MemoryStore, StoreError
+
+from .rdzv_helpers import (REPO, ServerProc, ServerThread, child_env, join_world, make_client, server_config,
+                           unique, wait_until, wait_world_of)
 
 
 def scrape(port: int) -> dict:
@@ -66,7 +67,7 @@ def test_every_departure_is_mapped_and_labels_are_distinct():
 def _state(world, registered, max_np):
     workers = {w: d.Worker(w, "h", "h:1", -1, i, 0.0) for i, w in enumerate(registered)}
     members = tuple(d.Member(w, "h", "h:1", r, r, len(world), 0, 1, -1) for r, w in enumerate(world))
-    return d.JobState("j", d.JobSpec(1, max_np, 60.0), 0.0, phase=d.Phase.RUNNING, version=1,
+    return d.JobState("j", d.JobSpec(1, max_np, 60.0), 0.0, phase=d.Phase.RUNNING, world_version=1,
                       world=members, workers=workers)
 
 
@@ -179,7 +180,7 @@ def test_store_errors_and_rpc_codes_are_counted_by_operation_and_method():
             return await real_put(key, value, **kw)
         store.put = failing_put
         join = pb.JoinRequest(job_id=unique("job"), worker_id="w", host="h",
-                              ring_address="127.0.0.1:5", committed_step=-1,
+                              ring_address="127.0.0.1:5", commit_step=-1,
                               spec=pb.JobSpec(min_np=1, max_np=2))
         with grpc.insecure_channel(s.address) as ch:
             stub = pb_grpc.RendezvousStub(ch)
@@ -255,8 +256,6 @@ def test_leader_metric_flips_to_the_other_replica_after_the_leader_is_killed(etc
 def test_serve_refuses_a_metrics_port_in_use_in_one_line(tmp_path):
     import subprocess
     import sys
-
-    from rdzv_helpers import REPO, child_env
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -8,13 +8,14 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import (ServerProc, ServerThread, StallProxy, join_world, make_client,
-                          server_config, unique, wait_until)
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.watch_events import Abort, Ended, WorldInfo
 from rendezvous.server.server_config import ServerConfig
 from rendezvous.server.store import EtcdStore
+
+from .rdzv_helpers import (ServerProc, ServerThread, StallProxy, join_world, make_client, server_config,
+                           unique, wait_until)
 
 
 def status(address, job):

@@ -14,10 +14,11 @@ import pytest
 
 import elastic
 from elastic.runtime.job_session import Ending
-from rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.common.channel import RendezvousRPCError
 from rendezvous.server.store import EtcdStore, MemoryStore
+
+from .rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 
 TOKEN, OTHER = "tenant-a-token", "tenant-b-token"
 
@@ -116,7 +117,7 @@ def test_ring_secret_sessions_and_ownership_survive_a_server_restart_over_etcd(e
         b.join()
         assert b.ring_secret == secret and len(secret) == 32
         # a's session is still a's (stored with its worker record): its client reattached with it.
-        assert wait_until(lambda: a.heartbeat(committed_step=1, timeout_s=2.0) >= world.version,
+        assert wait_until(lambda: a.report_progress(commit_step=1, timeout_s=2.0) >= world.version,
                           10.0, "a's session to work on the new server")
         stranger = make_client(s.address, "x", job_id=job, token=OTHER)
         with pytest.raises(RendezvousRPCError) as e:
@@ -131,7 +132,7 @@ def test_ring_secret_sessions_and_ownership_survive_a_server_restart_over_etcd(e
 
 def _raw_member(stub, job, worker):
     sid = stub.Join(pb.JoinRequest(job_id=job, worker_id=worker, host=f"host-{worker}",
-                                   ring_address="127.0.0.1:5", committed_step=-1,
+                                   ring_address="127.0.0.1:5", commit_step=-1,
                                    spec=pb.JobSpec(min_np=2, max_np=2)), timeout=5).session_id
     call = stub.Watch(pb.WatchRequest(session_id=sid), timeout=60)
     next(iter(call))   # the snapshot: the Watch is open
@@ -174,8 +175,7 @@ def test_right_after_a_restart_a_report_does_not_evict_a_live_worker(etcd, caplo
         call_b = stub.Watch(pb.WatchRequest(session_id=sid_b), timeout=30)   # b is back
         for ev in call_b:   # and answers the probe the report sends it
             if ev.WhichOneof("event") == "probe":
-                stub.Heartbeat(pb.HeartbeatRequest(session_id=sid_b, committed_step=-1,
-                                                   probe_nonce=ev.probe.nonce), timeout=5)
+                stub.AnswerProbe(pb.AnswerProbeRequest(session_id=sid_b, nonce=ev.probe.nonce), timeout=5)
                 break
         reporter.join(30)
         assert answer["resp"].evicted is False, answer["resp"]

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdzv_helpers import ServerThread, server_config
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.server.store import MemoryStore
+
+from .rdzv_helpers import ServerThread, make_client, server_config, unique, wait_until, wait_world_of
 
 TOKEN = "s3cret-token"
 OTHER = "another-tenants-token"   # also accepted by the server: another tenant of the service
@@ -19,7 +20,8 @@ AUTH = (("authorization", f"Bearer {TOKEN}"),)
 OTHER_AUTH = (("authorization", f"Bearer {OTHER}"),)
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-METHODS = ["Join", "Heartbeat", "Leave", "ReportFailure", "ReportSuccess", "Status"]
+METHODS = ["Join", "ReportProgress", "AnswerProbe", "AcknowledgeAbort", "Leave", "ReportFailure", "ReportSuccess",
+           "Status"]
 # Codes a well-behaved server may answer bad input with; never INTERNAL/UNKNOWN (a bug).
 REJECTIONS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -54,7 +56,7 @@ def code_of(fn, *args, **kw):
 
 def good_join(job="good", worker="w0"):
     return pb.JoinRequest(job_id=job, worker_id=worker, host="h", ring_address="127.0.0.1:1234",
-                          committed_step=-1, spec=pb.JobSpec(min_np=1, max_np=4))
+                          commit_step=-1, spec=pb.JobSpec(min_np=1, max_np=4))
 
 
 def test_requests_without_token_are_unauthenticated(stub):
@@ -79,7 +81,7 @@ def test_wrong_tokens_are_unauthenticated(stub, token):
 @pytest.mark.parametrize("field,value", [
     ("job_id", ""), ("job_id", "a/b"), ("job_id", "x" * 129), ("worker_id", "w 1"),
     ("host", ""), ("ring_address", "nohostport"), ("ring_address", "h:0"), ("ring_address", "h:99999"),
-    ("committed_step", -2),
+    ("commit_step", -2),
     # `$` also matches before a trailing newline: the checks must match the whole value.
     ("job_id", "job\n"), ("worker_id", "w\n"), ("host", "h\n"), ("ring_address", "1.2.3.4:80\n")])
 def test_invalid_join_fields_are_named_in_invalid_argument(stub, field, value):
@@ -110,10 +112,11 @@ def test_spec_mismatch_with_existing_job_is_failed_precondition(stub):
 
 
 def test_unknown_and_malformed_sessions(stub):
-    code, details = code_of(stub.Heartbeat, pb.HeartbeatRequest(session_id=f"nojob/0a1b2c3d/w/{'0' * 48}"),
+    code, details = code_of(stub.ReportProgress,
+                            pb.ReportProgressRequest(session_id=f"nojob/0a1b2c3d/w/{'0' * 48}"),
                             timeout=5, metadata=AUTH)
     assert code == grpc.StatusCode.NOT_FOUND and "nojob" in details
-    code, details = code_of(stub.Heartbeat, pb.HeartbeatRequest(session_id="nojob/w/0"), timeout=5,
+    code, details = code_of(stub.ReportProgress, pb.ReportProgressRequest(session_id="nojob/w/0"), timeout=5,
                             metadata=AUTH)   # the old, guessable form
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in details
     code, details = code_of(stub.Leave, pb.LeaveRequest(session_id="garbage"), timeout=5,
@@ -155,7 +158,7 @@ text = st.text(max_size=300)
 def test_fuzzed_joins_never_crash_the_server(stub, job, worker, host, addr, step, min_np, max_np,
                                              timeout):
     req = pb.JoinRequest(job_id=job, worker_id=worker, host=host, ring_address=addr,
-                         committed_step=step,
+                         commit_step=step,
                          spec=pb.JobSpec(min_np=min_np, max_np=max_np, elastic_timeout_s=timeout))
     code, details = code_of(stub.Join, req, timeout=5, metadata=AUTH)
     assert code in REJECTIONS | {grpc.StatusCode.OK}, (code, details)
@@ -165,7 +168,9 @@ def test_fuzzed_joins_never_crash_the_server(stub, job, worker, host, addr, step
 @FUZZ
 @given(session=text, version=st.integers(0, 2 ** 64 - 1), suspect=text, reason=st.text(max_size=2000))
 def test_fuzzed_session_calls_never_crash_the_server(stub, session, version, suspect, reason):
-    calls = [(stub.Heartbeat, pb.HeartbeatRequest(session_id=session, committed_step=version % 10)),
+    calls = [(stub.ReportProgress, pb.ReportProgressRequest(session_id=session, commit_step=version % 10)),
+             (stub.AnswerProbe, pb.AnswerProbeRequest(session_id=session, nonce=version)),
+             (stub.AcknowledgeAbort, pb.AcknowledgeAbortRequest(session_id=session, world_version=version)),
              (stub.Leave, pb.LeaveRequest(session_id=session)),
              (stub.ReportSuccess, pb.ReportSuccessRequest(session_id=session)),
              (stub.ReportFailure, pb.ReportFailureRequest(session_id=session, world_version=version,
@@ -195,7 +200,6 @@ def test_fuzzed_raw_bytes_never_crash_the_server(server, stub, method, payload):
 # ------------------------------------------------------------------ who may do what
 def _member(server, worker, job, **kw):
     """A real worker-side client of the job, joined with TOKEN."""
-    from rdzv_helpers import make_client
     c = make_client(server.address, worker, job_id=job, token=TOKEN, **kw)
     c.join()
     return c
@@ -206,7 +210,6 @@ def _status(stub, job, auth=AUTH):
 
 
 def test_a_join_with_another_token_is_denied_and_gets_no_secret(server, stub):
-    from rdzv_helpers import unique, wait_world_of
     job = unique("owned")
     a = _member(server, "a", job)
     wait_world_of([a], 1)
@@ -219,7 +222,7 @@ def test_a_join_with_another_token_is_denied_and_gets_no_secret(server, stub):
     code, _ = code_of(stub.Status, pb.StatusRequest(job_id=job), timeout=5, metadata=OTHER_AUTH)
     assert code == grpc.StatusCode.NOT_FOUND
     # Even the member's real session is nothing to the other token.
-    code, _ = code_of(stub.Heartbeat, pb.HeartbeatRequest(session_id=a.session_id), timeout=5,
+    code, _ = code_of(stub.ReportProgress, pb.ReportProgressRequest(session_id=a.session_id), timeout=5,
                       metadata=OTHER_AUTH)
     assert code == grpc.StatusCode.NOT_FOUND
     assert [m.member.worker_id for m in _status(stub, job).members] == ["a"]
@@ -230,7 +233,6 @@ def test_ring_secrets_are_random_per_job_and_shared_by_its_members(server):
     import hashlib
     import hmac as hmac_
 
-    from rdzv_helpers import unique
     jobs = [unique("secret"), unique("secret")]
     clients = [_member(server, w, j) for j in jobs for w in ("a", "b")]
     secrets = [c.ring_secret for c in clients]
@@ -255,12 +257,13 @@ def _forged_sessions(real: str) -> list[str]:
 
 
 def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, stub):
-    from rdzv_helpers import unique, wait_world_of
     job = unique("sessions")
     a = _member(server, "a", job)
     world = wait_world_of([a], 1)[0]
     for sid in _forged_sessions(a.session_id):
-        calls = [(stub.Heartbeat, pb.HeartbeatRequest(session_id=sid, committed_step=5)),
+        calls = [(stub.ReportProgress, pb.ReportProgressRequest(session_id=sid, commit_step=5)),
+                 (stub.AnswerProbe, pb.AnswerProbeRequest(session_id=sid, nonce=1)),
+                 (stub.AcknowledgeAbort, pb.AcknowledgeAbortRequest(session_id=sid, world_version=1)),
                  (stub.ReportFailure, pb.ReportFailureRequest(session_id=sid, world_version=1,
                                                               suspect_worker_id="a")),
                  (stub.ReportSuccess, pb.ReportSuccessRequest(session_id=sid, world_version=1)),
@@ -277,13 +280,12 @@ def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, 
     assert st.phase == "RUNNING" and st.world_version == world.version
     assert [(m.member.worker_id, m.attached) for m in st.members] == [("a", True)]
     assert a.next_event(0.3) is None          # the real worker heard nothing
-    assert a.heartbeat(committed_step=3) == world.version   # and its own session still works
+    assert a.report_progress(commit_step=3) == world.version   # and its own session still works
     a.close()
 
 
 @pytest.mark.parametrize("session", ["", "forged"], ids=["no session", "made-up session"])
 def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays(server, stub, session):
-    from rdzv_helpers import unique, wait_world_of
     job = unique("takeover")
     a = _member(server, "a", job)
     world = wait_world_of([a], 1)[0]
@@ -299,14 +301,13 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
         [("a", a.ring_address, True)]
     assert st.world_version == world.version
     assert a.next_event(0.3) is None
-    assert a.heartbeat() == world.version
+    assert a.report_progress() == world.version
     a.join()   # the worker itself, with its session, may
     assert a.wait_world(timeout_s=5.0, min_version=world.version + 1).members[0].worker_id == "a"
     a.close()
 
 
 def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(server, stub):
-    from rdzv_helpers import unique, wait_world_of
     from rendezvous.common.channel import RendezvousRPCError
     from rendezvous.wire.membership import JobSpec
     from rendezvous.client.watch_events import Standby
@@ -358,7 +359,6 @@ def test_connectable_ring_addresses_are_accepted(stub, address):
 
 
 def test_joins_that_never_watch_do_not_hold_the_job_cap():
-    from rdzv_helpers import unique, wait_until
     s = ServerThread(server_config(max_jobs=2, heartbeat_timeout_s=0.5), MemoryStore)
     try:
         with grpc.insecure_channel(s.address) as ch:
@@ -376,7 +376,6 @@ def test_joins_that_never_watch_do_not_hold_the_job_cap():
 
 
 def test_a_watched_forming_job_is_not_dropped():
-    from rdzv_helpers import make_client, unique
     from rendezvous.wire.membership import JobSpec
     from rendezvous.client.watch_events import Standby
     s = ServerThread(server_config(heartbeat_timeout_s=0.5), MemoryStore)
@@ -395,7 +394,6 @@ def test_a_watched_forming_job_is_not_dropped():
 
 
 def test_a_finished_job_is_launched_again_by_its_own_token_only():
-    from rdzv_helpers import make_client, unique, wait_until, wait_world_of
     from rendezvous.common.channel import RendezvousRPCError
     s = ServerThread(server_config(insecure=False, tokens=(TOKEN, OTHER), heartbeat_timeout_s=0.5,
                                    leader_ttl_s=1), MemoryStore)
@@ -434,7 +432,6 @@ def test_a_finished_job_is_launched_again_by_its_own_token_only():
 def test_peer_supplied_failure_reasons_are_escaped_and_shortened(server, stub, caplog):
     import logging
 
-    from rdzv_helpers import unique, wait_world_of
     from rendezvous.client.watch_events import Abort
     caplog.set_level(logging.INFO, logger="rendezvous.server.service")
     job = unique("reasons")
@@ -473,7 +470,8 @@ def test_a_running_job_stored_by_an_older_server_is_refused_not_joined_without_a
     import time
 
     from rendezvous.server import decision as d
-    state = json.loads(d.to_json(d.new_job("legacy", d.JobSpec(1, 4, 60.0), time.time())))
+    from rendezvous.server import job_json
+    state = json.loads(job_json.to_json(d.new_job("legacy", d.JobSpec(1, 4, 60.0), time.time())))
     for field in ("credential", "ring_secret", "run"):   # what an older server wrote
         del state[field]
     store = MemoryStore()

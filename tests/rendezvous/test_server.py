@@ -8,11 +8,12 @@ import time
 import grpc
 import pytest
 
-from rdzv_helpers import join_world, next_of, unique, wait_until, wait_world_of
 from rendezvous.common.channel import RendezvousRPCError
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.wire.messages import pb
+
+from .rdzv_helpers import ServerThread, join_world, next_of, server_config, unique, wait_until, wait_world_of
 
 
 def test_joined_workers_get_one_world_with_ranks(serve, client):
@@ -89,13 +90,13 @@ def test_simultaneous_joins_become_one_world(serve, client):
     assert worlds[0].version == 1
 
 
-def test_highest_committed_step_becomes_rank_zero_of_next_world(serve, client):
+def test_highest_commit_step_becomes_rank_zero_of_next_world(serve, client):
     s = serve()
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     v = join_world(cs)
-    cs[2].heartbeat(committed_step=40)
-    cs[1].heartbeat(committed_step=30)
+    cs[2].report_progress(commit_step=40)
+    cs[1].report_progress(commit_step=30)
     cs[0].close()
     worlds = wait_world_of(cs[1:], 2, min_version=v + 1)
     assert [m.worker_id for m in worlds[0].members] == ["w2", "w1"]
@@ -108,7 +109,7 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve, client, stu
     a.join()
     raw = stub(s)  # b: a bare stub that will not reattach once its stream is gone
     sid = raw.Join(pb.JoinRequest(job_id=job, worker_id="b", host="h", ring_address="127.0.0.1:5",
-                                  committed_step=-1), timeout=5).session_id
+                                  commit_step=-1), timeout=5).session_id
     call = raw.Watch(pb.WatchRequest(session_id=sid), timeout=30)
     next(iter(call))
     world = wait_until(lambda: a.world if a.world and a.world.size == 2 else None, 5.0, "2-world")
@@ -130,7 +131,7 @@ def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve
     sessions = {}
     for w in ("b", "c"):   # b never answers its probes; c would answer them for it
         sessions[w] = raw.Join(pb.JoinRequest(job_id=job, worker_id=w, host="h", ring_address="127.0.0.1:5",
-                                              committed_step=-1), timeout=5).session_id
+                                              commit_step=-1), timeout=5).session_id
     calls = {w: raw.Watch(pb.WatchRequest(session_id=sid), timeout=30) for w, sid in sessions.items()}
     streams = {w: iter(call) for w, call in calls.items()}
     for it in streams.values():
@@ -141,8 +142,7 @@ def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve
     def answer_for_b():
         for ev in streams["b"]:
             if ev.WhichOneof("event") == "probe":
-                raw.Heartbeat(pb.HeartbeatRequest(session_id=sessions["c"], committed_step=-1,
-                                                  probe_nonce=ev.probe.nonce), timeout=5)
+                raw.AnswerProbe(pb.AnswerProbeRequest(session_id=sessions["c"], nonce=ev.probe.nonce), timeout=5)
                 answered.append(ev.probe.nonce)
                 return
 
@@ -310,7 +310,7 @@ def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(
     a = client(s.address, "a", job_id=job)
     a.join()
     stub(s).Join(pb.JoinRequest(job_id=job, worker_id="ghost", host="ghost-host",
-                                ring_address="127.0.0.1:5", committed_step=-1), timeout=5)
+                                ring_address="127.0.0.1:5", commit_step=-1), timeout=5)
     world = a.wait_world(timeout_s=5.0)
     assert [m.worker_id for m in world.members] == ["a"]
     joined = time.monotonic()
@@ -345,13 +345,13 @@ def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve
     store.put = held_put
     try:
         cs[1].close()   # crash: Abort(v) and then world v + 1 are decided, but cannot be stored
-        wait_until(lambda: s.service.jobs[job].state.version == v + 1, 5.0,
+        wait_until(lambda: s.service.jobs[job].state.world_version == v + 1, 5.0,
                    f"world {v + 1} decided in memory")
         call = stub(s).Watch(pb.WatchRequest(session_id=cs[0].session_id), timeout=5)
         first = next(iter(call))
         stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}")).value)
-        assert stored["version"] == v
-        assert first.world.version == v and [m.worker_id for m in first.world.members] == \
+        assert stored["world_version"] == v
+        assert first.world.world_version == v and [m.worker_id for m in first.world.members] == \
             ["a", "b", "c"]
         call.cancel()
     finally:
@@ -376,7 +376,7 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
     try:
         for step in range(1, 11):
             for c in cs:
-                c.heartbeat(committed_step=step * 100 + int(c.worker_id[1:]))
+                c.report_progress(commit_step=step * 100 + int(c.worker_id[1:]))
         assert writes == []
         cs[0].close()   # the next real change stores the steps too, and ranks follow them
         worlds = wait_world_of(cs[1:], 3, min_version=v + 1)
@@ -386,12 +386,12 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
         store.put = real_put
 
 
-def test_committed_step_is_resent_when_reattaching(serve, client):
+def test_commit_step_is_resent_when_reattaching(serve, client):
     s = serve(heartbeat_timeout_s=30.0)
     job = unique("job")
     cs = [client(s.address, w, job_id=job) for w in ("a", "b", "c")]
     v = join_world(cs)
-    cs[2].heartbeat(committed_step=70)
+    cs[2].report_progress(commit_step=70)
     s.call(_forget_steps(s, job))            # as a new leader would see them: stored steps only
     s.call(_detach(s, job, "c"))             # c reattaches at once, resending step 70
     wait_until(lambda: "c" in s.service.jobs[job].streams, 5.0, "c to reattach")
@@ -403,7 +403,7 @@ def test_committed_step_is_resent_when_reattaching(serve, client):
 async def _forget_steps(s, job):
     from dataclasses import replace
     j = s.service.jobs[job]
-    j.state = replace(j.state, workers={k: replace(w, committed_step=-1)
+    j.state = replace(j.state, workers={k: replace(w, commit_step=-1)
                                         for k, w in j.state.workers.items()})
 
 
@@ -456,7 +456,7 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
     store.put = held_put
     try:
         cs[1].close()
-        wait_until(lambda: s.service.jobs[job].state.version == v + 1, 5.0, f"world {v + 1} decided")
+        wait_until(lambda: s.service.jobs[job].state.world_version == v + 1, 5.0, f"world {v + 1} decided")
         assert f"job {job}: world {v + 1} announced" not in caplog.text
     finally:
         s.loop.call_soon_threadsafe(gate.set)
@@ -481,7 +481,7 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
     try:
         with pytest.raises(grpc.RpcError) as e:
             stub(s).Join(pb.JoinRequest(job_id=unique("job"), worker_id="w", host="h",
-                                        ring_address="127.0.0.1:5", committed_step=-1,
+                                        ring_address="127.0.0.1:5", commit_step=-1,
                                         spec=pb.JobSpec(min_np=1, max_np=2)), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot create" in e.value.details()
     finally:
@@ -491,7 +491,6 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
 def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again(client):
     """etcd stalls right after the campaign: the lease lapses while the jobs load. The replica
     must notice and lead again once etcd answers, not believe it leads and serve nothing."""
-    from rdzv_helpers import ServerThread, server_config
     from rendezvous.server.store import MemoryStore, StoreError
 
     class StallAfterCampaign(MemoryStore):
@@ -506,10 +505,17 @@ def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again(cli
                 StallAfterCampaign.stalled = False
             return await super().get_prefix(prefix)
 
-        async def refresh_lease(self, lease_id):
-            if StallAfterCampaign.stalled:
-                raise StoreError("etcd stalled (test)")
-            return await super().refresh_lease(lease_id)
+        async def claim(self, key, value, ttl_s):
+            claim = await super().claim(key, value, ttl_s)
+            if claim is not None:   # its refreshes fail while the first load stalls
+                refresh = claim.refresh
+
+                async def stalled_refresh():
+                    if StallAfterCampaign.stalled:
+                        raise StoreError("etcd stalled (test)")
+                    return await refresh()
+                claim.refresh = stalled_refresh
+            return claim
 
     s = ServerThread(server_config(leader_ttl_s=1), StallAfterCampaign)  # waits until it leads
     try:

@@ -7,7 +7,6 @@ import signal
 
 import pytest
 
-from rdzv_helpers import ServerThread, WorkerProc, make_client, server_config, unique, wait_until
 from rendezvous.server import decision as d
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.status_client import StatusClient
@@ -15,6 +14,9 @@ from rendezvous.common.event_log import EVENTS, EventLog
 from rendezvous.server.description import describe
 from rendezvous.server.history import RECENT_PER_JOB
 from rendezvous.server.store import MemoryStore
+
+from .rdzv_helpers import (REPO, ServerProc, ServerThread, WorkerProc, child_env, make_client, server_config,
+                           unique, wait_until)
 
 
 def read_events(path) -> list[dict]:
@@ -157,8 +159,6 @@ def test_serve_with_an_events_file_it_cannot_open_says_so_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    from rdzv_helpers import REPO, child_env
-
     path = tmp_path / "no-such-dir" / "events.jsonl"
     done = subprocess.run([sys.executable, "-m", "rendezvous", "serve", "--insecure", "--port", "0",
                            "--events", str(path)], cwd=REPO, env=child_env(), capture_output=True,
@@ -180,8 +180,6 @@ def test_an_events_path_that_is_a_symbolic_link_is_refused_and_its_target_untouc
 
 
 def test_a_served_process_writes_its_start_and_graceful_stop(tmp_path):
-    from rdzv_helpers import ServerProc
-
     path = tmp_path / "events.jsonl"
     s = ServerProc(tmp_path, "--insecure", "--events", str(path))
     try:

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from rdzv_helpers import REPO, ServerProc, child_env, unique, wait_until
 from rendezvous.client.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo, StatusInfo
 from rendezvous.wire.membership import StragglerReport
 from rendezvous.client.status_view import fit, format_age, format_pace, format_status, frame, safe
+
+from .rdzv_helpers import REPO, ServerProc, child_env, unique, wait_until
 
 
 @pytest.mark.parametrize("seconds, text", [

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
-import pytest
-
-from rdzv_helpers import run_async
 from rendezvous.server.store import Fence
+
+from .rdzv_helpers import run_async
 
 
 def test_get_missing_key_is_none(make_store, prefix):
@@ -69,36 +69,65 @@ def test_get_prefix_lists_only_that_prefix(make_store, prefix):
     run_async(body())
 
 
-def test_key_on_expired_lease_disappears_and_watch_sees_it(make_store, prefix):
+async def gone_within(store, key, timeout_s: float) -> bool:
+    """Whether `key` is gone within the deadline (read every 50 ms: nothing in a Store notifies)."""
+    deadline = time.monotonic() + timeout_s
+    while await store.get(key) is not None:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def test_a_claimed_key_holds_its_value_and_a_second_claim_is_refused(make_store, prefix):
     async def body():
         store = make_store()
-        lease = await store.grant_lease(2)
-        k = prefix + "leased"
-        await store.put(k, b"held", lease=lease)
-        watch = await store.watch(k)
-        assert await store.refresh_lease(lease) is True
-        assert await watch.next(timeout=6.0) is None   # deleted when the lease ran out
-        assert await store.get(k) is None
-        assert await store.refresh_lease(lease) is False
-        watch.close()
+        k = prefix + "leader"
+        claim = await store.claim(k, b"me", ttl_s=30)
+        assert claim is not None and (await store.get(k)).value == b"me"
+        assert await store.claim(k, b"other", ttl_s=30) is None
+        assert (await store.get(k)).value == b"me"
+        await claim.release()
         await store.close()
     run_async(body())
 
 
-def test_revoked_lease_deletes_keys_and_watch_sees_puts_and_delete(make_store, prefix):
+def test_a_released_claim_frees_its_key_at_once_for_the_next(make_store, prefix):
     async def body():
         store = make_store()
-        k = prefix + "w"
-        watch = await store.watch(k)
-        lease = await store.grant_lease(30)
-        await store.put(k, b"1", lease=lease)
-        await store.put(k, b"2", lease=lease)
-        await store.revoke_lease(lease)
-        seen = [await watch.next(timeout=5.0) for _ in range(3)]
-        assert seen == [b"1", b"2", None]
-        with pytest.raises(asyncio.TimeoutError):
-            await watch.next(timeout=0.2)
-        watch.close()
+        k = prefix + "leader"
+        first = await store.claim(k, b"me", ttl_s=30)
+        await first.release()
+        assert await store.get(k) is None
+        second = await store.claim(k, b"next", ttl_s=30)
+        assert second is not None and (await store.get(k)).value == b"next"
+        await second.release()
+        await store.close()
+    run_async(body())
+
+
+def test_a_claim_not_refreshed_lapses_and_takes_its_key_with_it(make_store, prefix):
+    async def body():
+        store = make_store()
+        k = prefix + "leased"
+        claim = await store.claim(k, b"held", ttl_s=2)
+        assert await claim.refresh() is True
+        assert await gone_within(store, k, 6.0), "the key outlived its claim's TTL"
+        assert await claim.refresh() is False
+        assert await store.claim(k, b"next", ttl_s=2) is not None
+        await store.close()
+    run_async(body())
+
+
+def test_writes_fenced_by_a_claimed_key_apply_only_while_it_is_held(make_store, prefix):
+    async def body():
+        store = make_store()
+        fence = Fence(prefix + "leader", b"me")
+        claim = await store.claim(fence.key, b"me", ttl_s=30)
+        assert await store.put(prefix + "job", b"1", fence=fence) is not None
+        await claim.release()
+        assert await store.put(prefix + "job", b"2", fence=fence) is None
+        assert (await store.get(prefix + "job")).value == b"1"
         await store.close()
     run_async(body())
 

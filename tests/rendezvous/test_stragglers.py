@@ -1,5 +1,5 @@
 """Stragglers at the rendezvous, end to end on loopback (memory store and a real etcd): a worker's
-pace reported with its Heartbeat, shown by Status, named once in the events; the spares a slow
+pace reported with ReportProgress, shown by Status, named once in the events; the spares a slow
 worker is told of; a straggler's leave that is clean and cools its host down."""
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import math
 import grpc
 import pytest
 
-from rdzv_helpers import next_of, unique, wait_until, wait_world_of
 from rendezvous.common.channel import RendezvousRPCError
 from rendezvous.wire.membership import JobSpec, StragglerReport
 from rendezvous.client.status_client import StatusClient
 from rendezvous.client.watch_events import Abort, Pending, WorldInfo
+
+from .rdzv_helpers import next_of, unique, wait_until, wait_world_of
 
 
 def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_down(serve, client):
@@ -30,15 +31,15 @@ def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_do
         wait_until(lambda: sum(m.attached for m in status.job(job).members) == 4, 10, "the spare to attach")
 
         # A worker that is not slow learns of no spares (counting them costs a pass over the job).
-        fast.heartbeat(straggler=StragglerReport(v, 0.97, 0, False))
+        fast.report_progress(straggler=StragglerReport(v, 0.97, 0, False))
         assert fast.spares == 0
         # A slow one is told of the spare on another host: it may leave without the job dropping
         # below min-np. Workers of its own host are no spares: that host cools down as it leaves.
-        slow.heartbeat(straggler=StragglerReport(v, 2.1, 1, False))
+        slow.report_progress(straggler=StragglerReport(v, 2.1, 1, False))
         assert slow.spares == 1
-        slow.heartbeat(straggler=StragglerReport(v, 2.2, 3, True))
-        slow.heartbeat(straggler=StragglerReport(v, 2.3, 4, True))      # still one, named once
-        fast.heartbeat(straggler=StragglerReport(v - 1, 9.0, 9, True))   # about an older world: dropped
+        slow.report_progress(straggler=StragglerReport(v, 2.2, 3, True))
+        slow.report_progress(straggler=StragglerReport(v, 2.3, 4, True))      # still one, named once
+        fast.report_progress(straggler=StragglerReport(v - 1, 9.0, 9, True))   # about an older world: dropped
 
         view = status.job(job, events=50)
         paces = {m.worker_id: m.straggler for m in view.members}
@@ -51,7 +52,7 @@ def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_do
         assert named[0].numbers == {"rank": 1.0, "factor": 2.2, "windows": 3.0}   # typed, for tools that act
 
         with pytest.raises(RendezvousRPCError) as e:
-            slow.heartbeat(straggler=StragglerReport(v, math.nan, 1, False))
+            slow.report_progress(straggler=StragglerReport(v, math.nan, 1, False))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "straggler.score" in str(e.value)
 
         slow.leave(straggler=True)

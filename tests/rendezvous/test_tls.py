@@ -14,10 +14,11 @@ import threading
 import grpc
 import pytest
 
-from rdzv_helpers import REPO, ServerProc, child_env, make_client, unique, wait_world_of
 from rendezvous.common.channel import RendezvousRPCError, channel_credentials
 from rendezvous.server.server_config import ServerConfig
 from tests.certs import make_pki
+
+from .rdzv_helpers import REPO, ServerProc, child_env, make_client, unique, wait_world_of
 
 TOKEN = "tls-test-token-5b0d1e"
 

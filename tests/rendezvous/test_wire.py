@@ -107,12 +107,12 @@ WORLD = _members(2, hosts=1)
 
 @pytest.mark.parametrize("state, worker, kinds, reason", [
     (_state(), "w0", ["standby"], server_wire.NO_WORLD_YET),
-    (_state(version=1, world=WORLD, phase=d.Phase.RUNNING), "spare", ["standby"],
+    (_state(world_version=1, world=WORLD, phase=d.Phase.RUNNING), "spare", ["standby"],
      "beyond max_np=2: a hot spare, it takes the place of the next member that fails or leaves"),
-    (_state(version=1, world=WORLD, phase=d.Phase.RUNNING), "w1", ["world"], None),
-    (_state(version=1, world=WORLD, phase=d.Phase.RUNNING, aborted_version=1), "w1", ["world", "abort"],
+    (_state(world_version=1, world=WORLD, phase=d.Phase.RUNNING), "w1", ["world"], None),
+    (_state(world_version=1, world=WORLD, phase=d.Phase.RUNNING, aborted_version=1), "w1", ["world", "abort"],
      None),
-    (_state(version=1, world=WORLD, phase=d.Phase.SUCCEEDED, reason="worker w0 reported success"), "w1",
+    (_state(world_version=1, world=WORLD, phase=d.Phase.SUCCEEDED, reason="worker w0 reported success"), "w1",
      ["finished"], "worker w0 reported success"),
 ], ids=["no-world", "hot-spare", "member", "member-of-aborted-world", "finished"])
 def test_a_reattaching_worker_first_gets_what_the_stored_state_says_of_it(state, worker, kinds, reason):
@@ -120,7 +120,7 @@ def test_a_reattaching_worker_first_gets_what_the_stored_state_says_of_it(state,
     assert [e.WhichOneof("event") for e in events] == kinds
     first = getattr(events[0], kinds[0])
     if kinds[0] == "world":
-        assert first.rank == state.member(worker).rank and first.version == state.version
+        assert first.rank == state.member(worker).rank and first.world_version == state.world_version
     else:
         assert first.reason == reason
     if kinds == ["finished"]:

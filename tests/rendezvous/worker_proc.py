@@ -10,8 +10,6 @@ import json
 import sys
 import time
 
-sys.path.insert(0, sys.argv[0].rsplit("/tests/", 1)[0])  # the repository root
-
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.client.worker_client import RendezvousClient

@@ -17,12 +17,12 @@ class JobSpec(_message.Message):
     def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., elastic_timeout_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "worker_id", "host", "ring_address", "committed_step", "spec", "session_id", "spec_if_new")
+    __slots__ = ("job_id", "worker_id", "host", "ring_address", "commit_step", "spec", "session_id", "spec_if_new")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     RING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_IF_NEW_FIELD_NUMBER: _ClassVar[int]
@@ -30,11 +30,11 @@ class JoinRequest(_message.Message):
     worker_id: str
     host: str
     ring_address: str
-    committed_step: int
+    commit_step: int
     spec: JobSpec
     session_id: str
     spec_if_new: JobSpec
-    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., committed_step: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., session_id: _Optional[str] = ..., spec_if_new: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., commit_step: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., session_id: _Optional[str] = ..., spec_if_new: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "world_version", "spec", "ring_secret")
@@ -49,15 +49,15 @@ class JoinResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., ring_secret: _Optional[bytes] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("session_id", "committed_step")
+    __slots__ = ("session_id", "commit_step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    committed_step: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ...) -> None: ...
+    commit_step: int
+    def __init__(self, session_id: _Optional[str] = ..., commit_step: _Optional[int] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "host", "ring_address", "rank", "local_rank", "local_size", "cross_rank", "cross_size", "committed_step")
+    __slots__ = ("worker_id", "host", "ring_address", "rank", "local_rank", "local_size", "cross_rank", "cross_size", "commit_step")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     RING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -66,7 +66,7 @@ class Member(_message.Message):
     LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CROSS_RANK_FIELD_NUMBER: _ClassVar[int]
     CROSS_SIZE_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     ring_address: str
@@ -75,12 +75,12 @@ class Member(_message.Message):
     local_size: int
     cross_rank: int
     cross_size: int
-    committed_step: int
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., committed_step: _Optional[int] = ...) -> None: ...
+    commit_step: int
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., commit_step: _Optional[int] = ...) -> None: ...
 
 class World(_message.Message):
-    __slots__ = ("version", "members", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("world_version", "members", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -88,7 +88,7 @@ class World(_message.Message):
     LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CROSS_RANK_FIELD_NUMBER: _ClassVar[int]
     CROSS_SIZE_FIELD_NUMBER: _ClassVar[int]
-    version: int
+    world_version: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     rank: int
     size: int
@@ -96,7 +96,7 @@ class World(_message.Message):
     local_size: int
     cross_rank: int
     cross_size: int
-    def __init__(self, version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, world_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ...) -> None: ...
 
 class MembershipPending(_message.Message):
     __slots__ = ("world_version", "reason")
@@ -164,27 +164,47 @@ class StragglerReport(_message.Message):
     named: bool
     def __init__(self, world_version: _Optional[int] = ..., score: _Optional[float] = ..., slow_windows: _Optional[int] = ..., named: _Optional[bool] = ...) -> None: ...
 
-class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "committed_step", "probe_nonce", "straggler", "aborted_version")
+class ReportProgressRequest(_message.Message):
+    __slots__ = ("session_id", "commit_step", "straggler")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
-    PROBE_NONCE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
-    ABORTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    committed_step: int
-    probe_nonce: int
+    commit_step: int
     straggler: StragglerReport
-    aborted_version: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_step: _Optional[int] = ..., probe_nonce: _Optional[int] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ..., aborted_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., commit_step: _Optional[int] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ...) -> None: ...
 
-class HeartbeatResponse(_message.Message):
+class ReportProgressResponse(_message.Message):
     __slots__ = ("world_version", "spares")
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPARES_FIELD_NUMBER: _ClassVar[int]
     world_version: int
     spares: int
     def __init__(self, world_version: _Optional[int] = ..., spares: _Optional[int] = ...) -> None: ...
+
+class AnswerProbeRequest(_message.Message):
+    __slots__ = ("session_id", "nonce")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    nonce: int
+    def __init__(self, session_id: _Optional[str] = ..., nonce: _Optional[int] = ...) -> None: ...
+
+class AnswerProbeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AcknowledgeAbortRequest(_message.Message):
+    __slots__ = ("session_id", "world_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    world_version: int
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ...) -> None: ...
+
+class AcknowledgeAbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("session_id", "straggler")

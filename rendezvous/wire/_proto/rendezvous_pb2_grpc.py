@@ -44,10 +44,20 @@ class RendezvousStub:
                 request_serializer=rendezvous__pb2.WatchRequest.SerializeToString,
                 response_deserializer=rendezvous__pb2.WatchEvent.FromString,
                 _registered_method=True)
-        self.Heartbeat = channel.unary_unary(
-                '/elastic.rendezvous.v1.Rendezvous/Heartbeat',
-                request_serializer=rendezvous__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=rendezvous__pb2.HeartbeatResponse.FromString,
+        self.ReportProgress = channel.unary_unary(
+                '/elastic.rendezvous.v1.Rendezvous/ReportProgress',
+                request_serializer=rendezvous__pb2.ReportProgressRequest.SerializeToString,
+                response_deserializer=rendezvous__pb2.ReportProgressResponse.FromString,
+                _registered_method=True)
+        self.AnswerProbe = channel.unary_unary(
+                '/elastic.rendezvous.v1.Rendezvous/AnswerProbe',
+                request_serializer=rendezvous__pb2.AnswerProbeRequest.SerializeToString,
+                response_deserializer=rendezvous__pb2.AnswerProbeResponse.FromString,
+                _registered_method=True)
+        self.AcknowledgeAbort = channel.unary_unary(
+                '/elastic.rendezvous.v1.Rendezvous/AcknowledgeAbort',
+                request_serializer=rendezvous__pb2.AcknowledgeAbortRequest.SerializeToString,
+                response_deserializer=rendezvous__pb2.AcknowledgeAbortResponse.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/elastic.rendezvous.v1.Rendezvous/Leave',
@@ -93,8 +103,22 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Heartbeat(self, request, context):
-        """Optional: report progress (last committed step) and answer probes.
+    def ReportProgress(self, request, context):
+        """Optional: the worker's commit step, and its verdict on its own pace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AnswerProbe(self, request, context):
+        """Answer a Probe event of this session's Watch (the client library does, at once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcknowledgeAbort(self, request, context):
+        """The abort of `world_version` reached the worker (the client library says so, at once).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,10 +170,20 @@ def add_RendezvousServicer_to_server(servicer, server):
                     request_deserializer=rendezvous__pb2.WatchRequest.FromString,
                     response_serializer=rendezvous__pb2.WatchEvent.SerializeToString,
             ),
-            'Heartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.Heartbeat,
-                    request_deserializer=rendezvous__pb2.HeartbeatRequest.FromString,
-                    response_serializer=rendezvous__pb2.HeartbeatResponse.SerializeToString,
+            'ReportProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProgress,
+                    request_deserializer=rendezvous__pb2.ReportProgressRequest.FromString,
+                    response_serializer=rendezvous__pb2.ReportProgressResponse.SerializeToString,
+            ),
+            'AnswerProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnswerProbe,
+                    request_deserializer=rendezvous__pb2.AnswerProbeRequest.FromString,
+                    response_serializer=rendezvous__pb2.AnswerProbeResponse.SerializeToString,
+            ),
+            'AcknowledgeAbort': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcknowledgeAbort,
+                    request_deserializer=rendezvous__pb2.AcknowledgeAbortRequest.FromString,
+                    response_serializer=rendezvous__pb2.AcknowledgeAbortResponse.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -237,7 +271,7 @@ class Rendezvous:
             _registered_method=True)
 
     @staticmethod
-    def Heartbeat(request,
+    def ReportProgress(request,
             target,
             options=(),
             channel_credentials=None,
@@ -250,9 +284,63 @@ class Rendezvous:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/elastic.rendezvous.v1.Rendezvous/Heartbeat',
-            rendezvous__pb2.HeartbeatRequest.SerializeToString,
-            rendezvous__pb2.HeartbeatResponse.FromString,
+            '/elastic.rendezvous.v1.Rendezvous/ReportProgress',
+            rendezvous__pb2.ReportProgressRequest.SerializeToString,
+            rendezvous__pb2.ReportProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnswerProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic.rendezvous.v1.Rendezvous/AnswerProbe',
+            rendezvous__pb2.AnswerProbeRequest.SerializeToString,
+            rendezvous__pb2.AnswerProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcknowledgeAbort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic.rendezvous.v1.Rendezvous/AcknowledgeAbort',
+            rendezvous__pb2.AcknowledgeAbortRequest.SerializeToString,
+            rendezvous__pb2.AcknowledgeAbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
