@@ -353,7 +353,8 @@ def test_every_source_file_is_at_most_700_lines():
 
 
 def test_every_package_says_what_it_owns():
-    missing = [m for m, p in ALL.items() if p.endswith("__init__.py") and ast.get_docstring(ast.parse(_read(p))) is None]
+    missing = [m for m, p in ALL.items()
+               if p.endswith("__init__.py") and ast.get_docstring(ast.parse(_read(p))) is None]
     assert missing == []
 
 

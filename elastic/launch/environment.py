@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
-from elastic.runtime.worker_config import TLS_VARIABLES
+from rendezvous.common.client_flags import TLS_VARIABLES
 from elastic.runtime.worker_metrics import ENV_SOCKET, ENV_TOKEN
 from elastic.launch.flags import LaunchConfig
 from elastic.launch.procs import worker_env

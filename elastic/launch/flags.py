@@ -31,7 +31,7 @@ from elastic.runtime.straggler_detector import POLICIES, StragglerConfig
 from elastic.launch.embedded import EMBEDDED_HOST
 from elastic.launch.forkserver import forkable
 from elastic.launch.slurm import (SlurmEnvError, SlurmStep, announcement_dir, check_base_dir, from_slurm_env,
-    serve_host)
+                                  serve_host)
 from elastic.launch.torchrun_flags import add_torchrun_flags
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")

@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from rendezvous.common.metrics_http import MetricsServer
 
 from elastic.runtime.worker_metrics import (BUCKETS, ENV_SOCKET, ENV_TOKEN, MAX_SNAPSHOT_BYTES, REJECT_REASONS,
-    TRANSPORTS)
+                                            TRANSPORTS)
 from elastic.runtime.worker_metrics import Snapshot, SnapshotRejected, parse_snapshot
 
 log = logging.getLogger("elastic.launch")

@@ -46,7 +46,7 @@ from elastic.launch.forkserver import ForkServer, ForkServerError
 from elastic.launch.host_metrics import WorkerMetrics
 from elastic.launch.outcome import WorkerEnd, completion_failure
 from elastic.launch.procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams,
-    stop_all, with_parent_death_signal)
+                                  stop_all, with_parent_death_signal)
 from elastic.launch.report import Reporter
 from elastic.launch.signals import StopSignals
 from elastic.launch.slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement

@@ -2,7 +2,7 @@
 shows as stragglers, and what becomes of the slot of one that left as a straggler.
 
 The workers judge their pace among themselves (elastic/runtime/straggler_detector.py) and report it with their
-Heartbeats; the launcher learns it, as everything else about the job, from Status answers: the
+progress reports (ReportProgress); the launcher learns it, as everything else about the job, from Status answers: the
 server's ``straggler_detected`` event (once per worker and world, with its rank, factor and
 windows as numbers), and its ``straggler_left`` event for a worker that left because it was one
 (``--straggler-policy evict``). The events outlive the worker's membership: one that leaves

@@ -190,7 +190,7 @@ class JobSession(Session):
             comm.close()
         self.departed = True
         self.leave_request.finish()
-        version = world.version if world is not None else 0
+        version = world.world_version if world is not None else 0
         log.warning("worker %s left job %s gracefully (%s) at commit %d of world version %d", self.config.worker_id,
                     self.config.job_id, self.leave_request.why, commit_step, version)
         return self._left(world_version=version, commit_step=commit_step)
@@ -303,25 +303,25 @@ class JobSession(Session):
         """Forms the ring of ``world``; raises WorkerLostError if it is aborted or superseded meanwhile."""
         # The job's random secret, from the server's answer to this worker's Join.
         comm = Communicator.create(listener=self.listener, job_id=self.config.job_id,
-                                   secret=self.client.ring_secret, world_version=world.version, rank=world.rank,
+                                   secret=self.client.ring_secret, world_version=world.world_version, rank=world.rank,
                                    peers=[m.ring_address for m in world.members],
                                    hosts=[m.host for m in world.members],  # same host: shared memory
                                    config=self.config.comm, wait_clock=self.wait_clock, observer=self.metrics)
         with self._cond:
             old, self.comm, self.world = self.comm, comm, world
-            self._view = reaction.holding(self._view, world.version)
-            superseded = reaction.superseded(self._view, world.version)
+            self._view = reaction.holding(self._view, world.world_version)
+            superseded = reaction.superseded(self._view, world.world_version)
         if old is not None:
             old.close()
         if superseded:
-            comm.abort(f"world version {world.version} was superseded before it formed")
+            comm.abort(f"world version {world.world_version} was superseded before it formed")
         comm.connect()
         with self._cond:
-            self._view = reaction.holding(self._view, world.version, formed=True)
-            if reaction.aborted_while_forming(self._view, world.version):
-                comm.abort(f"world version {world.version} was aborted while forming")
+            self._view = reaction.holding(self._view, world.world_version, formed=True)
+            if reaction.aborted_while_forming(self._view, world.world_version):
+                comm.abort(f"world version {world.world_version} was aborted while forming")
         if self.metrics is not None:
-            self.metrics.world_formed(world.version, world.rank, world.size)
+            self.metrics.world_formed(world.world_version, world.rank, world.size)
         world_env.publish(world.rank, world.size)
         return comm
 
@@ -333,15 +333,15 @@ class JobSession(Session):
         world = self.world
         # No peer to blame: aborted (the server already knows) or propagated (the neighbour is
         # alive, the failed rank is further on and its own neighbour reports it).
-        if world is None or err.peer_rank is None or err.world_version != world.version or \
+        if world is None or err.peer_rank is None or err.world_version != world.world_version or \
                 not 0 <= err.peer_rank < len(world.members):
             return
         suspect = world.members[err.peer_rank].worker_id
         try:
-            evicted = self.client.report_failure(suspect, world.version, reason=str(err)[:1000],
+            evicted = self.client.report_failure(suspect, world.world_version, reason=str(err)[:1000],
                                                  unusable_address=isinstance(err, BadPeerError),
                                                  timed_out=err.kind == ErrorKind.Timeout)
-            log.info("reported %s (world %d): %s", suspect, world.version,
+            log.info("reported %s (world %d): %s", suspect, world.world_version,
                      "evicted" if evicted else "still alive")
         except _ClientError as e:
             log.warning("could not report failed peer %s: %s", suspect, e)
@@ -359,8 +359,8 @@ class JobSession(Session):
         try:
             while True:
                 try:
-                    held = self.world.version if self.comm is not None else 0
-                    if reaction.must_form(held, self.comm is not None and self.comm.failed, min_version):
+                    ring_world_version = self.world.world_version if self.comm is not None else 0
+                    if reaction.must_form(ring_world_version, self.comm is not None and self.comm.failed, min_version):
                         self._form_next(min_version, restored)
                     if not first:
                         state.on_reset()
@@ -372,8 +372,8 @@ class JobSession(Session):
                     ending = Ending.SUCCEEDED
                     return result
                 except (WorkerLostError, HandshakeError, MembershipChanged) as e:
-                    held = self.world.version if self.world is not None else 0
-                    plan = reaction.after_error(e, held, state.live_state_usable())
+                    ring_world_version = self.world.world_version if self.world is not None else 0
+                    plan = reaction.after_error(e, ring_world_version, state.live_state_usable())
                     min_version, restored = plan.min_version, self.recover(e, plan, state)
                 resets += 1
                 if reset_limit and resets > reset_limit:
@@ -401,7 +401,7 @@ class JobSession(Session):
         started, previous = time.monotonic(), self.world
         self.form(self.next_world(min_version))
         log.info("worker %s is rank %d of %d in world version %d (formed in %.3f s)", self.config.worker_id,
-                 self.world.rank, self.world.size, self.world.version, time.monotonic() - started)
+                 self.world.rank, self.world.size, self.world.world_version, time.monotonic() - started)
         change = WorldChange(previous, self.world, restored)
         for h in self.hooks:
             h.world_changed(change)
@@ -413,7 +413,7 @@ class JobSession(Session):
             log.warning("%s", error)
         elif action is reaction.StateAction.KEEP_LIVE:
             log.warning("%s; keeping the live state (commit %d and %d step(s) since, none half done)",
-                        error, *state.sync_position())
+                        error, *state.standing())
         elif action is reaction.StateAction.RESTORE:
             log.warning("%s; restoring commit %d", error, state.commit_step)
         else:

@@ -28,7 +28,7 @@ def init(config: Optional[WorkerConfig] = None, *, form: bool = True) -> JobSess
     if form and s.world is None:
         s.form(s.next_world(1))
         log.info("worker %s is rank %d of %d in world version %d", s.config.worker_id, s.world.rank,
-                 s.world.size, s.world.version)
+                 s.world.size, s.world.world_version)
     return s
 
 

@@ -45,7 +45,7 @@ from elastic.runtime.errors import MembershipChanged
 class View:
     """What a worker knows of its job, as far as its reactions need it."""
 
-    ring_version: int = 0              # version of the ring this worker holds (formed or forming); 0: none
+    ring_world_version: int = 0              # version of the ring this worker holds (formed or forming); 0: none
     ring_formed: bool = False          # that ring has connected
     latest: Optional[WorldInfo] = None  # newest announced world that includes this worker
     seen_version: int = 0              # newest world version announced to this worker, with it or not
@@ -74,15 +74,15 @@ Action = Union[AbortRing, Note]
 
 def react(view: View, event: Event) -> Tuple[View, Tuple[Action, ...]]:
     """The new view and what to do, for one event read from the rendezvous stream."""
-    holding = view.ring_version > 0
+    holding = view.ring_world_version > 0
     if isinstance(event, WorldInfo):
         latest = view.latest
-        if latest is None or event.version > latest.version or \
-                (event.version == latest.version and event.members != latest.members):
+        if latest is None or event.world_version > latest.world_version or \
+                (event.world_version == latest.world_version and event.members != latest.members):
             latest = event
-        view = dataclasses.replace(view, latest=latest, seen_version=max(view.seen_version, event.version))
-        if holding and not view.ring_formed and view.ring_version < event.version:
-            return view, (AbortRing(f"world version {view.ring_version} superseded by {event.version} "
+        view = dataclasses.replace(view, latest=latest, seen_version=max(view.seen_version, event.world_version))
+        if holding and not view.ring_formed and view.ring_world_version < event.world_version:
+            return view, (AbortRing(f"world version {view.ring_world_version} superseded by {event.world_version} "
                                     f"while forming"),)
         return view, ()
     if isinstance(event, Pending):
@@ -91,8 +91,9 @@ def react(view: View, event: Event) -> Tuple[View, Tuple[Action, ...]]:
         view = dataclasses.replace(view, aborted_version=max(view.aborted_version, event.world_version))
         # A ring waiting for a clean switch at its next commit is healthy: the abort of the newer
         # world it will switch to is not about it.
-        waiting_to_switch = view.ring_version < event.world_version and view.pending_version >= view.ring_version
-        if holding and view.ring_version <= event.world_version and not waiting_to_switch:
+        waiting_to_switch = (view.ring_world_version < event.world_version and
+                             view.pending_version >= view.ring_world_version)
+        if holding and view.ring_world_version <= event.world_version and not waiting_to_switch:
             return view, (AbortRing(f"rendezvous: {event.reason}"),)
         return view, ()
     if isinstance(event, Finished):
@@ -113,26 +114,26 @@ def react(view: View, event: Event) -> Tuple[View, Tuple[Action, ...]]:
 
 def holding(view: View, version: int, formed: bool = False) -> View:
     """The view once this worker holds the ring of world ``version`` (forming, or ``formed``)."""
-    return dataclasses.replace(view, ring_version=version, ring_formed=formed)
+    return dataclasses.replace(view, ring_world_version=version, ring_formed=formed)
 
 
 def membership_pending(view: View) -> bool:
     """A clean join/leave waits to take effect at the next commit of the ring held."""
-    if view.ring_version <= 0:
+    if view.ring_world_version <= 0:
         return False
-    return view.pending_version >= view.ring_version or \
-        (view.latest is not None and view.latest.version > view.ring_version)
+    return view.pending_version >= view.ring_world_version or \
+        (view.latest is not None and view.latest.world_version > view.ring_world_version)
 
 
 def superseded(view: View, version: int) -> bool:
     """World ``version`` was aborted or replaced before its ring formed: forming it is pointless."""
-    return view.aborted_version >= version or (view.latest is not None and view.latest.version > version)
+    return view.aborted_version >= version or (view.latest is not None and view.latest.world_version > version)
 
 
 def world_to_take(view: View, min_version: int) -> Optional[WorldInfo]:
     """The world to form next, if one at ``min_version`` or newer includes this worker."""
     w = view.latest
-    return w if w is not None and w.version >= min_version else None
+    return w if w is not None and w.world_version >= min_version else None
 
 
 def rejoined(view: View) -> Tuple[View, int]:
@@ -147,10 +148,10 @@ def aborted_while_forming(view: View, version: int) -> bool:
     return view.aborted_version >= version
 
 
-def must_form(ring_version: int, ring_failed: bool, min_version: int) -> bool:
-    """Whether the loop forms a new ring before it syncs: it holds none (``ring_version`` 0),
+def must_form(ring_world_version: int, ring_failed: bool, min_version: int) -> bool:
+    """Whether the loop forms a new ring before it syncs: it holds none (``ring_world_version`` 0),
     the one it holds failed, or that one is older than the world it must take."""
-    return ring_version <= 0 or ring_failed or ring_version < min_version
+    return ring_world_version <= 0 or ring_failed or ring_world_version < min_version
 
 
 class StateAction(enum.Enum):
@@ -171,16 +172,16 @@ class Recovery:
     stale: bool          # this worker's world is stale (a neighbour at another version), not a failure of a peer
 
 
-def after_error(error: BaseException, ring_version: int, live_state_usable: bool) -> Optional[Recovery]:
-    """The plan for ``error`` while holding the ring of ``ring_version`` (0: none);
+def after_error(error: BaseException, ring_world_version: int, live_state_usable: bool) -> Optional[Recovery]:
+    """The plan for ``error`` while holding the ring of ``ring_world_version`` (0: none);
     ``live_state_usable``: the state can keep its live values (the failure came before the
     optimizer changed anything, ``State.live_state_usable``). None for an error that is not the
     loop's to handle (it ends the worker)."""
     failed = StateAction.KEEP_LIVE if live_state_usable else StateAction.RESTORE
     if isinstance(error, WorkerLostError):   # BadPeerError too: reported as an unusable address
-        return Recovery(max(error.world_version, ring_version) + 1, failed, report=True, stale=False)
+        return Recovery(max(error.world_version, ring_world_version) + 1, failed, report=True, stale=False)
     if isinstance(error, HandshakeError):
-        return Recovery(ring_version + 1, failed, report=False, stale=True)
+        return Recovery(ring_world_version + 1, failed, report=False, stale=True)
     if isinstance(error, MembershipChanged):
-        return Recovery(ring_version + 1, StateAction.KEEP, report=False, stale=False)
+        return Recovery(ring_world_version + 1, StateAction.KEEP, report=False, stale=False)
     return None

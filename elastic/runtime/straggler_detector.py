@@ -3,14 +3,14 @@ exchanged on the membership allreduce every commit already runs, and the verdict
 
 In synchronous data parallelism the slowest rank sets everyone's pace, and it is the one that
 waits least: the others wait for it inside the collectives. So each rank measures, between two
-commit boundaries, how long it was waiting on a collective (the session's ``WaitClock``, ``elastic.ring.wait_clock``: the union, over every
-thread, of the spans of its blocking collectives and of its async allreduces from submission to
-their ``synchronize``, which covers DDP's comm hook) and how much of the wall time was left: its
-compute time. An async allreduce counts from its submission because that is when the rank's
+commit boundaries, how long it was waiting on a collective (the session's ``WaitClock``,
+``elastic.ring.wait_clock``: the union, over every thread, of the spans of its blocking
+collectives and of its async allreduces from submission to their ``synchronize``, which covers
+DDP's comm hook) and how much of the wall time was left: its compute time. An async allreduce counts from its submission because that is when the rank's
 own part is in: in DDP the slow rank submits each bucket last and finds the others waiting, so
 its buckets complete at once, while each fast rank waits on every bucket for the slow one. At
 the boundary each rank puts its two numbers into its own slots of the membership allreduce
-(``StepProtocol.check_membership`` in elastic/runtime/session.py: one allreduce, Max, of
+(``Session.check_membership`` in elastic/runtime/session.py: one allreduce, Max, of
 ``[pending, leaving, compute_0..compute_{n-1}, wait_0..wait_{n-1}]``), so every rank holds every
 rank's numbers without another round trip, and every rank judges the same numbers alike.
 
@@ -28,12 +28,12 @@ scheduler noise); then ``judge`` (pure, table-tested in tests/elastic/test_strag
 * its score is its compute time over the median (1: typical), the ``elastic_straggler_score`` metric.
 
 Streaks start again in every world. What a straggler does is the policy (``StragglerConfig``):
-``report`` names it (a log line here, the score in the Heartbeat to the rendezvous, which its
+``report`` names it (a log line here, the score in the progress report to the rendezvous, which its
 launcher and ``elastic-rendezvous status`` show); ``evict`` also makes the worst straggler ask to
 leave, as ``elastic.request_leave()`` does, so it leaves at the next commit like a preempted
 worker (the others keep their state), unless the world would drop below min-np without a spare
 to take its place (``may_leave``). It asks once the rendezvous has its verdict (``told``, after
-the Heartbeat that carried it): so it is named before it goes, and the spares it counts on are
+the progress report that carried it): so it is named before it goes, and the spares it counts on are
 the rendezvous' latest word. ``off`` measures nothing and sends zeros, so ranks with different
 policies still agree on the allreduce's layout.
 """
@@ -282,7 +282,7 @@ class Detector:
                         comm.world_version, verdict.scores[me], verdict.streaks[me], self.config.policy)
 
     def told(self, report: Optional[StragglerReport]) -> None:
-        """The rendezvous has ``report`` (its Heartbeat was answered; from the session's event
+        """The rendezvous has ``report`` (its progress report was answered; from the session's event
         thread): a straggler the evict policy picked asks to leave now, if the job keeps min-np."""
         evict = self._evict
         if report is None or not report.named or evict is None or evict[0] != report.world_version or self._asked:

@@ -47,6 +47,7 @@ import os
 import socket
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
+from rendezvous.common import client_flags
 from rendezvous.common.channel import channel_credentials, is_loopback, parse_addresses, read_token_file
 from rendezvous.wire.membership import DEFAULT_MAX_NP
 
@@ -54,7 +55,7 @@ from elastic.runtime import worker_metrics as metrics
 from elastic.ring.communicator import CommConfig
 from elastic.runtime.straggler_detector import StragglerConfig
 
-TLS_VARIABLES = ("ELASTIC_TLS_CA", "ELASTIC_TLS_CERT", "ELASTIC_TLS_KEY")
+TLS_VARIABLES = client_flags.TLS_VARIABLES   # defined once, with the flags that set them
 
 
 @dataclasses.dataclass(frozen=True)

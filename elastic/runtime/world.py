@@ -127,4 +127,4 @@ def cross_size() -> int:
 
 def world_version() -> int:
     """Version of the current world; it grows with every membership change."""
-    return _world("world_version").version
+    return _world("world_version").world_version

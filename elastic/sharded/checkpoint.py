@@ -134,12 +134,8 @@ def finish(directory: str, step: int, size: int, table: List[list], extra: Dict[
 
 
 def _commits(directory: str) -> List[Tuple[int, str]]:
-    found = []
-    for name in os.listdir(directory):
-        m = _DIR.fullmatch(name)
-        if m:
-            found.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(found, reverse=True)
+    """(step, path) of the durable sharded commits in ``directory``, newest first."""
+    return checkpoint.numbered(directory, _DIR)
 
 
 class Durable:

@@ -41,9 +41,9 @@ def buddy_of(rank: int, size: int) -> int:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Generation:
-    """One committed layout: commit ``step`` taken in world ``version`` of ``size`` ranks."""
+    """One committed layout: commit ``step`` taken in world ``world_version`` of ``size`` ranks."""
     step: int
-    version: int
+    world_version: int
     size: int
 
 

@@ -281,16 +281,16 @@ class ShardedState(ObjectState):
                 expected, _ = transfer.flat_layout(table, prev, comm.size)
                 send = flat
                 got = comm.shift(flat, max_bytes=expected)
-                buddy_views = transfer.check_buddy(got, table, prev, comm.size, gen.step, gen.version)
+                buddy_views = transfer.check_buddy(got, table, prev, comm.size, gen.step, gen.world_version)
             else:
                 # The table the new own copy was laid out by (the reshard's), so that the rows
                 # planned, packed and put together are that copy's.
                 t = local.table
                 pieces = reshard.buddy_plan([shape[0] for _, shape, _ in t], local.old_size, local.holders, comm.size)
-                send = transfer.pack_for_buddy(pieces, comm.rank, views, t, comm.size, gen.step, gen.version)
+                send = transfer.pack_for_buddy(pieces, comm.rank, views, t, comm.size, gen.step, gen.world_version)
                 received = comm.shift(send, max_bytes=transfer.buddy_sent_bytes(pieces, prev, t))
                 got, buddy_views = transfer.assemble_buddy(received, pieces, prev, t, comm.size, gen.step,
-                                                           gen.version, local.old_size, local.own, local.buddy)
+                                                           gen.world_version, local.old_size, local.own, local.buddy)
         except ValueError as e:
             comm.abort(f"buddy copy from rank {prev}: {e}")
             raise BadPeerError(f"commit in world version {comm.world_version}: the buddy copy rank {prev} sent "
@@ -341,7 +341,7 @@ class ShardedState(ObjectState):
         else:
             g = r["from"]
             log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
-                     "in %.3f s", comm.world_version, g.step, g.size, g.version, r["moved"], seconds)
+                     "in %.3f s", comm.world_version, g.step, g.size, g.world_version, r["moved"], seconds)
         return r["root"], self.commit_step
 
     def _reshard(self, comm) -> Dict[str, Any]:
@@ -367,7 +367,7 @@ class ShardedState(ObjectState):
         if isinstance(decision, reshard.Lost):
             raise CommitLostError(
                 f"world version {comm.world_version}: commit {decision.generation.step} of the "
-                f"{decision.generation.size}-rank world version {decision.generation.version} is lost: rank(s) "
+                f"{decision.generation.size}-rank world version {decision.generation.world_version} is lost: rank(s) "
                 f"{list(decision.missing)} of that world and their buddies (the next rank of each) are all gone, "
                 "and there is no durable commit to restore from (elastic.run(checkpoint_dir=...) keeps one)")
         model = self._build()

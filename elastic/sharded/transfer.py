@@ -93,7 +93,7 @@ def holding_row(held: Optional[Tuple[reshard.Generation, int]]) -> List[int]:
     if held is None:
         return [_NONE] * 4
     g, r = held
-    return [g.step, g.version, g.size, r]
+    return [g.step, g.world_version, g.size, r]
 
 
 def parse_holding(row: List[int]) -> Optional[Tuple[reshard.Generation, int]]:

@@ -133,14 +133,20 @@ def write(directory: str, step: int, state: Any) -> str:
     return path
 
 
-def _commits(directory: str) -> List[Tuple[int, str]]:
-    """(step, path) of the durable commit files in ``directory``, newest first."""
+def numbered(directory: str, pattern: "re.Pattern[str]") -> List[Tuple[int, str]]:
+    """(number, path) of the entries of ``directory`` whose whole name ``pattern`` matches, its
+    first group the number: the durable commits there, newest first."""
     found = []
     for name in os.listdir(directory):
-        m = _NAME.fullmatch(name)
+        m = pattern.fullmatch(name)
         if m:
             found.append((int(m.group(1)), os.path.join(directory, name)))
     return sorted(found, reverse=True)
+
+
+def _commits(directory: str) -> List[Tuple[int, str]]:
+    """(step, path) of the durable commit files in ``directory``, newest first."""
+    return numbered(directory, _NAME)
 
 
 def read_file(path: str, expected_step: Optional[int] = None) -> Tuple[int, Any]:

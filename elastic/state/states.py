@@ -151,7 +151,7 @@ class State:
         step boundary the next sync compares."""
         raise NotImplementedError(f"{type(self).__name__} cannot keep its live state after a failure")
 
-    def sync_position(self) -> Tuple[int, int]:
+    def standing(self) -> Tuple[int, int]:
         """How far this state is, as syncs compare it: (its commit step, the steps completed
         since that commit and kept live after a failure)."""
         return self.commit_step, self._progress

@@ -6,7 +6,7 @@ then the most steps kept live since it); that rank (the lowest of them), the roo
 state, encoded by ``elastic.ring.serialization``; every rank that does not hold it already loads
 those bytes, so all hold the same bits afterwards.
 
-A rank holds the root's state already when it stands at the same position and its encoding
+A rank holds the root's state already when it stands at the same place (``State.standing()``) and its encoding
 has the same length and CRC-32 (``holders``; the allgather carries both): the survivors of a
 failure that kept their live state, or the members a newcomer joins. When every rank holds it,
 nothing is sent and each adopts its live state as the synced commit (``State.adopt_live``):
@@ -98,7 +98,7 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
             # Before any commit rank 0 sends its durable commit where there is one: any step then.
             if got_step != step and not (step < 0 and root == 0):
                 why = (f"sync in world version {comm.world_version}: rank {root} sent commit {got_step}, not the "
-                       f"{step} its position announced")
+                       f"{step} its standing announced")
         except Exception as e:   # whatever the root's bytes make the checks raise is the root's failure
             why = str(e)
     del payload
@@ -114,8 +114,8 @@ def transfer(comm: Communicator, state: Any) -> Tuple[int, int]:
 
 
 def announcement(state: Any) -> np.ndarray:
-    """This rank's row of the sync's first allgather: its position, then its ``digest``."""
-    return np.array([*state.sync_position(), *digest(state)], dtype=np.int64)
+    """This rank's row of the sync's first allgather: its standing, then its ``digest``."""
+    return np.array([*state.standing(), *digest(state)], dtype=np.int64)
 
 
 def _adopt_live(comm: Communicator, state: Any, root: int, step: int) -> None:
@@ -137,12 +137,12 @@ _NO_DIGEST = (-1, -1)   # a state with no commit yet, one that cannot be encoded
 
 def digest(state: Any) -> Tuple[int, int]:
     """(length, CRC-32) of the bytes ``state`` would send as a sync root (its live state, as the
-    commit its position makes of it), which syncs compare to find the ranks that hold the root's
+    commit its standing makes of it), which syncs compare to find the ranks that hold the root's
     state already; ``_NO_DIGEST`` before its first commit (a fresh state holds nothing worth
     keeping), when it cannot be encoded (a root then fails at sending it, naming why) or when
     loading it would change it (``State.loads_unchanged``). Contiguous CPU tensors are read in
     place, not copied."""
-    commit, progress = state.sync_position()
+    commit, progress = state.standing()
     if commit < 0 or not state.loads_unchanged():
         return _NO_DIGEST
     try:
@@ -171,18 +171,18 @@ _CANNOT_SEND = -1   # what the root announces as its state's size when it cannot
 
 
 def synced_step(commit: int, progress: int) -> int:
-    """The commit number a synced state is adopted as, from the root's position: its commit, or
+    """The commit number a synced state is adopted as, from the root's standing: its commit, or
     a new one past it when it kept steps live since (every rank then holds that state as one
     commit, and a world that syncs again compares it as newer than any state kept from before)."""
     return commit + 1 if progress > 0 else commit
 
 
-def most_advanced(positions: np.ndarray) -> int:
+def most_advanced(standings: np.ndarray) -> int:
     """The sync root: the lowest rank among those furthest on, by (commit step, steps completed
     since it and kept live after a failure), one row per rank. After a failure the survivors may
     stand at different steps (one finished the gradient allreduce and stepped, another did not):
     the one that stepped holds the newer state, and every rank takes it."""
-    order = np.lexsort((-np.arange(len(positions)), positions[:, 1], positions[:, 0]))
+    order = np.lexsort((-np.arange(len(standings)), standings[:, 1], standings[:, 0]))
     return int(order[-1])
 
 

@@ -39,7 +39,7 @@ from elastic.runtime.worker_config import default_group_from_env
 from elastic.torchdist import c10d_tables, objects
 from elastic.torchdist.errors import StaleMeshError
 from elastic.torchdist.group_collectives import (NATIVE, WIDEN, Contiguous, all_gather_into_tensor, all_gather_list,
-    check_cpu, reduce_scatter_list, reduce_scatter_tensor, ring_op)
+                                                 check_cpu, reduce_scatter_list, reduce_scatter_tensor, ring_op)
 
 log = logging.getLogger("elastic")
 

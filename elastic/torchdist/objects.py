@@ -19,7 +19,8 @@ Every rank that receives an object decodes the same bytes, so all of them reach 
 verdict. On any other group torch's own functions run, unchanged.
 
 ``elastic.torchdist.c10d_tables`` puts these functions in ``torch.distributed`` and
-``distributed_c10d``, where callers look them up, when the elastic group is first made. Code that took torch's own before (``from torch.distributed import
+``distributed_c10d``, where callers look them up, when the elastic group is first made. Code
+that took torch's own before (``from torch.distributed import
 all_gather_object`` before ``elastic.process_group()`` first ran) still runs torch's, which
 encodes and decodes through ``_object_to_tensor``/``_tensor_to_object``: those are replaced too,
 so on the elastic group that path also carries this format and unpickles nothing (the sizes it

@@ -20,7 +20,7 @@ from rendezvous.wire.membership import Member
 class WorldInfo:
     """A world this worker is a member of."""
 
-    version: int
+    world_version: int
     members: tuple[Member, ...]
     rank: int
     size: int

@@ -13,7 +13,7 @@ that is tried next), costs one backoff step, never an error, until the call's de
     ev = client.next_event(timeout_s=0.0)            # World / Pending / Abort / Standby / Finished / Ended
     client.report_progress(commit_step=120)          # optional: progress picks rank 0 of the next world
                                                      # (and straggler=StragglerReport(…): its pace)
-    client.report_failure("w3", world.version)       # a peer broke; the server checks it at once
+    client.report_failure("w3", world.world_version)       # a peer broke; the server checks it at once
     client.leave()                                   # or client.report_success()
     client.close()
 
@@ -266,7 +266,7 @@ class RendezvousClient:
             if ev is None:
                 raise TimeoutError(f"job {self.job_id} worker {self.worker_id}: no world >= "
                                    f"{min_version} within {timeout_s} s")
-            if isinstance(ev, WorldInfo) and ev.version >= min_version:
+            if isinstance(ev, WorldInfo) and ev.world_version >= min_version:
                 return ev
             if isinstance(ev, Finished):
                 raise RendezvousRPCError(f"job {self.job_id} finished: {ev.reason}",
@@ -310,7 +310,7 @@ class RendezvousClient:
         The server takes it only from a member of `world_version` (default: the latest world this
         client received); a worker that never was in a world cannot end the job."""
         if world_version is None:
-            world_version = self.world.version if self.world is not None else 0
+            world_version = self.world.world_version if self.world is not None else 0
         # Retried after an unknown outcome, FAILED_PRECONDITION means the job already finished.
         # Retried as long as a reconnect: lost to a leader change, the success would turn into
         # a job failure once the workers are gone.
@@ -434,7 +434,7 @@ class RendezvousClient:
                 session_id=self.session_id, nonce=ev.probe.nonce), "answering a probe")
         elif kind == "world":
             world = _world(ev.world)
-            key = (world.version, world.members)
+            key = (world.world_version, world.members)
             with self._join_lock:
                 if gen != self._gen:
                     return

@@ -18,10 +18,9 @@ import yaml
 
 from elastic.launch.launcher import JobBelowMinNp
 
-from .manifests import (BASE, CERT_MANAGER, DOCS, NAMESPACE, WORKLOADS, certificates, container_args,
-                        container_ports, dns_name, kustomization, load, named, of_kind, on_disk, pod_labels,
-                        pod_spec, policy_flows, rendezvous_config, secrets_defined, selects, worker_config,
-                        workloads_selected)
+from .manifests import (BASE, CERT_MANAGER, DOCS, NAMESPACE, WORKLOADS, certificates, container_args, container_ports,
+                        dns_name, kustomization, load, named, of_kind, on_disk, pod_labels, pod_spec, policy_flows,
+                        rendezvous_config, secrets_defined, selects, worker_config, workloads_selected)
 
 # The oldest Kubernetes whose Job has backoffLimitPerIndex and podFailurePolicy GA (1.33), and
 # the newest schema the pinned kubernetes-validate bundles.

@@ -82,9 +82,9 @@ def test_an_unusable_address_report_evicts_only_when_a_member_of_that_world_make
         standby = next(w for w in clients if w not in members)
         reporter, suspect = members
         with pytest.raises(RendezvousRPCError) as refused:
-            clients[standby].report_failure(suspect, world.version, reason="r", unusable_address=True)
+            clients[standby].report_failure(suspect, world.world_version, reason="r", unusable_address=True)
         assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
-        assert clients[reporter].report_failure(suspect, world.version, reason="r", unusable_address=True) is True
+        assert clients[reporter].report_failure(suspect, world.world_version, reason="r", unusable_address=True) is True
     finally:
         for c in clients.values():
             c.close()

@@ -4,8 +4,9 @@ import pytest
 
 from elastic.ring.errors import BadPeerError, HandshakeError, SettingsMismatchError, WorkerLostError
 from elastic.runtime.errors import ElasticTimeout, MembershipChanged
-from elastic.runtime.reaction import (AbortRing, Note, Recovery, StateAction, View, aborted_while_forming, after_error, holding,
-    membership_pending, must_form, react, rejoined, superseded, world_to_take)
+from elastic.runtime.reaction import (AbortRing, Note, Recovery, StateAction, View, aborted_while_forming,
+                                      after_error, holding, membership_pending, must_form, react, rejoined,
+                                      superseded, world_to_take)
 from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.wire.membership import Member
 
@@ -15,7 +16,7 @@ def world(version, *ids, me="w0"):
                                local_rank=i, local_size=len(ids), cross_rank=0, cross_size=1, commit_step=-1)
                     for i, w in enumerate(ids))
     rank = ids.index(me)
-    return WorldInfo(version=version, members=members, rank=rank, size=len(ids), local_rank=rank,
+    return WorldInfo(world_version=version, members=members, rank=rank, size=len(ids), local_rank=rank,
                      local_size=len(ids), cross_rank=0, cross_size=1)
 
 
@@ -61,7 +62,7 @@ def test_a_world_that_excludes_this_worker_is_standby_and_keeps_the_ring_until_i
     view, _ = react(in_ring(3), Pending(3, "w0 beyond max_np"))
     view, actions = react(view, Standby(4, "beyond max_np"))
     assert aborts(actions) == [] and any(isinstance(a, Note) for a in actions)
-    assert view.latest.version == 3 and view.seen_version == 4
+    assert view.latest.world_version == 3 and view.seen_version == 4
     assert membership_pending(view)
     assert world_to_take(view, 4) is None
 
@@ -114,7 +115,7 @@ def test_an_ended_session_aborts_the_ring_and_rejoining_takes_only_newer_worlds(
     view, _ = react(view, world(3, "w0", "w1"))
     assert world_to_take(view, min_version) is None
     view, _ = react(view, world(4, "w0", "w1"))
-    assert world_to_take(view, min_version).version == 4
+    assert world_to_take(view, min_version).world_version == 4
 
 
 def test_no_ring_means_nothing_pending():
@@ -130,14 +131,17 @@ KEEP, KEEP_LIVE, RESTORE = StateAction.KEEP, StateAction.KEEP_LIVE, StateAction.
 @pytest.mark.parametrize("error, held, recovery", [
     # a lost peer: restore, report, and take a world newer than both the ring held and the error's
     (WorkerLostError("peer 1 closed", world_version=4), 4, Recovery(5, RESTORE, report=True, stale=False)),
-    (WorkerLostError("aborted: a newer world failed", world_version=6), 4, Recovery(7, RESTORE, report=True, stale=False)),
+    (WorkerLostError("aborted: a newer world failed", world_version=6), 4,
+     Recovery(7, RESTORE, report=True, stale=False)),
     (WorkerLostError("from an older ring", world_version=2), 4, Recovery(5, RESTORE, report=True, stale=False)),
-    (WorkerLostError("while forming the first ring", world_version=1), 0, Recovery(2, RESTORE, report=True, stale=False)),
+    (WorkerLostError("while forming the first ring", world_version=1), 0,
+     Recovery(2, RESTORE, report=True, stale=False)),
     # an unusable neighbour address is a lost peer too, reported so the server evicts it
     (BadPeerError("rank 1 does not prove the secret", world_version=3, peer=1), 3,
      Recovery(4, RESTORE, report=True, stale=False)),
     # a neighbour at another world version: ours is stale; nobody to report
-    (HandshakeError("rank 1 is at world version 5", world_version=4), 4, Recovery(5, RESTORE, report=False, stale=True)),
+    (HandshakeError("rank 1 is at world version 5", world_version=4), 4,
+     Recovery(5, RESTORE, report=False, stale=True)),
     (HandshakeError("before any ring", world_version=1), 0, Recovery(1, RESTORE, report=False, stale=True)),
     # a clean join or leave keeps the state
     (MembershipChanged("w2 joined"), 4, Recovery(5, KEEP, report=False, stale=False)),
@@ -162,15 +166,15 @@ def test_an_error_no_later_world_fixes_is_not_the_loops_to_handle(error):
     assert after_error(error, 4, live_state_usable=True) is None
 
 
-@pytest.mark.parametrize("ring_version, failed, min_version, form", [
+@pytest.mark.parametrize("ring_world_version, failed, min_version, form", [
     (0, False, 1, True),     # no ring yet
     (3, True, 3, True),      # the ring held failed
     (3, False, 4, True),     # the ring held is older than the world to take
     (3, False, 3, False),    # a kept ring after a sync refused nothing: sync again on it
     (5, False, 4, False),    # a ring newer than needed is kept
 ])
-def test_a_ring_is_formed_only_when_none_usable_is_held(ring_version, failed, min_version, form):
-    assert must_form(ring_version, failed, min_version) is form
+def test_a_ring_is_formed_only_when_none_usable_is_held(ring_world_version, failed, min_version, form):
+    assert must_form(ring_world_version, failed, min_version) is form
 
 
 @pytest.mark.parametrize("aborted, version, dead", [(-1, 3, False), (2, 3, False), (3, 3, True), (4, 3, True)])

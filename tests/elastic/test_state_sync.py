@@ -131,9 +131,9 @@ def _committed_alone(state: elastic.TorchState, case: str) -> None:
 
 
 SYNC_CASES = {   # case -> (the ranks that hold the root's state, collectives of the sync)
-    "same": ((0, 1, 2), 1),         # one allgather of positions and digests, nothing sent
-    "newcomer": ((0, 2), 5),        # positions, size, its verdict, the bytes, their verdict
-    "drifted": ((0, 1), 5),         # rank 2's bits differ at the same position: it loads
+    "same": ((0, 1, 2), 1),         # one allgather of standings and digests, nothing sent
+    "newcomer": ((0, 2), 5),        # standings, size, its verdict, the bytes, their verdict
+    "drifted": ((0, 1), 5),         # rank 2's bits differ at the same standing: it loads
     "progressed": ((0, 2), 5),      # kept two steps past the commit: a new commit, rank 1 new
     "epoch-end": ((0, 2), 5),       # the commit stored the next epoch: holders take it too
 }
@@ -158,9 +158,9 @@ def _sync_among(case, comm):
     def tensors():   # what a holder keeps as it is (its attributes may move on: the next epoch)
         return bits_digest([state.model.state_dict(), state.optimizer.state_dict()])
 
-    position, before, ops = state.sync_position(), tensors(), comm.ops_run
+    standing, before, ops = state.standing(), tensors(), comm.ops_run
     state.sync()
-    return position, before, tensors(), digest(state), comm.ops_run - ops, state.commit_step, state.epoch
+    return standing, before, tensors(), digest(state), comm.ops_run - ops, state.commit_step, state.epoch
 
 
 @pytest.mark.parametrize("case", list(SYNC_CASES))

@@ -140,7 +140,7 @@ def test_a_torch_state_keeps_what_the_last_completed_step_left_and_puts_its_buff
     x, y = batches[3]
     torch.nn.functional.mse_loss(model(x), y).backward()
     assert not torch.equal(model[1].running_mean, buffers["1.running_mean"])
-    assert state.sync_position() == (0, 3)   # three steps past commit 0
+    assert state.standing() == (0, 3)   # three steps past commit 0
     assert state.live_state_usable() is True
     state.keep_live()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))

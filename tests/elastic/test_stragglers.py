@@ -13,8 +13,8 @@ import pytest
 from elastic.ring.ops import Sum
 from elastic.ring.wait_clock import WaitClock
 from elastic.ring.communicator import _blocking
-from elastic.runtime.straggler_detector import (MIN_EXCESS, Detector, StragglerConfig, Window,
-    agreement, judge, may_leave, window_closes)
+from elastic.runtime.straggler_detector import (MIN_EXCESS, Detector, StragglerConfig, Window, agreement, judge,
+                                                may_leave, window_closes)
 from tests.native.harness import run_world
 from rendezvous.wire.membership import StragglerReport
 

@@ -8,7 +8,7 @@ import pytest
 
 from elastic.runtime import worker_metrics as metrics
 from elastic.runtime.worker_metrics import (BUCKETS, FORMAT, MAX_SNAPSHOT_BYTES, Recorder, SnapshotRejected,
-    parse_snapshot)
+                                            parse_snapshot)
 
 TOKENS = {"hA-0": "t0ken", "hA-1": "other"}
 

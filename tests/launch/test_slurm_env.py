@@ -13,7 +13,8 @@ import pytest
 
 from elastic.launch.flags import UsageError, parse
 from elastic.launch.slurm import (Announcement, SlurmEnvError, SlurmStep, announcement_dir, check_base_dir,
-    expand_counts, expand_hostlist, from_slurm_env, read_announcement, serve_host, wait_for_announcement)
+                                  expand_counts, expand_hostlist, from_slurm_env, read_announcement, serve_host,
+                                  wait_for_announcement)
 
 # What srun gives the task on node2 of a 3-node job (seen on Slurm 22.05, `srun --ntasks-per-node=1`).
 STEP = {

@@ -206,7 +206,7 @@ def wait_world_of(clients, size, timeout_s=10.0, min_version=1):
             if w.size == size:
                 worlds.append(w)
                 break
-    assert len({w.version for w in worlds}) == 1, [w.version for w in worlds]
+    assert len({w.world_version for w in worlds}) == 1, [w.world_version for w in worlds]
     assert sorted(w.rank for w in worlds) == list(range(size))
     return worlds
 
@@ -220,7 +220,7 @@ def join_world(clients, timeout_s=10.0):
     version this returns, never from 1."""
     for c in clients:
         c.join()
-    return wait_world_of(clients, len(clients), timeout_s)[0].version
+    return wait_world_of(clients, len(clients), timeout_s)[0].world_version
 
 
 def next_of(client, kinds, timeout_s=5.0):

@@ -30,7 +30,7 @@ def test_dead_address_is_skipped_for_the_next_one(server, client):
     job = unique("job")
     c = client([dead, server.address], "w0", job_id=job)
     c.join(timeout_s=10)
-    assert wait_world_of([c], 1)[0].version == 1
+    assert wait_world_of([c], 1)[0].world_version == 1
     assert c.report_progress(commit_step=3) == 1
 
 
@@ -133,9 +133,9 @@ def test_rejoin_delivers_nothing_from_the_replaced_session(server, client, trial
     job = unique("job")
     c = client(server.address, "a", job_id=job)
     c.join()
-    assert c.wait_world(timeout_s=5.0).version == 1
+    assert c.wait_world(timeout_s=5.0).world_version == 1
     c.join()   # e.g. the runtime decided to come back as a new member
-    events = _events(c, lambda e: isinstance(e, WorldInfo) and e.version >= 2)
+    events = _events(c, lambda e: isinstance(e, WorldInfo) and e.world_version >= 2)
     assert not [e for e in events if isinstance(e, Ended)], events
     assert c._watching and c._watch_thread.is_alive()
     assert _attached(server, job) == [("a", True)]
@@ -260,7 +260,7 @@ def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server, c
         stream.closed_by_server = True
         stream.queue.put_nowait(END)
         svc.evict(j, "b", "stopped")
-        svc.journal.apply(j, d.Success("a", world.version))
+        svc.journal.apply(j, d.Success("a", world.world_version))
     server.call(away_evicted_and_over())
     deadline = time.monotonic() + 10.0
     ev = None

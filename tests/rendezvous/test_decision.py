@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 
 from rendezvous.server.decision import (AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld,
-    Attach, DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave, Phase, Progress, Refusal, Rejected,
-    RingBroken, SpecConflict, Success, Tick, decide, join_spec, new_job, next_deadline, standby_reason)
+                                        Attach, DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave,
+                                        Phase, Progress, Refusal, Rejected, RingBroken, SpecConflict, Success, Tick,
+                                        decide, join_spec, new_job, next_deadline, standby_reason)
 from rendezvous.server.job_json import from_json, to_json
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,

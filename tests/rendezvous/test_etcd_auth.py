@@ -14,8 +14,7 @@ import pytest
 from rendezvous.server.server_config import ServerConfig
 from rendezvous.server.store import EtcdAccess, EtcdAccessError, EtcdStore, StoreError
 
-from .rdzv_helpers import (REPO, ServerProc, child_env, join_world, make_client, run_async, unique,
-                           wait_world_of)
+from .rdzv_helpers import (REPO, ServerProc, child_env, join_world, make_client, run_async, unique, wait_world_of)
 
 
 def etcd_args(etcd, *, prefix=None, user="rdzv", password_file=None):

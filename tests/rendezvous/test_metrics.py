@@ -16,8 +16,8 @@ from rendezvous.server.server_metrics import job_counts
 from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.server.store import EtcdStore, MemoryStore, StoreError
 
-from .rdzv_helpers import (REPO, ServerProc, ServerThread, child_env, join_world, make_client, server_config,
-                           unique, wait_until, wait_world_of)
+from .rdzv_helpers import (REPO, ServerProc, ServerThread, child_env, join_world, make_client, server_config, unique,
+                           wait_until, wait_world_of)
 
 
 def scrape(port: int) -> dict:
@@ -159,7 +159,7 @@ def test_finished_job_leaves_the_per_job_series(workers):
         c.join()
         w = c.wait_world(timeout_s=10.0)
         assert value(scrape(s.server.metrics_port), "elastic_rendezvous_job_members", job_id=job) == 1
-        c.report_success(w.version)
+        c.report_success(w.world_version)
         m = wait_until(lambda: (m := scrape(s.server.metrics_port)) and value(
             m, "elastic_rendezvous_jobs", state="SUCCEEDED") == 1 and m, 5.0, "the job finished")
         assert not [k for k in m if dict(k[1]).get("job_id") == job]
@@ -330,7 +330,7 @@ def test_joins_keep_working_while_another_user_floods_the_metrics_port(tmp_path)
         for c in clients:
             c.join()
         worlds = [c.wait_world(timeout_s=30) for c in clients]
-        assert [w.size for w in worlds] == [3, 3, 3] and len({w.version for w in worlds}) == 1
+        assert [w.size for w in worlds] == [3, 3, 3] and len({w.world_version for w in worlds}) == 1
         flood.stop()
         assert value(scrape(port), "elastic_rendezvous_job_members", job_id="flooded") == 3
         assert fds < 200, f"the server held {fds} descriptors under the flood"

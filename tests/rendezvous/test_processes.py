@@ -14,8 +14,8 @@ from rendezvous.client.watch_events import Abort, Ended, WorldInfo
 from rendezvous.server.server_config import ServerConfig
 from rendezvous.server.store import EtcdStore
 
-from .rdzv_helpers import (ServerProc, ServerThread, StallProxy, join_world, make_client, server_config,
-                           unique, wait_until)
+from .rdzv_helpers import (ServerProc, ServerThread, StallProxy, join_world, make_client, server_config, unique,
+                           wait_until)
 
 
 def status(address, job):
@@ -118,7 +118,7 @@ def test_worker_holding_the_gil_is_not_evicted_even_when_a_peer_reports_it(etcd_
     calm = make_client(s.address, "calm", job_id=job, spec=JobSpec(min_np=2, max_np=2))
     calm.join()
     try:
-        v = calm.wait_world(timeout_s=10.0).version   # min_np=2: the first world has both
+        v = calm.wait_world(timeout_s=10.0).world_version   # min_np=2: the first world has both
         holding = busy.wait_event(lambda e: e["event"] == "holding", 10.0, "GIL holding")
         # "holding" is printed just before the GIL-bound call; a report racing into those few ms
         # may still get its probe answered (also a correct "not evicted"). Report, about the
@@ -147,7 +147,7 @@ def test_stopped_worker_reported_by_a_peer_is_evicted_within_heartbeat_timeout(e
     calm = make_client(s.address, "calm", job_id=job, spec=JobSpec(min_np=2, max_np=2))
     calm.join()
     try:
-        v = calm.wait_world(timeout_s=10.0).version   # min_np=2: the first world has both
+        v = calm.wait_world(timeout_s=10.0).world_version   # min_np=2: the first world has both
         stopped.world_of_size(2)
         stopped.kill(signal.SIGSTOP)
         reported_at = time.monotonic()
@@ -251,7 +251,7 @@ def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(e
     try:
         seen = []
         deadline = time.monotonic() + 15.0
-        while not (seen and isinstance(seen[-1], WorldInfo) and seen[-1].version > v):
+        while not (seen and isinstance(seen[-1], WorldInfo) and seen[-1].world_version > v):
             ev = cs[0].next_event(deadline - time.monotonic())
             assert ev is not None, f"no world {v + 1} within 15 s; events {seen}"
             seen.append(ev)
@@ -261,7 +261,7 @@ def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(e
         # Window: heartbeat timeout 1.5 + leader TTL 1 + reconnect allowance 2 s.
         assert "did not reattach within 4.5 s of a leader change" in abort.reason
         other = cs[1].wait_world(timeout_s=5.0, min_version=v + 1)
-        assert (other.version, other.rank) == (seen[-1].version, 1)
+        assert (other.world_version, other.rank) == (seen[-1].world_version, 1)
     finally:
         for c in cs[:2]:
             c.close()

@@ -74,7 +74,7 @@ def test_a_stranger_with_the_old_derived_secret_is_refused_by_a_real_workers_rin
                 # not one the stranger can verify: to it, rank 0 is a bad peer.
                 with pytest.raises(elastic.BadPeerError) as info:
                     elastic.Communicator.form(listener=listener, job_id=job, secret=secret,
-                                              world_version=world.version, rank=1,
+                                              world_version=world.world_version, rank=1,
                                               peers=[target, listener.address],
                                               config=elastic.CommConfig(form_timeout=5))
             finally:
@@ -117,7 +117,7 @@ def test_ring_secret_sessions_and_ownership_survive_a_server_restart_over_etcd(e
         b.join()
         assert b.ring_secret == secret and len(secret) == 32
         # a's session is still a's (stored with its worker record): its client reattached with it.
-        assert wait_until(lambda: a.report_progress(commit_step=1, timeout_s=2.0) >= world.version,
+        assert wait_until(lambda: a.report_progress(commit_step=1, timeout_s=2.0) >= world.world_version,
                           10.0, "a's session to work on the new server")
         stranger = make_client(s.address, "x", job_id=job, token=OTHER)
         with pytest.raises(RendezvousRPCError) as e:

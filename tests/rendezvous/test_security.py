@@ -277,10 +277,10 @@ def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, 
                                                   metadata=AUTH)))
         assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), (sid, code)
     st = _status(stub, job)
-    assert st.phase == "RUNNING" and st.world_version == world.version
+    assert st.phase == "RUNNING" and st.world_version == world.world_version
     assert [(m.member.worker_id, m.attached) for m in st.members] == [("a", True)]
     assert a.next_event(0.3) is None          # the real worker heard nothing
-    assert a.report_progress(commit_step=3) == world.version   # and its own session still works
+    assert a.report_progress(commit_step=3) == world.world_version   # and its own session still works
     a.close()
 
 
@@ -299,11 +299,11 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
     st = _status(stub, job)
     assert [(m.member.worker_id, m.member.ring_address, m.attached) for m in st.members] == \
         [("a", a.ring_address, True)]
-    assert st.world_version == world.version
+    assert st.world_version == world.world_version
     assert a.next_event(0.3) is None
-    assert a.report_progress() == world.version
+    assert a.report_progress() == world.world_version
     a.join()   # the worker itself, with its session, may
-    assert a.wait_world(timeout_s=5.0, min_version=world.version + 1).members[0].worker_id == "a"
+    assert a.wait_world(timeout_s=5.0, min_version=world.world_version + 1).members[0].worker_id == "a"
     a.close()
 
 
@@ -320,12 +320,12 @@ def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(ser
     with pytest.raises(RendezvousRPCError) as e:   # it has seen no world: it names none
         spare.report_success()
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "not a member" in str(e.value)
-    for version in (world.version, world.version + 1):   # nor may it name one it is not in
+    for version in (world.world_version, world.world_version + 1):   # nor may it name one it is not in
         with pytest.raises(RendezvousRPCError) as e:
             spare.report_success(world_version=version)
         assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "not a member" in str(e.value)
     with pytest.raises(RendezvousRPCError) as e:   # nor report a member's failure
-        spare.report_failure("a", world.version, "made up")
+        spare.report_failure("a", world.world_version, "made up")
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     assert _status(stub, job).phase == "RUNNING"
     assert a.next_event(0.3) is None
@@ -422,7 +422,7 @@ def test_a_finished_job_is_launched_again_by_its_own_token_only():
             return True
         wait_until(relaunched, 10.0, "a new run of the finished job")
         world = wait_world_of([again], 1)[0]
-        assert world.version == 1 and again.ring_secret != first_secret
+        assert world.world_version == 1 and again.ring_secret != first_secret
         for c in (a, stranger, again):
             c.close()
     finally:
@@ -438,7 +438,7 @@ def test_peer_supplied_failure_reasons_are_escaped_and_shortened(server, stub, c
     a, b = _member(server, "a", job), _member(server, "b", job)
     world = wait_world_of([a, b], 2)[0]
     forged = "timeout\n2030-01-01 INFO rendezvous.server.service: job x: world 9 announced\x1b[2J\u202e" + "A" * 900
-    assert a.report_failure("b", world.version, forged) is False   # b is alive: answers the probe
+    assert a.report_failure("b", world.world_version, forged) is False   # b is alive: answers the probe
     abort = next(ev for ev in iter(lambda: a.next_event(5.0), None) if isinstance(ev, Abort))
     for text in (abort.reason, caplog.text):
         assert "\x1b" not in text and "\u202e" not in text

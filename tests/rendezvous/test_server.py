@@ -25,7 +25,7 @@ def test_joined_workers_get_one_world_with_ranks(serve, client):
     for c in cs:
         c.join()
     worlds = wait_world_of(cs, 4)
-    assert worlds[0].version == 1
+    assert worlds[0].world_version == 1
     assert [m.host for m in worlds[0].members] == ["h0", "h0", "h1", "h1"]
     assert {(w.rank, w.local_rank, w.cross_rank) for w in worlds} == {(0, 0, 0), (1, 1, 0),
                                                                        (2, 0, 1), (3, 1, 1)}
@@ -42,7 +42,7 @@ def test_broken_stream_evicts_and_announces_next_world_promptly(serve, client):
     abort = next_of(cs[0], Abort, timeout_s=1.0)
     world = next_of(cs[0], WorldInfo, timeout_s=1.0)
     assert abort.world_version == v and "watch stream broken" in abort.reason
-    assert [m.worker_id for m in world.members] == ["w0", "w2"] and world.version == v + 1
+    assert [m.worker_id for m in world.members] == ["w0", "w2"] and world.world_version == v + 1
 
 
 def test_clean_leave_is_pending_change_not_abort(serve, client):
@@ -60,7 +60,7 @@ def test_clean_leave_is_pending_change_not_abort(serve, client):
         if isinstance(ev, WorldInfo) or ev is None:
             break
     assert not any(isinstance(e, Abort) for e in events)
-    assert events[-1].version == v + 1 and events[-1].size == 2
+    assert events[-1].world_version == v + 1 and events[-1].size == 2
 
 
 def test_hot_spare_replaces_failed_member(serve, client):
@@ -87,7 +87,7 @@ def test_simultaneous_joins_become_one_world(serve, client):
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
         list(ex.map(lambda c: c.join(), cs))
     worlds = wait_world_of(cs, 6)
-    assert worlds[0].version == 1
+    assert worlds[0].world_version == 1
 
 
 def test_highest_commit_step_becomes_rank_zero_of_next_world(serve, client):
@@ -116,8 +116,8 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve, client, stu
     # As right after a leader change, before b reattached: b is registered but has no stream.
     s.call(_detach(s, job, "b"))
     # heartbeat_timeout is 30 s: only the report can explain an eviction within these deadlines.
-    assert a.report_failure("b", world.version, "connection refused") is True
-    assert next_of(a, Abort, timeout_s=2.0).world_version == world.version
+    assert a.report_failure("b", world.world_version, "connection refused") is True
+    assert next_of(a, Abort, timeout_s=2.0).world_version == world.world_version
     assert next_of(a, WorldInfo, timeout_s=2.0).size == 1
     call.cancel()
 
@@ -149,7 +149,7 @@ def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve
     import threading
     t = threading.Thread(target=answer_for_b, daemon=True)
     t.start()
-    resp = raw.ReportFailure(pb.ReportFailureRequest(session_id=sessions["c"], world_version=world.version,
+    resp = raw.ReportFailure(pb.ReportFailureRequest(session_id=sessions["c"], world_version=world.world_version,
                                                      suspect_worker_id="b", reason="timeout"), timeout=10)
     t.join(5)
     assert answered, "b was never probed"
@@ -174,12 +174,12 @@ def test_report_failure_of_live_peer_is_refuted_by_probe(serve, client):
     a.join()
     b.join()
     w = wait_world_of([a, b], 2)[0]
-    assert a.report_failure("b", w.version, "timeout") is False
-    assert a.report_failure("b", w.version - 1, "old") is False     # stale version ignored
+    assert a.report_failure("b", w.world_version, "timeout") is False
+    assert a.report_failure("b", w.world_version - 1, "old") is False     # stale version ignored
     # b stays: the reporter's ring is broken all the same, so the world re-forms with both (as soon
     # as both acknowledged the abort), once.
-    nxt = a.wait_world(timeout_s=5.0, min_version=w.version + 1)
-    assert nxt.version == w.version + 1 and sorted(m.worker_id for m in nxt.members) == ["a", "b"]
+    nxt = a.wait_world(timeout_s=5.0, min_version=w.world_version + 1)
+    assert nxt.world_version == w.world_version + 1 and sorted(m.worker_id for m in nxt.members) == ["a", "b"]
     assert set(s.service.jobs[job].state.workers) == {"a", "b"}
 
 
@@ -278,7 +278,7 @@ def test_64_concurrent_clients_agree_on_one_world(serve, client):
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda c: c.join(), cs))
     worlds = wait_world_of(cs, 64, timeout_s=20.0)
-    assert worlds[0].version == 1
+    assert worlds[0].world_version == 1
     assert all(w.local_size == 8 and w.cross_size == 8 for w in worlds)
 
 
@@ -301,7 +301,7 @@ def test_finished_job_is_forgotten_after_retention_and_its_id_reusable(serve, cl
     wait_until(forgotten, 5.0, f"job {job} to be forgotten")
     again = client(s.address, "b", job_id=job)
     again.join()
-    assert wait_world_of([again], 1)[0].version == 1   # a fresh job under the same id
+    assert wait_world_of([again], 1)[0].world_version == 1   # a fresh job under the same id
 
 
 def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(serve, client, stub):
@@ -321,7 +321,7 @@ def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(
     wait_until(ghost_gone, 3.0, "the ghost to be evicted")
     assert time.monotonic() - joined < 1.0 + 1.0
     status = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5).jobs[0]
-    assert status.world_version == world.version    # it never was in a world: nothing to re-form
+    assert status.world_version == world.world_version    # it never was in a world: nothing to re-form
     assert list(status.blacklisted_hosts) == []
 
 
@@ -430,7 +430,7 @@ def test_write_that_landed_but_reported_an_error_keeps_leadership(serve, client)
     try:
         cs[2].leave()                   # a real change: Pending, then world v + 1
         worlds = wait_world_of(cs[:2], 2, min_version=v + 1)
-        assert worlds[0].version == v + 1 and not armed[0]
+        assert worlds[0].world_version == v + 1 and not armed[0]
         assert s.service.is_leader and s.service.leadership_losses == 0
     finally:
         store.put = real_put

@@ -25,7 +25,7 @@ def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_do
     for c in cs:
         c.join()
     world = wait_world_of(cs[:3], 3)[0]
-    v = world.version
+    v = world.world_version
     fast, slow = cs[0], cs[1]
     with StatusClient([s.address]) as status:
         wait_until(lambda: sum(m.attached for m in status.job(job).members) == 4, 10, "the spare to attach")

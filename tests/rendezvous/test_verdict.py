@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from rendezvous.server import decision as d
-from rendezvous.server.verdict import (PROBE_SLACK_S, AwaitProbe, AwaitReattach, Dismiss, Evict, Gone, Inquiry,
-                                       Probe, Refuse, Report, RingBroken, SuspectStream, judge_report)
+from rendezvous.server.verdict import (PROBE_SLACK_S, AwaitProbe, AwaitReattach, Dismiss, Evict, Gone, Inquiry, Probe,
+                                       Refuse, Report, RingBroken, SuspectStream, judge_report)
 
 from .fakes import CONFIG, running
 

@@ -40,7 +40,7 @@ def main():
     while True:
         ev = client.next_event(60.0)
         if isinstance(ev, WorldInfo):
-            emit(event="world", version=ev.version, rank=ev.rank, size=ev.size,
+            emit(event="world", version=ev.world_version, rank=ev.rank, size=ev.size,
                  members=[m.worker_id for m in ev.members])
             if hold and not held:
                 held = True

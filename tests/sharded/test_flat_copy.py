@@ -7,7 +7,7 @@ import torch
 
 from elastic.sharded.reshard import Generation, Holding, buddy_of, buddy_plan, chunk_rows, decide
 from elastic.sharded.transfer import (assemble_buddy, buddy_sent_bytes, check_buddy, flat_copy, flat_layout,
-    pack_for_buddy)
+                                      pack_for_buddy)
 
 TABLE = [["model.w", [10, 3], "torch.float32"], ["model.b", [10], "torch.bfloat16"],
          ["optim.w.exp_avg", [10, 3], "torch.float32"], ["model.e", [2, 5], "torch.int64"]]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from elastic.sharded.reshard import (BUDDY, OWN, BuddyRows, Fresh, Generation, Holding, Hop, Lost, Resume, Transfer,
-    buddy_of, buddy_plan, chunk_rows, decide, moved_rows, plan, relay)
+                                     buddy_of, buddy_plan, chunk_rows, decide, moved_rows, plan, relay)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 13, 64, 100])
@@ -19,7 +19,7 @@ def test_chunk_rows_are_torch_chunk_with_empty_ranks_at_the_end(rows, n):
     assert [t[a:b].tolist() for a, b in got] == [c.tolist() for c in chunks]
 
 
-G4 = Generation(step=7, version=3, size=4)
+G4 = Generation(step=7, world_version=3, size=4)
 
 
 def h(committed=None, pending=None):
