@@ -11,11 +11,11 @@
 #include <memory>
 #include <mutex>
 
-#include "auth.h"
 #include "communicator.h"
 #include "executor.h"
-#include "listener.h"
 #include "reduce.h"
+#include "transport/auth.h"
+#include "transport/listener.h"
 
 namespace nb = nanobind;
 using namespace ering;

@@ -11,12 +11,12 @@
 #include <limits>
 #include <thread>
 
-#include "connect.h"
-#include "link_setup.h"
 #include "plans.h"
 #include "reduce.h"
-#include "shm_links.h"
-#include "tcp_links.h"
+#include "transport/connect.h"
+#include "transport/link_setup.h"
+#include "transport/shm_links.h"
+#include "transport/tcp_links.h"
 
 namespace ering {
 

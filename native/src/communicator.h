@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "config.h"
+#include "base/common.h"
+#include "base/config.h"
 #include "hierarchical.h"
-#include "links.h"
-#include "listener.h"
+#include "transport/links.h"
+#include "transport/listener.h"
 
 namespace ering {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "config.h"
-#include "links.h"
+#include "base/common.h"
+#include "base/config.h"
+#include "transport/links.h"
 
 namespace ering {
 

@@ -14,8 +14,8 @@
 #include <initializer_list>
 #include <vector>
 
-#include "common.h"
-#include "links.h"
+#include "base/common.h"
+#include "transport/links.h"
 
 namespace ering {
 

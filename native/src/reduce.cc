@@ -199,39 +199,6 @@ inline __attribute__((always_inline)) void scale_loop(T* __restrict d, size_t n,
 
 }  // namespace
 
-size_t dtype_size(DType t) {
-  switch (t) {
-    case DType::Float16: case DType::BFloat16: return 2;
-    case DType::Float32: case DType::Int32: return 4;
-    case DType::Float64: case DType::Int64: return 8;
-    case DType::UInt8: return 1;
-  }
-  return 0;
-}
-
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::Float16: return "float16";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Float32: return "float32";
-    case DType::Float64: return "float64";
-    case DType::Int32: return "int32";
-    case DType::Int64: return "int64";
-    case DType::UInt8: return "uint8";
-  }
-  return "?";
-}
-
-const char* op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Average: return "average";
-    case ReduceOp::Min: return "min";
-    case ReduceOp::Max: return "max";
-  }
-  return "?";
-}
-
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
   reduce_to(dst, dst, src, count, dtype, op);
 }

@@ -3,7 +3,7 @@
 
 #include <cstddef>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace ering {
 

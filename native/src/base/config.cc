@@ -1,10 +1,9 @@
 // Checking and naming the communicator's settings.
-#include "config.h"
+#include "base/config.h"
 
 #include <cmath>
 
-#include "common.h"
-#include "handshake.h"
+#include "base/common.h"
 
 namespace ering {
 namespace {

@@ -1,13 +1,13 @@
 // The LINK exchange after an accepted handshake: how a link's data travels (TCP frames,
 // or shared memory when both ends are on one host and the receiver can map the memory).
-#include "link_setup.h"
+#include "transport/link_setup.h"
 
 #include <unistd.h>
 
 #include <cerrno>
 
-#include "handshake.h"
-#include "wire.h"
+#include "transport/handshake.h"
+#include "transport/wire.h"
 
 namespace ering {
 namespace {

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "io.h"
+#include "base/common.h"
+#include "transport/io.h"
 
 namespace ering {
 

@@ -6,9 +6,9 @@
 
 #include <memory>
 
-#include "io.h"
-#include "links.h"
-#include "shm_links.h"
+#include "transport/io.h"
+#include "transport/links.h"
+#include "transport/shm_links.h"
 
 namespace ering {
 

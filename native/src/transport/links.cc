@@ -1,6 +1,6 @@
 // The one loop that drives both directions of a ring, and what every end shares: the
 // poison byte, failure messages, and watching the connections of another ring.
-#include "links.h"
+#include "transport/links.h"
 
 #include <poll.h>
 #include <sched.h>

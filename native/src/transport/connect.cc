@@ -1,5 +1,5 @@
 // The connector: reaching a ring neighbour and completing the handshake, with retry.
-#include "connect.h"
+#include "transport/connect.h"
 
 #include <netdb.h>
 #include <poll.h>
@@ -10,7 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "fork_guard.h"
+#include "transport/fork_guard.h"
 
 namespace ering {
 namespace {

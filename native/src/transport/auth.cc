@@ -1,6 +1,6 @@
 // SHA-256 (FIPS 180-4) and HMAC (RFC 2104): small, dependency-free, checked against
 // Python's hashlib/hmac in tests/native/test_auth.py.
-#include "auth.h"
+#include "transport/auth.h"
 
 #include <sys/random.h>
 
