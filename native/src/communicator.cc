@@ -2,9 +2,6 @@
 // running each collective as a Plan on the right ring.
 #include "communicator.h"
 
-#include <poll.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -13,10 +10,7 @@
 
 #include "plans.h"
 #include "reduce.h"
-#include "transport/connect.h"
 #include "transport/link_setup.h"
-#include "transport/shm_links.h"
-#include "transport/tcp_links.h"
 
 namespace ering {
 
@@ -77,80 +71,40 @@ void Communicator::abort(const std::string& reason) {
   shutdown_links_locked();
 }
 
-// One ring being formed: the flat ring, for the hierarchical allreduce the host-local ring
-// or the leaders' ring, or the reverse ring. All rings of a world version share the
-// listener and differ by handshake channel.
-struct Communicator::RingForm {
-  uint8_t channel;
-  LinkContext ctx;
-  LinkSettings send_settings, recv_settings;
-  int next_fd = -1, prev_fd = -1;
-  std::unique_ptr<ShmRing> offered, send_ring, recv_ring;
-  std::unique_ptr<Links>* into;
-};
-
-Communicator::RingForm Communicator::ring_form(uint8_t channel, int ring_size, int next, int prev,
-                                               std::unique_ptr<Links>* into) {
+// One ring of this world version: the flat ring, for the hierarchical allreduce the
+// host-local ring or the leaders' ring, or the reverse ring. All rings of a world version
+// share the listener and differ by handshake channel.
+RingToForm Communicator::ring_to_form(uint8_t channel, int ring_size, int next, int prev) const {
   auto same_host = [&](int other) {
     return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
   };
-  RingForm f;
-  f.channel = channel;
-  f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
+  RingToForm r;
+  r.channel = channel;
+  r.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
                       printable(peers_[prev], 300), cfg_.dead_link_timeout};
-  f.send_settings.want_shm = same_host(next);
-  f.recv_settings.want_shm = same_host(prev);
-  f.into = into;
-  return f;
+  r.next_address = peers_[next];
+  r.send.want_shm = same_host(next);
+  r.recv.want_shm = same_host(prev);
+  return r;
 }
 
-void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop,
-                              const AbortSignal& linking_stop) {
-  try {
-    // Every ring's connection and LINK go out before this rank waits for any predecessor,
-    // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
-    // that waits on it, whatever the rings.
-    for (auto& f : rings) {
-      Hello h;
-      h.job_id = job_id_;
-      h.world_version = world_version_;
-      h.from_rank = uint32_t(rank_);
-      h.to_rank = uint32_t(f.ctx.next_rank);
-      h.world_size = uint32_t(size());
-      h.channel = f.channel;
-      random_bytes(h.nonce.data(), h.nonce.size());
-      // A neighbour that accepts no connection for the collective timeout (at most
-      // kUnreachableAfterMaxS) is not coming: give up on it then, even if the form deadline is later.
-      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline,
-                                    seconds(std::min(cfg_.timeout, kUnreachableAfterMaxS)), stop);
-      set_dead_link_timeout(f.next_fd, cfg_.dead_link_timeout);
-      f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, stop);
-    }
-    for (auto& f : rings) {
-      f.prev_fd = listener_->take(world_version_, deadline, stop, rank_, f.ctx.prev_rank, f.channel);
-      set_dead_link_timeout(f.prev_fd, cfg_.dead_link_timeout);
-      // From here on `linking_stop`: once this rank's LINK_ACK is out, its predecessor may
-      // finish its part of the collective and close.
-      f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, linking_stop);
-    }
-    for (auto& f : rings) {
-      f.send_ring = finish_link(f.next_fd, std::move(f.offered), f.ctx, deadline, linking_stop);
-      // Each direction runs over shared memory if its LINK settled on it, else over TCP.
-      auto send = f.send_ring ? shm_send_end(f.next_fd, std::move(f.send_ring), f.ctx) : tcp_send_end(f.next_fd, f.ctx);
-      f.next_fd = -1;  // owned by the end now
-      auto recv = f.recv_ring ? shm_recv_end(f.prev_fd, std::move(f.recv_ring), f.ctx) : tcp_recv_end(f.prev_fd, f.ctx);
-      f.prev_fd = -1;
-      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_);
-      std::lock_guard<std::mutex> g(err_mu_);
-      *f.into = std::move(links);
-    }
-  } catch (...) {
-    for (auto& f : rings) {
-      if (f.next_fd >= 0) ::close(f.next_fd);
-      if (f.prev_fd >= 0) ::close(f.prev_fd);
-    }
-    throw;
-  }
+void Communicator::form_rings(const std::vector<RingToForm>& rings, const std::vector<std::unique_ptr<Links>*>& into,
+                              Clock::time_point deadline, const AbortSignal& stop, const AbortSignal& linking_stop) {
+  Forming how;
+  how.listener = listener_;
+  how.job_id = job_id_;
+  how.secret = secret_;
+  how.world_version = world_version_;
+  how.rank = rank_;
+  how.world_size = size();
+  how.deadline = deadline;
+  how.collective_timeout = cfg_.timeout;
+  how.dead_link_timeout = cfg_.dead_link_timeout;
+  how.abort = &abort_;
+  ering::form_rings(rings, how, stop, linking_stop, [&](size_t i, std::unique_ptr<Links> links) {
+    std::lock_guard<std::mutex> g(err_mu_);  // where abort() reaches it from now on
+    *into[i] = std::move(links);
+  });
   std::lock_guard<std::mutex> g(err_mu_);
   if (abort_.fired()) shutdown_links_locked();  // abort() raced with the end of forming
 }
@@ -162,16 +116,22 @@ void Communicator::form() {
     formed_ = true;
     return;
   }
-  std::vector<RingForm> rings;
-  rings.push_back(ring_form(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n, &links_));
+  std::vector<RingToForm> rings;
+  std::vector<std::unique_ptr<Links>*> into;
+  rings.push_back(ring_to_form(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n));
+  into.push_back(&links_);
   if (hier_.applies) {
     const Hierarchy& h = hier_;
-    if (h.local_size >= 2)
-      rings.push_back(ring_form(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
-                                h.first + (h.local_rank + h.local_size - 1) % h.local_size, &local_links_));
-    if (h.leader())
-      rings.push_back(ring_form(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
-                                h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts], &leader_links_));
+    if (h.local_size >= 2) {
+      rings.push_back(ring_to_form(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
+                                   h.first + (h.local_rank + h.local_size - 1) % h.local_size));
+      into.push_back(&local_links_);
+    }
+    if (h.leader()) {
+      rings.push_back(ring_to_form(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
+                                   h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts]));
+      into.push_back(&leader_links_);
+    }
   }
   Expectation e;
   e.active = true;
@@ -180,13 +140,13 @@ void Communicator::form() {
   e.world_version = world_version_;
   e.rank = uint32_t(rank_);
   e.world_size = uint32_t(n);
-  for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
+  for (auto& r : rings) e.prev_rank[r.channel] = r.ctx.prev_rank;
   // The reverse ring forms later, at the first shift_back(): its predecessor is the flat
   // ring's next rank, whose connection the listener holds until then.
   if (n >= 3) e.prev_rank[kChannelReverse] = (rank_ + 1) % n;
   listener_->expect(e);
   try {
-    form_rings(rings, Clock::now() + seconds(cfg_.form_timeout), abort_, abort_);
+    form_rings(rings, into, Clock::now() + seconds(cfg_.form_timeout), abort_, abort_);
   } catch (CommError& err) {
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
@@ -197,60 +157,11 @@ void Communicator::form() {
   formed_ = true;
 }
 
-namespace {
-
-// While a ring forms late, watches the formed flat ring's connections: `any` fires when
-// `outer` fires or either connection ends or receives the poison byte; `sender_side` only
-// for `outer` or the connection to `sender_side_fd`. Stops when destroyed.
-class WatchWhileForming {
- public:
-  WatchWhileForming(std::vector<WatchFd> fds, int sender_side_fd, const AbortSignal& outer)
-      : thread_([this, fds = std::move(fds), sender_side_fd, &outer] {
-          std::vector<pollfd> p = {{done_.fd(), POLLIN, 0}, {outer.fd(), POLLIN, 0}};
-          for (auto& w : fds) p.push_back({w.fd, short(POLLRDHUP | POLLPRI), 0});
-          for (;;) {
-            if (poll(p.data(), nfds_t(p.size()), -1) < 0) {
-              if (errno == EINTR) continue;
-              any.fire();  // cannot watch: stop the waits (the caller names the cause if there is one)
-              sender_side.fire();
-              return;
-            }
-            if (p[0].revents) return;
-            if (p[1].revents) {
-              any.fire();
-              sender_side.fire();
-              return;
-            }
-            for (size_t i = 2; i < p.size(); ++i) {
-              if (!p[i].revents) continue;
-              any.fire();
-              if (p[i].fd == sender_side_fd) {
-                sender_side.fire();
-                return;
-              }
-              p[i].fd = -1;  // told once (poll() skips it now); keep watching the other
-            }
-          }
-        }) {}
-  ~WatchWhileForming() {
-    done_.fire();
-    thread_.join();
-  }
-  AbortSignal any, sender_side;
-
- private:
-  AbortSignal done_;
-  std::thread thread_;
-};
-
-}  // namespace
-
 Links& Communicator::reverse_ring(const OpInfo& info) {
   if (reverse_links_) return *reverse_links_;
   const int n = size();
   links_->check_alive(info);  // a neighbour gone since the last collective fails this one at once
-  std::vector<RingForm> rings;
-  rings.push_back(ring_form(kChannelReverse, n, (rank_ + n - 1) % n, (rank_ + 1) % n, &reverse_links_));
+  std::vector<RingToForm> rings = {ring_to_form(kChannelReverse, n, (rank_ + n - 1) % n, (rank_ + 1) % n)};
   // A failure here is the collective's (guarded() poisons the communicator), and so is the
   // deadline: a neighbour may reach its first backward shift as late as it may reach any
   // collective. A neighbour that died or gave up meanwhile is seen on the flat ring: its
@@ -260,7 +171,7 @@ Links& Communicator::reverse_ring(const OpInfo& info) {
   auto flat = links_->connections();  // {to the next rank, from the previous rank}
   WatchWhileForming watch(flat, flat[1].fd, abort_);
   try {
-    form_rings(rings, info.deadline, watch.any, watch.sender_side);
+    form_rings(rings, {&reverse_links_}, info.deadline, watch.any, watch.sender_side);
   } catch (CommError& err) {
     // Stopped by the flat ring: name the neighbour that ended it as a collective would.
     if (err.kind == ErrorKind::Aborted && !abort_.fired()) links_->check_alive(info);

@@ -14,6 +14,7 @@
 #include "base/common.h"
 #include "base/config.h"
 #include "hierarchical.h"
+#include "transport/link_setup.h"
 #include "transport/links.h"
 #include "transport/listener.h"
 
@@ -72,14 +73,13 @@ class Communicator {
   void check_usable(const char* name);
   OpInfo make_op(const char* name, uint32_t tag, std::string describe);
   void shutdown_links_locked();  // err_mu_ held
-  struct RingForm;
-  RingForm ring_form(uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into);
-  // Connects every ring's next rank, takes every previous rank's connection and sets up
-  // their links, in an order no cycle of ranks can wait on; closes what it opened on failure.
-  // Its waits end early when `stop` fires (up to taking the predecessors' connections) or
-  // `linking_stop` (the link set-up on them after): the communicator's abort, or more.
-  void form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop,
-                  const AbortSignal& linking_stop);
+  RingToForm ring_to_form(uint8_t channel, int ring_size, int next, int prev) const;
+  // Forms `rings` (transport/link_setup.h), each into its member of `into`, under err_mu_ as
+  // each comes up so abort() reaches it. Waits end early when `stop` fires (up to taking the
+  // predecessors' connections) or `linking_stop` (the link set-up after): the communicator's
+  // abort, or more.
+  void form_rings(const std::vector<RingToForm>& rings, const std::vector<std::unique_ptr<Links>*>& into,
+                  Clock::time_point deadline, const AbortSignal& stop, const AbortSignal& linking_stop);
   // The reverse ring, formed on first use by the collective `info`.
   Links& reverse_ring(const OpInfo& info);
 
