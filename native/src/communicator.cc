@@ -8,6 +8,7 @@
 #include <limits>
 #include <thread>
 
+#include "algorithm.h"
 #include "plans.h"
 #include "reduce.h"
 #include "transport/link_setup.h"
@@ -39,11 +40,7 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
     throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
 }
 
-const char* Communicator::algorithm_for(size_t bytes) const {
-  if (!hier_.applies || size() < 2) return "ring";
-  if (cfg_.algorithm == CommConfig::Algorithm::Hierarchical) return "hierarchical";
-  return bytes > cfg_.hierarchical_bytes ? "hierarchical" : "ring";
-}
+Algorithm Communicator::algorithm_for(size_t bytes) const { return choose_allreduce(bytes, cfg_, hier_); }
 
 void Communicator::shutdown_links_locked() {
   for (auto* l : {&links_, &local_links_, &leader_links_, &reverse_links_})
@@ -244,7 +241,6 @@ void Communicator::guarded(const char* name, F&& body) {
 void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
   guarded("allreduce", [&] {
     const int n = size();
-    const size_t esize = dtype_size(dtype), bytes = count * esize;
     if (n == 1) {
       if (op == ReduceOp::Average) scale_down(buf, count, dtype, 1);
       return;
@@ -252,55 +248,72 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) 
     if (count == 0) return;
     uint32_t tag = op_tag({1, uint64_t(dtype), uint64_t(op), count});
     std::string what = std::string(dtype_name(dtype)) + ", " + std::to_string(count) + " elements, " + op_name(op);
-    if (algorithm_for(bytes)[0] == 'h') {
-      OpInfo info = make_op("allreduce", op_tag({tag, 5}), what + ", hierarchical");
-      HierarchicalRings rings{hier_, local_links_.get(), leader_links_.get(), cfg_.segment_bytes, n, scratch_,
-                              leader_scratch_, abort_, [this] {
-                                std::lock_guard<std::mutex> g(err_mu_);
-                                shutdown_links_locked();
-                              }};
-      if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
-        // As on the ring: 16-bit sums travel and accumulate as float32, rounded once.
-        std::vector<float> wide(count);
-        widen_to_f32(wide.data(), buf, count, dtype);
-        hierarchical_allreduce(rings, reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, info);
-        narrow_from_f32(buf, wide.data(), count, dtype);
+    switch (algorithm_for(count * dtype_size(dtype))) {
+      case Algorithm::SmallMessage:
+        allreduce_small(buf, count, dtype, op, make_op("allreduce", tag, what));
         return;
-      }
-      hierarchical_allreduce(rings, static_cast<char*>(buf), count, dtype, op, info);
-      return;
+      case Algorithm::Ring:
+        allreduce_ring(buf, count, dtype, op, make_op("allreduce", tag, what));
+        return;
+      case Algorithm::Hierarchical:
+        allreduce_hierarchical(buf, count, dtype, op, make_op("allreduce", op_tag({tag, 5}), what + ", hierarchical"));
+        return;
     }
-    if (bytes <= cfg_.small_bytes) {
-      // Small message: gather every rank's whole buffer (n-1 latency steps instead of
-      // 2(n-1)) and reduce locally in rank order, which every rank does identically.
-      OpInfo info = make_op("allreduce", tag, what);
-      std::vector<char> all(bytes * n);
-      std::memcpy(all.data() + bytes * rank_, buf, bytes);
-      Blocks b;
-      for (int c = 0; c < n; ++c) { b.off.push_back(bytes * c); b.len.push_back(bytes); }
-      b.max_len = bytes;
-      AllgatherPlan plan(all.data(), b, rank_, n, std::max(bytes, cfg_.segment_bytes));
-      links_->run(plan, info);
-      std::vector<const void*> srcs(n);
-      for (int c = 0; c < n; ++c) srcs[c] = all.data() + bytes * c;
-      reduce_many(buf, srcs.data(), n, count, dtype, op);
-      return;
-    }
-    OpInfo info = make_op("allreduce", tag, what);
-    if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
-      // Sums of 16-bit floats travel and accumulate as float32 and are rounded once at the
-      // end, as the small path does: no overflow of partial sums, one rounding.
-      std::vector<float> wide(count);
-      widen_to_f32(wide.data(), buf, count, dtype);
-      AllreducePlan plan(reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, rank_, n,
-                         cfg_.segment_bytes, scratch_);
-      links_->run(plan, info);
-      narrow_from_f32(buf, wide.data(), count, dtype);
-      return;
-    }
-    AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
-    links_->run(plan, info);
   });
+}
+
+void Communicator::allreduce_small(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  // Gathers every rank's whole buffer (n-1 latency steps instead of 2(n-1)) and reduces
+  // locally in rank order, which every rank does identically.
+  const int n = size();
+  const size_t bytes = count * dtype_size(dtype);
+  std::vector<char> all(bytes * n);
+  std::memcpy(all.data() + bytes * rank_, buf, bytes);
+  Blocks b;
+  for (int c = 0; c < n; ++c) {
+    b.off.push_back(bytes * c);
+    b.len.push_back(bytes);
+  }
+  b.max_len = bytes;
+  AllgatherPlan plan(all.data(), b, rank_, n, std::max(bytes, cfg_.segment_bytes));
+  links_->run(plan, info);
+  std::vector<const void*> srcs(n);
+  for (int c = 0; c < n; ++c) srcs[c] = all.data() + bytes * c;
+  reduce_many(buf, srcs.data(), n, count, dtype, op);
+}
+
+void Communicator::allreduce_ring(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  const int n = size();
+  if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
+    // Sums of 16-bit floats travel and accumulate as float32 and are rounded once at the
+    // end, as the small path does: no overflow of partial sums, one rounding.
+    std::vector<float> wide(count);
+    widen_to_f32(wide.data(), buf, count, dtype);
+    AllreducePlan plan(reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, rank_, n, cfg_.segment_bytes,
+                       scratch_);
+    links_->run(plan, info);
+    narrow_from_f32(buf, wide.data(), count, dtype);
+    return;
+  }
+  AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
+  links_->run(plan, info);
+}
+
+void Communicator::allreduce_hierarchical(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  HierarchicalRings rings{hier_, local_links_.get(), leader_links_.get(), cfg_.segment_bytes, size(), scratch_,
+                          leader_scratch_, abort_, [this] {
+                            std::lock_guard<std::mutex> g(err_mu_);
+                            shutdown_links_locked();
+                          }};
+  if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
+    // As on the ring: 16-bit sums travel and accumulate as float32, rounded once.
+    std::vector<float> wide(count);
+    widen_to_f32(wide.data(), buf, count, dtype);
+    hierarchical_allreduce(rings, reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, info);
+    narrow_from_f32(buf, wide.data(), count, dtype);
+    return;
+  }
+  hierarchical_allreduce(rings, static_cast<char*>(buf), count, dtype, op, info);
 }
 
 void Communicator::broadcast(void* buf, size_t bytes, int root) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "algorithm.h"
 #include "base/common.h"
 #include "base/config.h"
 #include "hierarchical.h"
@@ -58,8 +59,8 @@ class Communicator {
   // How this rank's links run once formed: {"tcp"|"shm" to the next rank, from the previous one}.
   std::vector<std::string> link_kinds();
   const Hierarchy& hierarchy() const { return hier_; }
-  // "ring" or "hierarchical": what allreduce runs for a buffer of this many bytes.
-  const char* algorithm_for(size_t bytes) const;
+  // What allreduce runs for a buffer of this many bytes (choose_allreduce, algorithm.h).
+  Algorithm algorithm_for(size_t bytes) const;
   // How the hierarchical path's links run once formed: {"local": [send, recv], "leaders": [...]}
   // as "tcp"/"shm" pairs, each empty when this rank has no such ring.
   std::vector<std::vector<std::string>> hierarchical_link_kinds();
@@ -72,6 +73,10 @@ class Communicator {
   void guarded(const char* name, F&& body);
   void check_usable(const char* name);
   OpInfo make_op(const char* name, uint32_t tag, std::string describe);
+  // allreduce() on each algorithm, for a world of two or more and a non-empty buffer.
+  void allreduce_small(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
+  void allreduce_ring(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
+  void allreduce_hierarchical(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
   void shutdown_links_locked();  // err_mu_ held
   RingToForm ring_to_form(uint8_t channel, int ring_size, int next, int prev) const;
   // Forms `rings` (transport/link_setup.h), each into its member of `into`, under err_mu_ as

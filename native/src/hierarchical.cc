@@ -12,10 +12,10 @@
 
 namespace ering {
 
-Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::Algorithm algorithm) {
+Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::AlgorithmSetting algorithm) {
   Hierarchy h;
   const int n = int(hosts.size());
-  if (algorithm == CommConfig::Algorithm::Ring) {
+  if (algorithm == CommConfig::AlgorithmSetting::Ring) {
     h.why_not = "algorithm is 'ring'";
     return h;
   }

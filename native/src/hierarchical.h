@@ -26,7 +26,7 @@ struct Hierarchy {
 
 // The hierarchy of `rank` in a world whose ranks run on `hosts` (one name per rank, or
 // empty: unknown), under the configured algorithm.
-Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::Algorithm algorithm);
+Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::AlgorithmSetting algorithm);
 
 // What the schedule runs on; the communicator owns all of it.
 struct HierarchicalRings {
