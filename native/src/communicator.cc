@@ -252,12 +252,19 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) 
       case Algorithm::SmallMessage:
         allreduce_small(buf, count, dtype, op, make_op("allreduce", tag, what));
         return;
-      case Algorithm::Ring:
-        allreduce_ring(buf, count, dtype, op, make_op("allreduce", tag, what));
+      // 16-bit float sums travel and accumulate as float32 on these two, rounded once at the
+      // end (Widening, reduce.h); the small-message path's reduce_many() does the same.
+      case Algorithm::Ring: {
+        OpInfo info = make_op("allreduce", tag, what);
+        accumulate(buf, count, dtype, op, [&](char* data, DType as) { allreduce_ring(data, count, as, op, info); });
         return;
-      case Algorithm::Hierarchical:
-        allreduce_hierarchical(buf, count, dtype, op, make_op("allreduce", op_tag({tag, 5}), what + ", hierarchical"));
+      }
+      case Algorithm::Hierarchical: {
+        OpInfo info = make_op("allreduce", op_tag({tag, 5}), what + ", hierarchical");
+        accumulate(buf, count, dtype, op,
+                   [&](char* data, DType as) { allreduce_hierarchical(data, count, as, op, info); });
         return;
+      }
     }
   });
 }
@@ -282,38 +289,18 @@ void Communicator::allreduce_small(void* buf, size_t count, DType dtype, ReduceO
   reduce_many(buf, srcs.data(), n, count, dtype, op);
 }
 
-void Communicator::allreduce_ring(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
-  const int n = size();
-  if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
-    // Sums of 16-bit floats travel and accumulate as float32 and are rounded once at the
-    // end, as the small path does: no overflow of partial sums, one rounding.
-    std::vector<float> wide(count);
-    widen_to_f32(wide.data(), buf, count, dtype);
-    AllreducePlan plan(reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, rank_, n, cfg_.segment_bytes,
-                       scratch_);
-    links_->run(plan, info);
-    narrow_from_f32(buf, wide.data(), count, dtype);
-    return;
-  }
-  AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
+void Communicator::allreduce_ring(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  AllreducePlan plan(buf, count, dtype, op, rank_, size(), cfg_.segment_bytes, scratch_);
   links_->run(plan, info);
 }
 
-void Communicator::allreduce_hierarchical(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+void Communicator::allreduce_hierarchical(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
   HierarchicalRings rings{hier_, local_links_.get(), leader_links_.get(), cfg_.segment_bytes, size(), scratch_,
                           leader_scratch_, abort_, [this] {
                             std::lock_guard<std::mutex> g(err_mu_);
                             shutdown_links_locked();
                           }};
-  if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
-    // As on the ring: 16-bit sums travel and accumulate as float32, rounded once.
-    std::vector<float> wide(count);
-    widen_to_f32(wide.data(), buf, count, dtype);
-    hierarchical_allreduce(rings, reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, info);
-    narrow_from_f32(buf, wide.data(), count, dtype);
-    return;
-  }
-  hierarchical_allreduce(rings, static_cast<char*>(buf), count, dtype, op, info);
+  hierarchical_allreduce(rings, buf, count, dtype, op, info);
 }
 
 void Communicator::broadcast(void* buf, size_t bytes, int root) {
@@ -380,9 +367,8 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     }
     if (total == 0) return;
     // 16-bit sums travel and accumulate as float32 and are rounded once, as in allreduce.
-    const bool wide = (dtype == DType::Float16 || dtype == DType::BFloat16) &&
-                      (op == ReduceOp::Sum || op == ReduceOp::Average);
-    const DType run_dtype = wide ? DType::Float32 : dtype;
+    const Widening widening(dtype, op);
+    const DType run_dtype = widening.dtype();
     const size_t run_esize = dtype_size(run_dtype);
     if (work_.size() < total * run_esize) work_.resize(total * run_esize);
     // The plan reads the caller's input where it lies and finishes the own block in `out`;
@@ -392,8 +378,8 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     char* out_bytes = static_cast<char*>(out);
     const bool out_overlaps = out_bytes < in_bytes + total * esize && in_bytes < out_bytes + mine * esize &&
                               out_bytes != in_bytes + before * esize;
-    const bool copy_in = wide || out_overlaps;
-    if (wide) widen_to_f32(reinterpret_cast<float*>(work_.data()), in, total, dtype);
+    const bool copy_in = widening.active() || out_overlaps;
+    if (widening.active()) widening.widen(in, total, work_);
     else if (copy_in) std::memcpy(work_.data(), in, total * esize);
     Blocks b;
     size_t at = 0;
@@ -410,7 +396,7 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     links_->run(plan, info);
     if (!copy_in) return;
     const char* block = work_.data() + before * run_esize;
-    if (wide) narrow_from_f32(out, reinterpret_cast<const float*>(block), mine, dtype);
+    if (widening.active()) widening.narrow(out, block, mine);
     else if (mine) std::memcpy(out, block, mine * esize);
   });
 }

@@ -75,8 +75,9 @@ class Communicator {
   OpInfo make_op(const char* name, uint32_t tag, std::string describe);
   // allreduce() on each algorithm, for a world of two or more and a non-empty buffer.
   void allreduce_small(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
-  void allreduce_ring(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
-  void allreduce_hierarchical(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
+  // The ring and the hierarchy run on `buf` as it travels and accumulates (reduce.h, Widening).
+  void allreduce_ring(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
+  void allreduce_hierarchical(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
   void shutdown_links_locked();  // err_mu_ held
   RingToForm ring_to_form(uint8_t channel, int ring_size, int next, int prev) const;
   // Forms `rings` (transport/link_setup.h), each into its member of `into`, under err_mu_ as
