@@ -6,7 +6,6 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <thread>
 
 #include "algorithm.h"
 #include "plans.h"
@@ -296,11 +295,10 @@ void Communicator::allreduce_ring(char* buf, size_t count, DType dtype, ReduceOp
 
 void Communicator::allreduce_hierarchical(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
   HierarchicalRings rings{hier_, local_links_.get(), leader_links_.get(), cfg_.segment_bytes, size(), scratch_,
-                          leader_scratch_, abort_, [this] {
-                            std::lock_guard<std::mutex> g(err_mu_);
-                            shutdown_links_locked();
-                          }};
-  hierarchical_allreduce(rings, buf, count, dtype, op, info);
+                          leader_scratch_};
+  // The phases' steps, run on this thread: a leader's two rings overlap in one loop. A
+  // failure on either ring fails the whole, and guarded() shuts every ring down.
+  run_steps(hierarchical_allreduce(rings, buf, count, dtype, op, info).steps);
 }
 
 void Communicator::broadcast(void* buf, size_t bytes, int root) {

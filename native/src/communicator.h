@@ -105,7 +105,7 @@ class Communicator {
   bool formed_ = false;
   std::atomic<uint32_t> seq_{0};
   std::vector<char> scratch_;
-  std::vector<char> leader_scratch_;  // the leaders' phase runs on its own thread
+  std::vector<char> leader_scratch_;  // the leaders' ring runs its phase beside the host-local ring
   std::vector<char> work_;            // reduce_scatter's copy of its input, reused across calls
 
   std::atomic<bool> failed_{false};

@@ -1,5 +1,5 @@
-// The one loop that drives both directions of a ring, and what every end shares: the
-// poison byte, failure messages, and watching the connections of another ring.
+// The one loop that drives the ends of a collective's rings (run_steps), and what every end
+// shares: the poison byte, failure messages, and watching the connections of a blocked ring.
 #include "transport/links.h"
 
 #include <poll.h>
@@ -12,6 +12,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <stdexcept>
 
 namespace ering {
 namespace {
@@ -32,26 +34,23 @@ constexpr auto kWatchEvery = std::chrono::milliseconds(2);
   link_failure(ctx, ErrorKind::PeerLost, op, peer, what);
 }
 
-// Fills pollfd entries for the watched connections (FIN/RST and the urgent poison byte only).
-size_t add_watched(const std::vector<WatchFd>& w, pollfd* out) {
-  size_t n = std::min(w.size(), kMaxWatch);
-  for (size_t i = 0; i < n; ++i) out[i] = {w[i].fd, short(POLLRDHUP | POLLPRI), 0};
-  return n;
-}
+// The poll() events that tell a watched connection ended or carries the poison byte.
+constexpr short kWatchEvents = POLLRDHUP | POLLPRI;
 
-// Throws the op's CommError if a watched connection ended or carries the poison byte:
-// `polled` from a poll() over add_watched()'s entries, or null to poll them now without waiting.
-void check_watched(const std::vector<WatchFd>& w, const pollfd* polled, const LinkContext& ctx, const OpInfo& op) {
-  if (w.empty()) return;
-  pollfd now[kMaxWatch];
-  size_t n = std::min(w.size(), kMaxWatch);
+// Throws the op's CommError if one of a ring's connections, watched while the ring waits,
+// ended or carries the poison byte: `polled` holds their revents from a poll(), or is null to
+// look now without waiting.
+void check_watched(const std::vector<WatchFd>& w, const short* polled, const LinkContext& ctx, const OpInfo& op) {
+  short now[2] = {0, 0};
   if (!polled) {
-    add_watched(w, now);
-    if (poll(now, nfds_t(n), 0) <= 0) return;
+    pollfd p[2];
+    for (size_t i = 0; i < w.size() && i < 2; ++i) p[i] = {w[i].fd, kWatchEvents, 0};
+    if (poll(p, nfds_t(std::min<size_t>(w.size(), 2)), 0) <= 0) return;
+    for (size_t i = 0; i < w.size() && i < 2; ++i) now[i] = p[i].revents;
     polled = now;
   }
-  for (size_t i = 0; i < n; ++i) {
-    short ev = polled[i].revents;
+  for (size_t i = 0; i < w.size() && i < 2; ++i) {
+    short ev = polled[i];
     if (!ev) continue;
     if (ev & POLLNVAL) continue;  // not this ring's business (cannot happen while the links live)
     bool poisoned = (ev & POLLPRI) && take_poison(w[i].fd);
@@ -197,41 +196,109 @@ void Links::check_alive(const OpInfo& op) {
   }
 }
 
-void Links::run(Plan& plan, const OpInfo& op) {
+void Links::run(Plan& plan, const OpInfo& op) { run_steps({Step{this, &plan, op}}); }
+
+size_t Schedule::add(Links* ring, std::unique_ptr<Plan> plan, OpInfo op, ptrdiff_t after) {
+  plans.push_back(std::move(plan));
+  steps.push_back(Step{ring, plans.back().get(), std::move(op), after});
+  return steps.size() - 1;
+}
+
+// ---------------------------------------------------------------- run_steps
+
+// The loop of run_steps(): one lane per ring, each with its steps in order and the one in
+// flight. Everything that waits sleeps in one poll().
+class StepRunner {
+ public:
+  explicit StepRunner(const std::vector<Step>& steps);
+  void run();
+
+ private:
+  struct Lane {
+    Links* ring;
+    std::vector<size_t> steps;    // indices into the schedule, in the order they run
+    size_t next = 0;              // steps[next] is in flight, or the next to start
+    std::optional<RunState> run;  // the step in flight
+    bool pending() const { return run || next < steps.size(); }
+    const OpInfo& op(const std::vector<Step>& all) const { return all[steps[std::min(next, steps.size() - 1)]].op; }
+  };
+  void loop();
+  // Its next step waits for a step of another ring that has not finished.
+  bool blocked(const Lane& l) const {
+    if (l.run || l.next == l.steps.size()) return false;
+    const ptrdiff_t after = steps_[l.steps[l.next]].after;
+    return after >= 0 && !done_[size_t(after)];
+  }
+  bool start_steps();
+  bool move_lanes();
+  bool spins() const;
+  void sleep();
+  void check_blocked(const short* polled);
+  [[noreturn]] void fail(ErrorKind kind, const Lane& lane, int peer, const std::string& what) const {
+    link_failure(lane.ring->ctx_, kind, lane.op(steps_), peer, what);
+  }
+  [[noreturn]] void timed_out() const;
+  const std::vector<Step>& steps_;
+  std::vector<Lane> lanes_;
+  std::vector<bool> done_;
+  const AbortSignal* abort_;
+  Clock::time_point deadline_;
+  const Lane* at_ = nullptr;  // the lane a failure belongs to, for run()'s Aborted
+  std::vector<pollfd> fds_;
+  std::vector<short> watched_;  // revents of a blocked lane's two connections
+};
+
+StepRunner::StepRunner(const std::vector<Step>& steps) : steps_(steps), done_(steps.size(), false) {
+  deadline_ = Clock::time_point::max();
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Step& s = steps[i];
+    // Waiting only on an earlier step keeps every order of the steps free of cycles.
+    if (s.after >= ptrdiff_t(i)) throw std::logic_error("run_steps: a step may only wait for an earlier one");
+    auto lane = std::find_if(lanes_.begin(), lanes_.end(), [&](const Lane& l) { return l.ring == s.ring; });
+    if (lane == lanes_.end()) {
+      lanes_.push_back(Lane{s.ring, {}, 0, std::nullopt});
+      lane = lanes_.end() - 1;
+    }
+    lane->steps.push_back(i);
+    // Not moved by progress: a byte a neighbour sends says nothing about the rank that is
+    // missing further round the ring, so a "no progress" deadline would fire at different
+    // times on different ranks, paths and world sizes. The collective's own deadline does not.
+    deadline_ = std::min(deadline_, s.op.deadline);
+    if (s.ring->abort_ != steps[0].ring->abort_) throw std::logic_error("run_steps: rings of two communicators");
+  }
+  abort_ = steps.empty() ? nullptr : steps[0].ring->abort_;
+  at_ = lanes_.empty() ? nullptr : &lanes_[0];
+  fds_.resize(1 + 2 * lanes_.size());
+}
+
+void StepRunner::run() {
   try {
-    run_plan(plan, op);
+    loop();
   } catch (CommError& e) {
     if (e.kind != ErrorKind::Aborted && e.kind != ErrorKind::Invalid && abort_->fired())
-      link_failure(ctx_, ErrorKind::Aborted, op, -1, "communicator aborted");
+      fail(ErrorKind::Aborted, *at_, -1, "communicator aborted");
     throw;
   }
 }
 
-void Links::run_plan(Plan& plan, const OpInfo& op) {
-  RunState s{plan, op, ctx_, plan.num_sends(), plan.num_recvs()};
-  send_->start(s);
-  recv_->start(s);
-  const bool spin = send_->spins() || recv_->spins();
-  // Not moved by progress: a byte a neighbour sends says nothing about the rank that is
-  // missing further round the ring, so a "no progress" deadline would fire at different
-  // times on different ranks, paths and world sizes. The collective's own deadline does not.
-  const auto deadline = op.deadline;
+void StepRunner::loop() {
   auto idle_since = Clock::time_point{};
   auto watched_at = Clock::now();
-  while (s.sent < s.nsend || s.received < s.nrecv) {
-    if (abort_->fired()) link_failure(ctx_, ErrorKind::Aborted, op, -1, "communicator aborted");
-    bool progress = send_->move(s);
-    if (s.received < s.nrecv) progress |= recv_->move(s);
+  for (;;) {
+    if (abort_->fired()) fail(ErrorKind::Aborted, *at_, -1, "communicator aborted");
+    bool progress = start_steps();
+    progress = move_lanes() || progress;
+    if (std::none_of(lanes_.begin(), lanes_.end(), [](const Lane& l) { return l.pending(); })) return;
     if (progress) {
       auto now = Clock::now();
       idle_since = Clock::time_point{};
-      if (!watch_.empty() && now - watched_at > kWatchEvery) {
+      if (now - watched_at > kWatchEvery) {
         watched_at = now;
-        check_watched(watch_, nullptr, ctx_, op);
+        check_blocked(nullptr);
       }
       continue;
     }
-    if (spin) {
+    if (spins()) {
       auto now = Clock::now();
       if (idle_since == Clock::time_point{}) idle_since = now;
       if (now - idle_since < kSpin) {
@@ -239,47 +306,144 @@ void Links::run_plan(Plan& plan, const OpInfo& op) {
         continue;
       }
     }
-    // Both ends arm, then look once more: a peer that publishes in between either sees the
-    // flag (and rings) or is seen here.
-    bool ready = send_->arm(s);
-    ready = recv_->arm(s) || ready;
-    if (!ready) sleep(s, deadline);
-    send_->disarm();
-    recv_->disarm();
+    // Every end in flight arms, then looks once more: a peer that publishes in between
+    // either sees the flag (and rings) or is seen here.
+    bool ready = false;
+    for (Lane& l : lanes_) {
+      if (!l.run) continue;
+      ready = l.ring->send_->arm(*l.run) || ready;
+      ready = l.ring->recv_->arm(*l.run) || ready;
+    }
+    if (!ready) sleep();
+    for (Lane& l : lanes_) {
+      l.ring->send_->disarm();
+      l.ring->recv_->disarm();
+    }
     idle_since = Clock::time_point{};  // spin again briefly after every wake-up
   }
 }
 
-void Links::sleep(RunState& s, Clock::time_point deadline) {
-  pollfd fds[3 + kMaxWatch];
-  // An end with nothing more to move in this operation is left out (a negative fd): poll()
-  // reports POLLHUP and POLLERR even for no events, and a neighbour that finished its part
-  // and closed (reset by a doorbell it never read) is no failure of an operation that needs
-  // nothing more from it. Were it gone too early, the end that still waits on it says so.
-  const short send_events = send_->events(s), recv_events = recv_->events(s);
-  fds[0] = {abort_->fd(), POLLIN, 0};
-  fds[1] = {send_events ? send_->peer().fd : -1, send_events, 0};
-  fds[2] = {recv_events ? recv_->peer().fd : -1, recv_events, 0};
-  int ms = poll_ms_until(deadline);
-  if (ms == 0) {
-    const Neighbour& waited = s.received < s.nrecv ? recv_->peer() : send_->peer();
-    char secs[32];
-    std::snprintf(secs, sizeof(secs), "%g", s.op.timeout_s);
-    link_failure(ctx_, ErrorKind::Timeout, s.op, waited.rank,
-                 std::string("not finished ") + secs + " s after this rank entered it (the collective timeout, "
-                     "ELASTIC_COLLECTIVE_TIMEOUT): waiting on " + waited.name +
-                     " (not in this collective: busy elsewhere, or hung, stopped or partitioned)");
+// Starts the next step of every ring that is free, once the step it waits for has finished.
+bool StepRunner::start_steps() {
+  bool started = false;
+  for (Lane& l : lanes_) {
+    if (l.run || l.next == l.steps.size() || blocked(l)) continue;
+    const Step& s = steps_[l.steps[l.next]];
+    at_ = &l;
+    l.run.emplace(*s.plan, s.op, l.ring->ctx_);
+    l.ring->send_->start(*l.run);
+    l.ring->recv_->start(*l.run);
+    started = true;
   }
-  size_t nw = add_watched(watch_, fds + 3);
-  int r = poll(fds, nfds_t(3 + nw), ms);
+  return started;
+}
+
+// Moves what every step in flight can move without blocking; a step whose segments all
+// moved is done, and its ring free for the next.
+bool StepRunner::move_lanes() {
+  bool progress = false;
+  for (Lane& l : lanes_) {
+    if (!l.run) continue;
+    at_ = &l;
+    RunState& s = *l.run;
+    progress = l.ring->send_->move(s) || progress;
+    if (s.received < s.nrecv) progress = l.ring->recv_->move(s) || progress;
+    if (s.sent == s.nsend && s.received == s.nrecv) {
+      done_[l.steps[l.next++]] = true;
+      l.run.reset();
+      progress = true;
+    }
+  }
+  return progress;
+}
+
+// Shared memory moves without a system call to wake the waiter: spin briefly before sleeping.
+bool StepRunner::spins() const {
+  return std::any_of(lanes_.begin(), lanes_.end(),
+                     [](const Lane& l) { return l.run && (l.ring->send_->spins() || l.ring->recv_->spins()); });
+}
+
+// A blocked ring's connections, looked at (polled: their revents; null: now, without waiting).
+// Its neighbours cannot finish the step it waits to start, so an ending connection is a failure.
+void StepRunner::check_blocked(const short* polled) {
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    const Lane& l = lanes_[i];
+    if (!blocked(l)) continue;
+    const short* mine = polled ? polled + 2 * i : nullptr;
+    if (mine && !mine[0] && !mine[1]) continue;
+    at_ = &l;
+    check_watched(l.ring->connections(), mine, l.ring->ctx_, l.op(steps_));
+  }
+}
+
+void StepRunner::timed_out() const {
+  const Lane* waited = at_;
+  for (const Lane& l : lanes_)
+    if (l.run) {
+      waited = &l;
+      break;
+    }
+  const Neighbour& peer = waited->run && waited->run->received < waited->run->nrecv ? waited->ring->recv_->peer()
+                                                                                   : waited->ring->send_->peer();
+  char secs[32];
+  std::snprintf(secs, sizeof(secs), "%g", waited->op(steps_).timeout_s);
+  fail(ErrorKind::Timeout, *waited, peer.rank,
+       std::string("not finished ") + secs + " s after this rank entered it (the collective timeout, "
+           "ELASTIC_COLLECTIVE_TIMEOUT): waiting on " + peer.name +
+           " (not in this collective: busy elsewhere, or hung, stopped or partitioned)");
+}
+
+// Nothing moved and nothing is left to spin for: sleeps in poll() on abort, the connections of
+// every step in flight and those of every blocked ring, until one is ready or the deadline.
+void StepRunner::sleep() {
+  int ms = poll_ms_until(deadline_);
+  if (ms == 0) timed_out();
+  fds_[0] = {abort_->fd(), POLLIN, 0};
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    const Lane& l = lanes_[i];
+    pollfd* f = &fds_[1 + 2 * i];
+    const int send_fd = l.ring->send_->peer().fd, recv_fd = l.ring->recv_->peer().fd;
+    if (l.run) {
+      // An end with nothing more to move in this step is left out (a negative fd): poll()
+      // reports POLLHUP and POLLERR even for no events, and a neighbour that finished its
+      // part and closed (reset by a doorbell it never read) is no failure of a step that
+      // needs nothing more from it. Were it gone too early, the end that still waits says so.
+      const short send_events = l.ring->send_->events(*l.run), recv_events = l.ring->recv_->events(*l.run);
+      f[0] = {send_events ? send_fd : -1, send_events, 0};
+      f[1] = {recv_events ? recv_fd : -1, recv_events, 0};
+    } else if (blocked(l)) {
+      f[0] = {send_fd, kWatchEvents, 0};
+      f[1] = {recv_fd, kWatchEvents, 0};
+    } else {
+      f[0] = f[1] = {-1, 0, 0};  // done: a neighbour may finish and close
+    }
+  }
+  int r = poll(fds_.data(), nfds_t(fds_.size()), ms);
   if (r < 0 && errno != EINTR)
-    link_failure(ctx_, ErrorKind::PeerLost, s.op, -1, std::string("poll failed: ") + std::strerror(errno));
-  if (fds[0].revents) link_failure(ctx_, ErrorKind::Aborted, s.op, -1, "communicator aborted");
-  if (r > 0 && nw) check_watched(watch_, fds + 3, ctx_, s.op);
-  // The receiving end first: it only takes note (a poison byte that must be read before the
-  // stream's end is seen), while the sending end may fail the operation.
-  if (recv_events) recv_->polled(fds[2].revents, s);
-  if (send_events) send_->polled(fds[1].revents, s);
+    fail(ErrorKind::PeerLost, *at_, -1, std::string("poll failed: ") + std::strerror(errno));
+  if (fds_[0].revents) fail(ErrorKind::Aborted, *at_, -1, "communicator aborted");
+  if (r <= 0) return;
+  watched_.assign(2 * lanes_.size(), 0);
+  for (size_t i = 0; i < lanes_.size(); ++i)
+    if (blocked(lanes_[i])) {
+      watched_[2 * i] = fds_[1 + 2 * i].revents;
+      watched_[2 * i + 1] = fds_[2 + 2 * i].revents;
+    }
+  check_blocked(watched_.data());
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    Lane& l = lanes_[i];
+    if (!l.run) continue;
+    at_ = &l;
+    // The receiving end first: it only takes note (a poison byte that must be read before
+    // the stream's end is seen), while the sending end may fail the step.
+    if (fds_[2 + 2 * i].fd >= 0) l.ring->recv_->polled(fds_[2 + 2 * i].revents, *l.run);
+    if (fds_[1 + 2 * i].fd >= 0) l.ring->send_->polled(fds_[1 + 2 * i].revents, *l.run);
+  }
+}
+
+void run_steps(const std::vector<Step>& steps) {
+  if (steps.empty()) return;
+  StepRunner(steps).run();
 }
 
 }  // namespace ering
