@@ -1,6 +1,6 @@
 // Throughput of the reduction kernels, per dtype and op, on 64 MiB buffers.
 // Build and run (from the repository root):
-//   g++ -O3 -std=c++17 -Wno-psabi -Inative/src native/bench/reduce_bench.cc native/src/reduce.cc -o /tmp/reduce_bench && /tmp/reduce_bench
+//   g++ -O3 -std=c++17 -Wno-psabi -Inative/src native/bench/reduce_bench.cc native/src/reduce.cc native/src/base/common.cc -o /tmp/reduce_bench && /tmp/reduce_bench
 #include "reduce.h"
 #include <chrono>
 #include <cstdio>

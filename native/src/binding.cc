@@ -11,11 +11,12 @@
 #include <memory>
 #include <mutex>
 
-#include "auth.h"
+#include "algorithm.h"
 #include "communicator.h"
 #include "executor.h"
-#include "listener.h"
 #include "reduce.h"
+#include "transport/auth.h"
+#include "transport/listener.h"
 
 namespace nb = nanobind;
 using namespace ering;
@@ -207,11 +208,30 @@ NB_MODULE(_native, m) {
           [](CommConfig& c, const std::string& v) { c.transport = parse_transport(v); },
           "'auto' (shared memory between ranks of one host) or 'tcp'.")
       .def_prop_rw(
-          "algorithm", [](const CommConfig& c) { return std::string(algorithm_name(c.algorithm)); },
-          [](CommConfig& c, const std::string& v) { c.algorithm = parse_algorithm(v); },
+          "algorithm", [](const CommConfig& c) { return std::string(algorithm_setting_name(c.algorithm)); },
+          [](CommConfig& c, const std::string& v) { c.algorithm = parse_algorithm_setting(v); },
           "Allreduce algorithm: 'auto', 'ring' or 'hierarchical'.")
       .def("check", [](const CommConfig& c) { check_config(c); },
            "Raises ValueError naming the first setting that is out of range.");
+
+  // The allreduce algorithm as a type, and its choice as the pure function it is, so a table
+  // test can read the rules without forming a world.
+  nb::enum_<Algorithm>(m, "Algorithm", "Which algorithm an allreduce runs (ering::Algorithm).")
+      .value("Ring", Algorithm::Ring)
+      .value("SmallMessage", Algorithm::SmallMessage)
+      .value("Hierarchical", Algorithm::Hierarchical);
+  m.def("algorithm_name", [](Algorithm a) { return std::string(algorithm_name(a)); }, nb::arg("algorithm"),
+        "What Communicator.algorithm_for reports for this algorithm: 'ring' or 'hierarchical'.");
+  m.def("choose_allreduce",
+        [](uint64_t nbytes, const CommConfig& config, const std::vector<std::string>& hosts, int rank) {
+          if (!hosts.empty() && (rank < 0 || size_t(rank) >= hosts.size()))
+            throw nb::value_error(("rank " + std::to_string(rank) + " has no entry in hosts (" +
+                                   std::to_string(hosts.size()) + " of them)").c_str());
+          return choose_allreduce(nbytes, config, plan_hierarchy(hosts, rank, config.algorithm));
+        },
+        nb::arg("nbytes"), nb::arg("config"), nb::arg("hosts"), nb::arg("rank"),
+        "The algorithm an allreduce of nbytes gets on `rank` of a world on `hosts` (one name per rank, or "
+        "empty): the communicator's own choice, without forming one.");
 
   nb::class_<PyComm>(m, "Communicator")
       .def("__init__",
@@ -277,7 +297,7 @@ NB_MODULE(_native, m) {
                      }
                      return d;
                    })
-      .def("algorithm_for", [](PyComm& s, size_t nbytes) { return std::string(s.c()->algorithm_for(nbytes)); },
+      .def("algorithm_for", [](PyComm& s, size_t nbytes) { return std::string(algorithm_name(s.c()->algorithm_for(nbytes))); },
            nb::arg("nbytes"), "What allreduce runs for a buffer of this many bytes: 'ring' or 'hierarchical'.")
       .def_prop_ro("failed",
                    [](PyComm& s) {

@@ -2,21 +2,15 @@
 // running each collective as a Plan on the right ring.
 #include "communicator.h"
 
-#include <poll.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <thread>
 
-#include "connect.h"
-#include "link_setup.h"
+#include "algorithm.h"
 #include "plans.h"
 #include "reduce.h"
-#include "shm_links.h"
-#include "tcp_links.h"
+#include "transport/link_setup.h"
 
 namespace ering {
 
@@ -45,11 +39,7 @@ Communicator::Communicator(Listener* listener, std::string job_id, std::string s
     throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
 }
 
-const char* Communicator::algorithm_for(size_t bytes) const {
-  if (!hier_.applies || size() < 2) return "ring";
-  if (cfg_.algorithm == CommConfig::Algorithm::Hierarchical) return "hierarchical";
-  return bytes > cfg_.hierarchical_bytes ? "hierarchical" : "ring";
-}
+Algorithm Communicator::algorithm_for(size_t bytes) const { return choose_allreduce(bytes, cfg_, hier_); }
 
 void Communicator::shutdown_links_locked() {
   for (auto* l : {&links_, &local_links_, &leader_links_, &reverse_links_})
@@ -77,80 +67,40 @@ void Communicator::abort(const std::string& reason) {
   shutdown_links_locked();
 }
 
-// One ring being formed: the flat ring, for the hierarchical allreduce the host-local ring
-// or the leaders' ring, or the reverse ring. All rings of a world version share the
-// listener and differ by handshake channel.
-struct Communicator::RingForm {
-  uint8_t channel;
-  LinkContext ctx;
-  LinkSettings send_settings, recv_settings;
-  int next_fd = -1, prev_fd = -1;
-  std::unique_ptr<ShmRing> offered, send_ring, recv_ring;
-  std::unique_ptr<Links>* into;
-};
-
-Communicator::RingForm Communicator::ring_form(uint8_t channel, int ring_size, int next, int prev,
-                                               std::unique_ptr<Links>* into) {
+// One ring of this world version: the flat ring, for the hierarchical allreduce the
+// host-local ring or the leaders' ring, or the reverse ring. All rings of a world version
+// share the listener and differ by handshake channel.
+RingToForm Communicator::ring_to_form(uint8_t channel, int ring_size, int next, int prev) const {
   auto same_host = [&](int other) {
     return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
   };
-  RingForm f;
-  f.channel = channel;
-  f.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
+  RingToForm r;
+  r.channel = channel;
+  r.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
                       printable(peers_[prev], 300), cfg_.dead_link_timeout};
-  f.send_settings.want_shm = same_host(next);
-  f.recv_settings.want_shm = same_host(prev);
-  f.into = into;
-  return f;
+  r.next_address = peers_[next];
+  r.send.want_shm = same_host(next);
+  r.recv.want_shm = same_host(prev);
+  return r;
 }
 
-void Communicator::form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop,
-                              const AbortSignal& linking_stop) {
-  try {
-    // Every ring's connection and LINK go out before this rank waits for any predecessor,
-    // and every LINK_ACK is answered before any is awaited, so no rank waits on a rank
-    // that waits on it, whatever the rings.
-    for (auto& f : rings) {
-      Hello h;
-      h.job_id = job_id_;
-      h.world_version = world_version_;
-      h.from_rank = uint32_t(rank_);
-      h.to_rank = uint32_t(f.ctx.next_rank);
-      h.world_size = uint32_t(size());
-      h.channel = f.channel;
-      random_bytes(h.nonce.data(), h.nonce.size());
-      // A neighbour that accepts no connection for the collective timeout (at most
-      // kUnreachableAfterMaxS) is not coming: give up on it then, even if the form deadline is later.
-      f.next_fd = connect_ring_peer(peers_[f.ctx.next_rank], h, secret_, deadline,
-                                    seconds(std::min(cfg_.timeout, kUnreachableAfterMaxS)), stop);
-      set_dead_link_timeout(f.next_fd, cfg_.dead_link_timeout);
-      f.offered = offer_link(f.next_fd, f.send_settings, f.ctx, deadline, stop);
-    }
-    for (auto& f : rings) {
-      f.prev_fd = listener_->take(world_version_, deadline, stop, rank_, f.ctx.prev_rank, f.channel);
-      set_dead_link_timeout(f.prev_fd, cfg_.dead_link_timeout);
-      // From here on `linking_stop`: once this rank's LINK_ACK is out, its predecessor may
-      // finish its part of the collective and close.
-      f.recv_ring = accept_link(f.prev_fd, f.recv_settings, f.ctx, deadline, linking_stop);
-    }
-    for (auto& f : rings) {
-      f.send_ring = finish_link(f.next_fd, std::move(f.offered), f.ctx, deadline, linking_stop);
-      // Each direction runs over shared memory if its LINK settled on it, else over TCP.
-      auto send = f.send_ring ? shm_send_end(f.next_fd, std::move(f.send_ring), f.ctx) : tcp_send_end(f.next_fd, f.ctx);
-      f.next_fd = -1;  // owned by the end now
-      auto recv = f.recv_ring ? shm_recv_end(f.prev_fd, std::move(f.recv_ring), f.ctx) : tcp_recv_end(f.prev_fd, f.ctx);
-      f.prev_fd = -1;
-      auto links = std::make_unique<Links>(std::move(send), std::move(recv), f.ctx, &abort_);
-      std::lock_guard<std::mutex> g(err_mu_);
-      *f.into = std::move(links);
-    }
-  } catch (...) {
-    for (auto& f : rings) {
-      if (f.next_fd >= 0) ::close(f.next_fd);
-      if (f.prev_fd >= 0) ::close(f.prev_fd);
-    }
-    throw;
-  }
+void Communicator::form_rings(const std::vector<RingToForm>& rings, const std::vector<std::unique_ptr<Links>*>& into,
+                              Clock::time_point deadline, const AbortSignal& stop, const AbortSignal& linking_stop) {
+  Forming how;
+  how.listener = listener_;
+  how.job_id = job_id_;
+  how.secret = secret_;
+  how.world_version = world_version_;
+  how.rank = rank_;
+  how.world_size = size();
+  how.deadline = deadline;
+  how.collective_timeout = cfg_.timeout;
+  how.dead_link_timeout = cfg_.dead_link_timeout;
+  how.abort = &abort_;
+  ering::form_rings(rings, how, stop, linking_stop, [&](size_t i, std::unique_ptr<Links> links) {
+    std::lock_guard<std::mutex> g(err_mu_);  // where abort() reaches it from now on
+    *into[i] = std::move(links);
+  });
   std::lock_guard<std::mutex> g(err_mu_);
   if (abort_.fired()) shutdown_links_locked();  // abort() raced with the end of forming
 }
@@ -162,16 +112,22 @@ void Communicator::form() {
     formed_ = true;
     return;
   }
-  std::vector<RingForm> rings;
-  rings.push_back(ring_form(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n, &links_));
+  std::vector<RingToForm> rings;
+  std::vector<std::unique_ptr<Links>*> into;
+  rings.push_back(ring_to_form(kChannelFlat, n, (rank_ + 1) % n, (rank_ + n - 1) % n));
+  into.push_back(&links_);
   if (hier_.applies) {
     const Hierarchy& h = hier_;
-    if (h.local_size >= 2)
-      rings.push_back(ring_form(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
-                                h.first + (h.local_rank + h.local_size - 1) % h.local_size, &local_links_));
-    if (h.leader())
-      rings.push_back(ring_form(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
-                                h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts], &leader_links_));
+    if (h.local_size >= 2) {
+      rings.push_back(ring_to_form(kChannelLocal, h.local_size, h.first + (h.local_rank + 1) % h.local_size,
+                                   h.first + (h.local_rank + h.local_size - 1) % h.local_size));
+      into.push_back(&local_links_);
+    }
+    if (h.leader()) {
+      rings.push_back(ring_to_form(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
+                                   h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts]));
+      into.push_back(&leader_links_);
+    }
   }
   Expectation e;
   e.active = true;
@@ -180,13 +136,13 @@ void Communicator::form() {
   e.world_version = world_version_;
   e.rank = uint32_t(rank_);
   e.world_size = uint32_t(n);
-  for (auto& f : rings) e.prev_rank[f.channel] = f.ctx.prev_rank;
+  for (auto& r : rings) e.prev_rank[r.channel] = r.ctx.prev_rank;
   // The reverse ring forms later, at the first shift_back(): its predecessor is the flat
   // ring's next rank, whose connection the listener holds until then.
   if (n >= 3) e.prev_rank[kChannelReverse] = (rank_ + 1) % n;
   listener_->expect(e);
   try {
-    form_rings(rings, Clock::now() + seconds(cfg_.form_timeout), abort_, abort_);
+    form_rings(rings, into, Clock::now() + seconds(cfg_.form_timeout), abort_, abort_);
   } catch (CommError& err) {
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
@@ -197,60 +153,11 @@ void Communicator::form() {
   formed_ = true;
 }
 
-namespace {
-
-// While a ring forms late, watches the formed flat ring's connections: `any` fires when
-// `outer` fires or either connection ends or receives the poison byte; `sender_side` only
-// for `outer` or the connection to `sender_side_fd`. Stops when destroyed.
-class WatchWhileForming {
- public:
-  WatchWhileForming(std::vector<WatchFd> fds, int sender_side_fd, const AbortSignal& outer)
-      : thread_([this, fds = std::move(fds), sender_side_fd, &outer] {
-          std::vector<pollfd> p = {{done_.fd(), POLLIN, 0}, {outer.fd(), POLLIN, 0}};
-          for (auto& w : fds) p.push_back({w.fd, short(POLLRDHUP | POLLPRI), 0});
-          for (;;) {
-            if (poll(p.data(), nfds_t(p.size()), -1) < 0) {
-              if (errno == EINTR) continue;
-              any.fire();  // cannot watch: stop the waits (the caller names the cause if there is one)
-              sender_side.fire();
-              return;
-            }
-            if (p[0].revents) return;
-            if (p[1].revents) {
-              any.fire();
-              sender_side.fire();
-              return;
-            }
-            for (size_t i = 2; i < p.size(); ++i) {
-              if (!p[i].revents) continue;
-              any.fire();
-              if (p[i].fd == sender_side_fd) {
-                sender_side.fire();
-                return;
-              }
-              p[i].fd = -1;  // told once (poll() skips it now); keep watching the other
-            }
-          }
-        }) {}
-  ~WatchWhileForming() {
-    done_.fire();
-    thread_.join();
-  }
-  AbortSignal any, sender_side;
-
- private:
-  AbortSignal done_;
-  std::thread thread_;
-};
-
-}  // namespace
-
 Links& Communicator::reverse_ring(const OpInfo& info) {
   if (reverse_links_) return *reverse_links_;
   const int n = size();
   links_->check_alive(info);  // a neighbour gone since the last collective fails this one at once
-  std::vector<RingForm> rings;
-  rings.push_back(ring_form(kChannelReverse, n, (rank_ + n - 1) % n, (rank_ + 1) % n, &reverse_links_));
+  std::vector<RingToForm> rings = {ring_to_form(kChannelReverse, n, (rank_ + n - 1) % n, (rank_ + 1) % n)};
   // A failure here is the collective's (guarded() poisons the communicator), and so is the
   // deadline: a neighbour may reach its first backward shift as late as it may reach any
   // collective. A neighbour that died or gave up meanwhile is seen on the flat ring: its
@@ -260,7 +167,7 @@ Links& Communicator::reverse_ring(const OpInfo& info) {
   auto flat = links_->connections();  // {to the next rank, from the previous rank}
   WatchWhileForming watch(flat, flat[1].fd, abort_);
   try {
-    form_rings(rings, info.deadline, watch.any, watch.sender_side);
+    form_rings(rings, {&reverse_links_}, info.deadline, watch.any, watch.sender_side);
   } catch (CommError& err) {
     // Stopped by the flat ring: name the neighbour that ended it as a collective would.
     if (err.kind == ErrorKind::Aborted && !abort_.fired()) links_->check_alive(info);
@@ -333,7 +240,6 @@ void Communicator::guarded(const char* name, F&& body) {
 void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
   guarded("allreduce", [&] {
     const int n = size();
-    const size_t esize = dtype_size(dtype), bytes = count * esize;
     if (n == 1) {
       if (op == ReduceOp::Average) scale_down(buf, count, dtype, 1);
       return;
@@ -341,55 +247,58 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) 
     if (count == 0) return;
     uint32_t tag = op_tag({1, uint64_t(dtype), uint64_t(op), count});
     std::string what = std::string(dtype_name(dtype)) + ", " + std::to_string(count) + " elements, " + op_name(op);
-    if (algorithm_for(bytes)[0] == 'h') {
-      OpInfo info = make_op("allreduce", op_tag({tag, 5}), what + ", hierarchical");
-      HierarchicalRings rings{hier_, local_links_.get(), leader_links_.get(), cfg_.segment_bytes, n, scratch_,
-                              leader_scratch_, abort_, [this] {
-                                std::lock_guard<std::mutex> g(err_mu_);
-                                shutdown_links_locked();
-                              }};
-      if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
-        // As on the ring: 16-bit sums travel and accumulate as float32, rounded once.
-        std::vector<float> wide(count);
-        widen_to_f32(wide.data(), buf, count, dtype);
-        hierarchical_allreduce(rings, reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, info);
-        narrow_from_f32(buf, wide.data(), count, dtype);
+    switch (algorithm_for(count * dtype_size(dtype))) {
+      case Algorithm::SmallMessage:
+        allreduce_small(buf, count, dtype, op, make_op("allreduce", tag, what));
+        return;
+      // 16-bit float sums travel and accumulate as float32 on these two, rounded once at the
+      // end (Widening, reduce.h); the small-message path's reduce_many() does the same.
+      case Algorithm::Ring: {
+        OpInfo info = make_op("allreduce", tag, what);
+        accumulate(buf, count, dtype, op, [&](char* data, DType as) { allreduce_ring(data, count, as, op, info); });
         return;
       }
-      hierarchical_allreduce(rings, static_cast<char*>(buf), count, dtype, op, info);
-      return;
+      case Algorithm::Hierarchical: {
+        OpInfo info = make_op("allreduce", op_tag({tag, 5}), what + ", hierarchical");
+        accumulate(buf, count, dtype, op,
+                   [&](char* data, DType as) { allreduce_hierarchical(data, count, as, op, info); });
+        return;
+      }
     }
-    if (bytes <= cfg_.small_bytes) {
-      // Small message: gather every rank's whole buffer (n-1 latency steps instead of
-      // 2(n-1)) and reduce locally in rank order, which every rank does identically.
-      OpInfo info = make_op("allreduce", tag, what);
-      std::vector<char> all(bytes * n);
-      std::memcpy(all.data() + bytes * rank_, buf, bytes);
-      Blocks b;
-      for (int c = 0; c < n; ++c) { b.off.push_back(bytes * c); b.len.push_back(bytes); }
-      b.max_len = bytes;
-      AllgatherPlan plan(all.data(), b, rank_, n, std::max(bytes, cfg_.segment_bytes));
-      links_->run(plan, info);
-      std::vector<const void*> srcs(n);
-      for (int c = 0; c < n; ++c) srcs[c] = all.data() + bytes * c;
-      reduce_many(buf, srcs.data(), n, count, dtype, op);
-      return;
-    }
-    OpInfo info = make_op("allreduce", tag, what);
-    if ((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {
-      // Sums of 16-bit floats travel and accumulate as float32 and are rounded once at the
-      // end, as the small path does: no overflow of partial sums, one rounding.
-      std::vector<float> wide(count);
-      widen_to_f32(wide.data(), buf, count, dtype);
-      AllreducePlan plan(reinterpret_cast<char*>(wide.data()), count, DType::Float32, op, rank_, n,
-                         cfg_.segment_bytes, scratch_);
-      links_->run(plan, info);
-      narrow_from_f32(buf, wide.data(), count, dtype);
-      return;
-    }
-    AllreducePlan plan(static_cast<char*>(buf), count, dtype, op, rank_, n, cfg_.segment_bytes, scratch_);
-    links_->run(plan, info);
   });
+}
+
+void Communicator::allreduce_small(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  // Gathers every rank's whole buffer (n-1 latency steps instead of 2(n-1)) and reduces
+  // locally in rank order, which every rank does identically.
+  const int n = size();
+  const size_t bytes = count * dtype_size(dtype);
+  std::vector<char> all(bytes * n);
+  std::memcpy(all.data() + bytes * rank_, buf, bytes);
+  Blocks b;
+  for (int c = 0; c < n; ++c) {
+    b.off.push_back(bytes * c);
+    b.len.push_back(bytes);
+  }
+  b.max_len = bytes;
+  AllgatherPlan plan(all.data(), b, rank_, n, std::max(bytes, cfg_.segment_bytes));
+  links_->run(plan, info);
+  std::vector<const void*> srcs(n);
+  for (int c = 0; c < n; ++c) srcs[c] = all.data() + bytes * c;
+  reduce_many(buf, srcs.data(), n, count, dtype, op);
+}
+
+void Communicator::allreduce_ring(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  AllreducePlan plan(buf, count, dtype, op, rank_, size(), cfg_.segment_bytes, scratch_);
+  links_->run(plan, info);
+}
+
+void Communicator::allreduce_hierarchical(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info) {
+  HierarchicalRings rings{hier_, local_links_.get(), leader_links_.get(), cfg_.segment_bytes, size(), scratch_,
+                          leader_scratch_};
+  // The phases' steps, run on this thread: a leader's two rings overlap in one loop. A
+  // failure on either ring fails the whole, and guarded() shuts every ring down.
+  run_steps(hierarchical_allreduce(rings, buf, count, dtype, op, info).steps);
 }
 
 void Communicator::broadcast(void* buf, size_t bytes, int root) {
@@ -456,9 +365,8 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     }
     if (total == 0) return;
     // 16-bit sums travel and accumulate as float32 and are rounded once, as in allreduce.
-    const bool wide = (dtype == DType::Float16 || dtype == DType::BFloat16) &&
-                      (op == ReduceOp::Sum || op == ReduceOp::Average);
-    const DType run_dtype = wide ? DType::Float32 : dtype;
+    const Widening widening(dtype, op);
+    const DType run_dtype = widening.dtype();
     const size_t run_esize = dtype_size(run_dtype);
     if (work_.size() < total * run_esize) work_.resize(total * run_esize);
     // The plan reads the caller's input where it lies and finishes the own block in `out`;
@@ -468,8 +376,8 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     char* out_bytes = static_cast<char*>(out);
     const bool out_overlaps = out_bytes < in_bytes + total * esize && in_bytes < out_bytes + mine * esize &&
                               out_bytes != in_bytes + before * esize;
-    const bool copy_in = wide || out_overlaps;
-    if (wide) widen_to_f32(reinterpret_cast<float*>(work_.data()), in, total, dtype);
+    const bool copy_in = widening.active() || out_overlaps;
+    if (widening.active()) widening.widen(in, total, work_);
     else if (copy_in) std::memcpy(work_.data(), in, total * esize);
     Blocks b;
     size_t at = 0;
@@ -486,7 +394,7 @@ void Communicator::reduce_scatter(const void* in, void* out, const std::vector<u
     links_->run(plan, info);
     if (!copy_in) return;
     const char* block = work_.data() + before * run_esize;
-    if (wide) narrow_from_f32(out, reinterpret_cast<const float*>(block), mine, dtype);
+    if (widening.active()) widening.narrow(out, block, mine);
     else if (mine) std::memcpy(out, block, mine * esize);
   });
 }

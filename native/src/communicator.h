@@ -11,11 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "config.h"
+#include "algorithm.h"
+#include "base/common.h"
+#include "base/config.h"
 #include "hierarchical.h"
-#include "links.h"
-#include "listener.h"
+#include "transport/link_setup.h"
+#include "transport/links.h"
+#include "transport/listener.h"
 
 namespace ering {
 
@@ -57,8 +59,8 @@ class Communicator {
   // How this rank's links run once formed: {"tcp"|"shm" to the next rank, from the previous one}.
   std::vector<std::string> link_kinds();
   const Hierarchy& hierarchy() const { return hier_; }
-  // "ring" or "hierarchical": what allreduce runs for a buffer of this many bytes.
-  const char* algorithm_for(size_t bytes) const;
+  // What allreduce runs for a buffer of this many bytes (choose_allreduce, algorithm.h).
+  Algorithm algorithm_for(size_t bytes) const;
   // How the hierarchical path's links run once formed: {"local": [send, recv], "leaders": [...]}
   // as "tcp"/"shm" pairs, each empty when this rank has no such ring.
   std::vector<std::vector<std::string>> hierarchical_link_kinds();
@@ -71,15 +73,19 @@ class Communicator {
   void guarded(const char* name, F&& body);
   void check_usable(const char* name);
   OpInfo make_op(const char* name, uint32_t tag, std::string describe);
+  // allreduce() on each algorithm, for a world of two or more and a non-empty buffer.
+  void allreduce_small(void* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
+  // The ring and the hierarchy run on `buf` as it travels and accumulates (reduce.h, Widening).
+  void allreduce_ring(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
+  void allreduce_hierarchical(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
   void shutdown_links_locked();  // err_mu_ held
-  struct RingForm;
-  RingForm ring_form(uint8_t channel, int ring_size, int next, int prev, std::unique_ptr<Links>* into);
-  // Connects every ring's next rank, takes every previous rank's connection and sets up
-  // their links, in an order no cycle of ranks can wait on; closes what it opened on failure.
-  // Its waits end early when `stop` fires (up to taking the predecessors' connections) or
-  // `linking_stop` (the link set-up on them after): the communicator's abort, or more.
-  void form_rings(std::vector<RingForm>& rings, Clock::time_point deadline, const AbortSignal& stop,
-                  const AbortSignal& linking_stop);
+  RingToForm ring_to_form(uint8_t channel, int ring_size, int next, int prev) const;
+  // Forms `rings` (transport/link_setup.h), each into its member of `into`, under err_mu_ as
+  // each comes up so abort() reaches it. Waits end early when `stop` fires (up to taking the
+  // predecessors' connections) or `linking_stop` (the link set-up after): the communicator's
+  // abort, or more.
+  void form_rings(const std::vector<RingToForm>& rings, const std::vector<std::unique_ptr<Links>*>& into,
+                  Clock::time_point deadline, const AbortSignal& stop, const AbortSignal& linking_stop);
   // The reverse ring, formed on first use by the collective `info`.
   Links& reverse_ring(const OpInfo& info);
 
@@ -99,7 +105,7 @@ class Communicator {
   bool formed_ = false;
   std::atomic<uint32_t> seq_{0};
   std::vector<char> scratch_;
-  std::vector<char> leader_scratch_;  // the leaders' phase runs on its own thread
+  std::vector<char> leader_scratch_;  // the leaders' ring runs its phase beside the host-local ring
   std::vector<char> work_;            // reduce_scatter's copy of its input, reused across calls
 
   std::atomic<bool> failed_{false};

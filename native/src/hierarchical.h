@@ -1,15 +1,15 @@
 // The hierarchical allreduce of a mixed world: where this rank sits (Hierarchy, a pure
 // function of the hosts), and the pipelined leaders-only schedule over the host-local ring
-// and the leaders' ring. See native/README.md, "Hierarchical allreduce".
+// and the leaders' ring, as data: plans and the order they run in, which run_steps() executes
+// on this thread. See native/README.md, "Hierarchical allreduce".
 #pragma once
 
-#include <functional>
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "config.h"
-#include "links.h"
+#include "base/common.h"
+#include "base/config.h"
+#include "transport/links.h"
 
 namespace ering {
 
@@ -26,7 +26,7 @@ struct Hierarchy {
 
 // The hierarchy of `rank` in a world whose ranks run on `hosts` (one name per rank, or
 // empty: unknown), under the configured algorithm.
-Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::Algorithm algorithm);
+Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::AlgorithmSetting algorithm);
 
 // What the schedule runs on; the communicator owns all of it.
 struct HierarchicalRings {
@@ -35,15 +35,14 @@ struct HierarchicalRings {
   Links* leaders;  // the ring of the hosts' leaders; null unless this rank leads its host
   size_t segment_bytes;
   int world_size;                     // Average divides by it, once, at the leaders
-  std::vector<char>& scratch;         // for the calling thread
-  std::vector<char>& leader_scratch;  // for the leaders' phase on its helper thread
-  const AbortSignal& abort;
-  std::function<void()> give_up;  // shuts every ring of the communicator down
+  std::vector<char>& local_scratch;   // for the plans on the host-local ring
+  std::vector<char>& leader_scratch;  // for those on the leaders' ring, which run at the same time
 };
 
-// Allreduce of `count` elements in `buf` through the three phases; `info` is the whole
-// operation (each phase and chunk gets its own tag and description from it).
-void hierarchical_allreduce(const HierarchicalRings& r, char* buf, size_t count, DType dtype, ReduceOp op,
-                            const OpInfo& info);
+// The allreduce of `count` elements in `buf` through the three phases, as the steps that run
+// them on the two rings (run_steps, links.h); `info` is the whole operation (each phase and
+// chunk gets its own tag and description from it, and its deadline).
+Schedule hierarchical_allreduce(const HierarchicalRings& r, char* buf, size_t count, DType dtype, ReduceOp op,
+                                const OpInfo& info);
 
 }  // namespace ering

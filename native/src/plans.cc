@@ -46,8 +46,9 @@ uint32_t op_tag(std::initializer_list<uint64_t> words) {
 // ---------------------------------------------------------------- AllreducePlan
 
 AllreducePlan::AllreducePlan(char* buf, size_t count, DType dtype, ReduceOp op, int rank, int n, size_t seg_bytes,
-                             std::vector<char>& scratch)
-    : buf_(buf), dtype_(dtype), op_(op), r_(rank), n_(n), esize_(dtype_size(dtype)) {
+                             std::vector<char>& scratch, int average_over)
+    : buf_(buf), dtype_(dtype), op_(op), r_(rank), n_(n), average_over_(average_over ? average_over : n),
+      esize_(dtype_size(dtype)) {
   blocks_ = even_blocks(count, esize_, n);
   seg_ = std::max(esize_, seg_bytes / esize_ * esize_);
   k_ = segments_for(blocks_.max_len, seg_);
@@ -70,7 +71,7 @@ void AllreducePlan::received(size_t i) {
   Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
   reduce_into(s.ptr, scratch_, s.bytes / esize_, dtype_, op_);
   // The last reduce-scatter step completes this rank's own block: divide once, here.
-  if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+  if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) scale_down(s.ptr, s.bytes / esize_, dtype_, average_over_);
 }
 
 void AllreducePlan::deliver(size_t i, size_t offset, const char* src, size_t n) {
@@ -84,7 +85,7 @@ void AllreducePlan::delivered(size_t i) {
   size_t g = i / k_;
   if (g == size_t(n_ - 2) && op_ == ReduceOp::Average) {
     Span s = segment(buf_, blocks_, recv_block(g), i % k_, seg_);
-    scale_down(s.ptr, s.bytes / esize_, dtype_, n_);
+    scale_down(s.ptr, s.bytes / esize_, dtype_, average_over_);
   }
 }
 

@@ -14,8 +14,8 @@
 #include <initializer_list>
 #include <vector>
 
-#include "common.h"
-#include "links.h"
+#include "base/common.h"
+#include "transport/links.h"
 
 namespace ering {
 
@@ -34,8 +34,10 @@ struct Blocks {
 // and are reduced from there (or straight from shared memory, see deliver()).
 class AllreducePlan : public Plan {
  public:
+  // Average divides by `average_over` ranks (0: the ring's n) where each block completes: a
+  // ring of a hierarchy divides by the whole world's size.
   AllreducePlan(char* buf, size_t count, DType dtype, ReduceOp op, int rank, int n, size_t seg_bytes,
-                std::vector<char>& scratch);
+                std::vector<char>& scratch, int average_over = 0);
   size_t num_sends() const override { return size_t(2 * (n_ - 1)) * k_; }
   size_t num_recvs() const override { return num_sends(); }
   ptrdiff_t send_after(size_t i) const override { return i < k_ ? -1 : ptrdiff_t(i - k_); }
@@ -53,7 +55,7 @@ class AllreducePlan : public Plan {
   char* buf_;
   DType dtype_;
   ReduceOp op_;
-  int r_, n_;
+  int r_, n_, average_over_;
   size_t esize_, seg_, k_;
   Blocks blocks_;
   char* scratch_;

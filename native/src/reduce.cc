@@ -197,40 +197,28 @@ inline __attribute__((always_inline)) void scale_loop(T* __restrict d, size_t n,
   }
 }
 
+// float16/bfloat16 <-> float32, rounding to nearest even.
+void widen_to_f32(float* dst, const void* src, size_t count, DType dtype) {
+  if (dtype == DType::Float16) {
+    const half* s = static_cast<const half*>(src);
+    for (size_t i = 0; i < count; ++i) dst[i] = float(s[i]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(s[i]);
+  }
+}
+
+void narrow_from_f32(void* dst, const float* src, size_t count, DType dtype) {
+  if (dtype == DType::Float16) {
+    half* d = static_cast<half*>(dst);
+    for (size_t i = 0; i < count; ++i) d[i] = half(src[i]);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (size_t i = 0; i < count; ++i) d[i] = f32_to_bf16(src[i]);
+  }
+}
+
 }  // namespace
-
-size_t dtype_size(DType t) {
-  switch (t) {
-    case DType::Float16: case DType::BFloat16: return 2;
-    case DType::Float32: case DType::Int32: return 4;
-    case DType::Float64: case DType::Int64: return 8;
-    case DType::UInt8: return 1;
-  }
-  return 0;
-}
-
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::Float16: return "float16";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Float32: return "float32";
-    case DType::Float64: return "float64";
-    case DType::Int32: return "int32";
-    case DType::Int64: return "int64";
-    case DType::UInt8: return "uint8";
-  }
-  return "?";
-}
-
-const char* op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Average: return "average";
-    case ReduceOp::Min: return "min";
-    case ReduceOp::Max: return "max";
-  }
-  return "?";
-}
 
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
   reduce_to(dst, dst, src, count, dtype, op);
@@ -271,51 +259,32 @@ void scale_down(void* dst, size_t count, DType dtype, int divisor) {
   }
 }
 
-void widen_to_f32(float* dst, const void* src, size_t count, DType dtype) {
-  if (dtype == DType::Float16) {
-    const half* s = static_cast<const half*>(src);
-    for (size_t i = 0; i < count; ++i) dst[i] = float(s[i]);
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(s[i]);
-  }
+Widening::Widening(DType dtype, ReduceOp op)
+    : dtype_(dtype),
+      active_((dtype == DType::Float16 || dtype == DType::BFloat16) && (op == ReduceOp::Sum || op == ReduceOp::Average)) {}
+
+char* Widening::widen(const void* src, size_t count, std::vector<char>& storage) const {
+  if (storage.size() < count * sizeof(float)) storage.resize(count * sizeof(float));
+  widen_to_f32(reinterpret_cast<float*>(storage.data()), src, count, dtype_);
+  return storage.data();
 }
 
-void narrow_from_f32(void* dst, const float* src, size_t count, DType dtype) {
-  if (dtype == DType::Float16) {
-    half* d = static_cast<half*>(dst);
-    for (size_t i = 0; i < count; ++i) d[i] = half(src[i]);
-  } else {
-    uint16_t* d = static_cast<uint16_t*>(dst);
-    for (size_t i = 0; i < count; ++i) d[i] = f32_to_bf16(src[i]);
-  }
+void Widening::narrow(void* dst, const char* wide, size_t count) const {
+  narrow_from_f32(dst, reinterpret_cast<const float*>(wide), count, dtype_);
 }
 
 void reduce_many(void* dst, const void* const* srcs, int n, size_t count, DType dtype, ReduceOp op) {
   if (dtype == DType::Float16 || dtype == DType::BFloat16) {
-    // Accumulate in float32 in rank order, round once: same inputs, same order, same bits on every rank.
-    std::vector<float> acc(count);
-    auto load = [&](const void* p, size_t i) {
-      return dtype == DType::Float16 ? float(static_cast<const half*>(p)[i])
-                                     : bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    };
-    for (size_t i = 0; i < count; ++i) acc[i] = load(srcs[0], i);
+    // Every op through float32 here, in rank order, rounded once: same inputs, same order,
+    // same bits on every rank (for Min and Max the same bits as in 16 bits).
+    std::vector<float> acc(count), next(count);
+    widen_to_f32(acc.data(), srcs[0], count, dtype);
     for (int k = 1; k < n; ++k) {
-      for (size_t i = 0; i < count; ++i) {
-        float v = load(srcs[k], i);
-        switch (op) {
-          case ReduceOp::Sum: case ReduceOp::Average: acc[i] += v; break;
-          case ReduceOp::Min: acc[i] = Min::apply(acc[i], v); break;
-          case ReduceOp::Max: acc[i] = Max::apply(acc[i], v); break;
-        }
-      }
+      widen_to_f32(next.data(), srcs[k], count, dtype);
+      reduce_into(acc.data(), next.data(), count, DType::Float32, op);
     }
-    if (op == ReduceOp::Average)
-      for (size_t i = 0; i < count; ++i) acc[i] /= float(n);
-    for (size_t i = 0; i < count; ++i) {
-      if (dtype == DType::Float16) static_cast<half*>(dst)[i] = half(acc[i]);
-      else static_cast<uint16_t*>(dst)[i] = f32_to_bf16(acc[i]);
-    }
+    if (op == ReduceOp::Average) scale_down(acc.data(), count, DType::Float32, n);
+    narrow_from_f32(dst, acc.data(), count, dtype);
     return;
   }
   const size_t bytes = count * dtype_size(dtype);

@@ -2,8 +2,9 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace ering {
 
@@ -18,9 +19,38 @@ void reduce_to(void* dst, const void* a, const void* b, size_t count, DType dtyp
 // dst[i] = dst[i] / divisor (floats: IEEE division; integers: truncating division).
 void scale_down(void* dst, size_t count, DType dtype, int divisor);
 
-// float16/bfloat16 <-> float32, rounding to nearest even; used to sum 16-bit tensors in float32.
-void widen_to_f32(float* dst, const void* src, size_t count, DType dtype);
-void narrow_from_f32(void* dst, const float* src, size_t count, DType dtype);
+// How a reduction of `dtype` by `op` travels and accumulates: float16 and bfloat16 Sum and
+// Average in float32 (twice the bytes), rounded once at the end, so partial sums cannot
+// overflow and every path rounds once; Min and Max, exact in any width, and every other
+// dtype as they are. The one place that decides this and converts: every collective that
+// widens 16-bit floats does it through here (in place: accumulate() below).
+class Widening {
+ public:
+  Widening(DType dtype, ReduceOp op);
+  bool active() const { return active_; }
+  DType dtype() const { return active_ ? DType::Float32 : dtype_; }  // what travels and accumulates
+  // Active only: `count` elements of `src` as float32 in `storage` (grown to fit), returned.
+  char* widen(const void* src, size_t count, std::vector<char>& storage) const;
+  // Active only: rounds `count` float32 results at `wide` to the 16-bit dtype in `dst`, once
+  // (to nearest, ties to even).
+  void narrow(void* dst, const char* wide, size_t count) const;
+
+ private:
+  DType dtype_;
+  bool active_;
+};
+
+// Runs reduce(data, dtype) for `count` elements of `buf` reduced in place: on a float32 copy
+// rounded back into buf at the end when the Widening is active, else on buf itself.
+template <class Reduce>
+void accumulate(void* buf, size_t count, DType dtype, ReduceOp op, Reduce&& reduce) {
+  const Widening widening(dtype, op);
+  if (!widening.active()) return reduce(static_cast<char*>(buf), dtype);
+  std::vector<char> storage;
+  char* wide = widening.widen(buf, count, storage);
+  reduce(wide, widening.dtype());
+  widening.narrow(buf, wide, count);
+}
 
 // dst = srcs[0] op srcs[1] op ... op srcs[n-1], in that order, then / n for Average.
 // float16/bfloat16 accumulate all n inputs in float32 and round once.

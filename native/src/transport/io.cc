@@ -1,5 +1,5 @@
 // Socket primitives: the abort eventfd, poll deadlines, whole-buffer I/O, ring addresses.
-#include "io.h"
+#include "transport/io.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -14,9 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "config.h"
-#include "fork_guard.h"
-#include "handshake.h"
+#include "base/config.h"
+#include "transport/fork_guard.h"
 
 namespace ering {
 

@@ -30,12 +30,11 @@ struct CommConfig {
   size_t fusion_bytes = 64 << 20;  // async allreduces are fused into buckets up to this size
   // Auto: a neighbour on the same host (same entry in `hosts`) gets shared memory; Tcp: never.
   enum class Transport { Auto, Tcp } transport = Transport::Auto;
-  // Allreduce algorithm. Ring: the flat ring always. Hierarchical: the hierarchical
-  // schedule whenever the world allows it (see Hierarchy), else the ring. Auto: the
-  // hierarchical schedule when the world allows it and the buffer is larger than
-  // hierarchical_bytes, else the ring. The choice depends only on world shape, size and
-  // config, so every rank makes the same one.
-  enum class Algorithm { Auto, Ring, Hierarchical } algorithm = Algorithm::Auto;
+  // Which allreduce algorithms may run (the choice itself: algorithm.h). Ring: the flat ring
+  // always. Hierarchical: the hierarchical schedule whenever the world allows it (see
+  // Hierarchy), else the ring. Auto: the hierarchical schedule when the world allows it and
+  // the buffer is larger than hierarchical_bytes, else the ring.
+  enum class AlgorithmSetting { Auto, Ring, Hierarchical } algorithm = AlgorithmSetting::Auto;
   size_t hierarchical_bytes = 4 << 20;  // "auto" goes hierarchical above this size (measured)
 };
 
@@ -46,7 +45,7 @@ void check_config(const CommConfig& c);
 // parse_* throw CommError(Invalid) naming the choices.
 const char* transport_name(CommConfig::Transport t);
 CommConfig::Transport parse_transport(const std::string& name);
-const char* algorithm_name(CommConfig::Algorithm a);
-CommConfig::Algorithm parse_algorithm(const std::string& name);
+const char* algorithm_setting_name(CommConfig::AlgorithmSetting a);
+CommConfig::AlgorithmSetting parse_algorithm_setting(const std::string& name);
 
 }  // namespace ering

@@ -1,5 +1,5 @@
 // The listener: accepting ring connections and running their handshakes on one thread.
-#include "listener.h"
+#include "transport/listener.h"
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -13,7 +13,7 @@
 #include <cstring>
 #include <memory>
 
-#include "fork_guard.h"
+#include "transport/fork_guard.h"
 
 namespace ering {
 namespace {

@@ -1,5 +1,5 @@
 // The registry of ring sockets and the fork handler that lets go of them in a child.
-#include "fork_guard.h"
+#include "transport/fork_guard.h"
 
 #include <fcntl.h>
 #include <pthread.h>

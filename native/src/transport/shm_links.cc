@@ -1,7 +1,7 @@
 // Shared-memory ends: the memfd ring of chunks, and the ends that move a Plan's segments
 // through it with doorbells. See shm_links.h for the design and native/README.md for the
 // layout.
-#include "shm_links.h"
+#include "transport/shm_links.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -14,7 +14,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "auth.h"
+#include "transport/auth.h"
 
 namespace ering {
 

@@ -1,11 +1,13 @@
-// The data plane of one ring: a Plan (what a collective sends and receives, as numbered
-// segments) and the Links that move it between this rank and its two neighbours, with a
-// no-progress deadline, abort, and the poison byte that tells a neighbour a failure was
-// passed on.
+// The data plane of a communicator's rings: a Plan (what a collective sends and receives,
+// as numbered segments), the Links that move it between this rank and its two neighbours on
+// one ring, and the loop that runs the steps of a collective over one or more rings
+// (run_steps) with one deadline, abort, and the poison byte that tells a neighbour a failure
+// was passed on.
 //
 // The links know connections and segments only; which bytes go where is the Plan's
-// business (plans.h). Each direction is an end: TCP frames (tcp_links.h) or shared memory
-// (shm_links.h); one loop here drives both, whatever they are.
+// business (plans.h), and which ring runs what when is the Steps' (hierarchical.h). Each
+// direction is an end: TCP frames (tcp_links.h) or shared memory (shm_links.h); one loop
+// here drives them all, whatever they are.
 #pragma once
 
 #include <atomic>
@@ -16,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "io.h"
+#include "base/common.h"
+#include "transport/io.h"
 
 namespace ering {
 
@@ -56,7 +58,7 @@ struct OpInfo {
   uint32_t tag;          // hash of what the op is (kind, dtype, op, size): catches mismatched calls
   std::string describe;  // for errors: "allreduce #7 (float32, 1000 elements, sum)"
   // The collective timeout: when this rank entered the collective plus the timeout. Every
-  // run() of the collective (each phase of the hierarchical path) ends by it, so the timeout
+  // step of the collective (each phase of the hierarchical path) ends by it, so the timeout
   // means one thing on every path and world size: the longest a rank stays in one
   // collective, however far its neighbours got.
   Clock::time_point deadline;
@@ -76,20 +78,22 @@ struct LinkContext {
   double dead_link_timeout_s = 0;          // CommConfig::dead_link_timeout, for messages
 };
 
-// A connection of another ring of the same communicator that a run() must watch while it
-// waits: the hierarchical allreduce runs its phases on different rings, and a rank blocked
-// in one phase must still learn at once that a neighbour it needs in a later phase gave up
-// or died (FIN, RST or the poison byte; data and doorbells on it are left alone).
+// A connection of a ring that is watched while it carries nothing for this rank: a ring
+// whose next step waits for a step of another ring (run_steps), or the flat ring while the
+// reverse ring forms. A rank blocked on one ring must still learn at once that a neighbour it
+// needs on another gave up or died (FIN, RST or the poison byte; data and doorbells on it
+// are left alone).
 struct WatchFd {
   int fd;
   int peer;
   std::string name;
 };
-constexpr size_t kMaxWatch = 2;
 
-// Where one run() of a ring stands: the collective in flight and how far each direction
-// has got. The ends advance their own counter; the loop reads both.
+// Where one step on a ring stands: the collective in flight there and how far each
+// direction has got. The ends advance their own counter; the loop reads both.
 struct RunState {
+  RunState(Plan& p, const OpInfo& o, const LinkContext& c)
+      : plan(p), op(o), ctx(c), nsend(p.num_sends()), nrecv(p.num_recvs()) {}
   Plan& plan;
   const OpInfo& op;
   const LinkContext& ctx;
@@ -119,7 +123,7 @@ struct Neighbour {
 
 // One end of a ring direction: the sending end (this rank -> the next) or the receiving
 // end (the previous rank -> this one), over TCP frames or shared memory. It owns the
-// connection to that neighbour. Links::run() drives two of them in one loop.
+// connection to that neighbour. run_steps() drives the two ends of every ring in one loop.
 class End {
  public:
   enum Direction { Send, Recv };
@@ -130,7 +134,7 @@ class End {
   virtual const char* kind() const = 0;  // "tcp" or "shm"
   // Waits spin briefly before sleeping in poll() (memory the peer writes, not a socket).
   virtual bool spins() const { return false; }
-  // A new run() begins: the first segment of this end's direction.
+  // A new step begins: the first segment of this end's direction.
   void start(RunState& s);
   // Moves what it can without blocking, advancing s.sent (a sending end, while
   // s.may_send()) or s.received (handing each segment to the plan); true if anything moved.
@@ -159,17 +163,15 @@ class End {
   size_t off_ = 0;         // how much of it moved (TCP: of its frame, header included)
 };
 
-// The data plane of one ring: one loop drives both directions, whichever end each has
-// (TCP, or shared memory for a neighbour on the same host), so the deadline, abort,
-// watching and failure rules are written once for every transport.
+// One ring of a communicator: a sending end to the next rank and a receiving end from the
+// previous one, whichever each is (TCP, or shared memory for a neighbour on the same host).
+// run_steps() drives them, so the deadline, abort, watching and failure rules are written
+// once for every transport and every ring.
 class Links {
  public:
   // `send` is a sending end to ctx.next_rank, `recv` a receiving end from ctx.prev_rank.
   Links(std::unique_ptr<End> send, std::unique_ptr<End> recv, LinkContext ctx, const AbortSignal* abort);
-  // Runs the plan to the end: fails (CommError) when op.deadline passes first (Timeout), on
-  // abort, when a neighbour's connection ends or a segment does not match.
-  // After this rank's own abort() every failure is reported as Aborted: abort() shuts the
-  // sockets down, and a send or receive that meets that end first would blame a neighbour.
+  // Runs one plan on this ring to the end: run_steps() with one step.
   void run(Plan& plan, const OpInfo& op);
   // Shuts the connections down so neighbours fail fast: how one failure reaches every rank.
   // The poison byte once on both, then shutdown() (not close(): safe while another thread
@@ -178,29 +180,47 @@ class Links {
   // How this rank sends to the next rank and receives from the previous one: "tcp" or "shm".
   const char* send_kind() const { return send_->kind(); }
   const char* recv_kind() const { return recv_->kind(); }
-  // This ring's two connections, for another ring's run() to watch.
+  // This ring's two connections, {to the next rank, from the previous rank}, for watching.
   std::vector<WatchFd> connections() const;
-  // What the next run() watches besides its own connections (at most kMaxWatch); cleared by the caller.
-  void watch(std::vector<WatchFd> w) { watch_ = std::move(w); }
-  const LinkContext& context() const { return ctx_; }
- private:
-  void run_plan(Plan& plan, const OpInfo& op);
-
- public:
-  // Outside run(): throws op's CommError if a neighbour on this ring gave up or died (Aborted
-  // after this rank's own abort(), as run()).
+  // Outside a run: throws op's CommError if a neighbour on this ring gave up or died (Aborted
+  // after this rank's own abort(), as a run).
   void check_alive(const OpInfo& op);
 
  private:
-  // Nothing moved and nothing is left to spin for: sleeps in poll() on abort, both
-  // connections and the watched ones until one is ready or the deadline passes.
-  void sleep(RunState& s, Clock::time_point deadline);
+  friend class StepRunner;  // links.cc: the loop of run_steps()
   std::unique_ptr<End> send_, recv_;
   LinkContext ctx_;
   const AbortSignal* abort_;
   std::atomic<bool> poisoned_{false};
-  std::vector<WatchFd> watch_;
 };
+
+// One collective on one ring, as a step of a collective over several rings.
+struct Step {
+  Links* ring;
+  Plan* plan;
+  OpInfo op;             // its own tag and description; the deadline is the collective's
+  ptrdiff_t after = -1;  // an earlier step (of another ring) that must finish before this one starts, or -1
+};
+
+// A collective over several rings as data: its plans, and the steps that run them.
+struct Schedule {
+  std::vector<std::unique_ptr<Plan>> plans;
+  std::vector<Step> steps;
+  // Adds a step running `plan` on `ring` after `after` (-1: its ring's previous step only);
+  // returns its index.
+  size_t add(Links* ring, std::unique_ptr<Plan> plan, OpInfo op, ptrdiff_t after = -1);
+};
+
+// Runs `steps` to the end in one loop on the calling thread: each ring takes its steps in the
+// order given, and a step starts once its ring's previous step and its `after` step have
+// finished, so rings overlap where the steps allow. The rings (of one communicator: they
+// share its abort signal) wait together in one poll(): on abort, on their connections, and
+// on the connections of a ring whose next step still waits (see WatchFd), until the earliest
+// step deadline. Fails (CommError) when the deadline passes first (Timeout), on abort, when
+// a neighbour's connection ends or a segment does not match. After this rank's own abort()
+// every failure is reported as Aborted: abort() shuts the sockets down, and a send or
+// receive that meets that end first would blame a neighbour.
+void run_steps(const std::vector<Step>& steps);
 
 // The poison byte: one TCP urgent byte a rank sends before shutting a connection down when
 // it gives up, so a neighbour reports "propagated" instead of blaming a live rank.

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace ering {
 

@@ -1,10 +1,11 @@
 // Encoding, decoding and judging of ring handshake messages; no sockets here.
-#include "handshake.h"
+#include "transport/handshake.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "wire.h"
+#include "base/common.h"
+#include "transport/wire.h"
 
 namespace ering {
 namespace {
@@ -167,26 +168,6 @@ bool decode_refusal(const std::vector<uint8_t>& body, const std::string& secret,
   Digest want = handshake_mac(secret, "refusal", hello_body, acceptor_nonce, signed_part);
   *authenticated = digest_equal(body.data() + kRefusalFixed + len, want.data(), want.size());
   return true;
-}
-
-std::string printable(const std::string& s, size_t max_bytes) {
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  size_t n = std::min(s.size(), max_bytes);
-  for (size_t i = 0; i < n; ++i) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c >= 0x20 && c < 0x7f) {
-      out += char(c);
-    } else {
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    }
-  }
-  if (s.size() > max_bytes) out += "...(" + std::to_string(s.size()) + " bytes)";
-  return out;
 }
 
 }  // namespace ering

@@ -4,9 +4,9 @@
 
 #include <string>
 
-#include "common.h"
-#include "handshake.h"
-#include "io.h"
+#include "base/common.h"
+#include "transport/handshake.h"
+#include "transport/io.h"
 
 namespace ering {
 

@@ -1,4 +1,5 @@
-// Shared vocabulary of the core: dtypes, reduce ops, clocks and the one error type.
+// Shared vocabulary of the core: dtypes, reduce ops, clocks, the one error type, and
+// printable() for strings a peer supplied.
 #pragma once
 
 #include <chrono>
@@ -15,6 +16,11 @@ enum class ReduceOp : int { Sum = 0, Average, Min, Max };
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 const char* op_name(ReduceOp op);
+
+// A peer-supplied string made safe for a log line or an error message: bytes outside
+// printable ASCII (escape codes, newlines, NUL) become \xNN, a backslash \\, and it is cut at
+// max_bytes (noting the full length), so no peer can forge lines or drive a terminal.
+std::string printable(const std::string& s, size_t max_bytes = 64);
 
 using Clock = std::chrono::steady_clock;
 

@@ -16,9 +16,9 @@
 #include <thread>
 #include <vector>
 
-#include "common.h"
-#include "handshake.h"
-#include "io.h"
+#include "base/common.h"
+#include "transport/handshake.h"
+#include "transport/io.h"
 
 namespace ering {
 

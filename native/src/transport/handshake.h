@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "auth.h"
+#include "transport/auth.h"
 
 namespace ering {
 
@@ -122,10 +122,5 @@ std::vector<uint8_t> encode_refusal(const std::string* secret, const std::vector
 bool decode_refusal(const std::vector<uint8_t>& body, const std::string& secret,
                     const std::vector<uint8_t>& hello_body, const uint8_t* acceptor_nonce, Refusal* code,
                     std::string* reason, bool* authenticated);
-
-// A peer-supplied string made safe for a log line or an error message: bytes outside
-// printable ASCII (escape codes, newlines, NUL) become \xNN, a backslash \\, and it is cut at
-// max_bytes (noting the full length), so no peer can forge lines or drive a terminal.
-std::string printable(const std::string& s, size_t max_bytes = 64);
 
 }  // namespace ering

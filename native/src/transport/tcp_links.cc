@@ -1,5 +1,5 @@
 // The TCP ends: frames on non-blocking sockets, moved with sendmsg/recvmsg a piece at a time.
-#include "tcp_links.h"
+#include "transport/tcp_links.h"
 
 #include <poll.h>
 #include <sys/socket.h>

@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "links.h"
+#include "transport/links.h"
 
 namespace ering {
 

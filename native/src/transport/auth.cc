@@ -1,6 +1,6 @@
 // SHA-256 (FIPS 180-4) and HMAC (RFC 2104): small, dependency-free, checked against
-// Python's hashlib/hmac in tests/native/test_auth.py.
-#include "auth.h"
+// Python's hashlib/hmac in tests/native/test_handshake.py (test_hmac_matches_the_standard_library).
+#include "transport/auth.h"
 
 #include <sys/random.h>
 

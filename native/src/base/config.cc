@@ -1,10 +1,9 @@
 // Checking and naming the communicator's settings.
-#include "config.h"
+#include "base/config.h"
 
 #include <cmath>
 
-#include "common.h"
-#include "handshake.h"
+#include "base/common.h"
 
 namespace ering {
 namespace {
@@ -31,19 +30,19 @@ CommConfig::Transport parse_transport(const std::string& name) {
   bad("transport: unknown transport '" + printable(name) + "': expected 'auto' or 'tcp'");
 }
 
-const char* algorithm_name(CommConfig::Algorithm a) {
+const char* algorithm_setting_name(CommConfig::AlgorithmSetting a) {
   switch (a) {
-    case CommConfig::Algorithm::Ring: return "ring";
-    case CommConfig::Algorithm::Hierarchical: return "hierarchical";
-    case CommConfig::Algorithm::Auto: break;
+    case CommConfig::AlgorithmSetting::Ring: return "ring";
+    case CommConfig::AlgorithmSetting::Hierarchical: return "hierarchical";
+    case CommConfig::AlgorithmSetting::Auto: break;
   }
   return "auto";
 }
 
-CommConfig::Algorithm parse_algorithm(const std::string& name) {
-  if (name == "auto") return CommConfig::Algorithm::Auto;
-  if (name == "ring") return CommConfig::Algorithm::Ring;
-  if (name == "hierarchical") return CommConfig::Algorithm::Hierarchical;
+CommConfig::AlgorithmSetting parse_algorithm_setting(const std::string& name) {
+  if (name == "auto") return CommConfig::AlgorithmSetting::Auto;
+  if (name == "ring") return CommConfig::AlgorithmSetting::Ring;
+  if (name == "hierarchical") return CommConfig::AlgorithmSetting::Hierarchical;
   bad("algorithm: unknown allreduce algorithm '" + printable(name) + "': expected 'auto', 'ring' or 'hierarchical'");
 }
 

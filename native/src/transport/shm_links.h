@@ -16,7 +16,7 @@
 #include <memory>
 #include <string>
 
-#include "links.h"
+#include "transport/links.h"
 
 namespace ering {
 
