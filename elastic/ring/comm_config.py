@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 
 from elastic.ring import _native
 
-_CORE = _native.CommConfig()  # the core's defaults: each setting's default is written once, in native/src/config.h
+_CORE = _native.CommConfig()  # the core's defaults: each setting's default is written once, in native/src/base/config.h
 
 
 def _setting(name: str, env: str) -> Any:

@@ -3,7 +3,7 @@
 A forked child inherits every descriptor of the worker. While a child holds the worker's gRPC
 connection, a SIGKILLed worker's Watch stream stays open: the server learns of the death only from
 missed keepalive pings (the heartbeat timeout), not at once, and the job re-forms that much later.
-The ring's own sockets are let go of by the native core (``native/src/fork_guard.h``); this does the
+The ring's own sockets are let go of by the native core (``native/src/transport/fork_guard.h``); this does the
 same for the sockets connected to the rendezvous servers, which gRPC's C core owns and does not
 name. In the child each such socket is replaced by ``/dev/null``: the connection stays the
 worker's alone, and the number stays taken, so the child can neither close nor write to a
