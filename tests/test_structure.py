@@ -387,6 +387,7 @@ def test_the_check_for_redefinitions_sees_them(source, found):
     assert redefined(source) == found
 
 
+@pytest.mark.slow
 def test_no_module_of_the_project_or_its_tests_defines_a_name_twice():
     roots = PACKAGES + ("tests", "bench", "examples")
     paths = sorted(os.path.join(d, f) for root in roots for d, _, files in os.walk(os.path.join(REPO, root))

@@ -44,3 +44,8 @@ class StepHooks:
 
     def committed(self, state: Any, commit_step: int) -> None:
         """Commit ``commit_step`` was just taken in memory, before the membership check of that commit."""
+
+    def ring_aborted(self, reason: str) -> None:
+        """The session aborted the ring it holds (a peer failed, the world was superseded): a layer
+        with work of its own behind the ring (a device communicator) aborts it too. Runs on
+        whichever thread aborted, the session's event thread among them: it must not block long."""

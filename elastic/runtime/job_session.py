@@ -241,8 +241,7 @@ class JobSession(Session):
         self._view, actions = reaction.react(self._view, ev)
         for action in actions:
             if isinstance(action, reaction.AbortRing):
-                if self.comm is not None:
-                    self.comm.abort(action.reason)
+                self.abort_ring(action.reason)
             elif isinstance(action, reaction.Note):
                 log.info("worker %s %s", self.config.worker_id, action.message)
 
@@ -314,12 +313,12 @@ class JobSession(Session):
         if old is not None:
             old.close()
         if superseded:
-            comm.abort(f"world version {world.world_version} was superseded before it formed")
+            self.abort_ring(f"world version {world.world_version} was superseded before it formed", comm)
         comm.connect()
         with self._cond:
             self._view = reaction.holding(self._view, world.world_version, formed=True)
             if reaction.aborted_while_forming(self._view, world.world_version):
-                comm.abort(f"world version {world.world_version} was aborted while forming")
+                self.abort_ring(f"world version {world.world_version} was aborted while forming", comm)
         if self.metrics is not None:
             self.metrics.world_formed(world.world_version, world.rank, world.size)
         world_env.publish(world.rank, world.size)

@@ -217,6 +217,19 @@ class Session:
         clock.__enter__()
         return clock
 
+    def abort_ring(self, reason: str, comm: Optional[Communicator] = None) -> None:
+        """Aborts ``comm`` (default: the ring held): whatever is in flight on it fails on every rank
+        within milliseconds; then every layer aborts what it runs behind the ring (``ring_aborted``)."""
+        comm = comm if comm is not None else self.comm
+        if comm is None:
+            return
+        comm.abort(reason)
+        for h in self.hooks:
+            try:
+                h.ring_aborted(reason)
+            except Exception:  # noqa: BLE001 (the event thread must outlive a layer's failure)
+                log.exception("a layer failed to abort its work behind the ring: %s", reason)
+
     # ------------------------------------------------------------------ failures a layer above caught
     def note_failure(self, err: WorkerLostError) -> None:
         """A ring failure that a layer above turned into another error (torch makes a

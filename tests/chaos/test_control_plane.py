@@ -18,6 +18,8 @@ from tests.waiting import wait_until
 from .checks import EPOCHS, check_outcome
 from .etcd_cluster import EtcdCluster
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 WORKERS = ["w0", "w1", "w2"]
 # Long enough (about 5 s of training) that every fault below lands mid-training.
 STEP_SLEEP = "0.1"

@@ -12,6 +12,8 @@ from tests.waiting import wait_until
 
 from .checks import check_outcome
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 # Batches of 6 per rank: a world of 3 trains 18 samples a step, one of 2 trains 12, so what
 # is left of the 240 of an epoch always splits evenly and no shard is padded: every sample is
 # trained exactly once per epoch, which the accounting below asserts (no repeat allowed).

@@ -18,7 +18,7 @@ from tests.waiting import wait_until
 from .checks import EPOCHS, check_outcome
 from .netns import Network, NsServer, netem_skip_reason, skip_reason, start_on_hosts
 
-pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
 
 HEARTBEAT_S = 2.0
 PLACES = {"w0": 0, "w1": 0, "w2": 1, "w3": 2}

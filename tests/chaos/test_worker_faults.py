@@ -13,6 +13,8 @@ from tests.waiting import wait_until
 
 from .checks import EPOCHS, check_no_commit_lost, check_outcome
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 
 def start(job, workers, **env):
     for w in workers:

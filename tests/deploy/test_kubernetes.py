@@ -36,6 +36,7 @@ def test_the_kustomization_lists_every_manifest_of_the_directory():
     assert kustomization(CERT_MANAGER)["namespace"] == NAMESPACE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_manifest_is_valid_against_the_kubernetes_api_schema_offline(version, monkeypatch):
     def no_network(*args, **kwargs):

@@ -11,6 +11,7 @@ own certificate, which a worker's stolen key would be.
 
 from __future__ import annotations
 
+import pytest
 import http.client
 import os
 import re
@@ -236,6 +237,7 @@ def test_etcd_serves_metrics_on_loopback_only():
 
 
 # ---------------------------------------------------------------------- a real etcd
+@pytest.mark.slow
 def test_a_real_etcd_with_the_manifests_tls_flags_admits_etcds_client_certificate_and_refuses_the_rendezvous_one(
         mounted, tmp_path):
     etcd = named("StatefulSet", "etcd")

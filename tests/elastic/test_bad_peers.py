@@ -22,6 +22,8 @@ from tests.native import wire
 
 from .jobs import wait_until
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 FORMS_NO = b"this worker forms no leaders' ring (channel 2): is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?"
 
 

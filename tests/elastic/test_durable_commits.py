@@ -136,6 +136,7 @@ def test_a_durable_commit_on_a_slow_disk_returns_without_waiting_for_it(solo, tm
 
 
 # --------------------------------------------------------------------------- waiting
+@pytest.mark.slow
 def test_a_commit_that_finds_the_previous_write_running_waits_for_it_and_says_how_long(solo, tmp_path, held,
                                                                                        caplog):
     state = make_state(tmp_path / "ckpt", every=2)
@@ -156,6 +157,7 @@ def test_a_commit_that_finds_the_previous_write_running_waits_for_it_and_says_ho
     assert payload_of(str(tmp_path / "ckpt" / checkpoint.file_name(2))) == expected
 
 
+@pytest.mark.slow
 def test_a_write_running_past_half_the_collective_timeout_leaves_that_commit_unwritten(tmp_path, held, caplog):
     # Waiting longer would leave the other ranks, in the boundary's allreduce, blaming this one.
     comm = solo_ring(timeout=1.0)
@@ -255,6 +257,7 @@ def test_a_failed_write_is_logged_with_path_and_reason_and_the_next_durable_comm
     assert "after the write of commit 0 failed" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_writer_thread_ends_when_idle_and_a_later_commit_starts_another(solo, tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "IDLE_EXIT_S", 0.2)
     state = make_state(tmp_path / "ckpt", every=1)
@@ -299,6 +302,7 @@ def run_exit_script(tmp_path, delay, finish_s):
     return directory, done.stderr, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_the_write_in_flight_is_finished_at_process_exit(tmp_path):
     # The script ends right after its commit, with the write 1 s from done.
     directory, _, _ = run_exit_script(tmp_path, delay=1.0, finish_s=20)
@@ -306,6 +310,7 @@ def test_the_write_in_flight_is_finished_at_process_exit(tmp_path):
     assert step == 0 and state["attrs"]["epoch"] == 3 and torch.equal(state["attrs"]["w"], torch.arange(10.0))
 
 
+@pytest.mark.slow
 def test_a_write_still_running_at_exit_is_given_up_at_the_deadline_and_logged(tmp_path):
     directory, stderr, took = run_exit_script(tmp_path, delay=50.0, finish_s=0.5)
     assert "durable commit 0 was still being written to" in stderr and "after 0.5 s" in stderr, stderr
@@ -314,6 +319,7 @@ def test_a_write_still_running_at_exit_is_given_up_at_the_deadline_and_logged(tm
 
 
 # --------------------------------------------------------------------------- a real job
+@pytest.mark.slow
 def test_a_slow_disk_does_not_slow_the_step_loop_and_the_last_durable_commit_is_on_disk_when_run_returns(
         job_factory, tmp_path):
     # One worker, 30 steps of 0.1 s, a commit every 3 steps, every 2nd durable: a durable

@@ -105,6 +105,7 @@ def scenario() -> None:
     print("scenario passed", flush=True)
 
 
+@pytest.mark.slow
 def test_a_forked_child_lets_go_of_the_rendezvous_connection_and_keeps_its_others():
     done = subprocess.run([sys.executable, "-c", "from tests.elastic.test_fork_guard import scenario; scenario()"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -50,6 +50,7 @@ def shrunk_at(job, survivors, size, after):
     return min(times) if times else None
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_shrinks_the_world_at_the_next_commit_without_a_restore(job_factory):
     job = job_factory(min_np=2, max_np=3, JOB_STEP_SLEEP="0.1")
     workers = ["w0", "w1", "w2"]
@@ -76,6 +77,7 @@ def test_sigterm_mid_epoch_shrinks_the_world_at_the_next_commit_without_a_restor
     assert "restoring commit" not in job.log("w0") + job.log("w1")
 
 
+@pytest.mark.slow
 def test_request_leave_shrinks_the_world_like_sigterm(job_factory):
     job = job_factory(min_np=2, max_np=3, JOB_STEP_SLEEP="0.05", JOB_LEAVE_AT="w1:8")
     workers = ["w0", "w1", "w2"]
@@ -99,6 +101,7 @@ def check_no_member(status, worker):
     assert view is None or not any(m.worker_id == worker for m in view.members), view
 
 
+@pytest.mark.slow
 def test_sigterm_while_waiting_for_a_world_leaves_at_once(job_factory, server):
     # min-np 2 with one worker: it waits for a world that never comes, and holds no ring.
     job = job_factory(min_np=2, max_np=2)
@@ -123,6 +126,7 @@ def catches(pid: int, sig: int) -> bool:
     return bool(mask >> (int(sig) - 1) & 1)
 
 
+@pytest.mark.slow
 def test_sigterm_while_joining_leaves_once_the_server_answers(job_factory, server):
     # The server is stopped: w0's Join cannot be answered. The SIGTERM comes while it waits, and
     # must be a leave (told to the server once it answers), not the death of a member just admitted.
@@ -143,6 +147,7 @@ def test_sigterm_while_joining_leaves_once_the_server_answers(job_factory, serve
         status.close()
 
 
+@pytest.mark.slow
 def test_sigterm_while_no_server_answers_the_join_leaves_at_once(job_factory):
     # Nothing listens at the rendezvous address: the Join is retried until its 30 s deadline, and
     # the grace is 30 s. A SIGTERM meanwhile ends it after the attempt under way, with exit 0.
@@ -158,6 +163,7 @@ def test_sigterm_while_no_server_answers_the_join_leaves_at_once(job_factory):
     assert "Join for job job worker w0: given up after" in log, log
 
 
+@pytest.mark.slow
 def test_a_leaver_that_reaches_no_commit_within_the_grace_leaves_as_a_failure(job_factory):
     # w2 stalls 6 s inside a step; SIGTERM arrives during the stall and the grace is 1 s.
     job = job_factory(min_np=2, max_np=3, JOB_STEP_SLEEP="0.05", ELASTIC_PREEMPT_GRACE="1",
@@ -194,6 +200,7 @@ def test_the_grace_runs_out_once_from_the_first_request():
     assert len(expired) == 1
 
 
+@pytest.mark.slow
 def test_a_finished_request_does_not_expire():
     from elastic.runtime.preemption import LeaveRequest
 
@@ -287,6 +294,7 @@ except KeyboardInterrupt:
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, code, says", [
     ("repeat-within-window", 0, "alive"),
     ("repeat-past-window", -signal.SIGTERM, ""),

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 SCRIPT = """
 import logging, sys
 {setup}

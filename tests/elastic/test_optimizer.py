@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import elastic
@@ -55,6 +56,7 @@ def _reference(size):
     return [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_averages_gradients_over_the_world():
     results = run_world(3, _train_steps, start_method="forkserver")
     want = results[0][2]
@@ -79,6 +81,7 @@ def _unused_parameter(comm):
     return torch.equal(model["unused"].weight, before), float(model["used"].bias)
 
 
+@pytest.mark.slow
 def test_a_parameter_without_gradient_does_not_hang_the_step():
     results = run_world(2, _unused_parameter, start_method="forkserver")
     assert all(unchanged for unchanged, _ in results)
@@ -97,6 +100,7 @@ def _broadcasts(comm):
             opt.state_dict()["state"][0]["exp_avg"].numpy().copy())
 
 
+@pytest.mark.slow
 def test_broadcast_parameters_and_optimizer_state_from_any_root():
     results = run_world(3, _broadcasts, start_method="forkserver")
     for params, lr, exp_avg in results:
@@ -156,6 +160,7 @@ def _accumulate(comm):
     return [p.detach().numpy().copy() for p in model.parameters()], ref, error
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_over_several_backward_passes():
     results = run_world(2, _accumulate, start_method="forkserver")
     ref = results[0][1]
@@ -177,6 +182,7 @@ def _late_group(comm):
     return head.weight.detach().numpy().copy()
 
 
+@pytest.mark.slow
 def test_parameters_added_later_are_averaged_too():
     a, b = run_world(2, _late_group, start_method="forkserver")
     assert (a == b).all()

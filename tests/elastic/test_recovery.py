@@ -8,6 +8,9 @@ import os
 
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.waiting import wait_until
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
 
 
 def test_fault_free_job_completes_identically(job_factory):

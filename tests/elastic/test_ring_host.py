@@ -76,6 +76,7 @@ def _host_resolves_to_loopback() -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _host_resolves_to_loopback(), reason="this host's name resolves to a routable address")
 def test_a_real_worker_on_a_host_named_for_loopback_stops_at_start_naming_elastic_ring_host(tmp_path):
     # The rendezvous is a documentation address (nobody there): the worker must stop before it

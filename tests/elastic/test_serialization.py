@@ -150,6 +150,7 @@ def _trained(optimizer_cls, **kw):
     return model, opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [
     (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
     (torch.optim.Adam, dict(lr=0.01, amsgrad=True)),
@@ -216,12 +217,14 @@ _values = st.recursive(_leaves, lambda children: st.one_of(
 ), max_leaves=20)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_values)
 def test_any_carried_value_round_trips_bit_exact(value):
     round_trip(value)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(_values, st.data())
 def test_any_damage_to_an_encoding_raises_only_value_error(value, data):
@@ -245,6 +248,7 @@ def test_any_damage_to_an_encoding_raises_only_value_error(value, data):
         pass  # anything else (IndexError, struct.error, MemoryError, RecursionError) fails the test
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=200))
 def test_junk_after_a_valid_header_raises_only_value_error(junk):
@@ -254,6 +258,7 @@ def test_junk_after_a_valid_header_raises_only_value_error(junk):
         pass
 
 
+@pytest.mark.slow
 def test_every_truncation_and_every_single_bit_flip_of_a_training_state_raises_only_value_error():
     model, opt = _trained(torch.optim.AdamW, lr=0.01)
     data = S.dumps((12, {"model": model.state_dict(), "optimizer": opt.state_dict(),

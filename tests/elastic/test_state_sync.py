@@ -101,6 +101,7 @@ def _sync_from_the_most_advanced(optimizer, comm):
     return before, after, digest(state), state.commit_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_sync_gives_every_rank_the_most_advanced_model_optimizer_and_sampler_state_bit_exact(optimizer):
     results = world(3, _sync_from_the_most_advanced, optimizer)
@@ -163,6 +164,7 @@ def _sync_among(case, comm):
     return standing, before, tensors(), digest(state), comm.ops_run - ops, state.commit_step, state.epoch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(SYNC_CASES))
 def test_ranks_that_hold_the_roots_state_keep_it_and_only_the_others_receive_it(case):
     held, ops = SYNC_CASES[case]
@@ -220,6 +222,7 @@ def _other_weights_same_crc(state, honest: bytes, crc: int) -> bytes:
     return forge_crc32(_other_weights(state, honest, crc), _weight_at(state, honest) + 8, crc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forgery, size, says", [
     (_garbage, 3, "rank 0 announced a state of 1100 bytes, not the"),
     (_other_weights, 3, "the state rank 0 sent is not the one its digest announced"),
@@ -278,6 +281,7 @@ def _check_root_blamed(results, says):
         assert grown < 64, f"peak memory grew by {grown:.0f} MiB"
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_sent_as_sync_state_is_not_unpickled_and_blames_the_root(tmp_path):
     marker = str(tmp_path / "pwned")
     planted = planted_torch_save(marker)
@@ -288,6 +292,7 @@ def test_a_planted_pickle_sent_as_sync_state_is_not_unpickled_and_blames_the_roo
     assert not os.path.exists(marker)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("announced", [-1, -7, 1 << 60])
 def test_a_sync_size_out_of_bounds_blames_the_root_before_anything_is_allocated(announced):
     results = world(3, _hostile_root, b"", announced)
@@ -295,6 +300,7 @@ def test_a_sync_size_out_of_bounds_blames_the_root_before_anything_is_allocated(
     _check_root_blamed(results, says)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [(5, 7), (5, {"noattrs": 1}), (5, {"attrs": {}, "model": 3})],
                          ids=["not-a-dict", "no-attrs", "model-not-a-dict"])
 def test_a_sync_state_of_the_wrong_shape_blames_the_root_and_loads_nothing(value):
@@ -333,6 +339,7 @@ def _hostile_root_sending(case, comm):
     return _hostile_root(payload, len(payload), comm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", MISFITS)
 def test_a_sync_state_that_does_not_fit_the_live_state_is_refused_before_anything_is_loaded(case):
     results = world(3, _hostile_root_sending, case)
@@ -348,6 +355,7 @@ def _root_with_an_attribute_it_cannot_send(comm):
     return type(e.value).__name__, str(e.value), getattr(e.value, "peer_rank", None)
 
 
+@pytest.mark.slow
 def test_a_root_that_cannot_send_its_state_fails_at_once_naming_the_attribute_and_is_blamed_by_the_others():
     results = world(3, _root_with_an_attribute_it_cannot_send)
     assert results[0][0] == "TypeError"
@@ -369,6 +377,7 @@ def _hostile_broadcast_root(marker, comm):
     return str(e.value), e.value.peer_rank
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_sent_to_broadcast_object_is_not_unpickled_and_blames_the_root(tmp_path):
     marker = str(tmp_path / "pwned")
     prove_it_bites(planted_pickle(marker), marker)
@@ -386,6 +395,7 @@ def _broadcast_what_it_cannot_carry(comm):
     return str(e.value), torch.equal(ok["t"], torch.arange(3)) and np.array_equal(ok["a"], np.ones(2))
 
 
+@pytest.mark.slow
 def test_broadcast_object_refuses_what_it_cannot_carry_on_every_rank_without_a_hang():
     results = world(3, _broadcast_what_it_cannot_carry)
     assert "a value of type set cannot be carried" in results[2][0] and "at ['not']" in results[2][0]
@@ -445,6 +455,7 @@ def test_replacing_a_method_of_the_state_is_not_committed_state(alone):
 
 
 # --------------------------------------------------------------------------- real jobs
+@pytest.mark.slow
 def test_a_joining_worker_receives_model_adamw_and_sampler_state_bit_exact(job_factory, tmp_path):
     # Epochs enough for the newcomer's start however slow (torch's import under load); the
     # job ends at the first epoch boundary after it has trained in the world of three.
@@ -472,6 +483,7 @@ def test_a_joining_worker_receives_model_adamw_and_sampler_state_bit_exact(job_f
     assert sent == {syncs[joined]["w2"]["digest"]}, "the newcomer holds exactly what the members held"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forged", ["size:-1", f"size:{1 << 60}", "bytes:planted-pickle", "state:wrong-shapes",
                                     "state:wrong-keys"])
 def test_a_hostile_sync_root_in_a_real_job_is_evicted_and_the_honest_workers_finish_identical(job_factory, server,
@@ -508,6 +520,7 @@ def test_a_hostile_sync_root_in_a_real_job_is_evicted_and_the_honest_workers_fin
     assert not os.path.exists(marker)
 
 
+@pytest.mark.slow
 def test_a_relaunch_resumes_from_the_newest_sound_commit_past_a_truncated_and_a_planted_one(job_factory, tmp_path):
     ckpt = tmp_path / "ckpt"
     first = job_factory(job_id="first", min_np=2, max_np=2, JOB_CHECKPOINT=ckpt, JOB_EPOCHS="1")

@@ -211,6 +211,7 @@ def _async_allreduce_behind_a_slow_rank(flush, comm):
     return comm.wait_clock.seconds - before
 
 
+@pytest.mark.slow
 def test_an_async_allreduce_flushed_counts_as_waiting_from_its_submission_until_the_slow_rank_came():
     # As DDP's buckets are: the fast rank waits on the slow one from its submission (t=0) until the
     # slow one's part came (t=1; counted from its synchronize it would be 0.7 s); the slow rank
@@ -219,6 +220,7 @@ def test_an_async_allreduce_flushed_counts_as_waiting_from_its_submission_until_
     assert 0.9 <= fast < 1.2 and slow < 0.05, (fast, slow)
 
 
+@pytest.mark.slow
 def test_an_async_allreduce_left_in_its_fusion_bucket_counts_from_its_synchronize():
     # Not flushed, it runs only when synchronize sends it: the fast rank waits from then (t=0.3)
     # until the slow rank's synchronize sent its part (t=1.3); from its submission it would be 1.3 s.

@@ -11,6 +11,9 @@ import sys
 from tests.waiting import wait_until
 
 from .launch_helpers import REPO, processes_with
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
 
 DDP_EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
 

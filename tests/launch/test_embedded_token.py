@@ -18,6 +18,8 @@ from rendezvous.wire.membership import JobSpec
 from rendezvous.client.status_client import StatusClient, StatusError
 from rendezvous.client.worker_client import RendezvousClient
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 
 def worker_environ(pid: int) -> dict:
     with open(f"/proc/{pid}/environ", "rb") as f:

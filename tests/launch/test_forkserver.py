@@ -152,6 +152,7 @@ def run_both(server, command, env, out_dir):
     return (plain.returncode, plain.stdout, plain.stderr), (child.wait(60), out, err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "exit-text", "exit-7", "raise", "interrupt", "thread", "file"])
 def test_a_forked_script_ends_as_the_same_script_run_by_python(server, tmp_path, mode):
     script = tmp_path / "probe.py"
@@ -164,6 +165,7 @@ def test_a_forked_script_ends_as_the_same_script_run_by_python(server, tmp_path,
     assert b"fds []" in forked[1]   # nothing of the server's (its socket, its wakeup pipe) leaked in
 
 
+@pytest.mark.slow
 def test_a_forked_module_runs_as_python_dash_m_and_numpy_draws_its_own_numbers(server, tmp_path, monkeypatch):
     (tmp_path / "probemod.py").write_text(PROBE)
     monkeypatch.chdir(tmp_path)
@@ -179,6 +181,7 @@ def test_a_forked_module_runs_as_python_dash_m_and_numpy_draws_its_own_numbers(s
     assert len(draws) == 3, draws
 
 
+@pytest.mark.slow
 def test_a_forked_worker_runs_in_the_directory_asked_for_else_in_the_callers(server, tmp_path, monkeypatch):
     asked = tmp_path / "asked"
     asked.mkdir()
@@ -193,6 +196,7 @@ def test_a_forked_worker_runs_in_the_directory_asked_for_else_in_the_callers(ser
         assert out.decode().strip() == str(expected)
 
 
+@pytest.mark.slow
 def test_a_forked_workers_stdout_and_stderr_can_both_go_to_one_descriptor_in_order(server, tmp_path):
     script = tmp_path / "both.py"
     script.write_text("import sys\nfor i in range(3):\n    print('out', i, flush=True)\n"
@@ -204,6 +208,7 @@ def test_a_forked_workers_stdout_and_stderr_can_both_go_to_one_descriptor_in_ord
     assert (tmp_path / "log.txt").read_text().splitlines() == ["out 0", "err 0", "out 1", "err 1", "out 2", "err 2"]
 
 
+@pytest.mark.slow
 def test_the_server_refuses_a_command_it_cannot_run_and_forks_the_next(server, tmp_path):
     with pytest.raises(ForkServerError, match="refused the worker: not a command this interpreter runs"):
         server.spawn(["/bin/sh", "-c", "id"], dict(os.environ))
@@ -213,6 +218,7 @@ def test_the_server_refuses_a_command_it_cannot_run_and_forks_the_next(server, t
     assert child.wait(60) == 7
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_takes_its_fork_server_and_workers(tmp_path):
     """SIGKILL to elastic-run: the server dies with it (parent-death signal), and the workers with the server."""
     from .launch_helpers import LaunchProc
@@ -243,6 +249,7 @@ def preloaded_lines(p):
     return out
 
 
+@pytest.mark.slow
 def test_preloaded_workers_and_a_respawn_are_forked_from_the_server_and_reported_as_any_worker(launch):
     p = launch("--np", "3", "--min-np", "2", "--host", "hA", "--max-restarts", "1", "--preload", "torch",
                LW_STEPS="150", LW_PRINT_PRELOADED="1")
@@ -268,6 +275,7 @@ def test_preloaded_workers_and_a_respawn_are_forked_from_the_server_and_reported
     p.wait_no_leftovers()
 
 
+@pytest.mark.slow
 def test_a_preloaded_workers_error_and_exit_status_end_the_job_as_without_preload(launch):
     p = launch("--np", "2", "--host", "hA", "--preload", "numpy", LW_RAISE_AT="6")
     assert p.wait(60) == 1, p.text()
@@ -281,6 +289,7 @@ def test_a_preloaded_workers_error_and_exit_status_end_the_job_as_without_preloa
     q.wait_no_leftovers()
 
 
+@pytest.mark.slow
 def test_a_module_that_does_not_import_fails_the_launch_naming_it(launch):
     p = launch("--np", "1", "--host", "hA", "--preload", "no_such_module_here")
     assert p.wait(60) == 1, p.text()
@@ -289,6 +298,7 @@ def test_a_module_that_does_not_import_fails_the_launch_naming_it(launch):
     p.wait_no_leftovers()
 
 
+@pytest.mark.slow
 def test_a_killed_fork_server_takes_its_workers_and_the_job_goes_on_with_new_processes(launch):
     p = launch("--np", "2", "--min-np", "1", "--host", "hA", "--max-restarts", "2", "--preload", "numpy",
                LW_STEPS="150", LW_PRINT_PRELOADED="1")

@@ -51,6 +51,7 @@ def test_main_path_is_what_the_interpreter_puts_first_on_sys_path(tmp_path, comm
 
 
 # ---------------------------------------------------------------------------------------------- real launcher
+@pytest.mark.slow
 def test_a_module_planted_in_the_launchers_directory_is_not_preloaded_for_a_script_elsewhere(launch, tmp_path):
     shared = tmp_path / "shared"   # the launcher's working directory; tests/launch/worker.py lives elsewhere
     mark = tmp_path / "planted-ran"
@@ -70,6 +71,7 @@ def test_a_module_planted_in_the_launchers_directory_is_not_preloaded_for_a_scri
     assert not mark.exists()
 
 
+@pytest.mark.slow
 def test_a_module_beside_the_script_is_preloaded_by_the_fork_server(launch, tmp_path):
     code, elsewhere = tmp_path / "code", tmp_path / "elsewhere"
     code.mkdir()
@@ -84,6 +86,7 @@ def test_a_module_beside_the_script_is_preloaded_by_the_fork_server(launch, tmp_
     assert mark.read_text() == str(server)   # imported once, by the server, as `python code/train.py` would
 
 
+@pytest.mark.slow
 def test_with_dash_m_a_module_in_the_working_directory_is_preloaded_as_python_dash_m_would(launch, tmp_path):
     work = tmp_path / "work"
     work.mkdir()

@@ -18,6 +18,8 @@ from tests.waiting import wait_until
 
 from .launch_helpers import REPO, WORKER
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 TOKEN = "tok-" + "x" * 28
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from .launch_helpers import REPO, processes_with, wait_until
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 LINEAR = os.path.join(REPO, "examples", "train_linear.py")
 CNN = os.path.join(REPO, "examples", "train_cnn.py")
 

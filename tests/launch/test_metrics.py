@@ -3,6 +3,7 @@ the workers' metrics scraped and parsed as Prometheus text, the event log read b
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import re
@@ -52,6 +53,7 @@ def stop(p) -> None:
     p.wait_no_leftovers()
 
 
+@pytest.mark.slow
 def test_metrics_show_every_worker_training_with_rank_world_and_transport(launch):
     p = launch("--np", "2", "--host", "hA", "--metrics-port", "0", LW_STEPS="100000")
     port = metrics_port(p)
@@ -77,6 +79,7 @@ def test_metrics_show_every_worker_training_with_rank_world_and_transport(launch
     stop(p)
 
 
+@pytest.mark.slow
 def test_a_sigkilled_worker_is_counted_as_a_recovery_and_a_restart_of_its_slot(launch):
     p = launch("--np", "3", "--min-np", "1", "--host", "hA", "--max-restarts", "1", "--metrics-port", "0",
                LW_STEPS="100000")
@@ -116,6 +119,7 @@ def _worker_env(pid: int) -> Dict[str, str]:
     return {k.decode(): v.decode(errors="replace") for k, v in items}
 
 
+@pytest.mark.slow
 def test_forged_oversized_and_garbage_snapshots_are_dropped_and_counted(launch):
     p = launch("--np", "2", "--host", "hA", "--metrics-port", "0", LW_STEPS="100000")
     port = metrics_port(p)
@@ -157,6 +161,7 @@ def test_forged_oversized_and_garbage_snapshots_are_dropped_and_counted(launch):
     stop(p)
 
 
+@pytest.mark.slow
 def test_help_explains_the_metrics_and_events_flags(launch):
     p = launch("--help")
     assert p.wait(30) == 0
@@ -166,6 +171,7 @@ def test_help_explains_the_metrics_and_events_flags(launch):
         assert needle in text, needle
 
 
+@pytest.mark.slow
 def test_bad_metrics_and_events_flags_are_one_line_errors(launch, tmp_path):
     cases = [
         (["--metrics-port", "70000"], r"--metrics-port 70000 is outside 0\.\.65535"),
@@ -187,6 +193,7 @@ def test_bad_metrics_and_events_flags_are_one_line_errors(launch, tmp_path):
             assert re.match(r"elastic-run: error: " + message, p.stderr[0]), p.stderr[0]
 
 
+@pytest.mark.slow
 def test_the_event_log_of_a_kill_and_respawn_holds_exactly_what_happened_in_order(launch, tmp_path):
     events = tmp_path / "events.jsonl"
     # --min-np is --np: every world has all three (no first world of whoever joined first, no
@@ -251,6 +258,7 @@ def test_the_receiver_takes_a_workers_snapshot_only_from_its_process_group_and_i
     assert not os.path.exists(os.path.dirname(m.socket_path))
 
 
+@pytest.mark.slow
 def test_a_graceful_leave_is_logged_as_preempted_and_counted_as_no_recovery(launch, tmp_path):
     events = tmp_path / "events.jsonl"
     p = launch("--np", "3", "--min-np", "2", "--host", "hA", "--metrics-port", "0", "--events", str(events),
@@ -330,6 +338,7 @@ def test_a_lone_surrogate_token_is_dropped_as_a_bad_token_and_the_receiver_goes_
         r.close()
 
 
+@pytest.mark.slow
 def test_the_receiver_survives_any_datagram_and_counts_every_one():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -371,6 +380,7 @@ def _soft_open_files_limit(pid: int) -> int:
     return int(line.split()[3])
 
 
+@pytest.mark.slow
 def test_a_flood_of_idle_metrics_connections_from_another_user_changes_nothing_for_the_job(launch):
     from tests.flood import Flood, connections_from, open_descriptors, other_user
 

@@ -70,6 +70,7 @@ def test_serve_port_file_replaces_a_planted_link_and_never_writes_through_one(tm
         proc.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", ["serve", "elastic-run"])
 @pytest.mark.parametrize("planted", ["link-exists", "link-absent", "fifo"])
 def test_an_events_file_that_is_a_planted_link_or_fifo_is_refused_and_nothing_is_created(tmp_path, victims, tool,

@@ -18,6 +18,9 @@ from typing import Dict, List, Sequence
 from rendezvous.client.status_client import StatusClient
 
 from .launch_helpers import REPO, wait_until
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
 
 JOB = os.path.join(REPO, "tests", "launch", "straggler_job.py")
 WINDOW = ["--straggler-window", "0.3", "--straggler-windows", "3"]

@@ -51,6 +51,7 @@ def _epochs(text: str) -> list:
     return re.findall(r"epoch (\d+): loss ([0-9.]+) over (\d+) samples, (\d+) batches per rank", text)
 
 
+@pytest.mark.slow
 def test_the_torchrun_script_and_its_elastic_version_both_train_to_the_end(launch, tmp_path):
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TORCHRUN_SCRIPT,
@@ -72,6 +73,7 @@ def test_the_torchrun_script_and_its_elastic_version_both_train_to_the_end(launc
     p.wait_no_leftovers()
 
 
+@pytest.mark.slow
 def test_after_the_run_collectives_run_on_the_last_world_until_destroy_process_group(launch):
     p = launch("--np", "2", "--host", "hA", command=[sys.executable, JOB, "after-run"])
     assert p.wait(120) == 0, p.text()
@@ -81,6 +83,7 @@ def test_after_the_run_collectives_run_on_the_last_world_until_destroy_process_g
     assert len(destroyed) == 2 and all("no default group here" in line for line in destroyed), p.text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, says", [
     ("rank-before-run", "installed when the @elastic.run function starts"),
     ("torch-ddp-before-run", "use elastic.DistributedDataParallel(module, ...) with the same arguments"),

@@ -52,6 +52,7 @@ def _form(peers, *, form_timeout=5.0, timeout=30.0):
 # ---------------------------------------------------------------- unusable addresses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address,kind,says", [
     ("0.0.0.0:1", ErrorKind.Unreachable, "wildcard address 0.0.0.0:1"),
     ("[::]:4000", ErrorKind.Unreachable, "wildcard address"),
@@ -73,6 +74,7 @@ def test_a_neighbour_with_an_unusable_address_is_a_bad_peer_named_by_rank(addres
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow
 def test_a_neighbour_that_accepts_no_connection_is_given_up_after_the_collective_timeout():
     # The form deadline may be long (the runtime's is the world timeout, 600 s): a neighbour
     # that nothing answers for is given up after the no-progress timeout of a collective.

@@ -45,6 +45,7 @@ def _late(delays: dict, absent: int, elements: int):
     return body
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("transport,elements", PATHS)
 def test_a_peer_busy_for_less_than_the_timeout_costs_nothing(n, transport, elements):
@@ -72,6 +73,7 @@ def _entered_late_timeout(n, transport, elements, hosts=None, config=None):
     return timeout, late, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport,elements", PATHS)
 def test_the_timeout_counts_from_entering_the_collective_not_from_the_last_byte_a_neighbour_sent(
         transport, elements):
@@ -87,6 +89,7 @@ def test_the_timeout_counts_from_entering_the_collective_not_from_the_last_byte_
     assert outcome == "failed" and took < timeout - late + 0.6, results
 
 
+@pytest.mark.slow
 def test_the_timeout_counts_from_entering_on_the_hierarchical_path_too():
     # Two hosts of two ranks: rank 0 (a leader) never enters; rank 3 enters at once and waits
     # through every phase, rank 2 (its host's leader) 1.2 s later.

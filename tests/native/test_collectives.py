@@ -63,6 +63,7 @@ def check_matrix_on_every_rank(n: int, **world) -> None:
         assert failures == [], f"rank {rank} differs from numpy for {failures}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -84,6 +85,7 @@ def _random_floats(comm):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [3, 5])
 def test_allreduce_of_arbitrary_floats_is_identical_on_every_rank(n, transport):
@@ -99,6 +101,7 @@ def _one_gib(comm):
     return bool((t == expect).all()), digest(torch.from_numpy(t[:1 << 20]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_allreduce_of_one_gib(transport):
     results = run_world(2, _one_gib, config=elastic.CommConfig(timeout=120), timeout=300, transport=transport)
@@ -119,6 +122,7 @@ def _broadcast_every_root(comm):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 4, 7])
 def test_broadcast_from_every_root(n, transport):
@@ -138,6 +142,7 @@ def _allgather_ragged(comm):
     return torch.equal(out, want), bool(np.array_equal(big_out, big_want)), tuple(out.shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_allgather_with_different_first_dimensions(n, transport):

@@ -14,6 +14,7 @@ import elastic
 from .harness import TRANSPORTS, World, allreduce_forever, blamed, kill_mid_allreduce
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("victim", [0, 1])
 def test_sigkill_mid_allreduce_fails_every_survivor_within_half_a_second(victim, transport):
@@ -40,6 +41,7 @@ def _shift_back_forever(comm, conn):
 _shift_back_forever.wants_conn = True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigkill_mid_backward_shift_fails_every_survivor_within_half_a_second(transport):
     errors = kill_mid_allreduce(4, 1, body=_shift_back_forever, config=elastic.CommConfig(timeout=30),
@@ -64,6 +66,7 @@ def _shift_back_once_told(comm, conn):
 _shift_back_once_told.wants_conn = True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, victim, how", [(3, 2, "kill"), (4, 2, "kill"), (4, 2, "abort"), (5, 1, "abort")])
 def test_a_neighbour_lost_while_the_reverse_ring_forms_fails_the_backward_shift_at_once(n, victim, how, transport):
@@ -92,6 +95,7 @@ def test_a_neighbour_lost_while_the_reverse_ring_forms_fails_the_backward_shift_
             w.send(victim, "done")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigstop_of_a_peer_fires_the_deadline(transport):
     # The collective timeout counts from entry: each allreduce (16 MiB) must itself finish well
@@ -149,6 +153,7 @@ def _abort_from_thread(comm, conn):
 _abort_from_thread.wants_conn = True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_abort_from_another_thread_fails_the_collective_within_50ms(transport):
     with World(2, _abort_from_thread, config=elastic.CommConfig(timeout=30), transport=transport) as w:
@@ -195,6 +200,7 @@ def test_abort_breaks_a_form_that_waits_for_a_missing_peer():
     silent.close()
 
 
+@pytest.mark.slow
 def test_form_times_out_naming_the_missing_peer():
     listener = elastic.Listener("127.0.0.1", 0)
     silent = elastic.Listener("127.0.0.1", 0)

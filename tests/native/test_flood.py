@@ -21,6 +21,9 @@ from tests.waiting import wait_until
 
 from . import wire
 from .harness import World
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
 
 RANKS = 3
 RATE = 200          # junk connections per second per ring port

@@ -60,6 +60,7 @@ def test_algorithm_ring_forms_no_extra_rings():
         assert not h["applies"] and "ring" in h["why_not"] and kinds == ((), ()) and algo == "ring"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segment", [1 << 20, 4096], ids=["default-segments", "small-segments"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_hierarchical_allreduce_matches_numpy_bitwise_on_every_rank(layout, segment):
@@ -69,6 +70,7 @@ def test_hierarchical_allreduce_matches_numpy_bitwise_on_every_rank(layout, segm
     check_matrix_on_every_rank(sum(LAYOUTS[layout]), transport=mixed_hosts(*LAYOUTS[layout]), config=config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["2x2", "1+2+2"])
 def test_hierarchical_allreduce_of_arbitrary_floats_is_identical_on_every_rank(layout):
     results = run_world(sum(LAYOUTS[layout]), _random_floats, transport=mixed_hosts(*LAYOUTS[layout]),
@@ -144,6 +146,7 @@ def _abort_in_a_phase(comm, conn):
 _abort_in_a_phase.wants_conn = True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aborter,phase", [(2, 1), (0, 2), (1, 3)], ids=["phase1", "phase2", "phase3"])
 def test_abort_in_any_phase_fails_the_allreduce_within_50ms_and_wakes_the_others(aborter, phase):
     with World(4, _abort_in_a_phase, config=HIERARCHICAL, transport=mixed_hosts(2, 2)) as w:
@@ -160,6 +163,7 @@ def test_abort_in_any_phase_fails_the_allreduce_within_50ms_and_wakes_the_others
         assert results[r][0] in ("aborted", "propagated", "peer_lost"), results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [3, 2])
 def test_sigkill_with_uneven_hosts_fails_every_survivor_within_half_a_second(victim):
     # Hosts a, a, a, b: rank 3 is a host of its own (a leader with no local ring), rank 2 the
@@ -170,6 +174,7 @@ def test_sigkill_with_uneven_hosts_fails_every_survivor_within_half_a_second(vic
         assert "hierarchical" in msg[2], msg[2]
 
 
+@pytest.mark.slow
 def test_sigstop_in_a_hierarchical_allreduce_fires_the_deadline():
     n, timeout = 4, 1.0
     config = elastic.CommConfig(timeout=timeout, algorithm="hierarchical")

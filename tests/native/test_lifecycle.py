@@ -13,6 +13,8 @@ import elastic
 
 from .harness import TRANSPORTS, World, mixed_hosts, run_world
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 CYCLES = 1000
 
 

@@ -16,8 +16,8 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                reason="needs root and iproute2 to create network namespaces (CI has both)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                reason="needs root and iproute2 to create network namespaces (CI has both)")]
 
 
 def _ip(*args: str) -> None:

@@ -48,6 +48,7 @@ def _reduce_scatter_matrix(comm):
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -158,6 +159,7 @@ def _shift_sizes(comm):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_shift_hands_each_rank_the_previous_rank_bytes_whatever_their_sizes(n, transport):

@@ -53,6 +53,7 @@ def _exchange(comm, text):
     return [bytes(out[i * 64:(i + 1) * 64]) for i in range(comm.size)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_abort_from_other_threads_racing_close_never_crashes(transport):
     with World(2, _abort_races_close, transport=transport) as w:
@@ -68,6 +69,7 @@ def _dropped_handles(comm):
     return all(float(v.sum()) == 0.0 for v in victims)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_dropping_an_async_handle_does_not_corrupt_other_memory(transport):
     assert run(2, _dropped_handles, transport=transport) == [True, True]
@@ -229,6 +231,7 @@ _loop_op.wants_conn = True
 OPS = {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("name,fn", [
     ("broadcast", lambda c, b: c.broadcast_(b, root_rank=0)),

@@ -52,12 +52,14 @@ def test_host_names_must_match_the_peers():
                                     peers=["127.0.0.1:1", "127.0.0.1:2"], hosts=["a"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hosts", [MIXED, ["a", "b", "b", "b", "c", "a"]], ids=["2x2", "3-hosts"])
 def test_a_mixed_world_gives_numpy_bits_on_every_rank(hosts):
     check_matrix_on_every_rank(len(hosts), transport=hosts, config=elastic.CommConfig(timeout=60,
                                                                                      segment_bytes=64 << 10))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
 @pytest.mark.parametrize("victim", [0, 1])
 def test_sigkill_in_a_mixed_world_fails_every_survivor_within_half_a_second(victim, algorithm):
@@ -128,6 +130,7 @@ def _shmem_kib() -> int:
 KILL_CYCLES = 300
 
 
+@pytest.mark.slow
 def test_peers_killed_mid_allreduce_leave_nothing_behind():
     listener = elastic.Listener("127.0.0.1", 0)
     dev_shm = set(os.listdir("/dev/shm"))

@@ -20,7 +20,7 @@ import pytest
 
 from .venvs import REPO, link_distributions, make_venv, pip_install, requirement_closure, run, user_env
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]   # builds and installs wheels
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]

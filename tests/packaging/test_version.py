@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import importlib.metadata
 import os
 import pathlib
@@ -30,16 +31,19 @@ def test_packages_report_the_version_in_pyproject():
     assert rendezvous.__version__ == VERSION
 
 
+@pytest.mark.slow
 def test_elastic_run_version_flag_prints_it_and_exits_0():
     assert output(os.path.join(BIN, "elastic-run"), "--version") == f"elastic-run {VERSION}\n"
     assert output(sys.executable, "-m", "elastic.launch", "--version") == f"elastic-run {VERSION}\n"
 
 
+@pytest.mark.slow
 def test_elastic_rendezvous_version_flag_prints_it_and_exits_0():
     assert output(os.path.join(BIN, "elastic-rendezvous"), "--version") == f"elastic-rendezvous {VERSION}\n"
     assert output(sys.executable, "-m", "rendezvous", "--version") == f"elastic-rendezvous {VERSION}\n"
 
 
+@pytest.mark.slow
 def test_version_flag_wins_over_a_worker_command():
     # `elastic-run --version -- python train.py` starts nothing: it only prints the version.
     assert output(os.path.join(BIN, "elastic-run"), "--version", "--", "false") == f"elastic-run {VERSION}\n"

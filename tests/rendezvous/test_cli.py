@@ -79,6 +79,7 @@ def test_empty_token_file_is_rejected(tmp_path):
     assert "is empty" in str(e.value.code)
 
 
+@pytest.mark.slow
 def test_status_prints_a_table_of_the_job(tmp_path):
     token = tmp_path / "token"
     token.write_text("tok-123\n")
@@ -108,6 +109,7 @@ def test_status_prints_a_table_of_the_job(tmp_path):
         server.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
 def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path, host):
     # The port is held by another rendezvous server, as when one is already running there.
@@ -124,6 +126,7 @@ def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path, host):
         first.kill()
 
 
+@pytest.mark.slow
 def test_status_takes_the_server_list_elastic_run_takes(tmp_path):
     # The first address is down (a failed-over replica): the next one answers.
     server = ServerProc(tmp_path, "--insecure")

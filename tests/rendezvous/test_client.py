@@ -34,6 +34,7 @@ def test_dead_address_is_skipped_for_the_next_one(server, client):
     assert c.report_progress(commit_step=3) == 1
 
 
+@pytest.mark.slow
 def test_no_reachable_server_fails_within_the_deadline_naming_addresses(client):
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     c = client(dead, "w0", job_id=unique("job"))
@@ -44,6 +45,7 @@ def test_no_reachable_server_fails_within_the_deadline_naming_addresses(client):
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and dead[0] in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_join_no_server_answers_is_given_up_once_asked_after_the_attempt_under_way(client):
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     c = client(dead, "w0", job_id=unique("job"))
@@ -82,6 +84,7 @@ def test_calls_before_join_are_refused_clearly(server, client):
         c.report_progress(1)
 
 
+@pytest.mark.slow
 def test_tls_server_accepts_tls_clients_and_refuses_plaintext(client, tmp_path, capsys):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
@@ -156,6 +159,7 @@ def test_world_with_same_version_but_other_members_is_a_new_event(client):
     assert got[2] is None
 
 
+@pytest.mark.slow
 def test_leave_whose_first_attempt_timed_out_but_took_effect_succeeds_and_closes(client):
     import asyncio
 
@@ -270,6 +274,7 @@ def test_a_session_that_ended_with_the_job_ends_with_the_outcome_typed(server, c
     assert ev.finished is True and ev.reason.startswith("FAILED_PRECONDITION")
 
 
+@pytest.mark.slow
 def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_is_evicted(client):
     """The first attempt registered a session this client never learnt; the worker id is taken
     without proof (ALREADY_EXISTS) until that session, never watched, is evicted."""
@@ -305,6 +310,7 @@ def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_i
         s.stop()
 
 
+@pytest.mark.slow
 def test_rejoin_sends_the_previous_session_and_keeps_the_ring_secret(server, client):
     job = unique("job")
     c = client(server.address, "a", job_id=job)

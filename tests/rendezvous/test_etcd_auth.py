@@ -34,6 +34,7 @@ def serve_once(*args, env=None, timeout_s=30):
     return done.returncode, done.stderr
 
 
+@pytest.mark.slow
 def test_a_job_forms_through_a_server_on_etcd_with_tls_and_auth(secure_etcd, tmp_path):
     prefix = f"/t/{uuid.uuid4().hex[:12]}"
     server = ServerProc(tmp_path, "--insecure", *etcd_args(secure_etcd, prefix=prefix))
@@ -50,6 +51,7 @@ def test_a_job_forms_through_a_server_on_etcd_with_tls_and_auth(secure_etcd, tmp
         server.kill()
 
 
+@pytest.mark.slow
 def test_the_password_may_come_from_the_environment(secure_etcd, tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_ETCD_PASSWORD", secure_etcd.rdzv_password)
     args = [a for a in etcd_args(secure_etcd) if a != secure_etcd.rdzv_password_file and a != "--etcd-password-file"]
@@ -63,6 +65,7 @@ def test_the_password_may_come_from_the_environment(secure_etcd, tmp_path, monke
         server.kill()
 
 
+@pytest.mark.slow
 def test_a_wrong_password_stops_the_server_at_start_with_a_clear_error(secure_etcd, tmp_path):
     wrong = tmp_path / "wrong-password"
     wrong.write_text("not-the-password\n")
@@ -74,6 +77,7 @@ def test_a_wrong_password_stops_the_server_at_start_with_a_clear_error(secure_et
     assert "not-the-password" not in err
 
 
+@pytest.mark.slow
 def test_a_user_without_permission_on_the_prefix_is_told_so_at_start(secure_etcd):
     code, err = serve_once(*etcd_args(secure_etcd, prefix="/elsewhere"))
     assert code == 1, err
@@ -81,6 +85,7 @@ def test_a_user_without_permission_on_the_prefix_is_told_so_at_start(secure_etcd
     assert "readwrite on the key prefix" in err, err
 
 
+@pytest.mark.slow
 def test_without_a_client_certificate_etcd_is_unreachable_and_the_log_says_why(secure_etcd, tmp_path):
     args = etcd_args(secure_etcd)
     for flag in ("--etcd-cert", "--etcd-key"):
@@ -123,6 +128,7 @@ def test_unreadable_etcd_tls_files_are_named(tmp_path, capsys):
     assert f"cannot read --etcd-ca {tmp_path / 'nope.pem'}: No such file or directory" in str(e.value.code)
 
 
+@pytest.mark.slow
 def test_the_store_authenticates_again_when_etcd_forgets_its_token(secure_etcd):
     """etcd's tokens die with a restart, after --auth-token-ttl unused, and when auth is turned off
     and on: the store's next call must authenticate again, not fail from then on."""

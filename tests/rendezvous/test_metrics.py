@@ -84,6 +84,7 @@ def test_job_counts_split_workers_into_members_standby_and_pending(world, regist
 
 
 # ----------------------------------------------------------------------------------- real jobs
+@pytest.mark.slow
 def test_sigkilled_worker_is_counted_by_cause_with_one_recovery_and_a_newer_world(etcd, workers):
     s = ServerThread(server_config(metrics_port=0), lambda: EtcdStore([etcd.endpoint]))
     try:
@@ -219,6 +220,7 @@ def test_two_servers_in_one_process_keep_their_own_metrics():
         b.stop()
 
 
+@pytest.mark.slow
 def test_leader_metric_flips_to_the_other_replica_after_the_leader_is_killed(etcd, tmp_path):
     prefix = f"/t/{unique('metrics-failover')}"
     common = ["--etcd", etcd.endpoint, "--etcd-prefix", prefix, "--insecure",
@@ -306,6 +308,7 @@ def test_serve_refuses_a_bad_metrics_port(args, message):
     assert message in str(e.value.code)
 
 
+@pytest.mark.slow
 def test_joins_keep_working_while_another_user_floods_the_metrics_port(tmp_path):
     from rendezvous.wire.membership import JobSpec
     from rendezvous.client.worker_client import RendezvousClient

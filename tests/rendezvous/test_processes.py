@@ -17,6 +17,8 @@ from rendezvous.server.store import EtcdStore
 from .rdzv_helpers import (ServerProc, ServerThread, StallProxy, join_world, make_client, server_config, unique,
                            wait_until)
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 
 def status(address, job):
     with grpc.insecure_channel(address) as ch:

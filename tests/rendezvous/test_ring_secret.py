@@ -102,6 +102,7 @@ def _restart(server: ServerThread, etcd, prefix: str, **kw) -> ServerThread:
     return _etcd_server(etcd, prefix, port=port, **kw)
 
 
+@pytest.mark.slow
 def test_ring_secret_sessions_and_ownership_survive_a_server_restart_over_etcd(etcd):
     prefix = f"/t/{unique('secret-restart')}"
     kw = dict(insecure=False, tokens=(TOKEN, OTHER))
@@ -188,6 +189,7 @@ def test_right_after_a_restart_a_report_does_not_evict_a_live_worker(etcd, caplo
         s.stop()
 
 
+@pytest.mark.slow
 def test_right_after_a_restart_a_suspect_that_never_returns_is_evicted_after_the_grace_only(etcd, caplog):
     s, ch, stub, job, sid_a, _ = _formed_then_restarted(etcd, caplog)
     try:

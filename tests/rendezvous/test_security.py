@@ -165,6 +165,7 @@ def test_fuzzed_joins_never_crash_the_server(stub, job, worker, host, addr, step
     assert_alive(stub)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(session=text, version=st.integers(0, 2 ** 64 - 1), suspect=text, reason=st.text(max_size=2000))
 def test_fuzzed_session_calls_never_crash_the_server(stub, session, version, suspect, reason):
@@ -256,6 +257,7 @@ def _forged_sessions(real: str) -> list[str]:
             real[:-1] + ("0" if real[-1] != "0" else "1")]     # one character off
 
 
+@pytest.mark.slow
 def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, stub):
     job = unique("sessions")
     a = _member(server, "a", job)
@@ -284,6 +286,7 @@ def test_forged_or_guessed_session_ids_are_refused_on_every_session_rpc(server, 
     a.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("session", ["", "forged"], ids=["no session", "made-up session"])
 def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays(server, stub, session):
     job = unique("takeover")
@@ -307,6 +310,7 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
     a.close()
 
 
+@pytest.mark.slow
 def test_report_success_from_a_worker_outside_the_world_does_not_end_the_job(server, stub):
     from rendezvous.common.channel import RendezvousRPCError
     from rendezvous.wire.membership import JobSpec
@@ -358,6 +362,7 @@ def test_connectable_ring_addresses_are_accepted(stub, address):
     assert code == grpc.StatusCode.OK, details
 
 
+@pytest.mark.slow
 def test_joins_that_never_watch_do_not_hold_the_job_cap():
     s = ServerThread(server_config(max_jobs=2, heartbeat_timeout_s=0.5), MemoryStore)
     try:
@@ -375,6 +380,7 @@ def test_joins_that_never_watch_do_not_hold_the_job_cap():
         s.stop()
 
 
+@pytest.mark.slow
 def test_a_watched_forming_job_is_not_dropped():
     from rendezvous.wire.membership import JobSpec
     from rendezvous.client.watch_events import Standby
@@ -393,6 +399,7 @@ def test_a_watched_forming_job_is_not_dropped():
         s.stop()
 
 
+@pytest.mark.slow
 def test_a_finished_job_is_launched_again_by_its_own_token_only():
     from rendezvous.common.channel import RendezvousRPCError
     s = ServerThread(server_config(insecure=False, tokens=(TOKEN, OTHER), heartbeat_timeout_s=0.5,
@@ -486,6 +493,7 @@ def test_a_running_job_stored_by_an_older_server_is_refused_not_joined_without_a
         s.stop()
 
 
+@pytest.mark.slow
 def test_one_tokens_hanging_name_lookups_do_not_hold_another_tenants_joins(stub, monkeypatch):
     # A zone that never answers: every lookup of a *.hang.test name blocks until released.
     import socket

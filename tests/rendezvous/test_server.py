@@ -122,6 +122,7 @@ def test_report_failure_evicts_suspect_without_stream_at_once(serve, client, stu
     call.cancel()
 
 
+@pytest.mark.slow
 def test_a_probe_answered_by_another_member_does_not_vouch_for_the_suspect(serve, client, stub):
     s = serve(heartbeat_timeout_s=1.0)
     job = unique("job")
@@ -201,6 +202,7 @@ def test_repeatedly_failing_host_is_blacklisted(serve, client, stub):
     assert list(status.jobs[0].blacklisted_hosts) == ["bad"]
 
 
+@pytest.mark.slow
 def test_below_min_np_fails_job_after_elastic_timeout(serve, client):
     s = serve()
     job = unique("job")
@@ -270,6 +272,7 @@ def test_status_lists_jobs_members_and_ranks(serve, client, stub):
     assert f"job {job}  phase RUNNING  world {v}" in table and "w1" in table
 
 
+@pytest.mark.slow
 def test_64_concurrent_clients_agree_on_one_world(serve, client):
     s = serve(settle_s=0.2)
     job = unique("job")
@@ -282,6 +285,7 @@ def test_64_concurrent_clients_agree_on_one_world(serve, client):
     assert all(w.local_size == 8 and w.cross_size == 8 for w in worlds)
 
 
+@pytest.mark.slow
 def test_finished_job_is_forgotten_after_retention_and_its_id_reusable(serve, client, stub):
     s = serve(finished_job_retention_s=0.3)
     job = unique("job")
@@ -304,6 +308,7 @@ def test_finished_job_is_forgotten_after_retention_and_its_id_reusable(serve, cl
     assert wait_world_of([again], 1)[0].world_version == 1   # a fresh job under the same id
 
 
+@pytest.mark.slow
 def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(serve, client, stub):
     s = serve(heartbeat_timeout_s=1.0)
     job = unique("job")
@@ -488,6 +493,7 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
         store.put = real_put
 
 
+@pytest.mark.slow
 def test_leadership_lapsing_while_jobs_load_makes_the_replica_campaign_again(client):
     """etcd stalls right after the campaign: the lease lapses while the jobs load. The replica
     must notice and lead again once etcd answers, not believe it leads and serve nothing."""

@@ -54,6 +54,7 @@ def test_each_delivered_action_is_one_event_or_none(action, event, worker, field
     assert got.event in EVENTS and got.detail and "\x1b" not in got.detail
 
 
+@pytest.mark.slow
 def test_event_log_of_join_kill_reform_finish_has_exactly_those_events_in_order(tmp_path):
     path = tmp_path / "events.jsonl"
     s = ServerThread(server_config(events_path=str(path)), MemoryStore)

@@ -86,6 +86,7 @@ def _status_cmd(address, *args):
     return [sys.executable, "-m", "rendezvous", "status", "--server", address, *args]
 
 
+@pytest.mark.slow
 def test_watch_without_a_terminal_prints_one_snapshot_with_events_and_exits_0(server, workers):
     job = unique("job")
     ws = [workers([server.address], job, f"w{i}", host="nodeA", min_np=2) for i in range(2)]
@@ -150,6 +151,7 @@ def _member_rows(pane: str) -> dict[str, str]:
     return {r[1]: r[0] for r in rows if len(r) > 2 and r[2] == "nodeA"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_watch_in_a_terminal_follows_a_killed_worker_and_a_server_that_is_gone(tmp_path, server,
                                                                                 workers):

@@ -1,6 +1,7 @@
 """One Store suite, run against MemoryStore and against EtcdStore on a real etcd."""
 from __future__ import annotations
 
+import pytest
 import asyncio
 import time
 
@@ -106,6 +107,7 @@ def test_a_released_claim_frees_its_key_at_once_for_the_next(make_store, prefix)
     run_async(body())
 
 
+@pytest.mark.slow
 def test_a_claim_not_refreshed_lapses_and_takes_its_key_with_it(make_store, prefix):
     async def body():
         store = make_store()

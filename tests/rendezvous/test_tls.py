@@ -49,6 +49,7 @@ def status(*args, timeout=30):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_worker_job_runs_over_tls_and_status_prints_its_table(tls_server, pki, token_file, tmp_path):
     from tests.launch.launch_helpers import LaunchProc
 
@@ -71,6 +72,7 @@ def test_a_worker_job_runs_over_tls_and_status_prints_its_table(tls_server, pki,
         p.close()
 
 
+@pytest.mark.slow
 def test_status_without_a_client_certificate_is_refused(tls_server, pki, token_file):
     out = status("--server", tls_server.address, "--token-file", token_file, "--tls-ca", pki.ca, "--timeout", "3")
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr, out.stderr
@@ -78,6 +80,7 @@ def test_status_without_a_client_certificate_is_refused(tls_server, pki, token_f
     assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr, plain.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("who", ["no TLS", "no client certificate", "another CA's client certificate",
                                  "trusting another CA"])
 def test_a_client_the_server_cannot_verify_or_that_cannot_verify_it_is_refused(who, tls_server, pki, tmp_path):
@@ -100,6 +103,7 @@ def test_a_client_the_server_cannot_verify_or_that_cannot_verify_it_is_refused(w
     good.close()
 
 
+@pytest.mark.slow
 def test_a_worker_configured_for_tls_never_sends_its_token_in_clear_text(pki, tmp_path):
     """A plaintext listener where the server should be (a spoofed address, a port taken over): the
     worker speaks only TLS to it, so it sees a TLS ClientHello and never the token."""
@@ -159,6 +163,7 @@ def test_a_worker_with_unusable_tls_files_fails_at_start_naming_the_variable(env
         WorkerConfig.from_env({"ELASTIC_RENDEZVOUS": "127.0.0.1:29400", **env})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--tls-ca", "/nonexistent/ca.pem"], "cannot read --tls-ca /nonexistent/ca.pem"),
     (["--tls-ca", "{ca}", "--tls-cert", "{cert}"], "--tls-cert and --tls-key must be given together"),
@@ -204,6 +209,7 @@ def test_exposure_warning(host, insecure, token, tls, warned):
     assert (warning is None) if warned is None else (warned in warning)
 
 
+@pytest.mark.slow
 def test_insecure_on_a_non_loopback_address_prints_one_warning(tmp_path):
     server = ServerProc(tmp_path, "--insecure", "--host", "0.0.0.0")
     try:
@@ -220,6 +226,7 @@ def test_insecure_on_a_non_loopback_address_prints_one_warning(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_elastic_run_warns_when_its_token_would_cross_the_network_in_clear_text(token_file):
     done = subprocess.run([sys.executable, "-m", "elastic.launch", "--rendezvous", "192.0.2.1:29400",
                            "--job-id", "j", "--token-file", token_file, "--connect-timeout", "1",

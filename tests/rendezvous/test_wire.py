@@ -67,6 +67,7 @@ def _members(n, hosts=2, step=-1):
                  for i in range(n))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("members", [
     _members(1, hosts=1),
     _members(5, hosts=2, step=123456789012),

@@ -11,6 +11,8 @@ from elastic.sharded import reshard
 from elastic.sharded.transfer import flat_buffer, move
 from tests.native.harness import TRANSPORTS, run_world
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 TABLE = [["model.w", [96, 5], "torch.float32"], ["model.b", [7], "torch.bfloat16"],
          ["optim.w.exp_avg", [96, 5], "torch.float32"], ["model.e", [2, 3], "torch.int64"]]
 

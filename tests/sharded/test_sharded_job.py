@@ -5,6 +5,9 @@ import os
 import signal
 
 from tests.waiting import wait_until
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
 
 
 def worlds(job, workers):

@@ -14,6 +14,9 @@ import sys
 import time
 
 from tests.waiting import wait_until
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "launch", "worker.py")

@@ -13,6 +13,8 @@ from tests.waiting import wait_until
 
 from . import JOB_SCRIPT
 
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
+
 _spec = importlib.util.spec_from_file_location("ddp_job_defs", JOB_SCRIPT)
 
 

@@ -93,6 +93,7 @@ def _fsdp2_and_dtensor(comm):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
 def test_fsdp2_on_the_elastic_mesh_trains_as_one_process_on_the_global_batches(size):
     for rank, got in enumerate(run_world(size, _on_default_group(_fsdp2_and_dtensor), timeout=240)):
@@ -151,6 +152,7 @@ def _stale_mesh(comm):
     return got
 
 
+@pytest.mark.slow
 def test_a_mesh_of_a_world_that_is_over_raises_stale_mesh_error_and_a_rebuilt_model_trains():
     for rank, got in enumerate(run_world(2, _on_default_group(_stale_mesh), timeout=240)):
         for what in ("FSDP2 forward", "from_group FSDP2 forward", "DTensor full_tensor", "old view"):
@@ -176,6 +178,7 @@ def _lose_a_peer_in_backward(comm):
     return raised, type(current.session().noted_failure()).__name__
 
 
+@pytest.mark.slow
 def test_a_peer_lost_in_fsdp2_backward_is_the_rings_worker_lost_error():
     with World(3, _on_default_group(_lose_a_peer_in_backward)) as world:
         world.wait_formed()

@@ -9,6 +9,9 @@ import os
 import torch
 
 from . import fsdp_job
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes, servers or rings: not in the fast lane
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp_job.py")
 STEPS = 5

@@ -191,6 +191,7 @@ def _against_gloo(path: str):
     return body
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_gathers_and_reduce_scatters_give_gloos_answers_for_every_dtype_op_and_size(transport, tmp_path):
     results = run_world(3, _against_gloo(str(tmp_path / "gloo-store")), transport=transport, config=SMALL_SEGMENTS,

@@ -4,6 +4,7 @@ refused, naming it, before anything is built or allocated."""
 
 from __future__ import annotations
 
+import pytest
 import pickle
 
 import numpy as np
@@ -69,6 +70,7 @@ def _gather_from_a_hostile_peer(payload: bytes, announced: int):
     return _on_default_group(body)
 
 
+@pytest.mark.slow
 def test_a_pickle_bomb_sent_to_all_gather_object_is_refused_with_the_receivers_memory_unchanged():
     assert len(BOMB) < 128
     bitten = pickle.loads(BOMB)   # the bytes really are a bomb: unpickled, they take a gigabyte

@@ -285,6 +285,7 @@ def _compiled_ddp(rank: int, size: int):
     return grads
 
 
+@pytest.mark.slow
 def test_torch_compile_of_a_ddp_model_trains_with_averaged_gradients():
     # Spawned: torch.compile's workers in a child forked from this test process (which by now
     # holds gRPC and etcd client threads from earlier tests) can wait forever on a lock a thread
