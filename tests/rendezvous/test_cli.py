@@ -101,6 +101,7 @@ def test_status_prints_a_table_of_the_job(tmp_path):
                                  server.address], cwd=REPO, env=child_env(), capture_output=True,
                                 text=True, timeout=30)
         assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+        assert "pass the job's token with --token-file F (or ELASTIC_TOKEN_FILE)" in denied.stderr, denied.stderr
         for c in cs:
             c.close()
         server.signal(signal.SIGTERM)
