@@ -88,12 +88,18 @@ def test_after_the_run_collectives_run_on_the_last_world_until_destroy_process_g
     ("rank-before-run", "installed when the @elastic.run function starts"),
     ("torch-ddp-before-run", "use elastic.DistributedDataParallel(module, ...) with the same arguments"),
     ("torch-ddp-inside-run", "use elastic.DistributedDataParallel(module, ...) with the same arguments"),
+    ("init-before-run", "dist.init_process_group() cannot run here: under elastic-run the default group is"),
+    ("init-inside-run", "inside @elastic.run the default group is already the elastic ring; remove the call"),
+    ("sampler-before-run", "use elastic.ElasticSampler(dataset, shuffle=..., seed=...)"),
+    ("dcp-inside-run", "Make commits durable with @elastic.run(checkpoint_dir=DIR, checkpoint_every=N)"),
 ])
-def test_what_cannot_work_under_elastic_run_names_the_fix_in_the_launchers_last_line(launch, mode, says):
-    p = launch("--np", "1", "--host", "hA", command=[sys.executable, JOB, mode])
+def test_what_cannot_work_under_elastic_run_names_the_fix_in_the_launchers_last_line(launch, mode, says, tmp_path):
+    p = launch("--np", "1", "--host", "hA", command=[sys.executable, JOB, mode, str(tmp_path / "dcp")])
     assert p.wait(120) != 0
     last = p.stderr[-1]
     assert last.startswith("elastic-run: error: worker hA-0") and says in last, p.text()
     assert "please make sure to call init_process_group" not in p.text()
     assert "expected 2 output tensors" not in p.text()
+    assert "environment variable RANK expected" not in p.text()
+    assert "cannot be carried" not in last
     p.wait_no_leftovers()
