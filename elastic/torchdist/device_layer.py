@@ -118,8 +118,9 @@ class DeviceWorlds(StepHooks):
             self._end(f"connecting it failed: {e}")
             raise RuntimeError(f"world version {version}: the {device.backend.name} communicator cannot connect "
                                f"(every peer is alive): {e}") from e
-        log.info("device backend %s of world version %d made (rank %d of %d) in %.3f s", device.backend.name,
-                 version, change.current.rank, change.current.size, time.monotonic() - started)
+        log.info("device backend %s of world version %d made (rank %d of %d, store prefix %s) in %.3f s",
+                 device.backend.name, version, change.current.rank, change.current.size,
+                 getattr(device.backend, "prefix", "-"), time.monotonic() - started)
 
     def ring_aborted(self, reason: str) -> None:
         device = self._current
@@ -179,7 +180,8 @@ class DeviceWorlds(StepHooks):
             if hosted is not None:
                 hosted.close()
             raise
-        device = WorldDevice(_Hosting(backend, hosted), collective_timeout=self.collective_timeout,
+        device = WorldDevice(_Hosting(backend, hosted, meeting.prefix(job_id, world.world_version)),
+                             collective_timeout=self.collective_timeout,
                              abort_timeout=self.abort_timeout, failed=self._device_failed)
         with self._lock:
             self._current = device
@@ -205,9 +207,10 @@ class DeviceWorlds(StepHooks):
 class _Hosting(device_backend.DeviceBackend):
     """A backend and, on rank 0, the store it met over: the store goes when the backend does."""
 
-    def __init__(self, backend: device_backend.DeviceBackend, hosted: Optional[device_store.HostedStore]) -> None:
+    def __init__(self, backend: device_backend.DeviceBackend, hosted: Optional[device_store.HostedStore],
+                 prefix: str) -> None:
         super().__init__(backend.world_version, backend.rank, backend.size)
-        self.inner, self._hosted = backend, hosted
+        self.inner, self._hosted, self.prefix = backend, hosted, prefix
         self.name, self.device_type, self.native_average = backend.name, backend.device_type, backend.native_average
 
     def connect(self) -> None:
