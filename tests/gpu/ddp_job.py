@@ -9,7 +9,8 @@ Knobs (environment): GJ_OUT directory for pid-<worker>.txt and state-<worker>.pt
 GJ_FINISH_AT=PATH ends training at the first step whose allreduce sees PATH on any rank;
 GJ_STUCK_ABORT=SLOT the worker of that slot (its first incarnation) gets a backend whose abort
 never returns; GJ_HOSTID=1 gives each process its own NCCL_HOSTID (several ranks on one GPU);
-GJ_WIDTH (64) the model's width. Prints "step S size N loss L at T" after each step (T: seconds
+GJ_WIDTH (64) the model's width; GJ_LEAVE=WORKER:STEP that worker asks to leave (elastic.request_leave)
+after that step (or the first it runs after it). Prints "step S size N loss L at T" after each step (T: seconds
 since the epoch, for recovery times), "state <sha256>" of the model and optimizer at the end.
 """
 
@@ -34,8 +35,10 @@ DEVICE = os.environ.get("GJ_DEVICE", "cpu")
 STEPS = int(os.environ.get("GJ_STEPS", "60"))
 SLEEP = float(os.environ.get("GJ_SLEEP", "0.05"))
 COMMIT_EVERY = int(os.environ.get("GJ_COMMIT_EVERY", "1"))
-FINISH_AT = os.environ.get("GJ_FINISH_AT", "")
+FINISH_AT = os.environ.get("GJ_FINISH_AT") or os.environ.get("LW_FINISH_AT", "")   # LW_: tests/launch's helper
 WIDTH = int(os.environ.get("GJ_WIDTH", "64"))
+LEAVER, _, LEAVE_STEP = os.environ.get("GJ_LEAVE", ":0").partition(":")
+ASKED = []
 
 if os.environ.get("GJ_STUCK_ABORT", "") == os.environ.get("ELASTIC_LOCAL_SLOT") and \
         os.environ.get("ELASTIC_RESTART_COUNT") == "0":
@@ -73,6 +76,9 @@ def train(state):
         dist.all_reduce(flags)
         print(f"step {state.step} size {elastic.size()} loss {flags[0].item() / elastic.size():.6f} "
               f"at {time.time():.3f}", flush=True)
+        if WORKER == LEAVER and state.step >= int(LEAVE_STEP) and not ASKED:
+            ASKED.append(state.step)   # it may have joined after that step: the first step it runs from then
+            elastic.request_leave()    # leaves at the commit below
         if state.step % COMMIT_EVERY == 0:
             state.commit()
         if flags[1].item() > 0:
