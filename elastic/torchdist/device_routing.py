@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions   # not re-exported by torch.distributed
 
 from elastic.ring.errors import WorkerLostError
 from elastic.runtime import current
@@ -98,10 +99,10 @@ def _plan(device: WorldDevice, what: str, method: str, args: tuple) -> List[Tupl
         opts = _average_by_sum(device, opts, list(args[1]), what)
         return [("_reduce_scatter_base", (o, i, opts)) for o, i in zip(args[0], args[1])]
     if method == "allgather_into_tensor_coalesced":
-        opts = args[2] if len(args) > 2 and args[2] is not None else dist.AllgatherOptions()
+        opts = args[2] if len(args) > 2 and args[2] is not None else AllgatherOptions()
         return [("_allgather_base", (o, i, opts)) for o, i in zip(args[0], args[1])]
-    defaults = {"allgather": (2, dist.AllgatherOptions), "allgather_coalesced": (2, dist.AllgatherOptions),
-                "_allgather_base": (2, dist.AllgatherOptions), "gather": (2, dist.GatherOptions),
+    defaults = {"allgather": (2, AllgatherOptions), "allgather_coalesced": (2, AllgatherOptions),
+                "_allgather_base": (2, AllgatherOptions), "gather": (2, dist.GatherOptions),
                 "scatter": (2, dist.ScatterOptions), "alltoall": (2, dist.AllToAllOptions),
                 "alltoall_base": (4, dist.AllToAllOptions)}
     at, kind = defaults[method]

@@ -3,7 +3,7 @@ device communicator, gloo standing in for NCCL (ELASTIC_DEVICE_BACKEND=gloo): a 
 made for every world, on a store prefix of its own, and aborted on every kind of world change
 (a SIGKILL, a hang, a respawn joining, a clean leave, a preemption); a worker whose abort never
 returns exits with its own status and elastic-run respawns it. The same job runs on GPUs in
-bench/gpu_check.py."""
+bench/gpu_check.py (bench/_gpu_worker.py is the job of both)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow   # real launchers, workers and rings
 
-JOB = os.path.join(REPO, "tests", "gpu", "ddp_job.py")
+JOB = os.path.join(REPO, "bench", "_gpu_worker.py")
 MADE = re.compile(r"^\[(\S+)\] INFO elastic: device backend gloo of world version (\d+) made .*store prefix (\S+)\)")
 ABORTED = re.compile(r"^\[(\S+)\] INFO elastic: device backend gloo of world version (\d+) aborted in [0-9.]+ s \((.*)\)$")
 
@@ -32,7 +32,7 @@ def launch(tmp_path):
     def make(*args: str, **env: str) -> LaunchProc:
         env = {"ELASTIC_DEVICE_BACKEND": "gloo", "GJ_OUT": str(tmp_path), "GJ_STEPS": "100000",
                "GJ_SLEEP": "0.05", **env}
-        p = LaunchProc(tmp_path, "--host", "hA", *args, command=[sys.executable, JOB], **env)
+        p = LaunchProc(tmp_path, "--host", "hA", *args, command=[sys.executable, JOB, "ddp"], **env)
         procs.append(p)
         return p
 
@@ -187,3 +187,15 @@ def test_a_worker_whose_abort_never_returns_exits_with_its_status_and_is_respawn
     assert set(final_states(p)) == {"hA-0", "hA-1-r1", "hA-2-r1"}, final_states(p)
     check_every_world_aborted(p, "hA-0")
     p.wait_no_leftovers()
+
+
+def test_every_collective_of_the_elastic_group_gives_torchs_answer_on_the_device_communicator(tmp_path):
+    p = LaunchProc(tmp_path, "--host", "hA", "--np", "3", command=[sys.executable, JOB, "collectives"],
+                   ELASTIC_DEVICE_BACKEND="gloo", GJ_OUT=str(tmp_path))
+    try:
+        assert p.wait(120) == 0, p.text()
+        lines = [line for line in p.stdout if " collectives " in line]
+        assert len(lines) == 3 and all(" collectives ok rank " in line for line in lines), p.text()
+        assert len([line for line in p.stderr if MADE.match(line)]) == 3, p.text()   # it ran on gloo
+    finally:
+        p.close()
