@@ -143,6 +143,7 @@ def test_a_hung_peer_times_out_the_device_collective_and_the_world_reforms_witho
         wait_steps(p, 2, 4)
     finally:
         os.kill(pid, signal.SIGKILL)
+    p.wait_for(r"hA-2 .*killed by SIGKILL; not respawned", 30)   # the launcher saw it go before the job ends
     finish(p)
     for survivor in ("hA-0", "hA-1"):
         reasons = check_every_world_aborted(p, survivor)
