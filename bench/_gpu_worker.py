@@ -58,7 +58,7 @@ def data(step: int, rank: int):
     return x.to(DEVICE), x.sum(dim=1, keepdim=True).to(DEVICE)
 
 
-def one_step(ddp, opt, step: int, rank: int, size: int) -> bool:
+def one_step(ddp, opt, step: int, rank: int, size: int, prefix: str = "") -> bool:
     """Forward, backward, the optimizer's step, and one dist.all_reduce of the loss and the finish
     flag (the default group: under elastic.run, the elastic group); True: finish now."""
     x, y = data(step, rank)
@@ -69,7 +69,7 @@ def one_step(ddp, opt, step: int, rank: int, size: int) -> bool:
     flags = torch.stack([loss.detach(), torch.tensor(1.0 if FINISH_AT and os.path.exists(FINISH_AT) else 0.0,
                                                       device=DEVICE)])
     dist.all_reduce(flags)
-    print(f"step {step + 1} size {size} loss {flags[0].item() / size:.6f} at {time.time():.3f}", flush=True)
+    print(f"{prefix}step {step + 1} size {size} loss {flags[0].item() / size:.6f} at {time.time():.3f}", flush=True)
     return flags[1].item() > 0
 
 
@@ -212,10 +212,12 @@ def torch_ddp() -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0] if DEVICE == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for step in range(STEPS):
-        if one_step(ddp, opt, step, rank, size):
+        # Printed with the rank as elastic-run prefixes a worker's lines ("[tr-0] step ..."):
+        # torchrun passes its workers' output through as it is.
+        if one_step(ddp, opt, step, rank, size, prefix=f"[tr-{rank}] "):
             break
         time.sleep(SLEEP)
-    print(state_line(model, opt, STEPS), flush=True)
+    print(f"[tr-{rank}] " + state_line(model, opt, STEPS), flush=True)
     dist.destroy_process_group()
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -123,8 +124,10 @@ class DeviceBackend:
     def abort(self) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Drops what it holds (after ``abort()``, or for a world that ended cleanly)."""
+    def close(self) -> Optional[threading.Thread]:
+        """Drops what it holds (after ``abort()``, or for a world that ended cleanly); returns the
+        thread still releasing it, if any (joined, bounded, before the process may exit)."""
+        return None
 
 
 class _NoContext:
@@ -177,8 +180,15 @@ class TorchBackend(DeviceBackend):
         if backend is not None:
             backend.abort()
 
-    def close(self) -> None:
+    def close(self) -> Optional[threading.Thread]:
+        # Dropped on a thread of its own: an aborted gloo backend's destructor waits for the
+        # collectives still in its threads (to gloo's timeout), which no world change may wait
+        # for. The process must not exit while it runs (std::terminate): DeviceWorlds joins it.
+        held = [self._backend, self._store]
         self._backend = self._store = None
+        release = threading.Thread(target=held.clear, name="elastic-device-release", daemon=True)
+        release.start()
+        return release
 
 
 def make_gloo(store: Any, world_version: int, rank: int, size: int, timeout: float) -> TorchBackend:

@@ -30,7 +30,7 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ class DeviceWorlds(StepHooks):
         self._lock = threading.Lock()
         self._current: Optional[WorldDevice] = None
         self.made = 0   # communicators made in this session (one per world that had one)
+        self._releasing: List[threading.Thread] = []   # backends of ended worlds still being dropped
 
     @classmethod
     def for_session(cls, session: Any) -> "DeviceWorlds":
@@ -132,13 +133,21 @@ class DeviceWorlds(StepHooks):
 
     def ring_closed(self) -> None:
         self._end("the ring was closed")
+        # The backends of earlier worlds may still be releasing (an aborted gloo backend waits
+        # for its collectives to time out): the process must not exit under them.
+        releasing, self._releasing = self._releasing, []
+        deadline = time.monotonic() + self.collective_timeout + self.abort_timeout
+        for thread in releasing:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ worlds
     def _end(self, reason: str) -> None:
         with self._lock:
             device, self._current = self._current, None
         if device is not None:
-            device.close(reason)
+            release = device.close(reason)
+            if release is not None:
+                self._releasing = [t for t in self._releasing if t.is_alive()] + [release]
 
     def _meet(self, change: WorldChange) -> Optional[WorldDevice]:
         """Agrees with the new world's ranks on the backend and rank 0's store; makes this rank's
@@ -228,10 +237,11 @@ class _Hosting(device_backend.DeviceBackend):
     def abort(self) -> None:
         self.inner.abort()
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self) -> Optional[threading.Thread]:
+        release = self.inner.close()
         if self._hosted is not None:
             self._hosted.close()
+        return release
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:

@@ -291,13 +291,14 @@ class WorldDevice:
         self.abort_thread = abort_within(run, self.abort_timeout, what, self._exit_now)
         return self.abort_thread
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str) -> Optional[threading.Thread]:
         """The world is over (a new one formed, or the ring closed): aborted (every world change
-        aborts its communicator, so nothing of it outlives the world), then dropped."""
+        aborts its communicator, so nothing of it outlives the world), then dropped; returns the
+        thread still releasing the backend, if any (``DeviceBackend.close``)."""
         thread = self.abort(reason)
         if thread is not None:
             thread.join(self.abort_timeout)   # past the bound the guard ends the process
-        self.backend.close()
+        return self.backend.close()
 
 
 __all__ = ["Pending", "WorldDevice", "abort_within"]
