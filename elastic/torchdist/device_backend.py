@@ -214,7 +214,9 @@ def make_nccl(store: Any, world_version: int, rank: int, size: int, timeout: flo
     opts.config.blocking = False
     # torch's own per-collective timeout stays out of the way: the elastic layer's fires first.
     opts._timeout = datetime.timedelta(seconds=timeout + 600)
+    opts.global_ranks_in_group = list(range(size))   # the group is the whole world, in rank order
     backend = ProcessGroupNCCL(store, rank, size, opts)
+    backend._set_sequence_number_for_group()   # ranks agree on collective numbers (the flight recorder's)
     device = torch.device("cuda", torch.cuda.current_device())
     return TorchBackend("nccl", "cuda", backend, store, world_version, rank, size, native_average=True,
                         connect=lambda: backend.eager_connect_single_device(device),
