@@ -112,7 +112,7 @@ class DeviceWorlds(StepHooks):
         except Exception as e:
             # A peer that died meanwhile, or a configuration no world fixes: the rendezvous'
             # abort (or the ring's failure) tells which, within moments.
-            if device._aborted.wait(_CAUSE_WAIT_S) or self.session.comm is None or self.session.comm.failed:
+            if device.wait_aborted(_CAUSE_WAIT_S) or self.session.comm is None or self.session.comm.failed:
                 raise device.error or WorkerLostError(f"world version {version}: connecting the {device.backend.name} "
                                                       f"communicator failed: {e}", op="connect",
                                                       world_version=version, kind=ErrorKind.Aborted) from e

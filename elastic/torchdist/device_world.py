@@ -125,6 +125,10 @@ class WorldDevice:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    def wait_aborted(self, timeout: float) -> bool:
+        """Whether it was aborted within ``timeout`` seconds (at once when it has been)."""
+        return self._aborted.wait(timeout)
+
     def _lost(self, message: str, kind: ErrorKind = ErrorKind.Aborted, peer: int = -1, op: str = "") -> WorkerLostError:
         return WorkerLostError(f"{self.backend.name} communicator of world version {self.world_version}: {message}",
                                op=op, world_version=self.world_version, rank=self.backend.rank, peer=peer, kind=kind)

@@ -100,3 +100,9 @@ def test_a_real_nccl_communicator_of_one_rank_reduces_and_aborts_within_the_boun
         backend.close()
     finally:
         host.close()
+
+
+def test_device_mesh_takes_cpu_or_cuda_and_names_the_choice():
+    from elastic.torchdist.mesh import device_mesh
+    with pytest.raises(ValueError, match=r"device_type 'xpu'; use 'cpu' \(the ring\) or 'cuda'"):
+        device_mesh("xpu")
