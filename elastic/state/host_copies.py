@@ -1,4 +1,4 @@
-"""A commit's copies of CUDA tensors: pinned host memory, filled on a side stream.
+"""Copies of the live state for a commit (``copy_into``); CUDA tensors to pinned host memory, on a side stream.
 
 ``State.save`` copies the live state into its commit. A CUDA tensor is copied into pinned host
 memory (reused from the spare commit where it fits), on a side stream per device that first
@@ -10,8 +10,10 @@ tensors (``load_state_dict``). CPU tensors never come here: a CPU commit is what
 
 from __future__ import annotations
 
+import collections
+import copy
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from elastic.runtime import current
 
@@ -52,4 +54,28 @@ class HostCopies:
             raise failure
 
 
-__all__ = ["HostCopies"]
+def copy_into(old: Any, new: Any, host: Optional[HostCopies] = None) -> Any:
+    """A deep copy of ``new``, reusing ``old``'s tensors where structure, shape and dtype match;
+    with ``host``, CUDA tensors are copied into pinned host memory (``HostCopies``)."""
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    if torch is not None and isinstance(new, torch.Tensor):
+        if host is not None and new.is_cuda:
+            return host.copy(old, new)
+        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
+            return old.copy_(new.detach())
+        return new.detach().clone()
+    if isinstance(new, dict):
+        old = old if isinstance(old, dict) else {}
+        if type(new) is collections.OrderedDict:  # a state_dict(): keep its type and _metadata
+            out = collections.OrderedDict((k, copy_into(old.get(k), v, host)) for k, v in new.items())
+            if getattr(new, "_metadata", None) is not None:
+                out._metadata = copy.deepcopy(new._metadata)
+            return out
+        return {k: copy_into(old.get(k), v, host) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        old = old if isinstance(old, type(new)) and len(old) == len(new) else [None] * len(new)
+        return type(new)(copy_into(o, v, host) for o, v in zip(old, new))
+    return copy.deepcopy(new)
+
+
+__all__ = ["HostCopies", "copy_into"]
