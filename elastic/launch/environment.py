@@ -12,6 +12,7 @@ from typing import Dict, Mapping, Optional, Sequence
 from rendezvous.common.client_flags import TLS_VARIABLES
 from elastic.runtime.worker_metrics import ENV_SOCKET, ENV_TOKEN
 from elastic.launch.flags import LaunchConfig
+from elastic.launch.gpus import gpu_env
 from elastic.launch.procs import worker_env
 
 # Replaced in every worker's environment by what credential_env gives (if anything).
@@ -39,7 +40,7 @@ def spawn_env(base: Mapping[str, str], cfg: LaunchConfig, *, slot: int, incarnat
         "ELASTIC_WORKER_ID": worker_id, "ELASTIC_HOST": cfg.host,
         **limits_env(cfg),
         **({"ELASTIC_COLLECTIVE_TIMEOUT": f"{cfg.collective_timeout:g}"} if cfg.collective_timeout else {}),
-        **torchrun_env(cfg, slot, local_slots), "ELASTIC_LOG_LEVEL": cfg.log_level,
+        **torchrun_env(cfg, slot, local_slots), **gpu_env(cfg.gpus, slot), "ELASTIC_LOG_LEVEL": cfg.log_level,
         **cfg.stragglers.to_env(),
         "ELASTIC_ELASTIC_TIMEOUT": f"{cfg.elastic_timeout:g}", "ELASTIC_PREEMPT_GRACE": f"{cfg.preempt_grace:g}",
         "ELASTIC_LOCAL_SLOT": str(slot), "ELASTIC_RESTART_COUNT": str(incarnation), **credential_env(cfg, token_file),
@@ -59,7 +60,8 @@ def fork_server_env(base: Mapping[str, str], cfg: LaunchConfig) -> Dict[str, str
 def torchrun_env(cfg: LaunchConfig, slot: int, local_slots: int) -> Dict[str, str]:
     """The variables torchrun sets that stay true across re-forms: LOCAL_RANK is the worker's
     slot on this host (0..slots-1, its own for the process's life and its respawns': what
-    device selection needs), LOCAL_WORLD_SIZE the slots of this host; OMP_NUM_THREADS=1
+    device selection needs; with --gpus-per-host the worker sees its one GPU only, and
+    ``gpu_env`` makes it 0, that GPU's index), LOCAL_WORLD_SIZE the slots of this host; OMP_NUM_THREADS=1
     unless the environment has one, as torchrun. RANK and WORLD_SIZE change with every
     world: the runtime sets them in the worker's own environment as each world forms
     (elastic.runtime.world_env); MASTER_ADDR/MASTER_PORT are not set: there is no master."""

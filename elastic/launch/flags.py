@@ -30,6 +30,7 @@ from elastic.runtime.worker_config import _host_address as host_address
 from elastic.runtime.straggler_detector import POLICIES, StragglerConfig
 from elastic.launch.embedded import EMBEDDED_HOST
 from elastic.launch.forkserver import forkable
+from elastic.launch.gpus import placement, visible_gpus
 from elastic.launch.slurm import (SlurmEnvError, SlurmStep, announcement_dir, check_base_dir, from_slurm_env,
                                   serve_host)
 from elastic.launch.torchrun_flags import add_torchrun_flags
@@ -147,6 +148,7 @@ class LaunchConfig:
     stragglers: StragglerConfig = StragglerConfig()   # --straggler-*: ELASTIC_STRAGGLER_* for the workers
     embedded_host: str = EMBEDDED_HOST      # where the embedded server listens
     preload: Tuple[str, ...] = ()           # --preload: modules the fork server imports once (forkserver.py)
+    gpus: Tuple[str, ...] = ()              # --gpus-per-host: slot s's GPU is gpus[s] (elastic/launch/gpus.py); (): none
     # Under srun (elastic/launch/slurm.py): this launcher's place in the Slurm job; with
     # announce_dir, the directory where the batch host's launcher announces its embedded server
     # (slurm_role "head") and the other nodes' launchers find it ("member").
@@ -179,6 +181,12 @@ def parser() -> argparse.ArgumentParser:
                    help="workers to run on this host (default: 1, or the slots the discovery script "
                         "gives this host; under srun SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE); torchrun's "
                         "--nproc-per-node is the same")
+    p.add_argument("--gpus-per-host", type=int, metavar="N",
+                   help="one worker per GPU on the first N GPUs of this host: each worker's CUDA_VISIBLE_DEVICES "
+                        "names its GPU for its whole life (a respawn gets the same one) and LOCAL_RANK is 0, so "
+                        ".cuda() and torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) pick it; the slot is in "
+                        "ELASTIC_LOCAL_SLOT. Default: the GPUs this launcher sees (its CUDA_VISIBLE_DEVICES, else "
+                        "/proc/driver/nvidia/gpus), none without; 0: place no worker on a GPU")
     p.add_argument("--min-np", type=int, metavar="N",
                    help="the job waits while it has fewer than N workers, and fails after "
                         "--elastic-timeout (default: the job's, whenever this launcher's workers join; a job "
@@ -408,6 +416,10 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
     metrics_host = _metrics_endpoint(a, rendezvous)
     events = _events_file(a.events)
     preload = _preload(a.preload, command)
+    try:
+        gpus = placement(a.gpus_per_host, visible_gpus(env), np_, discovery=script is not None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return LaunchConfig(command=tuple(command), np=np_, min_np=min_np, max_np=max_np,
                         min_np_given=a.min_np is not None, max_np_given=a.max_np is not None,
                         max_restarts=a.max_restarts, elastic_timeout=a.elastic_timeout, port=a.port,
@@ -423,7 +435,7 @@ def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]]
                         inherited_token_env=tuple((k, env[k]) for k in (TOKEN_VARIABLE, TOKEN_FILE.variable)
                                                   if env.get(k)),
                         embedded_host=embedded_host, slurm=slurm, slurm_role=role, announce_dir=announce_dir,
-                        preload=preload)
+                        preload=preload, gpus=gpus)
 
 
 MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")

@@ -45,8 +45,8 @@ from elastic.launch.environment import fork_server_env, spawn_env
 from elastic.launch.forkserver import ForkServer, ForkServerError
 from elastic.launch.host_metrics import WorkerMetrics
 from elastic.launch.outcome import WorkerEnd, completion_failure
-from elastic.launch.procs import (Output, Worker, describe_exit, raise_open_files_limit, signal_of, stdout_streams,
-                                  stop_all, with_parent_death_signal)
+from elastic.launch.procs import (Output, Worker, describe_exit, raise_open_files_limit, respawnable, signal_of,
+                                  stdout_streams, stop_all, with_parent_death_signal)
 from elastic.launch.report import Reporter
 from elastic.launch.signals import StopSignals
 from elastic.launch.slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
@@ -490,7 +490,7 @@ class Launcher:
             return
         self.ends.append(WorkerEnd(w.worker_id, rank, code, during_job=True))
         label = self._label(w)
-        if signal_of(code) is not None:
+        if respawnable(code):
             self.last_failure = f"{label} {what}"
             self.reporter.note_failure(f"{w.worker_id} {what}", now, frozenset({w.worker_id}))
             used = self.failures.get(slot, 0)
@@ -647,7 +647,7 @@ class Launcher:
         return {self.cfg.host, socket.gethostname(), "localhost", "127.0.0.1"}
 
     def _apply_hosts(self, hosts: Dict[str, int]) -> None:
-        slots = min(local_slots(hosts, self._names()), self.max_np)
+        slots = min(local_slots(hosts, self._names()), self.max_np, len(self.cfg.gpus) or self.max_np)
         if hosts != self._last_hosts:
             others = {h: s for h, s in hosts.items() if h not in self._names()}
             self.out.info(f"discovery: {slots} slot(s) on this host ({self.cfg.host})"

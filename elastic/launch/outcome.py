@@ -5,8 +5,9 @@ worker ended (tests/launch/test_report.py), so the rules read in one place:
 * a worker that exited 0 ended well;
 * so did one that left the job gracefully (``left``: preempted, told to go), whatever its status;
 * so did one this launcher stopped itself (discovery took its slot away);
-* one killed by a signal while the job ran is a failure the job recovered from (respawned, or the
-  world went on smaller): it is reported as a recovery, not here;
+* one killed by a signal while the job ran, or wedged in the abort of its device communicator
+  (``procs.respawnable``), is a failure the job recovered from (respawned, or the world went on
+  smaller): it is reported as a recovery, not here;
 * anything else fails the launcher: a non-zero status or a signal after the job completed, or a
   worker still running when the launcher gave up waiting for it (then stopped).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from elastic.launch.procs import describe_exit, signal_of
+from elastic.launch.procs import describe_exit, respawnable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,7 @@ class WorkerEnd:
 def _ended_well(end: WorkerEnd) -> bool:
     if end.left or end.stopped or end.code == 0:
         return True
-    return end.code is not None and end.during_job and signal_of(end.code) is not None
+    return end.code is not None and end.during_job and respawnable(end.code)
 
 
 def completion_failure(ends: Sequence[WorkerEnd], job_id: str, waited_s: float) -> Optional[str]:

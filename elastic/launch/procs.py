@@ -22,6 +22,8 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from elastic.runtime.worker_config import DEVICE_ABORT_STUCK_EXIT
+
 if TYPE_CHECKING:
     from elastic.launch.forkserver import ForkedProcess, ForkServer
 
@@ -118,7 +120,16 @@ def describe_exit(code: int) -> str:
             return f"killed by {signal.Signals(sig).name}"
         except ValueError:
             return f"killed by signal {sig}"
+    if code == DEVICE_ABORT_STUCK_EXIT:
+        return f"exited with status {code} (the abort of its device communicator did not return)"
     return f"exited with status {code}"
+
+
+def respawnable(code: int) -> bool:
+    """A worker that ended this way while its job ran is replaced: killed by a signal, or
+    wedged in an abort of its device communicator (``DEVICE_ABORT_STUCK_EXIT``). Any other
+    status is the worker's own error, which ends the job."""
+    return signal_of(code) is not None or code == DEVICE_ABORT_STUCK_EXIT
 
 
 def signal_of(code: int) -> Optional[int]:

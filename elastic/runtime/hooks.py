@@ -49,3 +49,7 @@ class StepHooks:
         """The session aborted the ring it holds (a peer failed, the world was superseded): a layer
         with work of its own behind the ring (a device communicator) aborts it too. Runs on
         whichever thread aborted, the session's event thread among them: it must not block long."""
+
+    def ring_closed(self) -> None:
+        """The session closed the ring it held (this worker left, the run ended, or the ring kept
+        after it was closed): a layer releases what it runs behind that ring."""

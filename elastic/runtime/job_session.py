@@ -192,7 +192,7 @@ class JobSession(Session):
         with self._cond:
             comm, self.comm = self.comm, None
         if comm is not None:
-            comm.close()
+            self.release_ring(comm)
         self.departed = True
         self.leave_request.finish()
         version = world.world_version if world is not None else 0

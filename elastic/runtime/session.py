@@ -283,7 +283,16 @@ class Session:
         with self._lock:
             comm, self.comm = self.comm, None
         if comm is not None:
-            comm.close()
+            self.release_ring(comm)
+
+    def release_ring(self, comm: Communicator) -> None:
+        """Closes ``comm``, a ring this session held and let go of, and tells every layer (``ring_closed``)."""
+        comm.close()
+        for h in self.hooks:
+            try:
+                h.ring_closed()
+            except Exception:  # noqa: BLE001 (closing must complete whatever a layer does)
+                log.exception("a layer failed to release what it runs behind the ring")
 
     def end(self) -> None:
         """This session is over: its last world still answers; the ring it holds stays only for

@@ -30,11 +30,14 @@ This is the one table of a worker's environment (docs/reference/environment.md i
 | ``ELASTIC_TRANSPORT`` | ``auto``: shared memory between ring neighbours on the same host, TCP otherwise; ``tcp``: TCP only (``elastic.CommConfig``) | ``auto`` | inherited |
 | ``ELASTIC_ALLREDUCE_ALGORITHM``, ``ELASTIC_HIERARCHICAL_BYTES`` | ``auto``: hierarchical (per host, then across hosts) in mixed worlds above the byte threshold, the ring otherwise; ``ring``; ``hierarchical``. Ring settings must be the same on every worker (checked when a ring forms) | ``auto``, 4 MiB | inherited |
 | ``ELASTIC_SEGMENT_BYTES``, ``ELASTIC_SMALL_BYTES``, ``ELASTIC_FUSION_THRESHOLD`` | ring pipeline segment, small-message cut-off, async fusion bucket | 1 MiB, 32 KiB, 64 MiB | inherited |
+| ``ELASTIC_DEVICE_BACKEND`` | the communicator each world makes for device tensors (``elastic.torchdist.device_backend``): ``auto`` (``nccl`` where CUDA is available, else none), ``nccl``, ``gloo`` (a stand-in on the CPU, for tests: the elastic group's CPU tensors then run on it), ``off``. Must be the same on every worker (checked as each world forms) | ``auto`` | inherited |
+| ``ELASTIC_DEVICE_ABORT_TIMEOUT`` | seconds an abort of a world's device communicator may take; past it the worker exits with status ``DEVICE_ABORT_STUCK_EXIT`` (75) and elastic-run respawns it | 10 | inherited |
 | ``ELASTIC_LOCAL_SLOT`` | the worker's slot on its host, stable across respawns (read by scripts, not here) | unset | the slot |
 | ``ELASTIC_RESTART_COUNT`` | times this slot was started before (read by scripts, not here) | unset | the count |
 
 elastic-run also sets torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS``
-(docs: "From torchrun: DDP"), and, unless they are set already, ``PYTHONUNBUFFERED=1``,
+(docs: "From torchrun: DDP"), ``CUDA_VISIBLE_DEVICES`` with ``--gpus-per-host`` (the worker's one
+GPU; docs: "Train on GPUs"), and, unless they are set already, ``PYTHONUNBUFFERED=1``,
 ``GRPC_VERBOSITY=ERROR`` and ``GRPC_ENABLE_FORK_SUPPORT=0`` (``elastic.launch.environment``).
 
 The ring secret is not configured: the rendezvous server makes a random one per job and hands it
@@ -58,6 +61,12 @@ from elastic.ring.communicator import CommConfig
 from elastic.runtime.straggler_detector import StragglerConfig
 
 TLS_VARIABLES = client_flags.TLS_VARIABLES   # defined once, with the flags that set them
+
+# The status a worker exits with when the abort of its device communicator does not return
+# within ELASTIC_DEVICE_ABORT_TIMEOUT (EX_TEMPFAIL: try again). elastic-run respawns it, as a
+# worker killed by a signal: the process is wedged, the job is not.
+DEVICE_ABORT_STUCK_EXIT = 75
+DEVICE_BACKENDS = ("auto", "nccl", "gloo", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +94,8 @@ class WorkerConfig:
     metrics_socket: Optional[str] = None    # elastic-run --metrics-port: push metrics there
     metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
     default_group: bool = True              # ELASTIC_DEFAULT_GROUP: elastic.run makes the elastic group torch's default
+    device_backend: str = "auto"            # ELASTIC_DEVICE_BACKEND: each world's communicator for device tensors
+    device_abort_timeout: float = 10.0      # ELASTIC_DEVICE_ABORT_TIMEOUT: past it, exit DEVICE_ABORT_STUCK_EXIT
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
     stragglers: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
 
@@ -143,6 +154,8 @@ class WorkerConfig:
             metrics_socket=metrics_socket,
             metrics_token=metrics_token,
             default_group=default_group_from_env(env),
+            device_backend=_device_backend(env.get("ELASTIC_DEVICE_BACKEND", "")),
+            device_abort_timeout=number("ELASTIC_DEVICE_ABORT_TIMEOUT", float, 10.0),
             comm=CommConfig.from_env(env),
             stragglers=StragglerConfig.from_env(env),
         )
@@ -151,6 +164,8 @@ class WorkerConfig:
             # so its own deadline is only a backstop; a newcomer may wait for the old members'
             # next commit, which can be far longer than the ring default.
             cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, form_timeout=cfg.world_timeout))
+        if not cfg.device_abort_timeout > 0:
+            raise ValueError(f"ELASTIC_DEVICE_ABORT_TIMEOUT={cfg.device_abort_timeout:g} must be positive (seconds)")
         if not cfg.preempt_grace > 0:
             raise ValueError(f"ELASTIC_PREEMPT_GRACE={cfg.preempt_grace:g} must be positive (seconds)")
         check_limits(cfg)
@@ -170,6 +185,13 @@ def default_group_from_env(env: Optional[Mapping[str, str]] = None) -> bool:
     here for ``WorkerConfig`` and for ``elastic.torchdist.group.install_default_group`` called outside a session."""
     env = os.environ if env is None else env
     return env.get(DEFAULT_GROUP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _device_backend(raw: str) -> str:
+    kind = raw.strip().lower() or "auto"
+    if kind not in DEVICE_BACKENDS:
+        raise ValueError(f"ELASTIC_DEVICE_BACKEND={raw!r}: use {', '.join(DEVICE_BACKENDS)}")
+    return kind
 
 
 def _log_level(raw: str) -> Optional[str]:

@@ -24,7 +24,6 @@ buffers instead, and the file holds exactly the state of its commit.
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import sys
@@ -34,6 +33,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import numpy as np
 
 from elastic.state import checkpoint
+from elastic.state.host_copies import HostCopies, copy_into as _copy_into
 from elastic.runtime import step_phase
 from elastic.runtime import commit_watch, current
 from elastic.runtime.lifecycle import session_now
@@ -64,8 +64,12 @@ class State:
 
     def save(self, view: Any = None) -> Any:
         """A deep copy of the live state (or of ``view``, a ``live()`` just taken), reusing the
-        spare commit's tensors where they fit (never those the durable writer is still reading)."""
-        return _copy_into(self._free_spare(), self.live() if view is None else view)
+        spare commit's tensors where they fit (never those the durable writer is still reading).
+        CUDA tensors are copied into pinned host memory (``elastic.state.host_copies``)."""
+        host = HostCopies()
+        copy = _copy_into(self._free_spare(), self.live() if view is None else view, host)
+        host.finish()
+        return copy
 
     def load(self, snapshot: Any) -> None:
         """Makes the live state equal to ``snapshot`` (which it must not keep references into)."""
@@ -376,27 +380,6 @@ class ObjectState(State):
     def load(self, snapshot: Any) -> None:
         self._check_attribute_names(snapshot)
         self._load_attributes(snapshot["attrs"])
-
-
-def _copy_into(old: Any, new: Any) -> Any:
-    """A deep copy of ``new``, reusing ``old``'s tensors where structure, shape and dtype match."""
-    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
-    if torch is not None and isinstance(new, torch.Tensor):
-        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
-            return old.copy_(new.detach())
-        return new.detach().clone()
-    if isinstance(new, dict):
-        old = old if isinstance(old, dict) else {}
-        if type(new) is collections.OrderedDict:  # a state_dict(): keep its type and _metadata
-            out = collections.OrderedDict((k, _copy_into(old.get(k), v)) for k, v in new.items())
-            if getattr(new, "_metadata", None) is not None:
-                out._metadata = copy.deepcopy(new._metadata)
-            return out
-        return {k: _copy_into(old.get(k), v) for k, v in new.items()}
-    if isinstance(new, (list, tuple)):
-        old = old if isinstance(old, type(new)) and len(old) == len(new) else [None] * len(new)
-        return type(new)(_copy_into(o, v) for o, v in zip(old, new))
-    return copy.deepcopy(new)
 
 
 def _short(key: Any) -> str:

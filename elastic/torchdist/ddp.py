@@ -1,4 +1,5 @@
-"""``elastic.DistributedDataParallel``: torch DDP whose gradient allreduce runs on the elastic ring.
+"""``elastic.DistributedDataParallel``: torch DDP whose gradient allreduce runs on the elastic ring
+(CPU modules) or on the world's NCCL communicator (CUDA modules).
 
 The gradient allreduce must overlap backward, so it is the one asynchronous path on the ring:
 it runs in a comm hook whose state is the session (as TorchFT's hook gets its manager), and whose
@@ -29,6 +30,7 @@ from elastic.ring.errors import WorkerLostError
 from elastic.ring.ops import Average
 from elastic.runtime import current
 from elastic.state.states import training_forward_begins
+from elastic.torchdist import device_layer
 from elastic.torchdist.group import ElasticProcessGroup, _not_compiled, process_group
 from elastic.torchdist.group_collectives import NATIVE
 
@@ -45,10 +47,14 @@ def _live_ddps(group: ElasticProcessGroup) -> "List[DistributedDataParallel]":
 def _allreduce_hook(session: Any, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's comm hook, its state the session (``None`` before the first sync: the current one):
     the bucket averaged over the current world, asynchronously, completed in order by the
-    session's ``completions`` thread while backward goes on."""
+    session's ``completions`` thread while backward goes on. A bucket on the device of the
+    world's device communicator (CUDA) goes there (``_device_allreduce``)."""
     buf = bucket.buffer()
-    fut: torch.futures.Future = torch.futures.Future()
     session = session if session is not None else current.session()
+    layer = device_layer.layer_of(session)
+    if (layer is not None and layer.device_type_now() == buf.device.type) or buf.device.type != "cpu":
+        return _device_allreduce(session, layer, buf)
+    fut: torch.futures.Future = torch.futures.Future()
 
     def done(error: Optional[BaseException]) -> None:
         if error is None:
@@ -77,6 +83,43 @@ def _allreduce_hook(session: Any, bucket: dist.GradBucket) -> torch.futures.Futu
     return fut
 
 
+def _device_allreduce(session: Any, layer: Any, buf: torch.Tensor) -> torch.futures.Future:
+    """The bucket averaged on the world's device communicator. Its future completes once the
+    collective finished on the device as the watcher saw it (``elastic.torchdist.device_world``),
+    not when it was queued: a peer lost in it fails ``backward()`` before the optimizer steps, so
+    the live state is kept (nothing redone), as on the ring."""
+    fut: torch.futures.Future = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
+
+    def done(error: Optional[BaseException]) -> None:
+        if error is None:
+            fut.set_result(buf)
+            return
+        if isinstance(error, WorkerLostError) and session is not None:
+            session.note_failure(error)
+        fut.set_exception(RuntimeError(f"elastic device communicator: {error}"))
+
+    try:
+        if session is None or layer is None:
+            raise NotImplementedError(f"DistributedDataParallel: gradients on {buf.device} need the world's device "
+                                      "communicator, which runs inside the function @elastic.run runs")
+        comm = session.ring("DistributedDataParallel")
+        device = layer.current(comm, buf.device.type, "DistributedDataParallel")
+        if device is None:
+            raise NotImplementedError(f"DistributedDataParallel: gradients on {buf.device}, and this world has no "
+                                      f"communicator for them (ELASTIC_DEVICE_BACKEND={layer.kind})")
+        opts = dist.AllreduceOptions()
+        if device.backend.native_average:
+            opts.reduceOp = dist.ReduceOp.AVG
+        else:
+            buf.div_(device.backend.size)
+            opts.reduceOp = dist.ReduceOp.SUM
+        device.run("DistributedDataParallel", "allreduce", [buf], opts, done=done)
+    except Exception as e:  # noqa: BLE001 (the future must fail, or backward waits forever)
+        if not fut.done():
+            done(e)
+    return fut
+
+
 def _forward_begins(ddp: "DistributedDataParallel", args: Any) -> None:
     s = current.session()
     if s is not None:
@@ -89,8 +132,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     Takes DDP's keyword arguments except ``process_group`` (always ``elastic.process_group()``),
     ``init_sync`` (parameters and buffers are synced by ``elastic.run`` at every sync, from the
-    rank holding the most advanced commit, not at construction) and ``mixed_precision``; the
-    module's parameters must be on the CPU. Build it before ``elastic.run`` (no ring is needed).
+    rank holding the most advanced commit, not at construction) and ``mixed_precision``. The
+    module's parameters are all on the CPU (gradients averaged on the ring) or all on the
+    worker's GPU (on the world's NCCL communicator: ``elastic-run`` gives each worker one GPU,
+    so ``module.cuda()`` is right as written). Build it before ``elastic.run`` (no ring is needed).
     ``register_comm_hook`` is taken: the ring's allreduce is the hook.
     """
 
@@ -111,13 +156,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             raise NotImplementedError("elastic.DistributedDataParallel: torch._dynamo.config.optimize_ddp="
                                       "'python_reducer' (compiled autograd) needs functional collectives, which "
                                       "the elastic group does not have; keep the default ('ddp_optimizer')")
-        for p in module.parameters():
-            if p.device.type != "cpu":
-                raise NotImplementedError("elastic.DistributedDataParallel: the elastic ring moves CPU tensors; "
-                                          f"this module has a parameter on {p.device}")
-        if kwargs.get("device_ids"):
-            raise NotImplementedError("elastic.DistributedDataParallel: device_ids= needs a GPU data plane, "
-                                      "which the elastic ring does not have yet")
+        devices = {p.device.type for p in module.parameters()}
+        if not devices <= {"cpu", "cuda"} or len(devices) > 1:
+            raise NotImplementedError("elastic.DistributedDataParallel: the parameters must all be on the CPU (the "
+                                      f"ring) or all on CUDA (the world's NCCL communicator); found {sorted(devices)}")
         group = process_group()
         super().__init__(module, process_group=group, init_sync=False, **kwargs)
         dist._register_comm_hook(self.reducer, current.session(), _allreduce_hook)

@@ -10,7 +10,8 @@ Failures never vanish. Every collective runs synchronously and raises the ring's
 ``Work`` whose future failed, and DDP's reducer crashes on one. The one asynchronous path is
 DDP's gradient allreduce (``elastic.torchdist.ddp``), which must overlap backward. A ring error
 any of them hits is noted by the session (``Session.note_failure``), and ``elastic.run`` handles
-what escaped the training function as that ``WorkerLostError``. torch's object collectives (``all_gather_object`` …)
+what escaped the training function as that ``WorkerLostError``. CUDA tensors run on the current
+world's NCCL communicator instead (``elastic.torchdist.device_routing``), with torch's NCCL semantics. torch's object collectives (``all_gather_object`` …)
 pickle; on this group they run in ``elastic.torchdist.objects`` instead, whose format calls nothing a peer
 names and whose sizes are bounded.
 
@@ -37,6 +38,7 @@ from elastic.runtime import current, world
 from elastic.runtime.errors import RendezvousError
 from elastic.runtime.worker_config import default_group_from_env
 from elastic.torchdist import c10d_tables, objects
+from elastic.torchdist.device_routing import device_routed
 from elastic.torchdist.errors import StaleMeshError
 from elastic.torchdist.group_collectives import (NATIVE, WIDEN, Contiguous, all_gather_into_tensor, all_gather_list,
                                                  check_cpu, reduce_scatter_list, reduce_scatter_tensor, ring_op)
@@ -126,7 +128,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         self._view: "Optional[ElasticProcessGroup]" = None   # the process group's view of the current world
         self._view_names: set = set()
         self.ddps: List[weakref.ref] = []   # the DistributedDataParallels made on this group, in order
-        self.mesh: Any = None               # a world view's DeviceMesh (elastic.torchdist.mesh)
+        self.meshes: dict = {}               # a world view's DeviceMeshes by device type (elastic.torchdist.mesh)
 
     # ------------------------------------------------------------------ identity
     @_not_compiled
@@ -248,6 +250,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         c.done()
 
     @_not_compiled
+    @device_routed("all_reduce")
     def allreduce(self, tensors, opts=None):
         what = "all_reduce"
         if isinstance(tensors, torch.Tensor):
@@ -258,6 +261,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return _Done(tensors)
 
     @_not_compiled
+    @device_routed("all_reduce_coalesced")
     def allreduce_coalesced(self, tensors, opts=None):
         comm = self._ring("all_reduce_coalesced")
         op = _reduce_op(opts)
@@ -266,6 +270,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return _Done(tensors)
 
     @_not_compiled
+    @device_routed("reduce")
     def reduce(self, tensors, opts=None):
         what = "reduce"
         comm = self._ring(what)
@@ -280,6 +285,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
     # The gathers and reduce-scatters FSDP2 and DTensor call are the ring's own phases
     # (elastic.torchdist.group_collectives), never built from allreduce.
     @_not_compiled
+    @device_routed("reduce_scatter")
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         comm = self._ring("reduce_scatter")
         for out, inputs in zip(output_tensors, input_tensors):
@@ -287,11 +293,13 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return _Done(output_tensors)
 
     @_not_compiled
+    @device_routed("reduce_scatter_tensor")
     def _reduce_scatter_base(self, output, input, opts=None):
         reduce_scatter_tensor(self._ring("reduce_scatter_tensor"), self._run, output, input, _reduce_op(opts))
         return _Done([output])
 
     @_not_compiled
+    @device_routed("reduce_scatter_tensor_coalesced")
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         comm = self._ring("reduce_scatter_tensor_coalesced")
         if len(outputs) != len(inputs):
@@ -302,6 +310,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
 
     # ------------------------------------------------------------------ data movement
     @_not_compiled
+    @device_routed("broadcast")
     def broadcast(self, tensors, opts=None):
         what = "broadcast"
         if isinstance(tensors, torch.Tensor):
@@ -329,6 +338,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return out
 
     @_not_compiled
+    @device_routed("all_gather")
     def allgather(self, output_tensors, input_tensors, opts=None):
         comm = self._ring("all_gather")
         if len(output_tensors) != len(input_tensors):
@@ -342,11 +352,13 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return self.allgather(output_lists, input_list, opts)
 
     @_not_compiled
+    @device_routed("all_gather_into_tensor")
     def _allgather_base(self, output, input, opts=None):
         all_gather_into_tensor(self._ring("all_gather_into_tensor"), self._run, output, input)
         return _Done([output])
 
     @_not_compiled
+    @device_routed("all_gather_into_tensor_coalesced")
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         comm = self._ring("all_gather_into_tensor_coalesced")
         if len(outputs) != len(inputs):
@@ -356,6 +368,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return _Done(outputs)
 
     @_not_compiled
+    @device_routed("gather")
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
         comm = self._ring(what)
@@ -375,6 +388,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return _Done(output_tensors[0] if output_tensors else [])
 
     @_not_compiled
+    @device_routed("scatter")
     def scatter(self, output_tensors, input_tensors, opts=None):
         what = "scatter"
         comm = self._ring(what)
@@ -430,6 +444,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return got
 
     @_not_compiled
+    @device_routed("all_to_all")
     def alltoall(self, output_tensors, input_tensors, opts=None):
         what = "all_to_all"
         comm = self._ring(what)
@@ -444,6 +459,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         return _Done(output_tensors)
 
     @_not_compiled
+    @device_routed("all_to_all_single")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         what = "all_to_all_single"
         comm = self._ring(what)

@@ -21,7 +21,7 @@ mixing two worlds fail, torch.compile guards recompile).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -29,28 +29,36 @@ from elastic.torchdist import c10d_tables
 from elastic.torchdist.group import process_group
 
 
-def device_mesh(mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
-    """A 1-D ``torch.distributed.device_mesh.DeviceMesh`` on the CPU over the current world:
-    what ``fully_shard(module, mesh=...)``, ``distribute_tensor`` and the DTensor and
-    ``torch.distributed.checkpoint.state_dict`` APIs take.
+def device_mesh(device_type: Any = "cpu", mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """A 1-D ``torch.distributed.device_mesh.DeviceMesh`` over the current world, on
+    ``device_type``: ``"cpu"`` (the ring) or ``"cuda"`` (the world's NCCL communicator: FSDP2's
+    gathers and reduce-scatters of CUDA shards run there). It is what ``fully_shard(module,
+    mesh=...)``, ``distribute_tensor`` and the DTensor and ``torch.distributed.checkpoint.state_dict``
+    APIs take.
 
-    One mesh per world (the same object for every call in that world): the world's rank and
-    size are fixed into it. Make it, and everything sharded on it, inside the training
-    function, for each world; used in a later world, its collectives raise
-    ``elastic.StaleMeshError``. ``mesh_dim_names`` names the one dimension (e.g. ``("dp",)``).
-    Needs a current world: call it inside ``elastic.run``.
+    One mesh per world and device type (the same object for every call in that world): the
+    world's rank and size are fixed into it. Make it, and everything sharded on it, inside the
+    training function, for each world; used in a later world, its collectives raise
+    ``elastic.StaleMeshError``. ``mesh_dim_names`` names the one dimension (e.g. ``("dp",)``;
+    passed alone, as the first argument, it keeps the CPU). Needs a current world: call it
+    inside ``elastic.run``.
     """
+    if not isinstance(device_type, str):   # device_mesh(("dp",)): the names, on the CPU
+        device_type, mesh_dim_names = "cpu", device_type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"elastic.device_mesh: device_type {device_type!r}; use 'cpu' (the ring) or 'cuda' (the "
+                         "world's NCCL communicator)")
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
     if names is not None and len(names) != 1:
         raise ValueError(f"elastic.device_mesh: the elastic world has one dimension; got mesh_dim_names={names}")
     view = process_group().world_view()
-    with view._lock:   # the world's view keeps its world's mesh
-        made = view.mesh
+    with view._lock:   # the world's view keeps its world's meshes, one per device type
+        made = view.meshes.get(device_type)
         if made is not None and made.mesh_dim_names == names:
             return made
         # The rank is the view's, not read from torch's default group, so the mesh is right
         # whether or not the elastic group is the default group.
-        mesh = DeviceMesh("cpu", list(range(view.size())), mesh_dim_names=names, _init_backend=False,
+        mesh = DeviceMesh(device_type, list(range(view.size())), mesh_dim_names=names, _init_backend=False,
                           _rank=view.rank())
         c10d_tables.enter_mesh_group(mesh, view)
         # DeviceMesh compares and hashes (and torch.compile guards it) by ranks, layout, names
@@ -59,7 +67,7 @@ def device_mesh(mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
         # _thread_id is the field that tells apart meshes of the same ranks (torch sets it for
         # its threaded test backend); here it is the world's name.
         mesh._thread_id = view.group_name
-        view.mesh = mesh
+        view.meshes[device_type] = mesh
     return mesh
 
 
