@@ -354,13 +354,12 @@ class ShardedState(ObjectState):
         decision = reshard.decide(holdings)
         disk = None
         if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
-            disk = self._agree_durable(comm)
+            disk = self._restore_durable(comm)
         if disk is not None:
             if isinstance(decision, reshard.Lost):
                 log.warning("world version %d: commit %d is lost with both holders of rank(s) %s; restoring the "
                             "durable commit %d from %s", comm.world_version, decision.generation.step,
                             list(decision.missing), disk.step, disk.path)
-            self._resume_from_disk(comm, disk)
             clock.mark("disk")
             return {"version": comm.world_version, "step": disk.step, "root": 0, "taken": None, "moved": 0,
                     "from": ("disk", disk.step), "disk": disk, "clock": clock, "started": started, "local": None}
@@ -416,34 +415,64 @@ class ShardedState(ObjectState):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", opt)
 
-    def _agree_durable(self, comm) -> Optional[durable_format.Durable]:
-        """The newest complete durable commit, the same on every rank (one allgather of its step)."""
+    def _restore_durable(self, comm) -> Optional[durable_format.Durable]:
+        """Loads the newest durable commit that every rank can use, the same on every rank, and
+        returns it; None when there is none. Newest first, each rank builds the model, checks the
+        commit's index and its fit to the model, reads its own rows and loads them; the ranks
+        agree on the step first (one allgather) and on the outcome after (another). One that a
+        rank cannot use is logged with why, set aside as ``.corrupt`` (by rank 0, once every
+        rank is done with it) and the one before tried. ``CommitLostError`` when the ranks see
+        different commits, or when there are commits and none is usable."""
         try:
-            disk = durable_format.read_latest(self._checkpoint_dir)
+            found = durable_format.complete(self._checkpoint_dir)
         except (OSError, ValueError) as e:
             log.error("durable commits in %s cannot be read: %s", self._checkpoint_dir, e)
-            disk = None
-        steps = comm.allgather_equal(np.array([disk.step if disk is not None else -1], dtype=np.int64))[:, 0]
-        if len(set(steps.tolist())) != 1:
-            raise CommitLostError(f"world version {comm.world_version}: the ranks see different durable commits in "
-                                  f"{self._checkpoint_dir} (steps by rank: {steps.tolist()}); checkpoint_dir must be "
-                                  "one directory every worker shares")
-        return disk
+            found = []
+        rejected = []
+        for i in range(len(found) + 1):
+            step, path = found[i] if i < len(found) else (-1, None)
+            steps = comm.allgather_equal(np.array([step], dtype=np.int64))[:, 0]
+            if len(set(steps.tolist())) != 1:
+                raise CommitLostError(f"world version {comm.world_version}: the ranks see different durable commits "
+                                      f"in {self._checkpoint_dir} (steps by rank: {steps.tolist()}); checkpoint_dir "
+                                      "must be one directory every worker shares")
+            if path is None:
+                break
+            disk, why = self._resume_from_disk(comm, step, path)
+            usable = comm.allgather_equal(np.array([why is None], dtype=np.int64))[:, 0]
+            if usable.all():
+                return disk
+            refused = [r for r in range(comm.size) if not usable[r]]
+            if why is not None:
+                log.error("durable commit %s cannot be used: %s; trying the one before", path, why)
+            rejected.append(f"{path}: rank(s) {refused} cannot use it")
+            if comm.rank == 0:
+                durable_format.set_aside(path, f"rank(s) {refused} cannot use it" + (f" ({why})" if why else ""))
+        if rejected:
+            raise CommitLostError(f"world version {comm.world_version}: no usable durable commit in "
+                                  f"{self._checkpoint_dir}: " + "; ".join(rejected) + " (each set aside as .corrupt)")
+        return None
 
-    def _resume_from_disk(self, comm, disk: durable_format.Durable) -> None:
+    def _resume_from_disk(self, comm, step: int, path: str) -> Tuple[Optional[durable_format.Durable], Optional[str]]:
         """Every rank reads its new shards straight from the durable commit's files (any world
-        size wrote them) and the replicated state from its index."""
+        size wrote them) and the replicated state from its index: (the commit, None) when loaded,
+        (None, why not) when the commit does not read or fit (whatever its values make the
+        checks raise; the next try builds the model afresh)."""
         model = self._build()
         self._install(model)
         try:
+            disk = durable_format.open_commit(step, path)
             table = transfer.check_table(disk.replicated, model, 0, 0)
             new = {}
             for key, shape, dtype in table:
                 a, b = reshard.chunk_rows(shape[0], comm.size)[comm.rank]
                 new[key] = disk.rows(key, shape, transfer.dtype_named(dtype), a, b)
-        except (ValueError, TypeError) as e:
-            raise CommitLostError(f"durable commit {disk.path} cannot be loaded into this model: {e}") from None
-        self._load(table, new, disk.replicated)
+            self._load(table, new, disk.replicated)
+        except ElasticError:
+            raise
+        except Exception as e:   # a file's values: never this rank's failure, nor the job's
+            return None, f"{type(e).__name__}: {e}"
+        return disk, None
 
     def _copies_of(self, gen: reshard.Generation):
         """This rank's own and buddy copies of ``gen`` (None where it holds none)."""

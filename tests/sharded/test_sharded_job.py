@@ -195,3 +195,42 @@ def test_non_buddies_lose_nothing_and_a_buddy_pair_is_restored_from_durable_comm
     w2 = wait_world(restarted, again, 2)
     assert w2["commit"] == disk.step
     assert_resumed_bitwise(job, everyone, w2, at_least=disk.step)
+
+
+def test_a_relaunch_resumes_from_the_older_sharded_commit_past_a_newest_one_that_does_not_fit_and_a_decode_bomb(
+        sharded_job, tmp_path):
+    from elastic.sharded import checkpoint as sharded_checkpoint
+    from elastic.state import checkpoint
+    from tests.elastic.test_checkpoint import decode_bomb, write_raw
+    ckpt = str(tmp_path / "ckpt")
+    first = sharded_job(job_id="first", min_np=2, max_np=2, JOB_STEPS="8", JOB_CHECKPOINT=ckpt)
+    for w in ("a", "b"):
+        first.start(w)
+    assert first.wait(["a", "b"]) == {"a": 0, "b": 0}, first.log("a") + first.log("b")
+    (newest_step, newest), (older_step, older) = sharded_checkpoint.complete(ckpt)
+    # The newest commit's index, rewritten checksum-valid with a table whose first tensor has a
+    # row more than the model's (a stale run's model), and a newer commit still whose index would
+    # decode into a memory bomb.
+    index = os.path.join(newest, checkpoint.file_name(newest_step))
+    step, value = checkpoint.read_file(index)
+    key, shape, _ = value["replicated"]["table"][0]
+    value["replicated"]["table"][0][1] = [shape[0] + 1, *shape[1:]]
+    checkpoint.write(newest, step, value)
+    bomb = os.path.join(ckpt, sharded_checkpoint.dir_name(newest_step + 1))
+    os.makedirs(bomb, mode=0o700)
+    write_raw(bomb, newest_step + 1, decode_bomb())
+
+    again = sharded_job(job_id="again", min_np=2, max_np=2, JOB_STEPS="12", JOB_CHECKPOINT=ckpt)
+    for w in ("c", "d"):
+        again.start(w)
+    assert again.wait(["c", "d"]) == {"c": 0, "d": 0}, again.log("c") + again.log("d")
+    first_world = worlds(again, ["c", "d"])[0]
+    assert first_world["commit"] == older_step, "resumed from the commit before the newest"
+    assert commit_digests(first, ["a", "b"])[older_step] == {first_world["digest"]}, "bitwise that commit's state"
+    assert {e["digest"] for e in worlds(again, ["c", "d"]) if e["v"] == first_world["v"]} == {first_world["digest"]}
+    logs = again.log("c") + again.log("d")
+    for path, why in ((newest, f"'{key}'"), (bomb, "once decoded")):
+        assert os.path.exists(path + ".corrupt"), f"{path} set aside (the job wrote its own commit there since)"
+        said = [line for line in logs.splitlines() if "set aside" in line and path in line]
+        assert len(said) == 1 and why in said[0], logs
+    assert sharded_checkpoint.read_latest(ckpt).step > newest_step, "and the relaunched job committed on"
