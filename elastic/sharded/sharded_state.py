@@ -49,6 +49,7 @@ from elastic.runtime.errors import LeftJob, MembershipChanged
 from elastic.sharded import checkpoint as durable_format
 from elastic.sharded import reshard, transfer
 from elastic.state import checkpoint
+from elastic.state.errors import SyncRefusedError
 from elastic.state.sampler import committed_attrs
 from elastic.state.states import ObjectState
 
@@ -83,7 +84,7 @@ class ShardedState(ObjectState):
         for k, v in (("_build", build), ("_shard", shard), ("_make_optimizer", optimizer), ("model", None),
                      ("optimizer", None), ("_own", None), ("_buddy", None), ("_held", None), ("_full", None),
                      ("_pending", None), ("_reset_due", False), ("last_reshard", None),
-                     ("_written", None), ("_resharded", None),
+                     ("_written", None), ("_resharded", None), ("_worlds", {}),
                      ("_hooks", _ReshardOnNewWorld(self))):
             object.__setattr__(self, k, v)
         super().__init__(**attrs)
@@ -350,8 +351,8 @@ class ShardedState(ObjectState):
         started = time.monotonic()
         clock = _Phases()
         holdings = transfer.agree_holdings(comm, self._held, self._pending)
+        decision = self._judge(comm, holdings)
         clock.mark("agree")
-        decision = reshard.decide(holdings)
         disk = None
         if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
             disk = self._restore_durable(comm)
@@ -396,7 +397,17 @@ class ShardedState(ObjectState):
                                            comm.world_version)
         moved = transfer.move(comm, decision, table, own, buddy, views)
         clock.mark("move")
-        self._load(table, views, replicated)
+        try:
+            self._load(table, views, replicated)
+        except ElasticError:
+            raise
+        except Exception as e:   # whatever the root's values make loading raise is the root's failure
+            if comm.rank == decision.root:
+                raise
+            raise BadPeerError(f"ShardedState sync in world version {comm.world_version}: the replicated state rank "
+                               f"{decision.root} sent does not fit this model and optimizer: {type(e).__name__}: {e}",
+                               op="sync", world_version=comm.world_version, rank=comm.rank, peer=decision.root,
+                               kind=ErrorKind.BadPeer) from None
         clock.mark("load")
         # What each buddy holds already of the layout sync commits (not for a first world: only
         # rank 0 held its build()).
@@ -404,6 +415,51 @@ class ShardedState(ObjectState):
         return {"version": comm.world_version, "step": decision.generation.step, "root": decision.root,
                 "taken": (flat, views), "moved": moved, "from": decision.generation, "disk": None, "clock": clock,
                 "started": started, "local": local}
+
+    def _judge(self, comm, holdings: List[reshard.Holding]) -> "reshard.Resume | reshard.Lost | reshard.Fresh":
+        """``reshard.decide`` over what the ranks announce, with nothing a single rank says
+        trusted for the world: a claim of a commit in this world or a later one is blamed at
+        once (every rank sees it); a commit only one rank holds is put to the others' votes
+        (``reshard.objection``, one allgather), refused when any rank that was there contradicts
+        it, and its holder blamed when the ranks that object are at least as many as those that
+        do not (``BadPeerError`` naming it: ``elastic.run`` reports it and the rendezvous evicts
+        it; the holder itself raises ``SyncRefusedError``). A refused claim is left out and the
+        decision taken again from the rest. This rank then remembers this world's size."""
+        version, me = comm.world_version, comm.rank
+        liars = reshard.impossible(holdings, version)
+        if liars:
+            self._blamed(comm, liars[0], f"rank {liars[0]} claims a commit taken in world version {version} or later, "
+                                         "which has taken none", [])
+        decision = reshard.decide(holdings)
+        claimant = reshard.sole_holder(decision)
+        if claimant is not None and comm.size > 1:
+            mine = reshard.ABSTAIN if me == claimant else reshard.objection(decision.generation, holdings[me],
+                                                                              self._worlds)
+            votes = comm.allgather_equal(np.array([mine], dtype=np.int64))[:, 0].tolist()
+            if reshard.judge_claim(claimant, votes):
+                g = decision.generation
+                objectors = [r for r, v in enumerate(votes) if v == reshard.OBJECT and r != claimant]
+                what = (f"rank {claimant} alone claims commit {g.step} of the {g.size}-rank world version "
+                        f"{g.world_version}, which rank(s) {objectors} contradict from what they hold")
+                if reshard.blame_claimant(claimant, votes):
+                    self._blamed(comm, claimant, what, objectors)
+                log.warning("world version %d: %s; a minority, so nobody is blamed, and the claim is not resumed "
+                            "from", version, what)
+                holdings = [reshard.Holding() if r == claimant else h for r, h in enumerate(holdings)]
+                decision = reshard.decide(holdings)
+        self._worlds[version] = comm.size
+        for old in sorted(self._worlds)[:-16]:   # the last worlds are what a vote needs
+            del self._worlds[old]
+        return decision
+
+    def _blamed(self, comm, blamed: int, what: str, objectors: List[int]) -> None:
+        """Raises what a rank raises when ``blamed`` is to blame for a claim: ``SyncRefusedError``
+        on that rank, ``BadPeerError`` naming it on the others."""
+        version, me = comm.world_version, comm.rank
+        message = f"ShardedState sync in world version {version}: {what}; nothing was resumed from it"
+        if me == blamed:
+            raise SyncRefusedError(message, world_version=version, rank=me, peer=blamed, refused_by=tuple(objectors))
+        raise BadPeerError(message, op="sync", world_version=version, rank=me, peer=blamed, kind=ErrorKind.BadPeer)
 
     def _install(self, model) -> None:
         """Shards a fresh build() over this world's mesh, gives it storage where build() left it on
@@ -491,9 +547,13 @@ class ShardedState(ObjectState):
                 if key.startswith("model."):
                     transfer.local_rows(params[key[6:]], key).copy_(new[key])
             for fqn, b in self.model.named_buffers():
-                if fqn not in replicated["buffers"]:
-                    raise ValueError(f"ShardedState: the commit holds no buffer {fqn!r}")
-                b.copy_(replicated["buffers"][fqn])
+                v = replicated["buffers"].get(fqn)
+                if not isinstance(v, torch.Tensor) or v.shape != b.shape or v.dtype != b.dtype:
+                    got = (f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else
+                           "missing" if v is None else f"a {type(v).__name__}")
+                    raise ValueError(f"ShardedState: the commit's buffer {fqn!r} is {got}, this model's "
+                                     f"{list(b.shape)} {b.dtype}")
+                b.copy_(v)
         if self.optimizer is not None:
             by_fqn = {fqn: p for fqn, p in params.items()}
             if len(replicated["groups"]) != len(self.optimizer.param_groups):

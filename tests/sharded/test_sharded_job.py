@@ -2,6 +2,7 @@
 server: workers killed mid-backward, joining, leaving gracefully, killed two at a time."""
 
 import os
+import re
 import signal
 
 from tests.waiting import wait_until
@@ -234,3 +235,43 @@ def test_a_relaunch_resumes_from_the_older_sharded_commit_past_a_newest_one_that
         said = [line for line in logs.splitlines() if "set aside" in line and path in line]
         assert len(said) == 1 and why in said[0], logs
     assert sharded_checkpoint.read_latest(ckpt).step > newest_step, "and the relaunched job committed on"
+
+
+@pytest.mark.parametrize("mode", ["claim", "buffer", "bytes"])
+def test_a_hostile_member_cannot_take_over_or_end_a_reshard_it_is_evicted_and_the_others_go_on(
+        sharded_job, server, mode):
+    # Three members train together; a fourth joins; at that reshard one member turns hostile: it
+    # claims a one-rank commit at step 10^9 of the world it was in with the others, or (as the
+    # reshard's root) sends the replicated state with a buffer of the wrong shape, or sends more
+    # bytes than planned in a shift of the rows. Which member does is decided as the job runs
+    # (the first that can: the root is whoever holds the lowest own copy).
+    job = sharded_job(min_np=3, max_np=4, JOB_STEPS="40", JOB_STEP_SLEEP="0.05", JOB_EVIL=f"any:{mode}")
+    members = ["a", "b", "c"]
+    for w in members:
+        job.start(w)
+    first = wait_world(job, members, 3)
+    job.wait_step(4, members)
+    job.start("n")
+    wait_until(lambda: [w for w in members if any(e["ev"] == "evil" for e in job.events(w))], 90,
+               "a member to turn hostile")
+    evil = [w for w in members if any(e["ev"] == "evil" for e in job.events(w))]
+    assert len(evil) == 1, evil
+    evil = evil[0]
+    honest = [w for w in members if w != evil] + ["n"]
+    assert job.wait(honest, timeout=180) == {w: 0 for w in honest}, "".join(job.log(w) for w in honest)
+    # The honest workers blamed it (BadPeerError, reported), the rendezvous evicted it, and they
+    # resumed without it: the last world is the three of them, and they end with the same state.
+    last = worlds(job, honest)[-1]
+    assert last["size"] == 3 and last["v"] > first["v"] + 1
+    assert all(e["v"] < last["v"] for e in job.events(evil) if e["ev"] == "world")
+    assert job.procs[evil].poll() is None, "it never left: only the eviction removed it"
+    assert re.search(rf"worker {evil} dropped: .*evicted", server.log()), server.log()
+    logs = "".join(job.log(w) for w in honest)
+    said = {"claim": "alone claims commit 1000000000", "buffer": "buffer 'scale'",
+            "bytes": "bytes every rank planned for this shift"}[mode]
+    assert said in logs, logs
+    assert "Traceback" not in logs, logs
+    done = {w: next(e for e in job.events(w) if e["ev"] == "done") for w in honest}
+    assert len({d["step"] for d in done.values()}) == 1
+    digests = commit_digests(job, honest)
+    assert all(len(d) == 1 for d in digests.values()), "every commit is bitwise the same on every honest rank"
