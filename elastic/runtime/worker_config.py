@@ -1,6 +1,6 @@
 """Worker configuration: the one place the runtime reads the environment the launcher sets.
 
-This is the one table of a worker's environment (README's "Configuration" points here).
+This is the one table of a worker's environment (docs/reference/environment.md is generated from it).
 "default" is what a worker started by hand gets; "elastic-run" is what the launcher sets.
 
 | variable | meaning | default | elastic-run |
@@ -18,7 +18,7 @@ This is the one table of a worker's environment (README's "Configuration" points
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | the server's (600) | ``--elastic-timeout`` (600) |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 | inherited |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form (the rendezvous aborts it sooner when a peer fails) | ``ELASTIC_WORLD_TIMEOUT`` | inherited |
-| ``ELASTIC_COLLECTIVE_TIMEOUT`` | seconds a worker may stay in one collective before it fails and the world re-forms (README: "The collective timeout") | 1800 | ``--collective-timeout`` |
+| ``ELASTIC_COLLECTIVE_TIMEOUT`` | seconds a worker may stay in one collective before it fails and the world re-forms (docs: "The collective timeout") | 1800 | ``--collective-timeout`` |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 | inherited |
 | ``ELASTIC_DEFAULT_GROUP`` | ``0`` (``false``, ``no``, ``off``): ``elastic.run`` leaves torch.distributed's default group unset (``elastic.process_group()`` still works) | ``1`` | inherited |
 | ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 | ``--preempt-grace`` |
@@ -33,7 +33,7 @@ This is the one table of a worker's environment (README's "Configuration" points
 | ``ELASTIC_RESTART_COUNT`` | times this slot was started before (read by scripts, not here) | unset | the count |
 
 elastic-run also sets torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS``
-(README: "From torchrun"), and, unless they are set already, ``PYTHONUNBUFFERED=1``,
+(docs: "From torchrun: DDP"), and, unless they are set already, ``PYTHONUNBUFFERED=1``,
 ``GRPC_VERBOSITY=ERROR`` and ``GRPC_ENABLE_FORK_SUPPORT=0`` (``elastic.launch.environment``).
 
 The ring secret is not configured: the rendezvous server makes a random one per job and hands it
