@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import elastic
+from elastic.ring import decode_cost
 from elastic.ring import serialization as S
 
 from .bait import planted_pickle, prove_it_bites
@@ -464,21 +465,25 @@ def test_decoding_a_worst_case_payload_of_each_kind_takes_at_most_its_budget_in_
     assert report["outcome"].startswith(("decoded", "refused: malformed data")), report
 
 
-def test_many_small_values_are_refused_on_both_sides_by_the_memory_budget():
-    # 2^23 Nones are 8 MiB on the wire and 64 MiB of list slots: more than 4x + 16 MiB.
-    n = 1 << 23
-    with pytest.raises(TypeError, match=r"once decoded, over the .* \(4x \+ 16 MiB\)"):
+def test_many_small_values_are_refused_on_both_sides_by_the_memory_budget(monkeypatch):
+    # Without the 16 MiB floor (made 0 here, so the lists stay small): 10^5 Nones are 100 KB on
+    # the wire and 800 KB of list slots, more than 4x; 10^5 floats (9 bytes, 32 once decoded) fit.
+    monkeypatch.setattr(decode_cost, "DECODE_FLOOR", 0)
+    n = 100_000
+    with pytest.raises(TypeError, match=r"once decoded, over the .* \(4x \+ 0 MiB\)"):
         S.dumps([None] * n)
     with pytest.raises(TypeError, match="once decoded"):
         S.check([None] * n)
     data = HEADER + bytes([S.LIST]) + _u64(n) + bytes([S.NONE]) * n
     with pytest.raises(ValueError, match=r"malformed data at offset 9: values that take \d+ bytes"):
         S.loads(data)
+    assert S.loads(S.dumps([1.5] * n)) == [1.5] * n
     # Empty tensors cost about 640 bytes each from 27 on the wire: refused long before 2^24 values.
     empty = bytes([S.TENSOR, 3, 1]) + _u64(0) + _u64(0)
-    count = (64 << 20) // len(empty)
     with pytest.raises(ValueError, match="once decoded"):
-        S.loads(HEADER + bytes([S.LIST]) + _u64(count) + empty * count)
+        S.loads(HEADER + bytes([S.LIST]) + _u64(n) + empty * n)
+    with pytest.raises(TypeError, match="once decoded"):
+        S.dumps([torch.empty(0)] * 10_000)
 
 
 def test_a_state_of_tensors_decodes_within_its_budget_at_any_size():
