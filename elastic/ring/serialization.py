@@ -656,5 +656,5 @@ def loads(data: Any) -> Any:
     return obj
 
 
-__all__ = ["MAGIC", "VERSION", "MAX_DEPTH", "MAX_ITEMS", "MAX_NDIM", "MAX_INT_BYTES", "Encoded", "encode", "dumps",
-           "loads", "check"]
+__all__ = ["MAGIC", "VERSION", "MAX_DEPTH", "MAX_ITEMS", "MAX_NDIM", "MAX_INT_BYTES", "DECODE_RATIO", "DECODE_FLOOR",
+           "Encoded", "encode", "dumps", "loads", "check"]

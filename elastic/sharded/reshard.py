@@ -130,10 +130,10 @@ ABSTAIN, CONSISTENT, OBJECT = -1, 0, 1
 
 
 def impossible(holdings: Sequence[Holding], world_version: int) -> Tuple[int, ...]:
-    """The ranks that claim a commit taken in world ``world_version`` (the one forming now, which
-    has taken none) or a later one: every rank sees the same rows, so all blame them alike."""
+    """The ranks that claim a commit taken in a world later than ``world_version``, the one
+    forming now (no such world exists yet): every rank sees the same rows, so all blame them alike."""
     return tuple(r for r, h in enumerate(holdings)
-                 if any(g[0].world_version >= world_version for g in (h.committed, h.pending) if g is not None))
+                 if any(g[0].world_version > world_version for g in (h.committed, h.pending) if g is not None))
 
 
 def sole_holder(decision: "Resume | Lost | Fresh") -> Optional[int]:
@@ -145,17 +145,21 @@ def sole_holder(decision: "Resume | Lost | Fresh") -> Optional[int]:
     return next(iter(ranks)) if len(ranks) == 1 else None
 
 
-def objection(claim: Generation, own: Holding, worlds: Dict[int, int]) -> int:
+def objection(claim: Generation, own: Holding, worlds: Dict[int, int], now: int) -> int:
     """This rank's vote on ``claim``, a commit another rank alone holds, from what it knows
     first-hand: the commits it holds itself (``own``) and the worlds it was in (``worlds``:
-    version -> size, as the rendezvous formed them). ``OBJECT`` when the claim contradicts that:
-    a world it was in had another size; a commit of the same world more than one step apart
-    (every rank of a world commits the same steps, one agreement apart at most) or of another
-    size; or a commit of an older world than its own that is more than a step ahead of its own
-    (the newer world resumed from the newest complete commit its ranks held). ``ABSTAIN`` when
-    it knows nothing (a newcomer), else ``CONSISTENT`` (which vouches for nothing)."""
+    version -> size, as the rendezvous formed them, the world ``now`` forming included).
+    ``OBJECT`` when the claim contradicts that: a commit of world ``now`` while this rank took
+    none in it (no rank commits in a world before the sync every rank takes part in); a world it
+    was in had another size; a commit of the same world as one of its own more than one step
+    apart (every rank of a world commits the same steps, one agreement apart at most) or of
+    another size; or a commit of an older world than its own more than a step ahead of it (the
+    newer world resumed from the newest complete commit its ranks held). ``ABSTAIN`` when it
+    knows nothing (a newcomer), else ``CONSISTENT`` (which vouches for nothing)."""
     mine = [held[0] for held in (own.committed, own.pending) if held is not None]
-    if not mine and not worlds:
+    if claim.world_version == now and not any(g.world_version == now for g in mine):
+        return OBJECT
+    if not mine and not set(worlds) - {now}:
         return ABSTAIN
     if claim.world_version in worlds and worlds[claim.world_version] != claim.size:
         return OBJECT

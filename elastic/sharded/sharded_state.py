@@ -418,7 +418,7 @@ class ShardedState(ObjectState):
 
     def _judge(self, comm, holdings: List[reshard.Holding]) -> "reshard.Resume | reshard.Lost | reshard.Fresh":
         """``reshard.decide`` over what the ranks announce, with nothing a single rank says
-        trusted for the world: a claim of a commit in this world or a later one is blamed at
+        trusted for the world: a claim of a commit in a later world than this one is blamed at
         once (every rank sees it); a commit only one rank holds is put to the others' votes
         (``reshard.objection``, one allgather), refused when any rank that was there contradicts
         it, and its holder blamed when the ranks that object are at least as many as those that
@@ -428,13 +428,14 @@ class ShardedState(ObjectState):
         version, me = comm.world_version, comm.rank
         liars = reshard.impossible(holdings, version)
         if liars:
-            self._blamed(comm, liars[0], f"rank {liars[0]} claims a commit taken in world version {version} or later, "
-                                         "which has taken none", [])
+            self._blamed(comm, liars[0], f"rank {liars[0]} claims a commit taken in a world later than world version "
+                                         f"{version}, which is forming now", [])
         decision = reshard.decide(holdings)
         claimant = reshard.sole_holder(decision)
         if claimant is not None and comm.size > 1:
+            known = {**self._worlds, version: comm.size}
             mine = reshard.ABSTAIN if me == claimant else reshard.objection(decision.generation, holdings[me],
-                                                                              self._worlds)
+                                                                              known, version)
             votes = comm.allgather_equal(np.array([mine], dtype=np.int64))[:, 0].tolist()
             if reshard.judge_claim(claimant, votes):
                 g = decision.generation

@@ -203,7 +203,7 @@ def test_state_refuses_to_start_from_a_directory_whose_commits_are_all_unusable(
     assert state.commit_step == -1 and state.epoch == 0
 
 
-# --------------------------------------------------------------------------- a newest commit that reads but cannot be used
+# --------------------------------------------------------------------------- a newest commit that cannot be used
 def write_raw(directory, step, payload: bytes) -> str:
     """A durable commit file around ``payload`` with a valid header and checksum (what a stale
     run, a hand-made file or another program could leave there)."""

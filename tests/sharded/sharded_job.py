@@ -18,9 +18,10 @@ Knobs (environment):
   JOB_EVIL         "WORKER:MODE": that worker is a hostile member from its second world on (WORKER
                    "any": whichever worker acts first, once in the job). MODE "claim": it announces a
                    complete one-rank commit at step 10^9 of the world it was in with the others (so it
-                   would be the reshard's root); "buffer": as the root of a reshard it sends the
-                   replicated state with a buffer of the wrong shape; "bytes": every shift of a
-                   reshard's rows it takes part in carries 64 bytes more than planned
+                   would be the reshard's root); "claim-now": the same, of the world forming now;
+                   "buffer": as the root of a reshard it sends the replicated state with a buffer of
+                   the wrong shape; "bytes": every shift of a reshard's rows it takes part in carries
+                   64 bytes more than planned
 
 The model is a tiny transformer-like stack whose width (10) and vocabulary (37) no world size
 here divides. The batch of a step is a function of (step, rank). Every commit and every world's
@@ -160,12 +161,13 @@ def turn_evil(mode):
     def armed(version):
         first[:] = first or [version]
         return version != first[0]
-    if mode == "claim":
+    if mode in ("claim", "claim-now"):
         real_agree = transfer.agree_holdings
 
         def claim(comm, held, pending):
             if held is not None and may_act():
-                held, pending = (reshard.Generation(10 ** 9, held[0].world_version, 1), 0), None
+                version = comm.world_version if mode == "claim-now" else held[0].world_version
+                held, pending = (reshard.Generation(10 ** 9, version, 1), 0), None
                 acted(mode, comm.world_version)
             return real_agree(comm, held, pending)
         transfer.agree_holdings = claim

@@ -277,8 +277,17 @@ P3 = Generation(step=40, world_version=6, size=3)     # the world three members 
 FORGED = Generation(step=10 ** 9, world_version=6, size=1)
 
 
+NOW = 9   # the world forming
+
+
 @pytest.mark.parametrize("name, claim, own, worlds, vote", [
     ("a newcomer knows nothing", FORGED, h(), {}, ABSTAIN),
+    ("a newcomer knows only the world forming now", FORGED, h(), {NOW: 4}, ABSTAIN),
+    ("a commit of the world forming now, which nobody has committed in", Generation(10 ** 9, NOW, 1), h(),
+     {NOW: 4}, OBJECT),
+    ("the same, to a member of an older world", Generation(10 ** 9, NOW, 2), h((P3, 1)), {6: 3, NOW: 2}, OBJECT),
+    ("a commit of this world, one step from this rank's own in it (a sync inside the world)",
+     Generation(51, NOW, 2), h((Generation(50, NOW, 2), 1)), {NOW: 2}, CONSISTENT),
     ("a one-rank commit of the three-rank world this rank was in", FORGED, h((P3, 1)), {6: 3}, OBJECT),
     ("the same, known only from the commit it holds", FORGED, h((P3, 1)), {}, OBJECT),
     ("the same, known only from the world it was in", FORGED, h(), {6: 3}, OBJECT),
@@ -296,7 +305,7 @@ FORGED = Generation(step=10 ** 9, world_version=6, size=1)
      {6: 3}, CONSISTENT),
 ])
 def test_objection(name, claim, own, worlds, vote):
-    assert objection(claim, own, worlds) == vote
+    assert objection(claim, own, worlds, NOW) == vote
 
 
 # votes by rank; the claimant (rank 0) is never counted
@@ -329,7 +338,7 @@ def test_a_forged_one_rank_commit_wins_decide_alone_and_is_the_only_one_judged()
     holdings = [h((P3, 0)), h((FORGED, 0)), h((P3, 2)), h()]
     decision = decide(holdings)
     assert decision.generation == FORGED and decision.root == 1 and sole_holder(decision) == 1
-    votes = [objection(FORGED, holdings[r], {6: 3}) if r != 1 else ABSTAIN for r in range(3)] + [ABSTAIN]
+    votes = [objection(FORGED, holdings[r], {6: 3, 7: 4}, 7) if r != 1 else ABSTAIN for r in range(3)] + [ABSTAIN]
     assert votes == [OBJECT, ABSTAIN, OBJECT, ABSTAIN]
     assert judge_claim(1, votes) and blame_claimant(1, votes)
     # Without the claim the world resumes from what the others hold together.
@@ -340,7 +349,7 @@ def test_a_forged_one_rank_commit_wins_decide_alone_and_is_the_only_one_judged()
 def test_legitimate_single_holders_are_not_judged_against():
     lone = Generation(90, 8, 1)
     assert sole_holder(decide([h((lone, 0)), h(), h()])) == 0   # a lone worker joined by two newcomers
-    assert [objection(lone, x, {}) for x in (h(), h())] == [ABSTAIN, ABSTAIN]
+    assert [objection(lone, x, {9: 3}, 9) for x in (h(), h())] == [ABSTAIN, ABSTAIN]
     pair = Generation(12, 5, 2)   # a buddy pair's survivor holds both shards: own and the other's copy
     assert sole_holder(decide([h((pair, 1)), h()])) == 0
     assert sole_holder(decide([h((P3, 0)), h((P3, 1)), h((P3, 2))])) is None
@@ -349,7 +358,8 @@ def test_legitimate_single_holders_are_not_judged_against():
 
 @pytest.mark.parametrize("holdings, version, liars", [
     ([h((P3, 0)), h((P3, 1))], 7, ()),
-    ([h((P3, 0)), h((Generation(5, 7, 1), 0))], 7, (1,)),         # a commit of the world forming now
+    ([h((P3, 0)), h((Generation(5, 7, 1), 0))], 7, ()),           # of the world forming now: put to the vote
+    ([h((P3, 0)), h((Generation(5, 8, 1), 0))], 7, (1,)),         # a commit of a world not formed yet
     ([h((P3, 0), (Generation(5, 9, 2), 0)), h((P3, 1))], 7, (0,)),  # a pending one of a later world
     ([h(), h()], 1, ()),
 ])

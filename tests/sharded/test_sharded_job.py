@@ -237,7 +237,7 @@ def test_a_relaunch_resumes_from_the_older_sharded_commit_past_a_newest_one_that
     assert sharded_checkpoint.read_latest(ckpt).step > newest_step, "and the relaunched job committed on"
 
 
-@pytest.mark.parametrize("mode", ["claim", "buffer", "bytes"])
+@pytest.mark.parametrize("mode", ["claim", "claim-now", "buffer", "bytes"])
 def test_a_hostile_member_cannot_take_over_or_end_a_reshard_it_is_evicted_and_the_others_go_on(
         sharded_job, server, mode):
     # Three members train together; a fourth joins; at that reshard one member turns hostile: it
@@ -267,8 +267,8 @@ def test_a_hostile_member_cannot_take_over_or_end_a_reshard_it_is_evicted_and_th
     assert job.procs[evil].poll() is None, "it never left: only the eviction removed it"
     assert re.search(rf"worker {evil} dropped: .*evicted", server.log()), server.log()
     logs = "".join(job.log(w) for w in honest)
-    said = {"claim": "alone claims commit 1000000000", "buffer": "buffer 'scale'",
-            "bytes": "bytes every rank planned for this shift"}[mode]
+    said = {"claim": "alone claims commit 1000000000", "claim-now": "alone claims commit 1000000000",
+            "buffer": "buffer 'scale'", "bytes": "bytes every rank planned for this shift"}[mode]
     assert said in logs, logs
     assert "Traceback" not in logs, logs
     done = {w: next(e for e in job.events(w) if e["ev"] == "done") for w in honest}
