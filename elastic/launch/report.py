@@ -16,6 +16,7 @@ from rendezvous.client.status_client import JobStatusInfo
 
 
 WAIT_LINE_EVERY_S = 10.0   # while the job waits for workers to reach min-np: a line this often
+BELOW_MIN_GRACE_S = 1.0    # below min-np this long before it is said (not while a launcher stops the job)
 
 
 class Line(str):
@@ -50,6 +51,8 @@ class Reporter:
         self._broken: set = set()              # world versions whose ring_broken event was noted
         self._waiting_since: Optional[float] = None   # the job waits below min-np since (as first seen)
         self._waiting_told = 0.0
+        self._below_since: Optional[float] = None    # the job is below min-np (WAITING) since
+        self._below_told = False
         # worker id -> (world version, rank or None on standby), as the latest answer naming it
         # said; kept after it is gone from Status, so its failure is still reported with its rank.
         self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}
@@ -133,13 +136,20 @@ class Reporter:
             for w in joined:
                 self.starts.pop(w, None)
             msgs.append(Line(text, notable))
-        if prev is None or view.phase != prev.phase:
-            if view.phase == "WAITING":
+        # Below min-np is said once it lasts BELOW_MIN_GRACE_S: a job that stops for another reason
+        # (a worker's exception ends the launcher) drops below min-np on its way out, which is no news.
+        if view.phase == "WAITING":
+            if self._below_since is None:
+                self._below_since = now
+            if not self._below_told and now - self._below_since >= BELOW_MIN_GRACE_S:
+                self._below_told = True
                 alive = sum(1 for m in view.members)
                 msgs.append(Line(f"below min-np={view.min_np}: {alive} worker(s) left; the job fails if it stays "
                                  f"below for {view.elastic_timeout_s:g} s", True))
-            elif view.phase == "RUNNING" and prev is not None and prev.phase == "WAITING":
+        else:
+            if view.phase == "RUNNING" and self._below_told:
                 msgs.append(Line(f"back at {len(view.ranks())} worker(s), at least min-np={view.min_np}", True))
+            self._below_since, self._below_told = None, False
         waiting = self._waiting(view, now)
         if waiting:
             msgs.append(waiting)

@@ -65,6 +65,7 @@ from elastic.ring.wait_clock import WaitClock
 from elastic.runtime import straggler_detector
 from elastic.runtime.completions import Completions
 from elastic.runtime.errors import LeftJob, MembershipChanged, RendezvousError
+from elastic.runtime.commit_watch import CommitWatch
 from elastic.runtime.hooks import StepHooks
 from elastic.runtime.worker_metrics import Recorder, timed
 
@@ -90,12 +91,15 @@ class Session:
         self._lock = threading.Lock()
         self._failure: Optional[WorkerLostError] = None
         self._sync_clock: Optional[Tuple[Communicator, Any]] = None   # opened by start_sync_clock
+        # Warns (rank 0) when training goes long without a commit; JobSession sets its limits.
+        self.commit_watch = CommitWatch(warn=self._warn_on_rank_0)
 
     # ------------------------------------------------------------------ where this worker is
     def ring(self, what: str = "") -> Communicator:
         """The ring the collectives run on now; a clear error when there is none."""
         comm = self.comm
         if comm is not None:
+            self.commit_watch.check(self.commit_step)   # a monotonic read: every collective may
             return comm
         doing = f"{what}: " if what else ""
         if self.ended:
@@ -160,6 +164,16 @@ class Session:
     def record_commit(self, commit_step: int) -> None:
         """The state holds commit ``commit_step`` now (taken or synced)."""
         self.commit_step = commit_step
+        self.commit_watch.committed()
+
+    def stepped(self) -> None:
+        """A training step completed (a ``TorchState``'s optimizer stepped and its batch was done)."""
+        self.commit_watch.stepped(self.commit_step)
+
+    def _warn_on_rank_0(self, text: str) -> None:
+        where = self.position()
+        if where is None or where[0] == 0:   # one line for the job, not one per worker
+            log.warning("%s", text)
 
     def check_membership(self, comm: Optional[Communicator] = None) -> None:
         """Raises MembershipChanged on every rank at once when a clean join/leave is pending, or

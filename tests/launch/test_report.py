@@ -115,12 +115,24 @@ def test_a_join_is_reported_with_the_time_since_the_worker_started_and_no_recove
     assert r.recoveries == []
 
 
-def test_waiting_below_min_np_and_coming_back_are_reported():
+def test_waiting_below_min_np_and_coming_back_are_reported_once_it_lasts():
     r = Reporter(now=0.0)
     r.update(view(1, ["a", "b"], min_np=2), 1.0)
-    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == [
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == []
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.5) == []
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 3.0) == [
         "below min-np=2: 1 worker(s) left; the job fails if it stays below for 600 s"]
-    assert r.update(view(2, ["a", "b2"], min_np=2), 3.0)[-1] == "back at 2 worker(s), at least min-np=2"
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 4.0) == []
+    assert r.update(view(2, ["a", "b2"], min_np=2), 5.0)[-1] == "back at 2 worker(s), at least min-np=2"
+
+
+def test_a_job_below_min_np_only_on_its_way_out_says_nothing_of_it():
+    # A worker's exception stops the launcher: Status shows WAITING for a moment before the end.
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"], min_np=2), 1.0)
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == []
+    assert r.update(view(2, ["a", "b2"], min_np=2), 2.5) == [
+        "world 2: 2 worker(s); left: b; joined: b2; recovered 0.50 s after b left the world"]
 
 
 def test_ranks_come_from_status_and_outlive_the_worker_s_place_in_it():
