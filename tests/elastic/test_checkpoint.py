@@ -212,11 +212,11 @@ def test_state_refuses_to_start_from_a_directory_whose_commits_are_all_unusable(
 
 
 # --------------------------------------------------------------------------- a newest commit that cannot be used
-def write_raw(directory, step, payload: bytes) -> str:
-    """A durable commit file around ``payload`` with a valid header and checksum (what a stale
-    run, a hand-made file or another program could leave there)."""
+def write_raw(path, step, payload: bytes) -> str:
+    """A durable commit file at ``path`` around ``payload``, with a valid header and checksum
+    (what a stale run, a hand-made file or another program could leave there)."""
     header = checkpoint._HEADER.pack(checkpoint.MAGIC, checkpoint.VERSION, step, len(payload))
-    path = os.path.join(str(directory), checkpoint.file_name(step))
+    path = str(path)
     with open(path, "wb") as f:
         f.write(header + payload + hashlib.sha256(header + payload).digest())
     return path
@@ -246,8 +246,9 @@ def test_a_checksum_valid_newest_commit_that_cannot_be_used_is_set_aside_and_the
         first.epoch = epoch
         first.commit()   # commits 0, 1, 2, each durable
     assert first.finish_durable_commits()
-    older = checkpoint.read_file(str(directory / checkpoint.file_name(2)))[1]
-    bad = checkpoint.read_file(str(directory / checkpoint.file_name(2)))[1]
+    commit_2 = dict(checkpoint.numbered(str(directory), checkpoint._NAME))[2]   # named with the step it holds
+    older = checkpoint.read_file(commit_2)[1]
+    bad = checkpoint.read_file(commit_2)[1]
     if newest == "shapes that do not fit":
         bad["model"]["weight"] = torch.zeros(3, 5)
         path = checkpoint.write(str(directory), 3, bad)
@@ -255,7 +256,7 @@ def test_a_checksum_valid_newest_commit_that_cannot_be_used_is_set_aside_and_the
         bad["model"]["extra.weight"] = torch.zeros(1)
         path = checkpoint.write(str(directory), 3, bad)
     elif newest == "a decode bomb":
-        path = write_raw(directory, 3, decode_bomb())
+        path = write_raw(directory / checkpoint.file_name(3), 3, decode_bomb())
     else:
         path = checkpoint.write(str(directory), 3, [1, 2, 3])
     again = torch_state()

@@ -387,8 +387,8 @@ def test_a_relaunch_resumes_from_the_older_commit_past_a_newest_one_that_does_no
     step, state = checkpoint.read_file(newest)
     key = next(k for k, v in state["model"].items() if v.dim() == 2)
     state["model"][key] = torch.zeros(state["model"][key].shape[0] + 1, state["model"][key].shape[1])
-    checkpoint.write(str(ckpt), step, state)
-    bomb = write_raw(ckpt, newest_step + 1, decode_bomb())
+    write_raw(newest, step, serialization.dumps(state))   # in place, under its own name
+    bomb = write_raw(ckpt / checkpoint.file_name(newest_step + 1), newest_step + 1, decode_bomb())
 
     again = job_factory(job_id="again", min_np=2, max_np=2, JOB_CHECKPOINT=ckpt, JOB_EPOCHS="2")
     for w in ("b0", "b1"):

@@ -219,7 +219,7 @@ def test_a_relaunch_resumes_from_the_older_sharded_commit_past_a_newest_one_that
     checkpoint.write(newest, step, value)
     bomb = os.path.join(ckpt, sharded_checkpoint.dir_name(newest_step + 1))
     os.makedirs(bomb, mode=0o700)
-    write_raw(bomb, newest_step + 1, decode_bomb())
+    write_raw(os.path.join(bomb, checkpoint.file_name(newest_step + 1)), newest_step + 1, decode_bomb())
 
     again = sharded_job(job_id="again", min_np=2, max_np=2, JOB_STEPS="12", JOB_CHECKPOINT=ckpt)
     for w in ("c", "d"):
