@@ -213,7 +213,7 @@ class JobSession(Session):
 
     # ------------------------------------------------------------------ events
     def _pump_loop(self) -> None:
-        reported, last_report, told, noted = -1, 0.0, None, 0
+        reported, last_report, told, noted, stepped_told = -1, 0.0, None, 0, 0
         while not self._stop.is_set():
             # A ring that takes long to form waits for members still in the running world: they
             # switch at their next commit. Say so once per world, not only when the form times out.
@@ -235,13 +235,17 @@ class JobSession(Session):
             # world. Sent from here, at most once a second, so commit() never waits on the network.
             # The straggler verdict rides along (elastic.runtime.straggler_detector), at once when it
             # names this worker.
-            commit_step, verdict = self.commit_step, self.straggler_detector.report
+            commit_step, verdict, stepped = self.commit_step, self.straggler_detector.report, self.stepped_world
             named = verdict is not None and verdict.named and not (told is not None and told.named and
                                                                    told.world_version == verdict.world_version)
-            if (commit_step != reported or verdict is not told) and (named or time.monotonic() - last_report >= 1.0):
+            # The first step in a new world goes at once: the launchers count a recovery to it.
+            if (commit_step != reported or verdict is not told or stepped != stepped_told) and \
+                    (named or stepped != stepped_told or time.monotonic() - last_report >= 1.0):
                 try:
-                    self.client.report_progress(commit_step=commit_step, straggler=verdict)
-                    reported, told = commit_step, verdict
+                    held = getattr(self.state, "step", None)
+                    self.client.report_progress(commit_step=commit_step, straggler=verdict, stepped_world=stepped,
+                                                step=held if type(held) is int and held >= 0 else -1)
+                    reported, told, stepped_told = commit_step, verdict, stepped
                     self.straggler_detector.told(verdict)
                 except _ClientError as e:
                     log.debug("progress report failed: %s", e)

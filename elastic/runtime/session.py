@@ -93,6 +93,7 @@ class Session:
         self._sync_clock: Optional[Tuple[Communicator, Any]] = None   # opened by start_sync_clock
         # Warns (rank 0) when training goes long without a commit; JobSession sets its limits.
         self.commit_watch = CommitWatch(warn=self._warn_on_rank_0)
+        self.stepped_world = 0                      # the newest world it trained in (note_progress)
 
     # ------------------------------------------------------------------ where this worker is
     def ring(self, what: str = "") -> Communicator:
@@ -152,6 +153,7 @@ class Session:
             # A durable write waits at most half the collective timeout for the one before, so
             # the other ranks, already in the boundary's allreduce, never take this rank for dead.
             state.take_commit(durable=comm.rank == 0, wait_s=comm.config.timeout / 2)
+            self.note_progress()   # a commit in this world: it trains here (a state that counts no steps)
             self.boundary(state, state.commit_step, comm)
 
     def boundary(self, state: Any, commit_step: int, comm: Communicator) -> None:
@@ -169,6 +171,12 @@ class Session:
     def stepped(self) -> None:
         """A training step completed (a ``TorchState``'s optimizer stepped and its batch was done)."""
         self.commit_watch.stepped(self.commit_step)
+        self.note_progress()
+
+    def note_progress(self) -> None:
+        """This worker trained in its current world: a step completed, or a commit taken in it."""
+        if self.world is not None:
+            self.stepped_world = self.world.world_version
 
     def _warn_on_rank_0(self, text: str) -> None:
         where = self.position()

@@ -37,6 +37,23 @@ def test_the_api_reference_covers_every_public_name():
     assert named == set(elastic.__all__) - members and members == {"Sum", "Average", "Min", "Max"}
 
 
+def test_the_metrics_reference_lists_every_metric_the_server_and_the_launcher_expose():
+    from elastic.launch.host_metrics import WORKER_METRICS
+    from rendezvous.server.server_metrics import ServerMetrics
+    page = open(os.path.join(REPO, "docs", "reference", "metrics.md")).read()
+    server = ServerMetrics(job_states=lambda: [], is_leader=lambda: True, leadership_losses=lambda: 0)
+    names = {f.name for f in server.registry.collect() if f.name.startswith("elastic_")}
+    names |= {name for name, _, _ in WORKER_METRICS}
+    assert len(names) > 20
+    assert [n for n in sorted(names) if n not in page] == []
+
+
+def test_the_metrics_reference_lists_every_event():
+    from rendezvous.common.event_log import EVENTS
+    page = open(os.path.join(REPO, "docs", "reference", "metrics.md")).read()
+    assert [e for e in sorted(EVENTS) if f"`{e}`" not in page] == []
+
+
 @pytest.mark.slow
 def test_the_site_builds_strict_and_its_references_match_the_code(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rendezvous.proto\x12\x15\x65lastic.rendezvous.v1\"D\n\x07JobSpec\x12\x0e\n\x06min_np\x18\x01 \x01(\r\x12\x0e\n\x06max_np\x18\x02 \x01(\r\x12\x19\n\x11\x65lastic_timeout_s\x18\x03 \x01(\x01\"\xe0\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x14\n\x0cring_address\x18\x04 \x01(\t\x12\x13\n\x0b\x63ommit_step\x18\x05 \x01(\x03\x12,\n\x04spec\x18\x06 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x33\n\x0bspec_if_new\x18\x08 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\"|\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x13\n\x0bring_secret\x18\x04 \x01(\x0c\"7\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommit_step\x18\x02 \x01(\x03\"\xb2\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cring_address\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\x12\x13\n\x0b\x63ommit_step\x18\t \x01(\x03\"\xba\x01\n\x05World\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\":\n\x11MembershipPending\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x0c\x41\x62ortVersion\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"0\n\x07Standby\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"/\n\nJobOutcome\x12\x11\n\tsucceeded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd0\x02\n\nWatchEvent\x12-\n\x05world\x18\x01 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.WorldH\x00\x12;\n\x07pending\x18\x02 \x01(\x0b\x32(.elastic.rendezvous.v1.MembershipPendingH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.elastic.rendezvous.v1.AbortVersionH\x00\x12\x31\n\x07standby\x18\x04 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.StandbyH\x00\x12-\n\x05probe\x18\x05 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.ProbeH\x00\x12\x35\n\x08\x66inished\x18\x06 \x01(\x0b\x32!.elastic.rendezvous.v1.JobOutcomeH\x00\x42\x07\n\x05\x65vent\"\\\n\x0fStragglerReport\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x14\n\x0cslow_windows\x18\x03 \x01(\r\x12\r\n\x05named\x18\x04 \x01(\x08\"{\n\x15ReportProgressRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommit_step\x18\x02 \x01(\x03\x12\x39\n\tstraggler\x18\x03 \x01(\x0b\x32&.elastic.rendezvous.v1.StragglerReport\"?\n\x16ReportProgressResponse\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06spares\x18\x02 \x01(\r\"7\n\x12\x41nswerProbeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x04\"\x15\n\x13\x41nswerProbeResponse\"D\n\x17\x41\x63knowledgeAbortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x1a\n\x18\x41\x63knowledgeAbortResponse\"5\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstraggler\x18\x02 \x01(\x08\"\x0f\n\rLeaveResponse\"\x99\x01\n\x14ReportFailureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12\x19\n\x11suspect_worker_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10unusable_address\x18\x05 \x01(\x08\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\"8\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"A\n\x14ReportSuccessRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x17\n\x15ReportSuccessResponse\"/\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65vents\x18\x02 \x01(\r\"\xd0\x01\n\x08JobEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\r\n\x05\x65vent\x18\x02 \x01(\t\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12=\n\x07numbers\x18\x06 \x03(\x0b\x32,.elastic.rendezvous.v1.JobEvent.NumbersEntry\x1a.\n\x0cNumbersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xab\x01\n\x0cMemberStatus\x12-\n\x06member\x18\x01 \x01(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x10\n\x08in_world\x18\x02 \x01(\x08\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x39\n\tstraggler\x18\x05 \x01(\x0b\x32&.elastic.rendezvous.v1.StragglerReport\"\x81\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x04spec\x18\x02 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.elastic.rendezvous.v1.MemberStatus\x12\x19\n\x11\x62lacklisted_hosts\x18\x07 \x03(\t\x12/\n\x06\x65vents\x18\x08 \x03(\x0b\x32\x1f.elastic.rendezvous.v1.JobEvent\"S\n\x0eStatusResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12.\n\x04jobs\x18\x02 \x03(\x0b\x32 .elastic.rendezvous.v1.JobStatus2\xfd\x06\n\nRendezvous\x12O\n\x04Join\x12\".elastic.rendezvous.v1.JoinRequest\x1a#.elastic.rendezvous.v1.JoinResponse\x12Q\n\x05Watch\x12#.elastic.rendezvous.v1.WatchRequest\x1a!.elastic.rendezvous.v1.WatchEvent0\x01\x12m\n\x0eReportProgress\x12,.elastic.rendezvous.v1.ReportProgressRequest\x1a-.elastic.rendezvous.v1.ReportProgressResponse\x12\x64\n\x0b\x41nswerProbe\x12).elastic.rendezvous.v1.AnswerProbeRequest\x1a*.elastic.rendezvous.v1.AnswerProbeResponse\x12s\n\x10\x41\x63knowledgeAbort\x12..elastic.rendezvous.v1.AcknowledgeAbortRequest\x1a/.elastic.rendezvous.v1.AcknowledgeAbortResponse\x12R\n\x05Leave\x12#.elastic.rendezvous.v1.LeaveRequest\x1a$.elastic.rendezvous.v1.LeaveResponse\x12j\n\rReportFailure\x12+.elastic.rendezvous.v1.ReportFailureRequest\x1a,.elastic.rendezvous.v1.ReportFailureResponse\x12j\n\rReportSuccess\x12+.elastic.rendezvous.v1.ReportSuccessRequest\x1a,.elastic.rendezvous.v1.ReportSuccessResponse\x12U\n\x06Status\x12$.elastic.rendezvous.v1.StatusRequest\x1a%.elastic.rendezvous.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rendezvous.proto\x12\x15\x65lastic.rendezvous.v1\"D\n\x07JobSpec\x12\x0e\n\x06min_np\x18\x01 \x01(\r\x12\x0e\n\x06max_np\x18\x02 \x01(\r\x12\x19\n\x11\x65lastic_timeout_s\x18\x03 \x01(\x01\"\xe0\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x14\n\x0cring_address\x18\x04 \x01(\t\x12\x13\n\x0b\x63ommit_step\x18\x05 \x01(\x03\x12,\n\x04spec\x18\x06 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x33\n\x0bspec_if_new\x18\x08 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\"|\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x13\n\x0bring_secret\x18\x04 \x01(\x0c\"7\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommit_step\x18\x02 \x01(\x03\"\xb2\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cring_address\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\x12\x13\n\x0b\x63ommit_step\x18\t \x01(\x03\"\xba\x01\n\x05World\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\r\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\":\n\x11MembershipPending\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x0c\x41\x62ortVersion\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"0\n\x07Standby\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"/\n\nJobOutcome\x12\x11\n\tsucceeded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd0\x02\n\nWatchEvent\x12-\n\x05world\x18\x01 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.WorldH\x00\x12;\n\x07pending\x18\x02 \x01(\x0b\x32(.elastic.rendezvous.v1.MembershipPendingH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.elastic.rendezvous.v1.AbortVersionH\x00\x12\x31\n\x07standby\x18\x04 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.StandbyH\x00\x12-\n\x05probe\x18\x05 \x01(\x0b\x32\x1c.elastic.rendezvous.v1.ProbeH\x00\x12\x35\n\x08\x66inished\x18\x06 \x01(\x0b\x32!.elastic.rendezvous.v1.JobOutcomeH\x00\x42\x07\n\x05\x65vent\"\\\n\x0fStragglerReport\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x14\n\x0cslow_windows\x18\x03 \x01(\r\x12\r\n\x05named\x18\x04 \x01(\x08\"\xa0\x01\n\x15ReportProgressRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommit_step\x18\x02 \x01(\x03\x12\x39\n\tstraggler\x18\x03 \x01(\x0b\x32&.elastic.rendezvous.v1.StragglerReport\x12\x15\n\rstepped_world\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x03\"?\n\x16ReportProgressResponse\x12\x15\n\rworld_version\x18\x01 \x01(\x04\x12\x0e\n\x06spares\x18\x02 \x01(\r\"7\n\x12\x41nswerProbeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x04\"\x15\n\x13\x41nswerProbeResponse\"D\n\x17\x41\x63knowledgeAbortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x1a\n\x18\x41\x63knowledgeAbortResponse\"5\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstraggler\x18\x02 \x01(\x08\"\x0f\n\rLeaveResponse\"\x99\x01\n\x14ReportFailureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\x12\x19\n\x11suspect_worker_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10unusable_address\x18\x05 \x01(\x08\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\"8\n\x15ReportFailureResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"A\n\x14ReportSuccessRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rworld_version\x18\x02 \x01(\x04\"\x17\n\x15ReportSuccessResponse\"/\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65vents\x18\x02 \x01(\r\"\xd0\x01\n\x08JobEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\r\n\x05\x65vent\x18\x02 \x01(\t\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12=\n\x07numbers\x18\x06 \x03(\x0b\x32,.elastic.rendezvous.v1.JobEvent.NumbersEntry\x1a.\n\x0cNumbersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd0\x01\n\x0cMemberStatus\x12-\n\x06member\x18\x01 \x01(\x0b\x32\x1d.elastic.rendezvous.v1.Member\x12\x10\n\x08in_world\x18\x02 \x01(\x08\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x39\n\tstraggler\x18\x05 \x01(\x0b\x32&.elastic.rendezvous.v1.StragglerReport\x12\x15\n\rstepped_world\x18\x06 \x01(\x04\x12\x0c\n\x04step\x18\x07 \x01(\x03\"\x81\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x04spec\x18\x02 \x01(\x0b\x32\x1e.elastic.rendezvous.v1.JobSpec\x12\x15\n\rworld_version\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.elastic.rendezvous.v1.MemberStatus\x12\x19\n\x11\x62lacklisted_hosts\x18\x07 \x03(\t\x12/\n\x06\x65vents\x18\x08 \x03(\x0b\x32\x1f.elastic.rendezvous.v1.JobEvent\"S\n\x0eStatusResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12.\n\x04jobs\x18\x02 \x03(\x0b\x32 .elastic.rendezvous.v1.JobStatus2\xfd\x06\n\nRendezvous\x12O\n\x04Join\x12\".elastic.rendezvous.v1.JoinRequest\x1a#.elastic.rendezvous.v1.JoinResponse\x12Q\n\x05Watch\x12#.elastic.rendezvous.v1.WatchRequest\x1a!.elastic.rendezvous.v1.WatchEvent0\x01\x12m\n\x0eReportProgress\x12,.elastic.rendezvous.v1.ReportProgressRequest\x1a-.elastic.rendezvous.v1.ReportProgressResponse\x12\x64\n\x0b\x41nswerProbe\x12).elastic.rendezvous.v1.AnswerProbeRequest\x1a*.elastic.rendezvous.v1.AnswerProbeResponse\x12s\n\x10\x41\x63knowledgeAbort\x12..elastic.rendezvous.v1.AcknowledgeAbortRequest\x1a/.elastic.rendezvous.v1.AcknowledgeAbortResponse\x12R\n\x05Leave\x12#.elastic.rendezvous.v1.LeaveRequest\x1a$.elastic.rendezvous.v1.LeaveResponse\x12j\n\rReportFailure\x12+.elastic.rendezvous.v1.ReportFailureRequest\x1a,.elastic.rendezvous.v1.ReportFailureResponse\x12j\n\rReportSuccess\x12+.elastic.rendezvous.v1.ReportSuccessRequest\x1a,.elastic.rendezvous.v1.ReportSuccessResponse\x12U\n\x06Status\x12$.elastic.rendezvous.v1.StatusRequest\x1a%.elastic.rendezvous.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,42 +59,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHEVENT']._serialized_end=1468
   _globals['_STRAGGLERREPORT']._serialized_start=1470
   _globals['_STRAGGLERREPORT']._serialized_end=1562
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1564
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=1687
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1689
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1752
-  _globals['_ANSWERPROBEREQUEST']._serialized_start=1754
-  _globals['_ANSWERPROBEREQUEST']._serialized_end=1809
-  _globals['_ANSWERPROBERESPONSE']._serialized_start=1811
-  _globals['_ANSWERPROBERESPONSE']._serialized_end=1832
-  _globals['_ACKNOWLEDGEABORTREQUEST']._serialized_start=1834
-  _globals['_ACKNOWLEDGEABORTREQUEST']._serialized_end=1902
-  _globals['_ACKNOWLEDGEABORTRESPONSE']._serialized_start=1904
-  _globals['_ACKNOWLEDGEABORTRESPONSE']._serialized_end=1930
-  _globals['_LEAVEREQUEST']._serialized_start=1932
-  _globals['_LEAVEREQUEST']._serialized_end=1985
-  _globals['_LEAVERESPONSE']._serialized_start=1987
-  _globals['_LEAVERESPONSE']._serialized_end=2002
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=2005
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=2158
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=2160
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=2216
-  _globals['_REPORTSUCCESSREQUEST']._serialized_start=2218
-  _globals['_REPORTSUCCESSREQUEST']._serialized_end=2283
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=2285
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=2308
-  _globals['_STATUSREQUEST']._serialized_start=2310
-  _globals['_STATUSREQUEST']._serialized_end=2357
-  _globals['_JOBEVENT']._serialized_start=2360
-  _globals['_JOBEVENT']._serialized_end=2568
-  _globals['_JOBEVENT_NUMBERSENTRY']._serialized_start=2522
-  _globals['_JOBEVENT_NUMBERSENTRY']._serialized_end=2568
-  _globals['_MEMBERSTATUS']._serialized_start=2571
-  _globals['_MEMBERSTATUS']._serialized_end=2742
-  _globals['_JOBSTATUS']._serialized_start=2745
-  _globals['_JOBSTATUS']._serialized_end=3002
-  _globals['_STATUSRESPONSE']._serialized_start=3004
-  _globals['_STATUSRESPONSE']._serialized_end=3087
-  _globals['_RENDEZVOUS']._serialized_start=3090
-  _globals['_RENDEZVOUS']._serialized_end=3983
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1565
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=1725
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1727
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1790
+  _globals['_ANSWERPROBEREQUEST']._serialized_start=1792
+  _globals['_ANSWERPROBEREQUEST']._serialized_end=1847
+  _globals['_ANSWERPROBERESPONSE']._serialized_start=1849
+  _globals['_ANSWERPROBERESPONSE']._serialized_end=1870
+  _globals['_ACKNOWLEDGEABORTREQUEST']._serialized_start=1872
+  _globals['_ACKNOWLEDGEABORTREQUEST']._serialized_end=1940
+  _globals['_ACKNOWLEDGEABORTRESPONSE']._serialized_start=1942
+  _globals['_ACKNOWLEDGEABORTRESPONSE']._serialized_end=1968
+  _globals['_LEAVEREQUEST']._serialized_start=1970
+  _globals['_LEAVEREQUEST']._serialized_end=2023
+  _globals['_LEAVERESPONSE']._serialized_start=2025
+  _globals['_LEAVERESPONSE']._serialized_end=2040
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=2043
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=2196
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=2198
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=2254
+  _globals['_REPORTSUCCESSREQUEST']._serialized_start=2256
+  _globals['_REPORTSUCCESSREQUEST']._serialized_end=2321
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=2323
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=2346
+  _globals['_STATUSREQUEST']._serialized_start=2348
+  _globals['_STATUSREQUEST']._serialized_end=2395
+  _globals['_JOBEVENT']._serialized_start=2398
+  _globals['_JOBEVENT']._serialized_end=2606
+  _globals['_JOBEVENT_NUMBERSENTRY']._serialized_start=2560
+  _globals['_JOBEVENT_NUMBERSENTRY']._serialized_end=2606
+  _globals['_MEMBERSTATUS']._serialized_start=2609
+  _globals['_MEMBERSTATUS']._serialized_end=2817
+  _globals['_JOBSTATUS']._serialized_start=2820
+  _globals['_JOBSTATUS']._serialized_end=3077
+  _globals['_STATUSRESPONSE']._serialized_start=3079
+  _globals['_STATUSRESPONSE']._serialized_end=3162
+  _globals['_RENDEZVOUS']._serialized_start=3165
+  _globals['_RENDEZVOUS']._serialized_end=4058
 # @@protoc_insertion_point(module_scope)
