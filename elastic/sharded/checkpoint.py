@@ -189,18 +189,40 @@ class Durable:
             return z.read(names[0])
 
 
-def read_latest(directory: str) -> Optional[Durable]:
-    """The newest complete durable commit in ``directory`` (an unreadable one is logged and the
-    one before taken), or None."""
+def complete(directory: str) -> List[Tuple[int, str]]:
+    """(step, path) of the durable sharded commits in ``directory`` whose index is written,
+    newest first; one without (a job stopped while writing it) is incomplete and skipped."""
     if not os.path.isdir(directory):
-        return None
+        return []
     checkpoint.check_directory(directory)
+    found = []
     for step, path in _commits(directory):
-        try:
-            got, value = checkpoint.read_file(os.path.join(path, checkpoint.file_name(step)), expected_step=step)
-            return Durable(path, got, value)
-        except FileNotFoundError:
+        if os.path.exists(os.path.join(path, checkpoint.file_name(step))):
+            found.append((step, path))
+        else:
             log.info("durable commit %s is incomplete (no index): skipped", path)
+    return found
+
+
+def open_commit(step: int, path: str) -> Durable:
+    """The durable commit ``step`` at ``path``, its index read and checked (``ValueError``,
+    ``TypeError`` or ``OSError`` saying what is wrong with it)."""
+    got, value = checkpoint.read_file(os.path.join(path, checkpoint.file_name(step)), expected_step=step)
+    return Durable(path, got, value)
+
+
+def read_latest(directory: str) -> Optional[Durable]:
+    """The newest complete durable commit in ``directory`` whose index reads (an unreadable one
+    is logged and the one before taken), or None. ``ShardedState`` checks more than the index
+    (the fit to its model, every rank's rows) and sets aside what fails (``set_aside``)."""
+    for step, path in complete(directory):
+        try:
+            return open_commit(step, path)
         except (OSError, ValueError, TypeError) as e:
             log.error("durable commit %s cannot be used: %s; trying the one before", path, e)
     return None
+
+
+def set_aside(path: str, reason: str) -> None:
+    """Renames a durable sharded commit no rank may use to ``<path>.corrupt``, saying why."""
+    checkpoint.set_aside(path, reason)

@@ -124,6 +124,71 @@ def decide(holdings: Sequence[Holding]) -> "Resume | Lost | Fresh":
     return first_lost
 
 
+# ---------------------------------------------------------------------- a claim nobody else holds
+# What a rank says of a commit only one rank holds, from what it knows first-hand (a vote).
+ABSTAIN, CONSISTENT, OBJECT = -1, 0, 1
+
+
+def impossible(holdings: Sequence[Holding], world_version: int) -> Tuple[int, ...]:
+    """The ranks that claim a commit taken in a world later than ``world_version``, the one
+    forming now (no such world exists yet): every rank sees the same rows, so all blame them alike."""
+    return tuple(r for r, h in enumerate(holdings)
+                 if any(g[0].world_version > world_version for g in (h.committed, h.pending) if g is not None))
+
+
+def sole_holder(decision: "Resume | Lost | Fresh") -> Optional[int]:
+    """The new rank that alone holds the generation ``decision`` resumes from (no other rank
+    can vouch for it), or None: several hold it, or nothing is resumed."""
+    if not isinstance(decision, Resume):
+        return None
+    ranks = {r for holders in decision.holders for r, _ in holders}
+    return next(iter(ranks)) if len(ranks) == 1 else None
+
+
+def objection(claim: Generation, own: Holding, worlds: Dict[int, int], now: int) -> int:
+    """This rank's vote on ``claim``, a commit another rank alone holds, from what it knows
+    first-hand: the commits it holds itself (``own``) and the worlds it was in (``worlds``:
+    version -> size, as the rendezvous formed them, the world ``now`` forming included).
+    ``OBJECT`` when the claim contradicts that: a commit of world ``now`` while this rank took
+    none in it (no rank commits in a world before the sync every rank takes part in); a world it
+    was in had another size; a commit of the same world as one of its own more than one step
+    apart (every rank of a world commits the same steps, one agreement apart at most) or of
+    another size; or a commit of an older world than its own more than a step ahead of it (the
+    newer world resumed from the newest complete commit its ranks held). ``ABSTAIN`` when it
+    knows nothing (a newcomer), else ``CONSISTENT`` (which vouches for nothing)."""
+    mine = [held[0] for held in (own.committed, own.pending) if held is not None]
+    if claim.world_version == now and not any(g.world_version == now for g in mine):
+        return OBJECT
+    if not mine and not set(worlds) - {now}:
+        return ABSTAIN
+    if claim.world_version in worlds and worlds[claim.world_version] != claim.size:
+        return OBJECT
+    for g in mine:
+        if g.world_version == claim.world_version and (g.size != claim.size or abs(g.step - claim.step) > 1):
+            return OBJECT
+        if claim.world_version < g.world_version and claim.step > g.step + 1:
+            return OBJECT
+    return CONSISTENT
+
+
+def judge_claim(claimant: int, votes: Sequence[int]) -> bool:
+    """Whether the commit ``claimant`` alone holds is refused, given every rank's ``objection``
+    (the claimant's own vote is not counted). Refused when any rank objects: a commit nobody can
+    vouch for is never resumed from against a witness. Whether the claimant is also blamed is
+    ``blame_claimant``."""
+    return any(v == OBJECT for r, v in enumerate(votes) if r != claimant)
+
+
+def blame_claimant(claimant: int, votes: Sequence[int]) -> bool:
+    """Whether the claimant of a refused commit is blamed (evicted): when the ranks that object
+    are at least as many as those that found it consistent (who vouch for nothing, but did not
+    see it contradicted). A minority of objectors is not blamed in turn: a rank that saw less
+    cannot outvote one that was there; the claim is refused and nobody is evicted."""
+    against = sum(1 for r, v in enumerate(votes) if r != claimant and v == OBJECT)
+    consistent = sum(1 for r, v in enumerate(votes) if r != claimant and v == CONSISTENT)
+    return against > 0 and against >= consistent
+
+
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """Rows ``[start, stop)`` of tensor ``key``: new rank ``src`` reads them from its copy
@@ -254,4 +319,5 @@ def buddy_plan(rows: Sequence[int], old_size: int, holders: Optional[Sequence[Se
 
 
 __all__ = ["OWN", "BUDDY", "chunk_rows", "buddy_of", "Generation", "Holding", "Resume", "Lost", "Fresh", "decide",
+           "ABSTAIN", "CONSISTENT", "OBJECT", "impossible", "sole_holder", "objection", "judge_claim", "blame_claimant",
            "Transfer", "plan", "moved_rows", "Hop", "relay", "BuddyRows", "buddy_plan"]

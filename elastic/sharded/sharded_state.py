@@ -49,6 +49,7 @@ from elastic.runtime.errors import LeftJob, MembershipChanged
 from elastic.sharded import checkpoint as durable_format
 from elastic.sharded import reshard, transfer
 from elastic.state import checkpoint
+from elastic.state.errors import SyncRefusedError
 from elastic.state.sampler import committed_attrs
 from elastic.state.states import ObjectState
 
@@ -83,7 +84,7 @@ class ShardedState(ObjectState):
         for k, v in (("_build", build), ("_shard", shard), ("_make_optimizer", optimizer), ("model", None),
                      ("optimizer", None), ("_own", None), ("_buddy", None), ("_held", None), ("_full", None),
                      ("_pending", None), ("_reset_due", False), ("last_reshard", None),
-                     ("_written", None), ("_resharded", None),
+                     ("_written", None), ("_resharded", None), ("_worlds", {}),
                      ("_hooks", _ReshardOnNewWorld(self))):
             object.__setattr__(self, k, v)
         super().__init__(**attrs)
@@ -353,17 +354,16 @@ class ShardedState(ObjectState):
         started = time.monotonic()
         clock = _Phases()
         holdings = transfer.agree_holdings(comm, self._held, self._pending)
+        decision = self._judge(comm, holdings)
         clock.mark("agree")
-        decision = reshard.decide(holdings)
         disk = None
         if isinstance(decision, (reshard.Lost, reshard.Fresh)) and self._checkpoint_dir:
-            disk = self._agree_durable(comm)
+            disk = self._restore_durable(comm)
         if disk is not None:
             if isinstance(decision, reshard.Lost):
                 log.warning("world version %d: commit %d is lost with both holders of rank(s) %s; restoring the "
                             "durable commit %d from %s", comm.world_version, decision.generation.step,
                             list(decision.missing), disk.step, disk.path)
-            self._resume_from_disk(comm, disk)
             clock.mark("disk")
             return {"version": comm.world_version, "step": disk.step, "root": 0, "taken": None, "moved": 0,
                     "from": ("disk", disk.step), "disk": disk, "clock": clock, "started": started, "local": None}
@@ -400,7 +400,17 @@ class ShardedState(ObjectState):
                                            comm.world_version)
         moved = transfer.move(comm, decision, table, own, buddy, views)
         clock.mark("move")
-        self._load(table, views, replicated)
+        try:
+            self._load(table, views, replicated)
+        except ElasticError:
+            raise
+        except Exception as e:   # whatever the root's values make loading raise is the root's failure
+            if comm.rank == decision.root:
+                raise
+            raise BadPeerError(f"ShardedState sync in world version {comm.world_version}: the replicated state rank "
+                               f"{decision.root} sent does not fit this model and optimizer: {type(e).__name__}: {e}",
+                               op="sync", world_version=comm.world_version, rank=comm.rank, peer=decision.root,
+                               kind=ErrorKind.BadPeer) from None
         clock.mark("load")
         # What each buddy holds already of the layout sync commits (not for a first world: only
         # rank 0 held its build()).
@@ -408,6 +418,52 @@ class ShardedState(ObjectState):
         return {"version": comm.world_version, "step": decision.generation.step, "root": decision.root,
                 "taken": (flat, views), "moved": moved, "from": decision.generation, "disk": None, "clock": clock,
                 "started": started, "local": local}
+
+    def _judge(self, comm, holdings: List[reshard.Holding]) -> "reshard.Resume | reshard.Lost | reshard.Fresh":
+        """``reshard.decide`` over what the ranks announce, with nothing a single rank says
+        trusted for the world: a claim of a commit in a later world than this one is blamed at
+        once (every rank sees it); a commit only one rank holds is put to the others' votes
+        (``reshard.objection``, one allgather), refused when any rank that was there contradicts
+        it, and its holder blamed when the ranks that object are at least as many as those that
+        do not (``BadPeerError`` naming it: ``elastic.run`` reports it and the rendezvous evicts
+        it; the holder itself raises ``SyncRefusedError``). A refused claim is left out and the
+        decision taken again from the rest. This rank then remembers this world's size."""
+        version, me = comm.world_version, comm.rank
+        liars = reshard.impossible(holdings, version)
+        if liars:
+            self._blamed(comm, liars[0], f"rank {liars[0]} claims a commit taken in a world later than world version "
+                                         f"{version}, which is forming now", [])
+        decision = reshard.decide(holdings)
+        claimant = reshard.sole_holder(decision)
+        if claimant is not None and comm.size > 1:
+            known = {**self._worlds, version: comm.size}
+            mine = reshard.ABSTAIN if me == claimant else reshard.objection(decision.generation, holdings[me],
+                                                                              known, version)
+            votes = comm.allgather_equal(np.array([mine], dtype=np.int64))[:, 0].tolist()
+            if reshard.judge_claim(claimant, votes):
+                g = decision.generation
+                objectors = [r for r, v in enumerate(votes) if v == reshard.OBJECT and r != claimant]
+                what = (f"rank {claimant} alone claims commit {g.step} of the {g.size}-rank world version "
+                        f"{g.world_version}, which rank(s) {objectors} contradict from what they hold")
+                if reshard.blame_claimant(claimant, votes):
+                    self._blamed(comm, claimant, what, objectors)
+                log.warning("world version %d: %s; a minority, so nobody is blamed, and the claim is not resumed "
+                            "from", version, what)
+                holdings = [reshard.Holding() if r == claimant else h for r, h in enumerate(holdings)]
+                decision = reshard.decide(holdings)
+        self._worlds[version] = comm.size
+        for old in sorted(self._worlds)[:-16]:   # the last worlds are what a vote needs
+            del self._worlds[old]
+        return decision
+
+    def _blamed(self, comm, blamed: int, what: str, objectors: List[int]) -> None:
+        """Raises what a rank raises when ``blamed`` is to blame for a claim: ``SyncRefusedError``
+        on that rank, ``BadPeerError`` naming it on the others."""
+        version, me = comm.world_version, comm.rank
+        message = f"ShardedState sync in world version {version}: {what}; nothing was resumed from it"
+        if me == blamed:
+            raise SyncRefusedError(message, world_version=version, rank=me, peer=blamed, refused_by=tuple(objectors))
+        raise BadPeerError(message, op="sync", world_version=version, rank=me, peer=blamed, kind=ErrorKind.BadPeer)
 
     def _install(self, model) -> None:
         """Shards a fresh build() over this world's mesh, gives it storage where build() left it on
@@ -419,34 +475,64 @@ class ShardedState(ObjectState):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", opt)
 
-    def _agree_durable(self, comm) -> Optional[durable_format.Durable]:
-        """The newest complete durable commit, the same on every rank (one allgather of its step)."""
+    def _restore_durable(self, comm) -> Optional[durable_format.Durable]:
+        """Loads the newest durable commit that every rank can use, the same on every rank, and
+        returns it; None when there is none. Newest first, each rank builds the model, checks the
+        commit's index and its fit to the model, reads its own rows and loads them; the ranks
+        agree on the step first (one allgather) and on the outcome after (another). One that a
+        rank cannot use is logged with why, set aside as ``.corrupt`` (by rank 0, once every
+        rank is done with it) and the one before tried. ``CommitLostError`` when the ranks see
+        different commits, or when there are commits and none is usable."""
         try:
-            disk = durable_format.read_latest(self._checkpoint_dir)
+            found = durable_format.complete(self._checkpoint_dir)
         except (OSError, ValueError) as e:
             log.error("durable commits in %s cannot be read: %s", self._checkpoint_dir, e)
-            disk = None
-        steps = comm.allgather_equal(np.array([disk.step if disk is not None else -1], dtype=np.int64))[:, 0]
-        if len(set(steps.tolist())) != 1:
-            raise CommitLostError(f"world version {comm.world_version}: the ranks see different durable commits in "
-                                  f"{self._checkpoint_dir} (steps by rank: {steps.tolist()}); checkpoint_dir must be "
-                                  "one directory every worker shares")
-        return disk
+            found = []
+        rejected = []
+        for i in range(len(found) + 1):
+            step, path = found[i] if i < len(found) else (-1, None)
+            steps = comm.allgather_equal(np.array([step], dtype=np.int64))[:, 0]
+            if len(set(steps.tolist())) != 1:
+                raise CommitLostError(f"world version {comm.world_version}: the ranks see different durable commits "
+                                      f"in {self._checkpoint_dir} (steps by rank: {steps.tolist()}); checkpoint_dir "
+                                      "must be one directory every worker shares")
+            if path is None:
+                break
+            disk, why = self._resume_from_disk(comm, step, path)
+            usable = comm.allgather_equal(np.array([why is None], dtype=np.int64))[:, 0]
+            if usable.all():
+                return disk
+            refused = [r for r in range(comm.size) if not usable[r]]
+            if why is not None:
+                log.error("durable commit %s cannot be used: %s; trying the one before", path, why)
+            rejected.append(f"{path}: rank(s) {refused} cannot use it")
+            if comm.rank == 0:
+                durable_format.set_aside(path, f"rank(s) {refused} cannot use it" + (f" ({why})" if why else ""))
+        if rejected:
+            raise CommitLostError(f"world version {comm.world_version}: no usable durable commit in "
+                                  f"{self._checkpoint_dir}: " + "; ".join(rejected) + " (each set aside as .corrupt)")
+        return None
 
-    def _resume_from_disk(self, comm, disk: durable_format.Durable) -> None:
+    def _resume_from_disk(self, comm, step: int, path: str) -> Tuple[Optional[durable_format.Durable], Optional[str]]:
         """Every rank reads its new shards straight from the durable commit's files (any world
-        size wrote them) and the replicated state from its index."""
+        size wrote them) and the replicated state from its index: (the commit, None) when loaded,
+        (None, why not) when the commit does not read or fit (whatever its values make the
+        checks raise; the next try builds the model afresh)."""
         model = self._build()
         self._install(model)
         try:
+            disk = durable_format.open_commit(step, path)
             table = transfer.check_table(disk.replicated, model, 0, 0)
             new = {}
             for key, shape, dtype in table:
                 a, b = reshard.chunk_rows(shape[0], comm.size)[comm.rank]
                 new[key] = disk.rows(key, shape, transfer.dtype_named(dtype), a, b)
-        except (ValueError, TypeError) as e:
-            raise CommitLostError(f"durable commit {disk.path} cannot be loaded into this model: {e}") from None
-        self._load(table, new, disk.replicated)
+            self._load(table, new, disk.replicated)
+        except ElasticError:
+            raise
+        except Exception as e:   # a file's values: never this rank's failure, nor the job's
+            return None, f"{type(e).__name__}: {e}"
+        return disk, None
 
     def _copies_of(self, gen: reshard.Generation):
         """This rank's own and buddy copies of ``gen`` (None where it holds none)."""
@@ -465,9 +551,13 @@ class ShardedState(ObjectState):
                 if key.startswith("model."):
                     transfer.local_rows(params[key[6:]], key).copy_(new[key])
             for fqn, b in self.model.named_buffers():
-                if fqn not in replicated["buffers"]:
-                    raise ValueError(f"ShardedState: the commit holds no buffer {fqn!r}")
-                b.copy_(replicated["buffers"][fqn])
+                v = replicated["buffers"].get(fqn)
+                if not isinstance(v, torch.Tensor) or v.shape != b.shape or v.dtype != b.dtype:
+                    got = (f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else
+                           "missing" if v is None else f"a {type(v).__name__}")
+                    raise ValueError(f"ShardedState: the commit's buffer {fqn!r} is {got}, this model's "
+                                     f"{list(b.shape)} {b.dtype}")
+                b.copy_(v)
         if self.optimizer is not None:
             by_fqn = {fqn: p for fqn, p in params.items()}
             if len(replicated["groups"]) != len(self.optimizer.param_groups):

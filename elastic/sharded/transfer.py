@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from elastic.sharded import reshard
-from elastic.ring.errors import ErrorKind
-from elastic.ring.errors import BadPeerError
+from elastic.ring.errors import BadPeerError, CollectiveMismatchError, ErrorKind
+
 
 def dtensor_types():
     from torch.distributed.tensor import DTensor, Shard
@@ -325,7 +325,17 @@ def move(comm, decision: reshard.Resume, table: List[list], own, buddy, new: Dic
         into = [i for i, sender in hop.moves if (sender + step) % size == me]
         send = torch.cat([held.pop(i) for i in out]) if out else torch.empty(0, dtype=torch.uint8)
         got = torch.empty(sum(nbytes[i] for i in into), dtype=torch.uint8)
-        comm.shift_into_(send, got, backward=not hop.forward)
+        sender = (me - step) % size
+        try:
+            comm.shift_into_(send, got, backward=not hop.forward)
+        except CollectiveMismatchError as e:
+            if e.peer not in (sender, -1):
+                raise
+            # Every rank computed the bytes of this shift alike: other bytes are the sender's doing.
+            raise BadPeerError(f"ShardedState reshard in world version {comm.world_version}: rank {sender} sent "
+                               f"other than the {got.numel()} bytes every rank planned for this shift ({e})",
+                               op="sync", world_version=comm.world_version, rank=me, peer=sender,
+                               kind=ErrorKind.BadPeer) from None
         received += got.numel()
         at = 0
         for i in into:

@@ -17,8 +17,10 @@ counter; ``elastic.runtime.commit_watch.position``), all integers little-endian:
 Written to a temporary file in the same directory, fsynced, renamed into place and the
 directory fsynced: a file either is complete or does not exist, even across a crash of the
 machine. A truncated or corrupted one (a full disk, a bad block, a hand-edited file) fails the
-length or the checksum; reading then logs its path and reason, moves it aside (``.corrupt``)
-and takes the one before.
+length or the checksum; one that reads but does not fit the state it is for (other keys,
+shapes or dtypes: a stale run's commit, a hand-made file) or would decode past the format's
+memory budget is no better. Reading then logs its path and reason, moves it aside
+(``.corrupt``) and takes the one before.
 
 Anyone who can write the directory decides what every worker resumes from, so it must be owned
 by this user and writable by no one else, and no directory above it may let another user
@@ -42,7 +44,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from rendezvous.common import files
 
@@ -186,10 +188,13 @@ def read_file(path: str, expected_step: Optional[int] = None) -> Tuple[int, Any]
     return step, serialization.loads(view[:length])
 
 
-def read_latest(directory: str) -> Optional[Tuple[int, Any, str]]:
-    """(step, state, path) of the newest readable durable commit in ``directory``; None when
-    there is none. A file that cannot be read is logged with its path and reason, moved aside
-    and the one before it taken; ``ValueError`` when commits exist and none can be read."""
+def read_latest(directory: str, fits: Optional[Callable[[Any], None]] = None) -> Optional[Tuple[int, Any, str]]:
+    """(step, state, path) of the newest usable durable commit in ``directory``; None when
+    there is none. Usable: it reads (length, checksum, the format's limits and decode budget)
+    and, given ``fits``, ``fits(state)`` does not raise (the state it would be loaded into says
+    whether it fits). A file that is not usable is logged with its path and reason, moved aside
+    (``<name>.corrupt``) and the one before it taken; ``ValueError`` when commits exist and none
+    is usable."""
     check_directory(directory)
     legacy = os.path.join(directory, _LEGACY_NAME)
     if os.path.exists(legacy):
@@ -199,23 +204,32 @@ def read_latest(directory: str) -> Optional[Tuple[int, Any, str]]:
     for step, path in _commits(directory):
         try:
             got, state = read_file(path, expected_step=step)
-        except (OSError, ValueError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            if fits is not None:
+                fits(state)
+        except Exception as e:   # whatever a file's values make the reading or the fit check raise
+            reason = str(e) if type(e) is ValueError else _reason(e)
             failures.append((path, reason))
             log.error("durable commit %s cannot be used: %s; trying the one before", path, reason)
             continue
         # Only once one is usable are the newer ones moved aside (kept for inspection, never
         # read again); with none usable, all stay where they are for the operator.
-        for bad, _ in failures:
-            try:
-                os.replace(bad, bad + ".corrupt")
-            except OSError as e:
-                log.warning("could not move %s aside: %s", bad, e.strerror)
+        for bad, reason in failures:
+            set_aside(bad, reason)
         return got, state, path
     if failures:
         raise ValueError(f"no usable durable commit in {directory}: "
                          + "; ".join(f"{path}: {reason}" for path, reason in failures))
     return None
+
+
+def set_aside(path: str, reason: str) -> None:
+    """Renames a durable commit that cannot be used to ``<path>.corrupt`` (kept for inspection,
+    never read again), saying why."""
+    try:
+        os.replace(path, path + ".corrupt")
+        log.error("durable commit %s set aside as %s.corrupt: %s", path, os.path.basename(path), reason)
+    except OSError as e:
+        log.warning("could not move %s aside: %s", path, e.strerror)
 
 
 def _reason(e: BaseException) -> str:

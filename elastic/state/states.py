@@ -270,10 +270,11 @@ class State:
         return self._writer is None or self._writer.finish(timeout_s)
 
     def _read_checkpoint(self) -> Optional[Tuple[int, Any]]:
-        """The newest usable durable commit (a corrupt newest one is logged and skipped)."""
+        """The newest usable durable commit: one that does not read or does not fit this state
+        (``check_shape``) is logged, set aside as ``.corrupt`` and the one before taken."""
         if not self._checkpoint_dir:
             return None
-        found = checkpoint.read_latest(self._checkpoint_dir)
+        found = checkpoint.read_latest(self._checkpoint_dir, fits=self.check_shape)
         if found is None:
             return None
         step, snapshot, path = found

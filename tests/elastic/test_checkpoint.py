@@ -3,6 +3,7 @@ and skipped for the one before, and a checkpoint directory other users can write
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -208,3 +209,80 @@ def test_state_refuses_to_start_from_a_directory_whose_commits_are_all_unusable(
     with pytest.raises(ValueError, match="no usable durable commit"):
         state.sync()
     assert state.commit_step == -1 and state.epoch == 0
+
+
+# --------------------------------------------------------------------------- a newest commit that cannot be used
+def write_raw(path, step, payload: bytes) -> str:
+    """A durable commit file at ``path`` around ``payload``, with a valid header and checksum
+    (what a stale run, a hand-made file or another program could leave there)."""
+    header = checkpoint._HEADER.pack(checkpoint.MAGIC, checkpoint.VERSION, step, len(payload))
+    path = str(path)
+    with open(path, "wb") as f:
+        f.write(header + payload + hashlib.sha256(header + payload).digest())
+    return path
+
+
+def decode_bomb() -> bytes:
+    """8 MiB that would decode into 64 MiB of list slots: over the format's budget."""
+    n = 1 << 23
+    return serialization.MAGIC + bytes([serialization.VERSION, serialization.LIST]) + n.to_bytes(8, "little") \
+        + bytes([serialization.NONE]) * n
+
+
+def torch_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return elastic.TorchState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), epoch=0)
+
+
+@pytest.mark.parametrize("newest", ["shapes that do not fit", "a key the model lacks", "a decode bomb",
+                                    "not a state at all"])
+def test_a_checksum_valid_newest_commit_that_cannot_be_used_is_set_aside_and_the_one_before_resumed(
+        solo, tmp_path, caplog, newest):
+    directory = tmp_path / "ckpt"
+    first = torch_state()
+    first.enable_durable_commits(str(directory), 1)
+    for epoch in range(1, 4):
+        first.epoch = epoch
+        first.commit()   # commits 0, 1, 2, each durable
+    assert first.finish_durable_commits()
+    commit_2 = dict(checkpoint.numbered(str(directory), checkpoint._NAME))[2]   # named with the step it holds
+    older = checkpoint.read_file(commit_2)[1]
+    bad = checkpoint.read_file(commit_2)[1]
+    if newest == "shapes that do not fit":
+        bad["model"]["weight"] = torch.zeros(3, 5)
+        path = checkpoint.write(str(directory), 3, bad)
+    elif newest == "a key the model lacks":
+        bad["model"]["extra.weight"] = torch.zeros(1)
+        path = checkpoint.write(str(directory), 3, bad)
+    elif newest == "a decode bomb":
+        path = write_raw(directory / checkpoint.file_name(3), 3, decode_bomb())
+    else:
+        path = checkpoint.write(str(directory), 3, [1, 2, 3])
+    again = torch_state()
+    with torch.no_grad():
+        again.model.weight.zero_()
+    again.enable_durable_commits(str(directory), 1)
+    with caplog.at_level(logging.INFO, logger="elastic"):
+        again.sync()
+    assert again.commit_step == 2 and again.epoch == 3
+    assert torch.equal(again.model.weight, older["model"]["weight"])
+    assert os.path.exists(path + ".corrupt") and not os.path.exists(path), "set aside, kept for inspection"
+    why = {"shapes that do not fit": "weight", "a key the model lacks": "extra.weight",
+           "a decode bomb": "once decoded", "not a state at all": "expected a dict"}[newest]
+    set_aside = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert len(set_aside) == 1 and path in set_aside[0] and why in set_aside[0], caplog.text
+    assert checkpoint.read_latest(str(directory))[0] == 2
+
+
+def test_read_latest_without_a_fit_check_reads_a_newest_commit_of_another_shape(ckpt):
+    checkpoint.write(str(ckpt), 4, state_at(4))
+    checkpoint.write(str(ckpt), 6, {"attrs": {"w": torch.zeros(9)}})
+    assert checkpoint.read_latest(str(ckpt))[0] == 6
+
+    def fits(state):
+        if state["attrs"]["w"].shape != (4,):
+            raise ValueError(f"w has shape {list(state['attrs']['w'].shape)}, not [4]")
+    step, _, _ = checkpoint.read_latest(str(ckpt), fits=fits)
+    assert step == 4 and commits(ckpt) == [checkpoint.file_name(4)]
+    assert (ckpt / (checkpoint.file_name(6) + ".corrupt")).exists()

@@ -7,6 +7,7 @@ the write in flight is finished when elastic.run returns and when the process ex
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ from elastic.ring import serialization
 from tests.waiting import wait_until
 
 from .jobs import REPO
+from .test_checkpoint import decode_bomb, write_raw
 
 def commit_file(directory, commit: int) -> str:
     """The durable commit file of ``commit`` in ``directory``, whatever training step its name shows."""
@@ -368,3 +370,36 @@ def test_a_slow_disk_does_not_slow_the_step_loop_and_the_last_durable_commit_is_
     returned = next(e for e in events if e["ev"] == "returned")
     assert written[last]["t"] <= returned["t"], "elastic.run returned before its last durable commit was written"
     assert checkpoint.read_latest(str(ckpt))[0] == last
+
+
+@pytest.mark.slow
+def test_a_relaunch_resumes_from_the_older_commit_past_a_newest_one_that_does_not_fit_and_a_decode_bomb(
+        job_factory, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = job_factory(job_id="first", min_np=2, max_np=2, JOB_CHECKPOINT=ckpt, JOB_EPOCHS="1")
+    for w in ("a0", "a1"):
+        first.start(w)
+    assert first.wait(["a0", "a1"]) == {"a0": 0, "a1": 0}
+    older, newest = sorted(glob.glob(str(ckpt / "elastic-commit-*.ckpt")))
+    older_step, newest_step = (checkpoint.read_file(p)[0] for p in (older, newest))
+    # The newest commit, rewritten with a checksum-valid state whose weight has another shape
+    # (a stale run's model), and a newer one still that would decode into a memory bomb.
+    step, state = checkpoint.read_file(newest)
+    key = next(k for k, v in state["model"].items() if v.dim() == 2)
+    state["model"][key] = torch.zeros(state["model"][key].shape[0] + 1, state["model"][key].shape[1])
+    write_raw(newest, step, serialization.dumps(state))   # in place, under its own name
+    bomb = write_raw(ckpt / checkpoint.file_name(newest_step + 1), newest_step + 1, decode_bomb())
+
+    again = job_factory(job_id="again", min_np=2, max_np=2, JOB_CHECKPOINT=ckpt, JOB_EPOCHS="2")
+    for w in ("b0", "b1"):
+        again.start(w)
+    assert again.wait(["b0", "b1"]) == {"b0": 0, "b1": 0}, again.log("b0") + again.log("b1")
+    results = [again.result(w) for w in ("b0", "b1")]
+    assert results[0]["hash"] == results[1]["hash"], "the workers end with the same model and optimizer"
+    assert [r["start_commit"] for r in results] == [older_step] * 2, "resumed from the commit before the newest"
+    assert all(r["epochs"] == 2 for r in results), "and the job went on to the end"
+    logs = again.log("b0") + again.log("b1")
+    for path, why in ((newest, f"'{key}'"), (bomb, "once decoded")):
+        assert os.path.exists(path + ".corrupt"), f"{path} set aside"
+        said = [line for line in logs.splitlines() if "set aside" in line and path in line]
+        assert said and why in said[0], logs

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import collections
 import enum
+import json
 import math
 import os
 import random
 import struct
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -19,9 +22,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import elastic
+from elastic.ring import decode_cost
 from elastic.ring import serialization as S
 
 from .bait import planted_pickle, prove_it_bites
+from .decode_memory import KINDS as WORST_CASE_KINDS
 
 
 # --------------------------------------------------------------------------- bit-exact equality
@@ -438,3 +443,51 @@ def test_keys_that_can_share_one_hash_are_refused_before_any_dict_is_built():
         data = HEADER + bytes([S.DICT]) + struct.pack("<Q", 2) + bytes([key]) + bytes(64)
         with pytest.raises(ValueError, match=f"a dict key with tag {key} "):
             S.loads(data)
+
+
+DECODE_MEMORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_memory.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", WORST_CASE_KINDS)
+def test_decoding_a_worst_case_payload_of_each_kind_takes_at_most_its_budget_in_peak_memory(kind):
+    # 8 MiB of the cheapest encoding of one value kind, decoded in a process of its own: its peak
+    # resident memory grows by at most 4x the payload plus the 16 MiB floor, whether the payload
+    # is decoded or refused part-way (the old format reached 21x for empty tensors, 36x for sizes).
+    mib = 8
+    run = subprocess.run([sys.executable, DECODE_MEMORY, kind, str(mib)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(
+                             os.path.dirname(DECODE_MEMORY)))})
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["payload"] >= (mib << 20) - 64
+    assert report["grown"] <= S.DECODE_RATIO * report["payload"] + S.DECODE_FLOOR, report
+    assert report["outcome"].startswith(("decoded", "refused: malformed data")), report
+
+
+def test_many_small_values_are_refused_on_both_sides_by_the_memory_budget(monkeypatch):
+    # Without the 16 MiB floor (made 0 here, so the lists stay small): 10^5 Nones are 100 KB on
+    # the wire and 800 KB of list slots, more than 4x; 10^5 floats (9 bytes, 32 once decoded) fit.
+    monkeypatch.setattr(decode_cost, "DECODE_FLOOR", 0)
+    n = 100_000
+    with pytest.raises(TypeError, match=r"once decoded, over the .* \(4x \+ 0 MiB\)"):
+        S.dumps([None] * n)
+    with pytest.raises(TypeError, match="once decoded"):
+        S.check([None] * n)
+    data = HEADER + bytes([S.LIST]) + _u64(n) + bytes([S.NONE]) * n
+    with pytest.raises(ValueError, match=r"malformed data at offset 9: values that take \d+ bytes"):
+        S.loads(data)
+    assert S.loads(S.dumps([1.5] * n)) == [1.5] * n
+    # Empty tensors cost about 640 bytes each from 27 on the wire: refused long before 2^24 values.
+    empty = bytes([S.TENSOR, 3, 1]) + _u64(0) + _u64(0)
+    with pytest.raises(ValueError, match="once decoded"):
+        S.loads(HEADER + bytes([S.LIST]) + _u64(n) + empty * n)
+    with pytest.raises(TypeError, match="once decoded"):
+        S.dumps([torch.empty(0)] * 10_000)
+
+
+def test_a_state_of_tensors_decodes_within_its_budget_at_any_size():
+    state = {"w": torch.randn(1 << 20), "b": torch.zeros(0), "step": 7, "shape": torch.Size([3, 4]),
+             "layers": [torch.randn(8, 8) for _ in range(1000)]}
+    out = round_trip(state)
+    assert out["step"] == 7 and len(out["layers"]) == 1000

@@ -15,6 +15,13 @@ Knobs (environment):
   JOB_META         1: build() makes the model on the meta device (values come from the commit)
   JOB_STOP_FILE    after JOB_STEPS, go on until this file exists (decided collectively each step)
   JOB_CHECKPOINT   a directory: durable commits there, every JOB_DURABLE_EVERY-th commit (default 2)
+  JOB_EVIL         "WORKER:MODE": that worker is a hostile member from its second world on (WORKER
+                   "any": whichever worker acts first, once in the job). MODE "claim": it announces a
+                   complete one-rank commit at step 10^9 of the world it was in with the others (so it
+                   would be the reshard's root); "claim-now": the same, of the world forming now;
+                   "buffer": as the root of a reshard it sends the replicated state with a buffer of
+                   the wrong shape; "bytes": every shift of a reshard's rows it takes part in carries
+                   64 bytes more than planned
 
 The model is a tiny transformer-like stack whose width (10) and vocabulary (37) no world size
 here divides. The batch of a step is a function of (step, rank). Every commit and every world's
@@ -28,6 +35,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -49,6 +57,7 @@ META = os.environ.get("JOB_META") == "1"
 STOP_FILE = os.environ.get("JOB_STOP_FILE", "")
 CHECKPOINT = os.environ.get("JOB_CHECKPOINT") or None
 DURABLE_EVERY = int(os.environ.get("JOB_DURABLE_EVERY", "2"))
+EVIL = os.environ.get("JOB_EVIL", ":").split(":") + [""]
 DIM, VOCAB = (64, 256) if os.environ.get("JOB_WIDE") == "1" else (10, 37)
 torch.set_num_threads(1)   # four workers share two cores
 
@@ -108,8 +117,89 @@ def shard(model, mesh):
     fully_shard(model, mesh=mesh)
 
 
+evil_acts = []   # (mode, world version) of each hostile act of this worker
+
+
+def may_act():
+    """Whether this worker may act now: always when it is the named one; with "any", only the
+    first worker of the job to ask (a file made exclusively) and then only it."""
+    if EVIL[0] != "any" or evil_acts:
+        return True
+    try:
+        os.close(os.open(os.path.join(OUT, "evil-acted"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def acted(mode, version):
+    evil_acts.append((mode, version))
+    event("evil", mode=mode, v=version)
+
+
+def stubborn(method):
+    """``method`` of the state, except that once this worker has acted, any error in it (refused
+    by the others, or the ring they broke off) leaves it alive in the job, never leaving: only an
+    eviction removes it."""
+    def call(*args, **kw):
+        try:
+            return method(*args, **kw)
+        except Exception as e:
+            if not evil_acts:
+                raise
+            event("refused", message=f"{type(e).__name__}: {e}")
+            threading.Event().wait()
+    return call
+
+
+def turn_evil(mode):
+    """This worker's hostile part (JOB_EVIL), armed once it has been in a world with the others."""
+    from elastic.ring.communicator import Communicator
+    from elastic.sharded import reshard, transfer
+    first = []   # the first world's version: the member is honest in it
+
+    def armed(version):
+        first[:] = first or [version]
+        return version != first[0]
+    if mode in ("claim", "claim-now"):
+        real_agree = transfer.agree_holdings
+
+        def claim(comm, held, pending):
+            if held is not None and may_act():
+                version = comm.world_version if mode == "claim-now" else held[0].world_version
+                held, pending = (reshard.Generation(10 ** 9, version, 1), 0), None
+                acted(mode, comm.world_version)
+            return real_agree(comm, held, pending)
+        transfer.agree_holdings = claim
+    elif mode == "buffer":
+        real_broadcast = Communicator.broadcast_object
+
+        def broadcast(self, obj, root_rank=0, op="broadcast_object", **kw):
+            if armed(self.world_version) and obj is not None and op == "ShardedState sync" and may_act():
+                obj = {**obj, "buffers": {**obj["buffers"], "scale": torch.zeros(3)}}
+                acted(mode, self.world_version)
+            return real_broadcast(self, obj, root_rank=root_rank, op=op, **kw)
+        Communicator.broadcast_object = broadcast
+    elif mode == "bytes":
+        real_shift = Communicator.shift_into_
+
+        def shift(self, input, output, *, backward=False):
+            if armed(self.world_version) and may_act():
+                input = torch.cat([input, torch.zeros(64, dtype=input.dtype)])
+                acted(mode, self.world_version)
+            return real_shift(self, input, output, backward=backward)
+        Communicator.shift_into_ = shift
+
+
+if EVIL[1] and EVIL[0] in (WORKER, "any"):
+    turn_evil(EVIL[1])
+
+
 STATE = elastic.ShardedState(build, shard, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
                              step=0, tail=0)
+if EVIL[1] and EVIL[0] in (WORKER, "any"):
+    for name in ("_reshard", "_take_copies"):
+        object.__setattr__(STATE, name, stubborn(getattr(STATE, name)))
 
 
 def event(kind, **fields):

@@ -267,3 +267,101 @@ def test_buddy_plan_tiles_every_owners_rows_and_reads_only_what_the_buddy_holds(
                 else:   # sent only where the buddy holds none of those rows
                     assert not any((buddy, c) in holders[old] and max(p.start, oa) < min(p.stop, ob)
                                    for old, (oa, ob) in enumerate(old_chunks) for c in (OWN, BUDDY))
+
+
+# ---------------------------------------------------------------------- a commit one rank alone claims
+from elastic.sharded.reshard import (ABSTAIN, CONSISTENT, OBJECT, blame_claimant, impossible,  # noqa: E402
+                                     judge_claim, objection, sole_holder)
+
+P3 = Generation(step=40, world_version=6, size=3)     # the world three members were in together
+FORGED = Generation(step=10 ** 9, world_version=6, size=1)
+
+
+NOW = 9   # the world forming
+
+
+@pytest.mark.parametrize("name, claim, own, worlds, vote", [
+    ("a newcomer knows nothing", FORGED, h(), {}, ABSTAIN),
+    ("a newcomer knows only the world forming now", FORGED, h(), {NOW: 4}, ABSTAIN),
+    ("a commit of the world forming now, which nobody has committed in", Generation(10 ** 9, NOW, 1), h(),
+     {NOW: 4}, OBJECT),
+    ("the same, to a member of an older world", Generation(10 ** 9, NOW, 2), h((P3, 1)), {6: 3, NOW: 2}, OBJECT),
+    ("a commit of this world, one step from this rank's own in it (a sync inside the world)",
+     Generation(51, NOW, 2), h((Generation(50, NOW, 2), 1)), {NOW: 2}, CONSISTENT),
+    ("a one-rank commit of the three-rank world this rank was in", FORGED, h((P3, 1)), {6: 3}, OBJECT),
+    ("the same, known only from the commit it holds", FORGED, h((P3, 1)), {}, OBJECT),
+    ("the same, known only from the world it was in", FORGED, h(), {6: 3}, OBJECT),
+    ("the right size, but 10^9 steps past this world's commits", Generation(10 ** 9, 6, 3), h((P3, 1)), {6: 3},
+     OBJECT),
+    ("one agreement ahead in the same world (a commit cut short here)", Generation(41, 6, 3), h((P3, 1)), {6: 3},
+     CONSISTENT),
+    ("an older world, far ahead of the commit this rank's newer world took", Generation(500, 4, 1),
+     h((P3, 1)), {4: 2, 6: 3}, OBJECT),
+    ("an older world, behind this rank's commit", Generation(30, 4, 1), h((P3, 1)), {6: 3}, CONSISTENT),
+    ("a newer world this rank was not in: a lone worker trained on", Generation(90, 8, 1), h((P3, 1)), {6: 3},
+     CONSISTENT),
+    ("a newer world this rank was in, of another size", Generation(90, 8, 1), h((P3, 1)), {6: 3, 8: 2}, OBJECT),
+    ("a buddy-pair survivor's two-rank commit, to a rank of an older world", Generation(60, 7, 2), h((P3, 1)),
+     {6: 3}, CONSISTENT),
+])
+def test_objection(name, claim, own, worlds, vote):
+    assert objection(claim, own, worlds, NOW) == vote
+
+
+# votes by rank; the claimant (rank 0) is never counted
+@pytest.mark.parametrize("votes, refused, blamed", [
+    # nobody contradicts it: a lone worker joined by newcomers, or witnesses that saw nothing wrong
+    ([ABSTAIN, ABSTAIN, ABSTAIN], False, False),
+    ([ABSTAIN, CONSISTENT, ABSTAIN], False, False),
+    ([OBJECT, CONSISTENT, CONSISTENT], False, False),           # its own vote does not count
+    # splits of 3 ranks (the claimant and two others)
+    ([ABSTAIN, OBJECT, OBJECT], True, True),
+    ([ABSTAIN, OBJECT, CONSISTENT], True, True),                 # 1 against 1: the objector is believed
+    ([ABSTAIN, OBJECT, ABSTAIN], True, True),                    # the only witness objects
+    # splits of 4
+    ([ABSTAIN, OBJECT, OBJECT, ABSTAIN], True, True),
+    ([ABSTAIN, OBJECT, CONSISTENT, CONSISTENT], True, False),    # a minority: refused, nobody evicted
+    ([ABSTAIN, OBJECT, OBJECT, CONSISTENT], True, True),
+    # splits of 5
+    ([ABSTAIN, OBJECT, OBJECT, CONSISTENT, CONSISTENT], True, True),
+    ([ABSTAIN, OBJECT, CONSISTENT, CONSISTENT, CONSISTENT], True, False),
+    ([ABSTAIN, OBJECT, OBJECT, OBJECT, CONSISTENT], True, True),
+    ([ABSTAIN, ABSTAIN, ABSTAIN, ABSTAIN, OBJECT], True, True),
+])
+def test_judge_claim_and_blame(votes, refused, blamed):
+    assert judge_claim(0, votes) is refused
+    assert blame_claimant(0, votes) is blamed
+
+
+def test_a_forged_one_rank_commit_wins_decide_alone_and_is_the_only_one_judged():
+    # Three members of world 6 and a newcomer; rank 1 forges a complete one-rank commit.
+    holdings = [h((P3, 0)), h((FORGED, 0)), h((P3, 2)), h()]
+    decision = decide(holdings)
+    assert decision.generation == FORGED and decision.root == 1 and sole_holder(decision) == 1
+    votes = [objection(FORGED, holdings[r], {6: 3, 7: 4}, 7) if r != 1 else ABSTAIN for r in range(3)] + [ABSTAIN]
+    assert votes == [OBJECT, ABSTAIN, OBJECT, ABSTAIN]
+    assert judge_claim(1, votes) and blame_claimant(1, votes)
+    # Without the claim the world resumes from what the others hold together.
+    again = decide([Holding() if r == 1 else x for r, x in enumerate(holdings)])
+    assert again.generation == P3 and sole_holder(again) is None
+
+
+def test_legitimate_single_holders_are_not_judged_against():
+    lone = Generation(90, 8, 1)
+    assert sole_holder(decide([h((lone, 0)), h(), h()])) == 0   # a lone worker joined by two newcomers
+    assert [objection(lone, x, {9: 3}, 9) for x in (h(), h())] == [ABSTAIN, ABSTAIN]
+    pair = Generation(12, 5, 2)   # a buddy pair's survivor holds both shards: own and the other's copy
+    assert sole_holder(decide([h((pair, 1)), h()])) == 0
+    assert sole_holder(decide([h((P3, 0)), h((P3, 1)), h((P3, 2))])) is None
+    assert sole_holder(Fresh()) is None and sole_holder(Lost(P3, (1,))) is None
+
+
+@pytest.mark.parametrize("holdings, version, liars", [
+    ([h((P3, 0)), h((P3, 1))], 7, ()),
+    ([h((P3, 0)), h((Generation(5, 7, 1), 0))], 7, ()),           # of the world forming now: put to the vote
+    ([h((P3, 0)), h((Generation(5, 8, 1), 0))], 7, (1,)),         # a commit of a world not formed yet
+    ([h((P3, 0), (Generation(5, 9, 2), 0)), h((P3, 1))], 7, (0,)),  # a pending one of a later world
+    ([h(), h()], 1, ()),
+])
+def test_impossible_claims(holdings, version, liars):
+    assert impossible(holdings, version) == liars

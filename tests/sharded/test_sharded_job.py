@@ -2,6 +2,7 @@
 server: workers killed mid-backward, joining, leaving gracefully, killed two at a time."""
 
 import os
+import re
 import signal
 
 from tests.waiting import wait_until
@@ -195,3 +196,82 @@ def test_non_buddies_lose_nothing_and_a_buddy_pair_is_restored_from_durable_comm
     w2 = wait_world(restarted, again, 2)
     assert w2["commit"] == disk.step
     assert_resumed_bitwise(job, everyone, w2, at_least=disk.step)
+
+
+def test_a_relaunch_resumes_from_the_older_sharded_commit_past_a_newest_one_that_does_not_fit_and_a_decode_bomb(
+        sharded_job, tmp_path):
+    from elastic.sharded import checkpoint as sharded_checkpoint
+    from elastic.state import checkpoint
+    from tests.elastic.test_checkpoint import decode_bomb, write_raw
+    ckpt = str(tmp_path / "ckpt")
+    first = sharded_job(job_id="first", min_np=2, max_np=2, JOB_STEPS="8", JOB_CHECKPOINT=ckpt)
+    for w in ("a", "b"):
+        first.start(w)
+    assert first.wait(["a", "b"]) == {"a": 0, "b": 0}, first.log("a") + first.log("b")
+    (newest_step, newest), (older_step, older) = sharded_checkpoint.complete(ckpt)
+    # The newest commit's index, rewritten checksum-valid with a table whose first tensor has a
+    # row more than the model's (a stale run's model), and a newer commit still whose index would
+    # decode into a memory bomb.
+    index = os.path.join(newest, checkpoint.file_name(newest_step))
+    step, value = checkpoint.read_file(index)
+    key, shape, _ = value["replicated"]["table"][0]
+    value["replicated"]["table"][0][1] = [shape[0] + 1, *shape[1:]]
+    checkpoint.write(newest, step, value)
+    bomb = os.path.join(ckpt, sharded_checkpoint.dir_name(newest_step + 1))
+    os.makedirs(bomb, mode=0o700)
+    write_raw(os.path.join(bomb, checkpoint.file_name(newest_step + 1)), newest_step + 1, decode_bomb())
+
+    again = sharded_job(job_id="again", min_np=2, max_np=2, JOB_STEPS="12", JOB_CHECKPOINT=ckpt)
+    for w in ("c", "d"):
+        again.start(w)
+    assert again.wait(["c", "d"]) == {"c": 0, "d": 0}, again.log("c") + again.log("d")
+    first_world = worlds(again, ["c", "d"])[0]
+    assert first_world["commit"] == older_step, "resumed from the commit before the newest"
+    assert commit_digests(first, ["a", "b"])[older_step] == {first_world["digest"]}, "bitwise that commit's state"
+    assert {e["digest"] for e in worlds(again, ["c", "d"]) if e["v"] == first_world["v"]} == {first_world["digest"]}
+    logs = again.log("c") + again.log("d")
+    for path, why in ((newest, f"'{key}'"), (bomb, "once decoded")):
+        assert os.path.exists(path + ".corrupt"), f"{path} set aside (the job wrote its own commit there since)"
+        said = [line for line in logs.splitlines() if "set aside" in line and path in line]
+        assert len(said) == 1 and why in said[0], logs
+    assert sharded_checkpoint.read_latest(ckpt).step > newest_step, "and the relaunched job committed on"
+
+
+@pytest.mark.parametrize("mode", ["claim", "claim-now", "buffer", "bytes"])
+def test_a_hostile_member_cannot_take_over_or_end_a_reshard_it_is_evicted_and_the_others_go_on(
+        sharded_job, server, mode):
+    # Three members train together; a fourth joins; at that reshard one member turns hostile: it
+    # claims a one-rank commit at step 10^9 of the world it was in with the others, or (as the
+    # reshard's root) sends the replicated state with a buffer of the wrong shape, or sends more
+    # bytes than planned in a shift of the rows. Which member does is decided as the job runs
+    # (the first that can: the root is whoever holds the lowest own copy).
+    job = sharded_job(min_np=3, max_np=4, JOB_STEPS="40", JOB_STEP_SLEEP="0.05", JOB_EVIL=f"any:{mode}")
+    members = ["a", "b", "c"]
+    for w in members:
+        job.start(w)
+    first = wait_world(job, members, 3)
+    job.wait_step(4, members)
+    job.start("n")
+    wait_until(lambda: [w for w in members if any(e["ev"] == "evil" for e in job.events(w))], 90,
+               "a member to turn hostile")
+    evil = [w for w in members if any(e["ev"] == "evil" for e in job.events(w))]
+    assert len(evil) == 1, evil
+    evil = evil[0]
+    honest = [w for w in members if w != evil] + ["n"]
+    assert job.wait(honest, timeout=180) == {w: 0 for w in honest}, "".join(job.log(w) for w in honest)
+    # The honest workers blamed it (BadPeerError, reported), the rendezvous evicted it, and they
+    # resumed without it: the last world is the three of them, and they end with the same state.
+    last = worlds(job, honest)[-1]
+    assert last["size"] == 3 and last["v"] > first["v"] + 1
+    assert all(e["v"] < last["v"] for e in job.events(evil) if e["ev"] == "world")
+    assert job.procs[evil].poll() is None, "it never left: only the eviction removed it"
+    assert re.search(rf"worker {evil} dropped: .*evicted", server.log()), server.log()
+    logs = "".join(job.log(w) for w in honest)
+    said = {"claim": "alone claims commit 1000000000", "claim-now": "alone claims commit 1000000000",
+            "buffer": "buffer 'scale'", "bytes": "bytes every rank planned for this shift"}[mode]
+    assert said in logs, logs
+    assert "Traceback" not in logs, logs
+    done = {w: next(e for e in job.events(w) if e["ev"] == "done") for w in honest}
+    assert len({d["step"] for d in done.values()}) == 1
+    digests = commit_digests(job, honest)
+    assert all(len(d) == 1 for d in digests.values()), "every commit is bitwise the same on every honest rank"
