@@ -16,13 +16,13 @@ import enum
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from rendezvous.client.watch_events import Ended, WorldInfo
 from rendezvous.client.worker_client import RendezvousClient
 from rendezvous.common.channel import RendezvousCallAbandoned
 from rendezvous.common.channel import RendezvousRPCError as _ClientError
-from rendezvous.wire.membership import JobSpec
+from rendezvous.wire.membership import Blame, JobSpec
 
 from elastic.ring.communicator import Communicator, Listener
 from elastic.ring.errors import BadPeerError, ErrorKind, HandshakeError, WorkerLostError
@@ -35,6 +35,12 @@ from elastic.runtime.session import Session
 from elastic.runtime.worker_config import WorkerConfig
 
 log = logging.getLogger("elastic")
+
+# A claim this worker does not see confirmed is reported after this long (and two commits): a
+# rank that saw the server's notice early is confirmed by the others within a commit or two.
+CLAIM_GRACE_S = 5.0
+# A rank that said it leaves has called the rendezvous Leave within this long, or it is reported.
+LEAVE_GRACE_S = 5.0
 
 _LEFT_BY_CAUSE = {LeaveCause.SIGNAL: Preempted, LeaveCause.PROGRAM: LeaveRequested,
                   LeaveCause.STRAGGLER: EvictedAsStraggler}
@@ -83,6 +89,9 @@ class JobSession(Session):
         self.departed = False   # this worker left the job gracefully (depart() ran)
         self._leave_signals: Optional[preemption.Handlers] = None   # while elastic.run runs
         self._metrics_pusher: Optional[worker_metrics.Pusher] = None
+        self._claims: Tuple[int, Dict[int, Tuple[float, int]]] = (0, {})   # world version, rank -> (since, commits)
+        self._leaving: Optional[Tuple[int, Tuple[int, ...], float]] = None  # (version, leavers, since)
+        self._accused: Set[Tuple[int, str]] = set()   # (version, worker id) reported for a claim
         self.straggler_detector = straggler_detector.Detector(
             config.stragglers, config.worker_id,
             leave=lambda why: self.leave_request.request(why, LeaveCause.STRAGGLER),
@@ -250,6 +259,67 @@ class JobSession(Session):
         with self._cond:
             return reaction.membership_pending(self._view)
 
+    def heard_claims(self, comm: Communicator, claimers: Tuple[int, ...]) -> None:
+        """A claim of a pending change that this worker does not see confirmed by the server,
+        made at two commits or more and for ``CLAIM_GRACE_S``, is reported (``FALSE_PENDING``):
+        the server checks it against what it announced and, when the majority reported it too,
+        evicts the claimer. The others train on meanwhile: a minority's claim changes nothing."""
+        version, now = comm.world_version, time.monotonic()
+        if self.membership_pending() or self._claims[0] != version:
+            self._claims = (version, {})
+        if self.membership_pending():
+            return
+        before = self._claims[1]
+        claims = {r: (before.get(r, (now, 0))[0], before.get(r, (now, 0))[1] + 1) for r in claimers if r != comm.rank}
+        self._claims = (version, claims)
+        for r, (since, boundaries) in claims.items():
+            if boundaries >= 2 and now - since >= CLAIM_GRACE_S:
+                self._accuse(version, r, Blame.FALSE_PENDING,
+                             f"rank {r} has claimed a membership change of world version {version} for {now - since:.1f} s "
+                             "that the rendezvous never announced to this worker")
+
+    def expect_leave(self, comm: Communicator, leavers: Tuple[int, ...]) -> None:
+        """Ranks said at this commit that they leave: ``next_world`` reports each that has not
+        done so (no change announced) after ``LEAVE_GRACE_S`` (``FALSE_LEAVE``)."""
+        world = self.world
+        if world is not None and world.world_version == comm.world_version:
+            self._leaving = (comm.world_version, tuple(leavers), time.monotonic())
+
+    def _check_leavers(self, view: reaction.View) -> None:
+        """Called waiting for the next world: leavers the server never saw leave are reported."""
+        if self._leaving is None:
+            return
+        version, leavers, since = self._leaving
+        if view.pending_version >= version or view.aborted_version >= version or view.seen_version > version:
+            self._leaving = None   # the server announced the change: they left
+        elif time.monotonic() - since >= LEAVE_GRACE_S:
+            self._leaving = None
+            for r in leavers:
+                self._accuse(version, r, Blame.FALSE_LEAVE,
+                             f"rank {r} said at a commit of world version {version} that it leaves, and "
+                             f"{LEAVE_GRACE_S:g} s later the rendezvous had announced no change")
+
+    def _accuse(self, version: int, rank: int, blame: Blame, why: str) -> None:
+        """Reports rank ``rank`` of world ``version`` to the server for ``blame``, once, from a
+        thread of its own: the server waits for the majority's reports before it answers."""
+        world = self.world
+        if world is None or world.world_version != version or not 0 <= rank < len(world.members):
+            return
+        suspect = world.members[rank].worker_id
+        if (version, suspect) in self._accused:
+            return
+        self._accused.add((version, suspect))
+        log.warning("worker %s reports %s (%s): %s", self.config.worker_id, suspect, blame.value.lower(), why)
+
+        def accuse() -> None:
+            try:
+                evicted = self.client.report_failure(suspect, version, reason=why[:1000], blame=blame)
+                log.info("reported %s (world %d): %s", suspect, version, "evicted" if evicted else "not evicted")
+            except Exception as e:  # noqa: BLE001 (closed meanwhile, or the server unreachable: nothing to do)
+                log.debug("could not report %s: %s", suspect, e)
+
+        threading.Thread(target=accuse, name="elastic-accuse", daemon=True).start()
+
     def leave_pending(self) -> bool:
         return self.leave_request.pending
 
@@ -271,6 +341,7 @@ class JobSession(Session):
                 w = reaction.world_to_take(view, min_version)
                 if w is not None:
                     return w
+                self._check_leavers(view)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ElasticTimeout(
@@ -327,19 +398,20 @@ class JobSession(Session):
     def report_failure(self, err: WorkerLostError) -> None:
         """Tells the server which peer broke, so it checks that peer at once instead of at its timeout.
 
-        A ``BadPeerError`` is reported as an unusable address: the server evicts that peer even
-        though it is alive, since a member nobody can connect to can never be in a ring."""
+        A ``BadPeerError`` is an accusation (its ``blame``: an unusable address, an impossible
+        row, a divergence): the server evicts that peer even though it is alive once the
+        majority of the world accused it too, since such a member can never be in a ring."""
         world = self.world
         # No peer to blame: aborted (the server already knows) or propagated (the neighbour is
         # alive, the failed rank is further on and its own neighbour reports it).
         if world is None or err.peer_rank is None or err.world_version != world.world_version or \
-                not 0 <= err.peer_rank < len(world.members):
+                not 0 <= err.peer_rank < len(world.members) or err.peer_rank == world.rank:
             return
         suspect = world.members[err.peer_rank].worker_id
         try:
             evicted = self.client.report_failure(suspect, world.world_version, reason=str(err)[:1000],
-                                                 unusable_address=isinstance(err, BadPeerError),
-                                                 timed_out=err.kind == ErrorKind.Timeout)
+                                                 timed_out=err.kind == ErrorKind.Timeout,
+                                                 blame=err.blame if isinstance(err, BadPeerError) else Blame.NONE)
             log.info("reported %s (world %d): %s", suspect, world.world_version,
                      "evicted" if evicted else "still alive")
         except _ClientError as e:

@@ -209,7 +209,9 @@ class Departure(str, enum.Enum):
     STREAM_BROKEN = "STREAM_BROKEN"        # its Watch broke: crashed, or missed keepalive acks
     NO_WATCH = "NO_WATCH"                  # did not open (or, after a leader change, reopen) it
     REPORTED = "REPORTED"                  # a peer reported it and it had no stream
-    UNUSABLE_ADDRESS = "UNUSABLE_ADDRESS"  # a peer found its ring address leads nowhere
+    UNUSABLE_ADDRESS = "UNUSABLE_ADDRESS"  # a majority found its ring address leads nowhere (or what it sent unusable)
+    BLAMED = "BLAMED"                      # a majority found what it said impossible or false
+    DIVERGED = "DIVERGED"                  # a majority found it ran other collectives or ring settings
     REJOINED = "REJOINED"                  # it joined again: the old session is replaced
     FAILED = "FAILED"                      # any other failure
 
@@ -227,7 +229,9 @@ _EVICTION_LABELS: dict[Departure, Optional[str]] = {
     Departure.STREAM_BROKEN: "stream_broken",       # crash (EOF/RST) or missed keepalive acks
     Departure.NO_WATCH: "no_watch",                 # never opened / reopened its Watch in time
     Departure.REPORTED: "report",                   # a peer's report, and it had no stream
-    Departure.UNUSABLE_ADDRESS: "unusable_address",  # a peer's report: its ring address is dead
+    Departure.UNUSABLE_ADDRESS: "unusable_address",  # the majority's reports: its ring address is dead
+    Departure.BLAMED: "blamed",                     # the majority's reports: it said impossible things
+    Departure.DIVERGED: "diverged",                 # the majority's reports: it diverged from them
     Departure.REJOINED: "session_replaced",         # joined again: its old session ended
     Departure.FAILED: "other",
 }

@@ -19,6 +19,11 @@ proves the sample accounting. Knobs (environment):
                  its state with the model's weight reshaped / a key added (well-formed, does not fit).
                  When the others refuse it, it stays: alive, in the job, never leaving (only an
                  eviction removes it)
+  JOB_EVIL_ROW   this worker is a hostile member of the commits' membership check: "pending" claims
+                 a change pending at every commit, "timings" writes 1000 s of compute into its own
+                 row, "fast" claims it never computes (to make the others look slow), "leave" says
+                 at its JOB_EVIL_AT-th commit (default 3) that it leaves and never does. Evicted,
+                 it does not join again: alive, it waits forever (only the test ends it)
   JOB_STOP_FILE  end at the first epoch boundary after this file appears (all ranks agree)
   JOB_STOP_BEFORE_FORM  SIGSTOP this process right before it connects its N-th ring (a worker
                  hung while forming; SIGCONT resumes it there, with the world it had then)
@@ -231,6 +236,36 @@ def sync_stubbornly(comm):
 
 
 state.sync_over = sync_maybe_dying
+
+EVIL_ROW = os.environ.get("JOB_EVIL_ROW") or None
+if EVIL_ROW:
+    import elastic.runtime.job_session as job_session
+    from elastic.runtime import boundary
+
+    session_class = job_session.JobSession
+    evil_at = int(os.environ.get("JOB_EVIL_AT", "3"))
+    boundaries = {"n": 0}
+    # Evicted, a hostile member stays: alive, never joining again (its watch thread answers probes).
+    session_class._rejoin = lambda self, ended: threading.Event().wait()
+    if EVIL_ROW == "pending":
+        session_class.membership_pending = lambda self: self.comm is not None
+    elif EVIL_ROW in ("timings", "fast"):
+        _row = boundary.row
+
+        def forged_row(pending, leaving, compute=0.0, wait=0.0):
+            if EVIL_ROW == "timings":
+                return _row(pending, leaving, 1000.0, 0.0)
+            return _row(pending, leaving, 0.0, compute + wait)   # waited all along: the others are slow
+
+        boundary.row = forged_row
+    elif EVIL_ROW == "leave":
+        def says_it_leaves(self):
+            boundaries["n"] += 1
+            return boundaries["n"] >= evil_at
+
+        session_class.leave_pending = says_it_leaves
+        session_class.depart = lambda self: threading.Event().wait()
+
 
 if STOP_BEFORE_FORM:
     _connect = elastic.ring.communicator.Communicator.connect
