@@ -25,7 +25,8 @@ from rendezvous.common.channel import RendezvousRPCError as _ClientError
 from rendezvous.wire.membership import Blame, JobSpec
 
 from elastic.ring.communicator import Communicator, Listener
-from elastic.ring.errors import BadPeerError, ErrorKind, HandshakeError, WorkerLostError
+from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, ElasticError, ErrorKind, HandshakeError,
+                                 WorkerLostError)
 from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
                                     Preempted, RendezvousError)
@@ -41,6 +42,12 @@ log = logging.getLogger("elastic")
 CLAIM_GRACE_S = 5.0
 # A rank that said it leaves has called the rendezvous Leave within this long, or it is reported.
 LEAVE_GRACE_S = 5.0
+# A collective mismatch waits this long for the server to say a member left the world (its
+# function returned while this one trained on); without that, it is a bug and ends the worker.
+MISMATCH_GRACE_S = 5.0
+# After the world's return check, how long a worker waits for the server to say the job
+# completed (every member reported) before it ends anyway.
+FINISH_WAIT_S = 30.0
 
 _LEFT_BY_CAUSE = {LeaveCause.SIGNAL: Preempted, LeaveCause.PROGRAM: LeaveRequested,
                   LeaveCause.STRAGGLER: EvictedAsStraggler}
@@ -153,13 +160,17 @@ class JobSession(Session):
 
     def finish(self, ending: Ending, keep_ring: bool = False) -> None:
         """Ends this worker's part: tells the server how (``ending``) and releases everything
-        but, with ``keep_ring``, the ring of the last world (collectives after the run)."""
-        self._stop.set()
+        but, with ``keep_ring``, the ring of the last world (collectives after the run).
+
+        A success report completes the job only once every member of the world reported it at
+        the same commit: the worker waits (at most ``FINISH_WAIT_S``) for the server's notice
+        before it closes its stream, so that its leaving is not taken for a failure meanwhile."""
         try:
             if self.departed:
                 pass   # it told the server already
             elif ending is Ending.SUCCEEDED:
-                self.client.report_success()
+                if not self.client.report_success(commit_step=max(self.commit_step, 0)):
+                    self._await_finished(FINISH_WAIT_S)
             elif ending is Ending.LEFT:
                 self.client.leave()
         except _ClientError as e:
@@ -170,6 +181,7 @@ class JobSession(Session):
                 log.info("job already finished (another worker reported success first)")
             else:
                 log.warning("could not tell the rendezvous server this worker %s: %s", ending.value, e)
+        self._stop.set()
         comm = self.comm
         if comm is not None and not (keep_ring and not comm.failed):
             self.close_ring()
@@ -182,6 +194,39 @@ class JobSession(Session):
         self.leave_request.finish()
         self.stop_metrics()
         self._fork_guard.release()
+
+    def _await_finished(self, timeout_s: float) -> None:
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._view.finished is not None or self._view.ended is not None,
+                                       timeout_s)
+        if not done:
+            world = self.world
+            log.warning("worker %s: the job is not complete %g s after every rank of world %d returned: a member "
+                        "has not reported it (the server completes the job when every member did)",
+                        self.config.worker_id, timeout_s, world.world_version if world is not None else 0)
+
+    def _returned_alone(self, why: str) -> None:
+        """This worker's function returned while the others train on: it leaves the world, as a
+        graceful leave (not a failure, not blacklisted); the others go on without it."""
+        world, commit_step = self.world, self.commit_step
+        log.warning("worker %s: its function returned at commit %d of world version %d while the others train on "
+                    "(%s): it leaves the world; the job goes on without it", self.config.worker_id, commit_step,
+                    world.world_version if world is not None else 0, why)
+        self._stop.set()
+        try:
+            self.client.leave()
+        except _ClientError as e:   # it is evicted when its stream ends instead
+            log.warning("worker %s could not tell the rendezvous server it leaves: %s", self.config.worker_id, e)
+        with self._cond:
+            comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.close()
+        self.departed = True
+
+    def _world_moved_on(self, world_version: int, grace_s: float) -> bool:
+        """Whether the server announces, within ``grace_s``, that world ``world_version`` ends."""
+        with self._cond:
+            return self._cond.wait_for(lambda: reaction.world_moved_on(self._view, world_version), grace_s)
 
     def depart(self) -> LeftJob:
         """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
@@ -440,11 +485,28 @@ class JobSession(Session):
                     first = restored = False
                     result = self._call(func, state, args, kwargs)
                     state.on_finish()
-                    ending = Ending.SUCCEEDED
+                    # Success is the world's: every rank's function returned at this same point.
+                    try:
+                        together, why = self.check_return(), "they did not return with it"
+                    except ElasticError as e:   # a training rank's collective met this one
+                        together, why = False, f"{type(e).__name__}: {e}"
+                    if together:
+                        ending = Ending.SUCCEEDED
+                    else:
+                        self._returned_alone(why)
+                        ending = Ending.CLOSED
                     return result
-                except (WorkerLostError, HandshakeError, MembershipChanged) as e:
+                except (WorkerLostError, HandshakeError, MembershipChanged, CollectiveMismatchError) as e:
                     ring_world_version = self.world.world_version if self.world is not None else 0
-                    plan = reaction.after_error(e, ring_world_version, state.live_state_usable())
+                    if isinstance(e, CollectiveMismatchError):
+                        plan = reaction.after_mismatch(e, ring_world_version, state.live_state_usable(),
+                                                       self._world_moved_on(e.world_version, MISMATCH_GRACE_S))
+                        if plan is None:
+                            raise
+                        log.warning("%s; world version %d ended meanwhile (a member left): re-forming without it",
+                                    e, e.world_version)
+                    else:
+                        plan = reaction.after_error(e, ring_world_version, state.live_state_usable())
                     min_version, restored = plan.min_version, self.recover(e, plan, state)
                 resets += 1
                 if reset_limit and resets > reset_limit:

@@ -205,6 +205,25 @@ class Session:
         if check.switch:
             raise MembershipChanged(f"membership of world version {comm.world_version} changed; re-forming")
 
+    def check_return(self) -> bool:
+        """The last collective of a rank whose training function returned: its membership row once
+        more, saying so (``elastic.runtime.boundary``). True when every rank's function returned
+        at this same point (the world's success). False when the others train on: their next
+        collective met this one, as a commit's check (they then see this rank leave, and it says
+        farewell as a leaver does) or as another collective (this raises, a mismatch or a lost
+        peer). The caller leaves the world either way but the first."""
+        comm = self.comm
+        if comm is None or comm.failed:
+            return False
+        rows = comm.allgather_equal(boundary.row(0, False, returned=True))
+        check = boundary.judge(rows, comm.world_version, None)
+        if check.done:
+            return True
+        if check.blamed:
+            raise _impossible_row(comm, check.blamed)
+        _farewell(comm)
+        return False
+
     def sync(self, state: Any) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""
         comm = self.ring("sync")

@@ -310,9 +310,11 @@ class RendezvousClient:
             # The server may wait up to its heartbeat timeout for the suspect's stream to break.
             timeout_s=max(30.0, self.rpc_timeout_s), attempt_s=max(15.0, self.rpc_timeout_s)).evicted
 
-    def report_success(self, world_version: Optional[int] = None) -> None:
-        """This worker finished: the job completes for everyone.
+    def report_success(self, world_version: Optional[int] = None, commit_step: int = 0) -> bool:
+        """This worker's function returned at ``commit_step``; True when that completed the job.
 
+        The job completes once every member of the current world reported returning in it at the
+        same commit step (the last report answers True; the Watch brings everyone ``Finished``).
         The server takes it only from a member of `world_version` (default: the latest world this
         client received); a worker that never was in a world cannot end the job."""
         if world_version is None:
@@ -320,10 +322,12 @@ class RendezvousClient:
         # Retried after an unknown outcome, FAILED_PRECONDITION means the job already finished.
         # Retried as long as a reconnect: lost to a leader change, the success would turn into
         # a job failure once the workers are gone.
-        self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid(),
-                                                            world_version=world_version),
-                   max(3 * self.rpc_timeout_s, self.reconnect_timeout_s),
-                   done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
+        resp = self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid(),
+                                                                   world_version=world_version,
+                                                                   commit_step=max(commit_step, 0)),
+                          max(3 * self.rpc_timeout_s, self.reconnect_timeout_s),
+                          done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
+        return resp is None or bool(resp.finished)
 
     def leave(self, straggler: bool = False) -> None:
         """Leave cleanly (the others see a membership change, not a failure) and stop watching;

@@ -24,6 +24,8 @@ proves the sample accounting. Knobs (environment):
                  row, "fast" claims it never computes (to make the others look slow), "leave" says
                  at its JOB_EVIL_AT-th commit (default 3) that it leaves and never does. Evicted,
                  it does not join again: alive, it waits forever (only the test ends it)
+  JOB_RETURN_AT  "WORKER:STEP": that worker's training function returns right after its first
+                 commit at or past STEP, while the others train on (it leaves the world; they go on)
   JOB_STOP_FILE  end at the first epoch boundary after this file appears (all ranks agree)
   JOB_STOP_BEFORE_FORM  SIGSTOP this process right before it connects its N-th ring (a worker
                  hung while forming; SIGCONT resumes it there, with the world it had then)
@@ -87,6 +89,7 @@ STALL = os.environ.get("JOB_STALL", "::").split(":")
 KILL_AT = os.environ.get("JOB_KILL_AT", "::").split(":")
 SEEN_AFTER_STEP = os.environ.get("JOB_SEEN_AFTER_STEP") == "1"
 LEAVE_AT = os.environ.get("JOB_LEAVE_AT", ":").split(":")
+RETURN_AT = os.environ.get("JOB_RETURN_AT", ":").split(":")
 FORK_CHILD = os.environ.get("JOB_FORK_CHILD", ":").split(":")
 stalled = {"done": False}
 forked = {"done": False}
@@ -252,10 +255,10 @@ if EVIL_ROW:
     elif EVIL_ROW in ("timings", "fast"):
         _row = boundary.row
 
-        def forged_row(pending, leaving, compute=0.0, wait=0.0):
+        def forged_row(pending, leaving, compute=0.0, wait=0.0, returned=False):
             if EVIL_ROW == "timings":
-                return _row(pending, leaving, 1000.0, 0.0)
-            return _row(pending, leaving, 0.0, compute + wait)   # waited all along: the others are slow
+                return _row(pending, leaving, 1000.0, 0.0, returned)
+            return _row(pending, leaving, 0.0, compute + wait, returned)   # waited all along: the others are slow
 
         boundary.row = forged_row
     elif EVIL_ROW == "leave":
@@ -391,6 +394,10 @@ def train(state):
             time.sleep(STEP_SLEEP)
             if state.batch % 3 == 0:
                 commit()
+                if WORKER == RETURN_AT[0] and state.step >= int(RETURN_AT[1]):
+                    event("returning", step=state.step, commit=state.commit_step)
+                    log["final_size"] = elastic.size()
+                    return
         commit()
         if STOP_FILE:
             # Decided collectively, so every rank leaves after the same epoch.

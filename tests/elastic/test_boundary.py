@@ -86,6 +86,25 @@ def test_a_ring_without_a_world_version_never_switches_on_zeros():
                                                                                        wait=(0.0, 0.0))
 
 
+def test_every_rank_returned_is_the_worlds_success():
+    check = judge(rows((0, False, 0.0, 0.0, True), (0, False, 0.0, 0.0, True), (0, False, 0.0, 0.0, True)), V, WALL)
+    assert check.done and not check.switch and not check.leavers and not check.blamed
+
+
+@pytest.mark.parametrize("returned", [(0,), (1,), (0, 2)])
+def test_ranks_that_returned_while_others_train_on_leave_and_the_others_switch(returned):
+    check = judge(rows(*[(0, False, 1.0, 1.0, r in returned) for r in range(3)]), V, WALL)
+    assert not check.done and check.switch and check.leavers == returned
+
+
+@pytest.mark.parametrize("flag", [2.0, -1.0, 0.5, math.nan])
+def test_a_returned_flag_other_than_0_or_1_blames_its_rank(flag):
+    table = rows(QUIET, QUIET)
+    table[1, 4] = flag
+    check = judge(table, V, WALL)
+    assert [r for r, _ in check.blamed] == [1] and not check.done
+
+
 def test_the_same_rows_give_the_same_verdict_whoever_judges_them():
     table = rows(PENDING, QUIET, (0, False, -2.0, 0.0), PENDING)
     assert len({judge(table.copy(), V, WALL) for _ in range(4)}) == 1

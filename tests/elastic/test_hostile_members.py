@@ -88,3 +88,47 @@ def test_a_member_claiming_it_never_computes_does_not_make_an_honest_rank_a_stra
     logs = job.log("w0") + job.log("w1")
     assert "is a straggler" not in logs, logs
     assert not [e for e in server_events(events_server) if e.get("event", "").startswith("straggler")]
+
+
+def test_a_member_whose_function_returns_early_leaves_and_the_others_train_on(tmp_path, events_server):
+    # Its success is not the world's: it leaves gracefully (not evicted, its host not
+    # blacklisted), the others finish every epoch and the job succeeds when they return.
+    job = Job(tmp_path, events_server.address, min_np=2, max_np=3, JOB_STEP_SLEEP="0.1", JOB_SAMPLES="480",
+              JOB_RETURN_AT="early:12")
+    try:
+        for w in HONEST:
+            job.start(w)
+        job.start("early", ELASTIC_HOST="otherhost")
+        codes = job.wait(HONEST + ["early"], timeout=240)
+        assert codes == {w: 0 for w in HONEST + ["early"]}, job.log("w0") + job.log("w1") + job.log("early")
+        results = [job.result(w) for w in HONEST]
+        check_identical(results)
+        check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
+        assert all(r["final_size"] == 2 and r["epochs"] == EPOCHS for r in results)
+        assert job.result("early")["step"] < results[0]["step"]
+        assert "while the others train on" in job.log("early") and "it leaves the world" in job.log("early")
+    finally:
+        job.close()
+    events = server_events(events_server)
+    assert not evictions(events_server, "early") and not evictions(events_server, "w0"), events
+    assert [e for e in events if e.get("event") == "worker_left" and e.get("worker_id") == "early"], events
+    (finished,) = [e for e in events if e.get("event") == "job_finished"]
+    assert finished["outcome"] == "succeeded" and "every member of world" in finished["reason"], finished
+    assert "early" not in finished["reason"]
+
+
+def test_every_member_returning_at_the_same_commit_completes_the_job_with_no_extra_world(tmp_path, events_server):
+    job = Job(tmp_path, events_server.address, min_np=3, max_np=3)
+    try:
+        for w in ["w0", "w1", "w2"]:
+            job.start(w)
+        assert job.wait(["w0", "w1", "w2"], timeout=120) == {"w0": 0, "w1": 0, "w2": 0}
+        check_identical([job.result(w) for w in ["w0", "w1", "w2"]])
+    finally:
+        job.close()
+    events = server_events(events_server)
+    worlds = [e for e in events if e.get("event") == "world_formed"]
+    (finished,) = [e for e in events if e.get("event") == "job_finished"]
+    assert len(worlds) == 1 and finished["outcome"] == "succeeded", events
+    assert f"every member of world {worlds[0]['world_version']} returned" in finished["reason"]
+    assert "(w0, w1, w2)" in finished["reason"]

@@ -260,16 +260,20 @@ class ReportFailureResponse(_message.Message):
     def __init__(self, evicted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ReportSuccessRequest(_message.Message):
-    __slots__ = ("session_id", "world_version")
+    __slots__ = ("session_id", "world_version", "commit_step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     world_version: int
-    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ...) -> None: ...
+    commit_step: int
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., commit_step: _Optional[int] = ...) -> None: ...
 
 class ReportSuccessResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("finished",)
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    finished: bool
+    def __init__(self, finished: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id", "events")

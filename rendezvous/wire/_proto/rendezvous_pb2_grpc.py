@@ -147,7 +147,8 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportSuccess(self, request, context):
-        """A member of world `world_version` finished training: the job is complete for everyone.
+        """A member of world `world_version` finished training: the job is complete for everyone once
+        every member of the current world reported so, at the same commit step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
