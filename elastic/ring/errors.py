@@ -104,10 +104,11 @@ class SettingsMismatchError(ElasticError):
     __module__ = "elastic"   # its public name, whatever module defines it
 
     def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1,
-                 setting: str = ""):
+                 setting: str = "", outvoted: bool = False):
         super().__init__(message)
         _locate(self, ErrorKind.SettingsMismatch, op, world_version, rank, peer)
         self.setting = setting
+        self.outvoted = outvoted   # this rank differs from the majority of its world (which goes on)
 
 
 class CollectiveMismatchError(ElasticError):

@@ -26,7 +26,7 @@ from rendezvous.wire.membership import Blame, JobSpec
 
 from elastic.ring.communicator import Communicator, Listener
 from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, ElasticError, ErrorKind, HandshakeError,
-                                 WorkerLostError)
+                                 SettingsMismatchError, WorkerLostError)
 from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
                                     Preempted, RendezvousError)
@@ -520,6 +520,10 @@ class JobSession(Session):
             raise ElasticTimeout(str(e)) from None
         except LeftJob:
             ending = Ending.CLOSED   # left: depart() told the server
+            raise
+        except SettingsMismatchError as e:
+            if e.outvoted:   # no graceful leave: the majority's reports evict it, and that counts against its host
+                ending = Ending.CLOSED
             raise
         finally:
             self.release_leave_signals()

@@ -132,3 +132,28 @@ def test_every_member_returning_at_the_same_commit_completes_the_job_with_no_ext
     assert len(worlds) == 1 and finished["outcome"] == "succeeded", events
     assert f"every member of world {worlds[0]['world_version']} returned" in finished["reason"]
     assert "(w0, w1, w2)" in finished["reason"]
+
+
+def test_a_joiner_with_other_ring_settings_in_a_world_of_three_is_evicted_by_the_majority(tmp_path, events_server):
+    # The majority's settings win: w0 and w1 blame the odd member (DIVERGED), it ends with
+    # SettingsMismatchError, and they go on in a world of two.
+    job = Job(tmp_path, events_server.address, min_np=2, max_np=3, JOB_STEP_SLEEP="0.1", JOB_SAMPLES="480")
+    try:
+        for w in HONEST:
+            job.start(w)
+        job.wait_step(3, HONEST)   # their world of two trains: the odd one joins it, a world of three
+        job.start("odd", ELASTIC_SEGMENT_BYTES=str(64 << 10), ELASTIC_HOST="oddhost")
+        codes = job.wait(HONEST + ["odd"], timeout=240)
+        assert codes["w0"] == codes["w1"] == 0 and codes["odd"] != 0, codes
+        results = [job.result(w) for w in HONEST]
+        check_identical(results)
+        check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
+        assert all(r["final_size"] == 2 for r in results)
+        logs = job.log("w0") + job.log("w1")
+        assert "ring setting segment_bytes (ELASTIC_SEGMENT_BYTES) differs" in logs, logs
+        assert "differs from the majority of the world" in logs, logs
+        assert "this rank differs from the majority of the world and leaves it" in job.log("odd"), job.log("odd")
+    finally:
+        job.close()
+    assert evictions(events_server, "odd") and not evictions(events_server, "w0") \
+        and not evictions(events_server, "w1"), server_events(events_server)
