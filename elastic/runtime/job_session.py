@@ -223,6 +223,15 @@ class JobSession(Session):
             comm.close()
         self.departed = True
 
+    def _named(self, err: BaseException) -> str:
+        """``worker W (rank R): `` for the peer a ring error blames, by the id the launchers and
+        the rendezvous show ("" when it blames none)."""
+        world, peer = self.world, getattr(err, "peer_rank", None)
+        if world is None or peer is None or getattr(err, "world_version", -1) != world.world_version \
+                or not 0 <= peer < len(world.members):
+            return ""
+        return f"worker {world.members[peer].worker_id} (rank {peer}): "
+
     def _world_moved_on(self, world_version: int, grace_s: float) -> bool:
         """Whether the server announces, within ``grace_s``, that world ``world_version`` ends."""
         with self._cond:
@@ -489,7 +498,7 @@ class JobSession(Session):
                     try:
                         together, why = self.check_return(), "they did not return with it"
                     except ElasticError as e:   # a training rank's collective met this one
-                        together, why = False, f"{type(e).__name__}: {e}"
+                        together, why = False, f"{self._named(e)}{type(e).__name__}: {e}"
                     if together:
                         ending = Ending.SUCCEEDED
                     else:
