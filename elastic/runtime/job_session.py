@@ -362,7 +362,7 @@ class JobSession(Session):
         suspect = world.members[rank].worker_id
         if (version, suspect) in self._accused:
             return
-        self._accused.add((version, suspect))
+        self._accused = {(v, w) for v, w in self._accused if v >= version} | {(version, suspect)}   # this world's only
         log.warning("worker %s reports %s (%s): %s", self.config.worker_id, suspect, blame.value.lower(), why)
 
         def accuse() -> None:
