@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-COLORS = {"torchrun": "tab:orange", "elastic-run": "tab:blue", "torchft": "tab:green"}
+COLORS = {"torchrun": "tab:orange", "elastic-run": "tab:blue", "torchft": "tab:green", "torchft-defaults": "tab:olive"}
+LABELS = {"torchft": "TorchFT, example settings", "torchft-defaults": "TorchFT, library defaults"}
 
 
 def plot(path: str, args, faulty: Dict[Tuple[str, float], object]) -> None:
@@ -23,7 +24,7 @@ def plot(path: str, args, faulty: Dict[Tuple[str, float], object]) -> None:
             color = COLORS.get(launcher)
             times = [t - r.t0 for t in r.timeline]
             ax.step([0.0, *times], range(len(times) + 1), where="post", color=color,
-                    label=f"{launcher} ({r.final / r.seconds:.2f} useful steps/s)")
+                    label=f"{LABELS.get(launcher, launcher)} ({r.final / r.seconds:.2f} useful steps/s)")
             for f in r.faults:
                 ax.axvline(f.t - r.t0, color=color, linestyle="--", linewidth=0.8, alpha=0.7)
         sharded = ", FSDP2" if getattr(args, "fsdp", False) else ""

@@ -1,14 +1,15 @@
 """bench/goodput.py's TorchFT job: a lighthouse, one process per replica group, and a restart for each that dies.
 
-    python bench/_torchft_launch.py --run-dir DIR --groups 4 [--min-replicas 2]
+    python bench/_torchft_launch.py --run-dir DIR --groups 4 --settings example [--min-replicas 2]
 
 TorchFT leaves restarting a failed replica group to the scheduler (Slurm, Kubernetes, torchx);
 here this script is that scheduler. It runs torchft's lighthouse in-process
-(torchft.coordination.LighthouseServer, with the flags TorchFT's examples start
+(torchft.coordination.LighthouseServer, with the flags TorchFT's README starts
 ``torchft_lighthouse`` with: --quorum_tick_ms 100 --join_timeout_ms 10000, the heartbeat
-timeout left at its default), starts bench/_torchft_worker.py once per group and starts a
-group's worker again whenever it exits, until SIGTERM/SIGINT or --max-restarts. Each restart
-is printed ("restart: group G, pid A exited with STATUS, pid B started").
+timeout left at its default; bench/_torchft_settings.py), starts bench/_torchft_worker.py once
+per group with --settings and starts a group's worker again whenever it exits, until
+SIGTERM/SIGINT or --max-restarts. Each restart is printed ("restart: group G, pid A exited with
+STATUS, pid B started").
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 import time
 from typing import Dict
 
+from _torchft_settings import JOIN_TIMEOUT_MS, QUORUM_TICK_MS, SETTINGS  # bench/ is this script's directory
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_torchft_worker.py")
 
@@ -32,14 +35,16 @@ def main() -> int:
     p.add_argument("--min-replicas", type=int, default=2,
                    help="the lighthouse's min_replicas and the managers' min_replica_size (default 2)")
     p.add_argument("--max-restarts", type=int, default=100, help="give up after this many restarts (default 100)")
+    p.add_argument("--settings", choices=sorted(SETTINGS), required=True,
+                   help="the workers' timeouts: example (TorchFT's train_ddp.py) or defaults (the library's)")
     args = p.parse_args()
     if args.groups < 1 or not 1 <= args.min_replicas <= args.groups:
         p.error("need --groups >= 1 and 1 <= --min-replicas <= --groups")
 
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.min_replicas, quorum_tick_ms=100,
-                                  join_timeout_ms=10000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.min_replicas, quorum_tick_ms=QUORUM_TICK_MS,
+                                  join_timeout_ms=JOIN_TIMEOUT_MS)
     print(f"lighthouse at {lighthouse.address()}", flush=True)
     stop = {"now": False}
 
@@ -52,7 +57,8 @@ def main() -> int:
     def start(group: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, WORKER, "--run-dir", args.run_dir, "--group", str(group),
                                  "--groups", str(args.groups), "--lighthouse", lighthouse.address(),
-                                 "--min-replicas", str(args.min_replicas)], stdin=subprocess.DEVNULL)
+                                 "--min-replicas", str(args.min_replicas), "--settings", args.settings],
+                                stdin=subprocess.DEVNULL)
 
     workers: Dict[int, subprocess.Popen] = {g: start(g) for g in range(args.groups)}
     restarts = 0

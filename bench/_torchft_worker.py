@@ -1,6 +1,7 @@
 """One replica group of bench/goodput.py's TorchFT run: the goodput job under torchft's Manager and DDP.
 
-    python bench/_torchft_worker.py --run-dir DIR --group G --groups W --lighthouse http://HOST:PORT
+    python bench/_torchft_worker.py --run-dir DIR --group G --groups W --lighthouse http://HOST:PORT \
+        --settings example|defaults
 
 Started (and, after a SIGKILL, started again) by bench/_torchft_launch.py, one process per
 replica group, as TorchFT's documentation expects a scheduler to do. The model, optimizer and
@@ -8,8 +9,11 @@ per-step batch size are bench/_goodput_worker.py's. Each process is a whole repl
 rank: it holds the group's TCPStore, and its torchft.Manager (group rank 0) runs the group's
 ManagerServer against the lighthouse. Everything else is TorchFT's documented path:
 torchft.ProcessGroupGloo, torchft.DistributedDataParallel (the gradient allreduce goes through
-the manager), the default timeouts (60 s collectives, quorum and connect; the lighthouse's 5 s
-heartbeat), asynchronous quorum, live recovery of a rejoining group from a peer over HTTP.
+the manager), asynchronous quorum, live recovery of a rejoining group from a peer. --settings
+picks the timeouts and the checkpoint transport (bench/_torchft_settings.py, which names the
+source of each): ``example`` as TorchFT's train_ddp.py sets them (gloo 5 s, Manager 30 s, the
+state sent over the process group by PGTransport with 10 s), ``defaults`` none (60 s each, the
+state sent over HTTP).
 
 The step is what torchft.OptimizerWrapper does (``start_quorum`` before the forward pass,
 ``optimizer.step()`` only when ``should_commit()`` says so), written out so the outcome can be
@@ -39,6 +43,7 @@ import torch
 
 from _ddp_worker import BATCH, build_model  # bench/ is this script's directory
 from _goodput_worker import Events, batch_for, watchdog
+from _torchft_settings import SETTINGS
 
 
 class ShardPosition:
@@ -69,6 +74,9 @@ def main() -> None:
     p.add_argument("--groups", type=int, required=True, help="replica groups in the job, W")
     p.add_argument("--lighthouse", required=True, help="the lighthouse's address, http://HOST:PORT")
     p.add_argument("--min-replicas", type=int, default=2, help="torchft's min_replica_size (default 2)")
+    p.add_argument("--settings", choices=sorted(SETTINGS), required=True,
+                   help="example: the timeouts and checkpoint transport of TorchFT's train_ddp.py; "
+                        "defaults: the library's (bench/_torchft_settings.py)")
     args = p.parse_args()
     if not 0 <= args.group < args.groups:
         p.error(f"--group {args.group} is outside 0..{args.groups - 1}")
@@ -89,16 +97,27 @@ def main() -> None:
         net.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
 
+    settings = SETTINGS[args.settings]
+    # A setting that is None is not passed: the library's default applies, as in a user's code.
+    pg = (torchft.ProcessGroupGloo(timeout=timedelta(seconds=settings.pg_timeout_s)) if settings.pg_timeout_s
+          else torchft.ProcessGroupGloo())
+    chosen = {}
+    if settings.manager_timeout_s:
+        chosen["timeout"] = timedelta(seconds=settings.manager_timeout_s)
+    if settings.transport_timeout_s:
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        chosen["checkpoint_transport"] = PGTransport(pg, timeout=timedelta(seconds=settings.transport_timeout_s),
+                                                     device=torch.device("cpu"))
     manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(),
+        pg=pg,
         load_state_dict=load_state_dict,
         state_dict=lambda: {"model": net.state_dict(), "optimizer": opt.state_dict()},
         min_replica_size=args.min_replicas,
         replica_id=f"group{args.group}",
         store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=args.lighthouse, hostname=socket.gethostname(),
-        timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=60),
-        connect_timeout=timedelta(seconds=60),
+        **chosen,
     )
     model = torchft.DistributedDataParallel(manager, net)
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -13,6 +13,11 @@ library: median time per allreduce (rank 0, between barriers), busbw = algbw * 2
 (algbw = bytes / time; busbw is what each link must carry, as nccl-tests define it), and
 our busbw over gloo's. The header line gives this machine's single-core memcpy bandwidth
 at 64 MiB, the ceiling the shared-memory path is measured against.
+
+The peer, torch.distributed's gloo, runs as torch documents it for CPU tensors (docs.pytorch.org,
+distributed.html, "Which backend to use?": gloo for CPU): init_process_group("gloo") with its
+defaults and dist.all_reduce(t) (SUM) on a contiguous float32 tensor. gloo has no setting for an
+allreduce on one host beyond the interface it binds (GLOO_SOCKET_IFNAME; loopback here).
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ flight; reported, not yet part of the exit status):
                    per-fault figure is that total divided by the faults.
   false evictions  workers the server evicted (its --events log) that were neither killed,
                    stopped nor sent SIGTERM by the soak.
+
+Only elastic-ring runs here; how torchrun and TorchFT recover from a SIGKILL is measured by
+bench/goodput.py, each in its documented configuration.
 """
 
 from __future__ import annotations

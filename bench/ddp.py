@@ -14,6 +14,12 @@ buckets and one torch thread per rank:
          shared memory (the default, ELASTIC_TRANSPORT=auto).
   tcp    the same with ELASTIC_TRANSPORT=tcp: every ring link on TCP, like gloo's.
 
+The peer runs as torch documents DDP (docs.pytorch.org, DistributedDataParallel and the DDP
+notes): its defaults (25 MB buckets, buffers broadcast every forward) on a gloo group, the
+backend torch gives for CPU; torchrun --standalone with its defaults starts it. Ours is the same
+torch class with the same defaults (elastic.DistributedDataParallel subclasses it), so only the
+allreduce under DDP differs. No fault is injected: torchrun's restart settings play no part.
+
 The launches are interleaved (gloo, shm, tcp for each size, --repeats times) so that load
 from elsewhere on the machine falls on all of them alike. Each worker runs --warmup untimed
 steps, then --rounds rounds of --steps steps between barriers; the table shows the median

@@ -9,7 +9,7 @@ same processes, alternating, it times: (a) elastic DistributedOptimizer, (b) the
 state.commit() every 10 steps (an in-memory copy of model + optimizer + a membership check),
 (c) (b) with worker metrics on (elastic.runtime.worker_metrics recording every allreduce, commit and sync, and
 pushing a snapshot a second to a receiver in this process, as elastic-run --metrics-port does),
-(d) DistributedDataParallel over gloo. (b) and (c) run back to back, in alternating order, and
+(d) DistributedDataParallel over gloo (torch's defaults, as in bench/ddp.py). (b) and (c) run back to back, in alternating order, and
 their ratio is also given per round; the recording hooks of one allreduce are timed alone too
 (on a loaded machine the end-to-end ratio is noise well beyond 1%; the hook cost is not). It
 also times check_membership() alone. A real

@@ -20,6 +20,11 @@ With --paired, two more launches per size train both in the same processes (benc
 rounds alternating), over shared memory and over TCP: the fairest comparison on a machine whose
 load changes between launches, at the price of two models per process.
 
+The peer runs as torch's FSDP2 tutorial builds a model (docs.pytorch.org/tutorials,
+intermediate/FSDP_tutorial: fully_shard each transformer block, then the root) on
+init_device_mesh("cpu", (N,)), a gloo group, with fully_shard's defaults; ours makes the same
+calls on elastic.device_mesh(). Only the collectives under FSDP2 differ.
+
 The launches are interleaved (gloo, shm, tcp for each size, --repeats times) so that load from
 elsewhere on the machine falls on all of them alike. Each worker runs --warmup untimed steps,
 then --rounds rounds of --steps steps between barriers. The first table shows the median

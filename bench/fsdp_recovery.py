@@ -29,7 +29,9 @@ survivors reshard the last commit onto the smaller world and train on.
                     model and optimizer), copy, buddy (the new layout's copy sent to the
                     buddy), agreement (the commit's closing allreduce)
 
-Nothing is asserted: the numbers are printed (noisy on a shared machine: the load is printed too).
+Only elastic-run runs here; torchrun with DCP checkpoints on the same kind of sharded job is
+bench/goodput.py --fsdp. Nothing is asserted: the numbers are printed (noisy on a shared
+machine: the load is printed too).
 """
 
 from __future__ import annotations

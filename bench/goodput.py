@@ -9,27 +9,40 @@
 
 Every run trains bench/_goodput_worker.py's model (~9M-parameter MLP, 32 samples per rank and
 step, SGD with momentum, DDP's default buckets, one torch thread per worker) on --workers workers
-(TorchFT needs `pip install -e '.[bench]'`):
+(TorchFT needs `pip install -e '.[bench]'`). Each system runs in the configuration its own
+documentation gives a fault-tolerant job; bench/_goodput_systems.py holds every command line and
+setting with its source, and the output begins with them, so any row can be rerun by hand:
 
-  torchrun     torchrun --standalone (c10d rendezvous) --nproc-per-node W --max-restarts R;
-               torch DDP over gloo; rank 0 checkpoints model, optimizer and step to disk every
-               --commit-every steps, and every (re)start loads the checkpoint, as torchrun's
-               documentation advises. A failure restarts every worker (torchrun's design).
-  elastic-run  elastic-run --np W --min-np 2 --max-restarts R; elastic.DistributedDataParallel
-               in @elastic.run with state.commit() every --commit-every steps. The survivors
-               restore the last commit and go on without the killed worker; elastic-run
-               respawns it, and it joins at a commit.
-  torchft      TorchFT (bench/_torchft_launch.py, bench/_torchft_worker.py): its lighthouse,
-               one replica group per worker (one process each) with torchft.Manager,
-               torchft.ProcessGroupGloo and torchft.DistributedDataParallel, TorchFT's default
-               timeouts; the launch script restarts a killed group, as TorchFT expects of a
-               scheduler, and it heals from a live peer. A step a peer's failure broke is not
-               committed: its batches are dropped, nothing is redone.
+  torchrun          torchrun --standalone (c10d rendezvous) --nproc-per-node W --max-restarts R;
+                    torch DDP over gloo; rank 0 checkpoints model, optimizer and step to disk
+                    every --commit-every steps, and every (re)start loads the checkpoint, as
+                    torchrun's documentation advises (elastic/train_script). A failure restarts
+                    every worker (torchrun's design). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the
+                    opt-out pytorch/pytorch#135712 gives, without which no restart succeeds here.
+  elastic-run       elastic-run --np W --min-np 2 --max-restarts R; elastic.DistributedDataParallel
+                    in @elastic.run with state.commit() every --commit-every steps. The survivors
+                    keep their state and go on without the killed worker; elastic-run respawns
+                    it, and it joins at a commit.
+  torchft           TorchFT (bench/_torchft_launch.py, bench/_torchft_worker.py): its lighthouse
+                    (--quorum_tick_ms 100 --join_timeout_ms 10000, as TorchFT's README starts
+                    it), one replica group per worker (one process each) with torchft.Manager,
+                    torchft.ProcessGroupGloo and torchft.DistributedDataParallel, with the
+                    settings of TorchFT's DDP example, train_ddp.py: ProcessGroupGloo(timeout=5 s),
+                    Manager(timeout=30 s), the state sent by PGTransport(timeout=10 s)
+                    (bench/_torchft_settings.py cites file and line). The launch script restarts
+                    a killed group, as TorchFT expects of a scheduler, and it heals from a live
+                    peer. A step a peer's failure broke is not committed: its batches are
+                    dropped, nothing is redone.
+  torchft-defaults  the same with none of those set: the library's 60 s timeouts and the state
+                    over HTTP (what this bench ran as "TorchFT" before; its recovery from a
+                    SIGKILL takes about twice the example's).
 
 With --fsdp torchrun and elastic-run shard the model with FSDP2 (each Linear, then the root)
 and train it with AdamW, on the same sample stream and with the same figures: torchrun over
 gloo saves a torch.distributed.checkpoint (every rank its shards, the step and the stream
-position) every --commit-every steps and reloads it on every restart; elastic-run's workers
+position) every --commit-every steps and reloads it on every restart (dcp.save and dcp.load of
+get_state_dict/set_state_dict, as torch's distributed checkpoint recipe does; its dcp.async_save,
+which overlaps the save with training, is not measured here); elastic-run's workers
 hold it in elastic.ShardedState, which commits the shards in memory and on a buddy and
 reshards them onto the survivors after a failure. TorchFT is not part of --fsdp (its sharded
 mode, FT-HSDP, shards inside a replica group; not measured here).
@@ -69,6 +82,10 @@ the sample indices it trained (bench/_goodput_worker.py); all figures come from 
                        it had fewer (between two steps of one world; the pauses of re-forms,
                        restarts and joins are left out): shows how much of the useful rate
                        comes from a smaller world's faster steps.
+  own rate             useful samples/s over the samples/s the fault run itself trained while
+                       it had all --workers: what faults cost the job measured inside one run,
+                       so load that differs between the fault-free runs and the fault run (a
+                       machine shared with other work) does not move it as it moves goodput.
 
 With --repeat K the fault runs are made K times (cycles), with a fault-free run before,
 between and after them, and each fault run is measured against the fault-free runs either
@@ -79,7 +96,7 @@ had all --workers: a ratio the drift between runs does not move, though it misse
 that faults cause a whole world.
 
 The torchrun runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set: without it,
-torchrun's restarts fail here (see TORCH_STORE_ENV below).
+torchrun's restarts fail here (see TORCH_STORE_ENV in bench/_goodput_systems.py).
 
 The launchers start in sessions of their own; at the end, on an error and on Ctrl-C every
 process of a run is SIGKILLed (found by a tag in its environment), and workers end themselves
@@ -114,19 +131,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _launch import TAG_ENV, Launch, Watched, new_tag  # noqa: E402  (bench/ is this script's directory)
+from _goodput_systems import FSDP_TITLES, LAUNCHERS, TITLES, TORCHFT, command, configuration, environment  # noqa: E402
 
-WORKER = os.path.join(REPO, "bench", "_goodput_worker.py")
-BIN = os.path.dirname(sys.executable)   # torchrun and elastic-run of this environment
 BATCH = 32                              # samples per rank and step (bench/_ddp_worker.py)
 MAX_LINE = 4096                         # an event line longer than this is not one of ours
-LAUNCHERS = ("torchrun", "elastic-run", "torchft")
-TORCHFT_LAUNCH = os.path.join(REPO, "bench", "_torchft_launch.py")
 MAX_BATCH_SAMPLES = 1 << 16             # a "samples" range longer than this is not one of ours
-# torchrun's c10d rendezvous shares its TCPStore with the workers by default, and a restarted
-# worker group then reads the previous group's gloo addresses from it: every restart fails in
-# connectFullMesh ("Connection refused"; pytorch/pytorch#135712). Its documented opt-out is set
-# for the torchrun runs unless the caller set it, so that torchrun can restart at all.
-TORCH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 # ---------------------------------------------------------------------- events
@@ -377,21 +386,6 @@ def summarize(result: RunResult, events: List[Event], t0: float, t_end: float, w
 
 
 # ---------------------------------------------------------------------- runs
-def command(launcher: str, args, run_dir: str, restarts: int) -> List[str]:
-    common = ["--run-dir", run_dir, "--commit-every", str(args.commit_every)] + (["--fsdp"] if args.fsdp else [])
-    if launcher == "torchrun":
-        return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(args.workers),
-                "--max-restarts", str(restarts), WORKER, "--launcher", "torchrun",
-                "--checkpoint", os.path.join(run_dir, "checkpoint" if args.fsdp else "checkpoint.pt"), *common]
-    if launcher == "torchft":
-        # TorchFT commits every step: --commit-every has nothing to set.
-        return [sys.executable, TORCHFT_LAUNCH, "--run-dir", run_dir, "--groups", str(args.workers),
-                "--min-replicas", "2", "--max-restarts", str(restarts)]
-    return [os.path.join(BIN, "elastic-run"), "--np", str(args.workers), "--min-np", "2",
-            "--max-restarts", str(restarts), *(["--preload", args.preload] if args.preload else []),
-            "--", sys.executable, WORKER, "--launcher", "elastic", *common]
-
-
 def alive_worker(pid: int, tag: str) -> bool:
     """``pid`` still runs and is one of this run's processes (not a reused pid)."""
     try:
@@ -420,10 +414,8 @@ class Run(Watched):
         restarts = self.planned_faults() + 3
         # Workers end themselves at this deadline even if everything else here failed.
         deadline = time.time() + args.start_timeout + self.seconds + args.recovery_timeout + 30
-        env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_DEADLINE=f"{deadline:.3f}",
+        env = dict(os.environ, **environment(launcher), BENCH_DEADLINE=f"{deadline:.3f}",
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if launcher == "torchrun":
-            env.setdefault(TORCH_STORE_ENV, "1")
         self.launch = Launch(command(launcher, args, self.run_dir, restarts), env, self.tag,
                              os.path.join(out, f"{launcher}-{label}.log"), cwd=REPO)
 
@@ -542,6 +534,10 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
             got = res[k].samples / res[k].seconds
             return f"{got:.0f} ({got / ff:.2f})"
 
+        def samples_in_run(k):
+            whole = res[k].by_size.get(args.workers)
+            return f"{res[k].samples / res[k].seconds / (whole * args.workers * BATCH):.2f}" if whole else "-"
+
         def by_size(k):
             r = res[k].by_size
             full = f"{r[args.workers]:.2f}" if args.workers in r else "-"
@@ -569,6 +565,7 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
         row("goodput (useful / fault-free steps/s)", lambda k: f"{goodput(k):.2f}",
             lambda: f">= {target:g} ({met(goodput(e) >= target)})" if target else "-")
         row("useful samples/s (/ fault-free)", samples_ratio)
+        row(f"useful samples/s / the fault run's own rate at {args.workers} workers", samples_in_run)
         row(f"steps/s in the fault run: {args.workers} workers / fewer", by_size)
         row("faults injected (recovered)", lambda k: f"{len(res[k].faults)} ({len(res[k].recoveries)})")
         row("recovery per fault, s: p50 / p95", recovery,
@@ -581,10 +578,7 @@ def table(args, before: Dict[str, RunResult], after: Dict[str, RunResult],
         row("samples trained twice in the final model", lambda k: str(res[k].sample_count.repeated))
         row("final committed step", lambda k: str(res[k].final))
         row("worker processes started", lambda k: str(res[k].processes))
-    titles = ({"torchrun": "torchrun (FSDP2 over gloo, DCP checkpoint)", "elastic-run": "elastic-run (ShardedState, commit)"}
-              if args.fsdp else
-              {"torchrun": "torchrun (gloo DDP, checkpoint to disk)", "elastic-run": "elastic-run (elastic DDP, commit)",
-               "torchft": "TorchFT (Manager + DDP, per-step quorum)"})
+    titles = FSDP_TITLES if args.fsdp else TITLES
     lines = [f"| {args.workers} workers, commit/checkpoint every {args.commit_every} steps | "
              + " | ".join(titles[k] for k in args.launchers) + " | target (elastic-run) |",
              "| --- |" + " --- |" * (len(args.launchers) + 1)]
@@ -682,7 +676,7 @@ def parse_args(argv=None):
     ap.add_argument("--recovery-timeout", type=float, default=120,
                     help="give up on a run when a fault is not recovered within this many seconds (default 120)")
     ap.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=None,
-                    help="which systems to run (default: all three; with --fsdp torchrun and elastic-run)")
+                    help="which systems to run (default: all four; with --fsdp torchrun and elastic-run)")
     ap.add_argument("--preload", metavar="MODULES", default=None,
                     help="run elastic-run with --preload MODULES (e.g. torch): its workers and respawns are forked "
                          "from a process that imported them once (default: every worker a new process)")
@@ -703,10 +697,10 @@ def parse_args(argv=None):
             ap.error(f"--every must be positive numbers of seconds, got {v:g}")
     args.every = sorted(set(args.every))
     if args.launchers is None:
-        args.launchers = [k for k in LAUNCHERS if not (args.fsdp and k == "torchft")]
-    if args.fsdp and "torchft" in args.launchers:
+        args.launchers = [k for k in LAUNCHERS if not (args.fsdp and k in TORCHFT)]
+    if args.fsdp and any(k in TORCHFT for k in args.launchers):
         ap.error("--fsdp runs torchrun and elastic-run only: TorchFT's sharded mode (FT-HSDP) is not part of "
-                 "this bench (leave torchft out of --launchers)")
+                 "this bench (leave torchft and torchft-defaults out of --launchers)")
     if args.workers < 3:
         ap.error("--workers must be at least 3 (elastic-run runs with --min-np 2 while a worker is respawned)")
     for name in ("duration", "fault_free_seconds", "start_timeout", "recovery_timeout"):
@@ -718,9 +712,9 @@ def parse_args(argv=None):
     # Checked before a run of minutes, not after it.
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
-    if "torchft" in args.launchers and importlib.util.find_spec("torchft") is None:
-        ap.error("the torchft system needs torchft-nightly: pip install -e '.[bench]' "
-                     "(or leave it out: --launchers torchrun elastic-run)")
+    if any(k in TORCHFT for k in args.launchers) and importlib.util.find_spec("torchft") is None:
+        ap.error("the torchft systems need torchft-nightly: pip install -e '.[bench]' "
+                 "(or leave them out: --launchers torchrun elastic-run)")
     return args
 
 
@@ -732,6 +726,9 @@ def main(argv=None) -> int:
     print(f"# goodput{' (FSDP2)' if args.fsdp else ''}: {args.workers} workers, {os.cpu_count()} CPUs, load average {load()}; "
           f"commit/checkpoint every {args.commit_every} steps; run directory {out}"
           + (f"; elastic-run --preload {args.preload}" if args.preload else ""), flush=True)
+    for line in configuration(args):
+        print(f"# {line}")
+    print(flush=True)
     # Without --repeat: a fault-free run, every fault run, a fault-free run. With it, a fault-free
     # run before, between and after every fault run: each is measured against its neighbours.
     runs: List[FaultRun] = []

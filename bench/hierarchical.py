@@ -40,7 +40,8 @@ largest of them: roughly what a version that pipelined the phases could approach
 tbf line adds the link-bound floor (size over --rate, 1.5x for flat, 1.0x for h_*; TCP/IP
 headers make the real floor ~4% higher, the 256 KiB tbf burst a little lower for small
 sizes). Inputs are integer-valued, so every sum is exact: each rank's result of each
-schedule is checked bitwise against the reference sum ("check" column).
+schedule is checked bitwise against the reference sum ("check" column). Only elastic-ring's
+schedules run here: gloo's allreduce against ours is bench/allreduce.py.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ Figures, from the workers' step logs (bench/_straggler_worker.py) and the launch
                        in seconds, and the commit windows it was slow for (its `windows` field)
   replaced after       (evict) to the first step of the spare; steps/s from then to the end
 
-Nothing is asserted: the numbers are printed, noisy on a machine shared with other work (the
-load average is printed with them). Every process of a run is SIGKILLed at its end (bench/_launch.py).
+Only elastic-run runs here: no peer. Nothing is asserted: the numbers are printed, noisy on a
+machine shared with other work (the load average is printed with them). Every process of a run
+is SIGKILLed at its end (bench/_launch.py).
 """
 
 from __future__ import annotations

@@ -9,17 +9,19 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+import grpc
+
 from rendezvous import __version__
-from rendezvous.common import files
 from rendezvous.client import status_view
-from rendezvous.common.channel import channel_credentials, parse_addresses, read_token_file, read_token_list
-from rendezvous.common.client_flags import add_client_flags
 from rendezvous.client.status_client import StatusClient, StatusError
-from rendezvous.server.server_config import ServerConfig, default
-from rendezvous.common.event_log import EventLog
-from rendezvous.server.history import RECENT_PER_JOB
-from rendezvous.common.ports import check_can_listen
 from rendezvous.client.status_view import format_status
+from rendezvous.common import files, local_jobs
+from rendezvous.common.channel import channel_credentials, parse_addresses, read_token_file, read_token_list
+from rendezvous.common.client_flags import TOKEN_FILE, add_client_flags
+from rendezvous.common.event_log import EventLog
+from rendezvous.common.ports import check_can_listen
+from rendezvous.server.history import RECENT_PER_JOB
+from rendezvous.server.server_config import ServerConfig, default
 from rendezvous.server.store import EtcdAccessError, EtcdStore, StoreError
 
 DESCRIPTION = """\
@@ -32,12 +34,13 @@ ranks, evictions) and keeps all state in etcd so a restart or failover changes n
       --tls-client-ca ca.pem --etcd 10.0.0.9:2379 --etcd-ca etcd-ca.pem --etcd-user rdzv \\
       --etcd-password-file /etc/elastic/etcd-password    # TLS and auth end to end
   elastic-rendezvous serve --insecure --metrics-port 9400 --events /var/log/elastic/rdzv.jsonl
+  elastic-rendezvous status      # the job an elastic-run of yours serves on this machine
   elastic-rendezvous status --server 10.0.0.1:29400 --token-file /etc/elastic/token
   elastic-rendezvous status --server 10.0.0.1:29400 --token-file /etc/elastic/token --watch
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-rendezvous", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
@@ -117,9 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     t = sub.add_parser("status", help="print a server's jobs, worlds and members as a table")
-    t.add_argument("--server", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+    t.add_argument("--server", metavar="HOST:PORT[,HOST:PORT...]",
                    help="the rendezvous servers, as elastic-run --rendezvous takes them: each is asked in turn "
-                        "until one answers (any replica answers Status)")
+                        "until one answers (any replica answers Status). Default: the job an elastic-run of "
+                        "this user serves on this machine, with its token")
     t.add_argument("--job", default="", help="only this job")
     add_client_flags(t)   # --token-file, --tls-ca, --tls-cert, --tls-key, as elastic-run's
     t.add_argument("--timeout", type=float, default=5.0, metavar="S",
@@ -225,10 +229,30 @@ async def _serve(cfg: ServerConfig, port_file: Optional[str], events: EventLog) 
     await server.stop()
 
 
+def _local_job(a: argparse.Namespace) -> local_jobs.LocalJob:
+    """The job an elastic-run of this user serves on this machine, when --server is not given."""
+    jobs, skipped = local_jobs.found()
+    for why in skipped:
+        print(f"elastic-rendezvous status: passed over {why}", file=sys.stderr)
+    if a.job:
+        jobs = [j for j in jobs if j.job_id == a.job]
+    if len(jobs) == 1:
+        return jobs[0]
+    if not jobs:
+        raise SystemExit("elastic-rendezvous: no elastic-run job of this user found on this machine"
+                         f"{f' named {a.job!r}' if a.job else ''} (looked in {local_jobs.directory()}); point "
+                         "at a server with --server HOST:PORT, and --token-file F if it wants a token")
+    listed = ", ".join(f"{j.job_id} on {j.server}" for j in jobs)
+    raise SystemExit(f"elastic-rendezvous: {len(jobs)} elastic-run jobs of this user on this machine ({listed}): "
+                     "choose one with --job ID (or --server HOST:PORT)")
+
+
 def _status(a: argparse.Namespace) -> int:
-    token = _read_secret(a.token_file, 'token file') if a.token_file else None
+    local = _local_job(a) if a.server is None else None
+    token_file = a.token_file or os.environ.get(TOKEN_FILE.variable) or (local.token_file if local else None)
+    token = _read_secret(token_file, 'token file') if token_file else None
     try:
-        servers = parse_addresses(a.server, "--server")
+        servers = parse_addresses(local.server if local else a.server, "--server")
         if not 0.1 <= a.interval <= 3600:
             raise ValueError(f"--interval {a.interval} is outside 0.1..3600 s")
         if a.events is not None and not 0 <= a.events <= RECENT_PER_JOB:
@@ -242,20 +266,24 @@ def _status(a: argparse.Namespace) -> int:
     with StatusClient(list(servers), token, creds) as client:
         if a.watch:
             return status_view.watch(lambda: client.status(a.job, timeout_s=a.timeout, events=events),
-                                     server=a.server, interval_s=a.interval, events=events)
+                                     server=",".join(servers), interval_s=a.interval, events=events)
         try:
             status = client.status(a.job, timeout_s=a.timeout, events=events)
         except StatusError as e:
             for f in e.failures:
+                hint = ""
+                if f.code == grpc.StatusCode.UNAUTHENTICATED:
+                    hint = (f"; pass the job's token with --token-file F (or {TOKEN_FILE.variable}): elastic-run "
+                            "prints where its embedded server's token is")
                 print(f"elastic-rendezvous status: {f.address}: {f.code.name}: "
-                      f"{status_view.safe(f.details, 400)}", file=sys.stderr)
+                      f"{status_view.safe(f.details, 400)}{hint}", file=sys.stderr)
             return 1
     print(format_status(status, events))
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    a = _parser().parse_args(argv)
+    a = parser().parse_args(argv)
     if a.command == "status":
         return _status(a)
     cfg = config_from_args(a)

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable
 
-from rendezvous.common import files
+from rendezvous.common import files, local_jobs
 
 from elastic.launch.procs import with_parent_death_signal
 
@@ -39,7 +39,8 @@ class EmbeddedServer:
     this launcher and the workers it points there (ELASTIC_TOKEN_FILE) can read it.
     """
 
-    def __init__(self, port: int, elastic_timeout: float, log_line: Callable[[str], None], host: str = EMBEDDED_HOST):
+    def __init__(self, port: int, elastic_timeout: float, log_line: Callable[[str], None], host: str = EMBEDDED_HOST,
+                 job_id: str = ""):
         self._dir = tempfile.mkdtemp(prefix="elastic-run-")   # 0700: only this user gets in
         # Removed by stop(); this is the backstop for a launcher that ends without it (an error
         # escaping, an unhandled exit): at interpreter exit.
@@ -61,17 +62,21 @@ class EmbeddedServer:
             self._remove_dir()
             raise
         self._url_host = f"[{host}]" if ":" in host else host
+        self._job_id = job_id
+        self._announced = ""   # this job's file for `elastic-rendezvous status` (rendezvous.common.local_jobs)
         self._last = ""
+        self._log_line = log_line
         self._reader = threading.Thread(target=self._read, args=(log_line,), daemon=True)
         self._reader.start()
         self.address = ""
 
     def _read(self, log_line: Callable[[str], None]) -> None:
-        for raw in self.proc.stderr:
-            line = raw.decode(errors="replace").rstrip("\n")
-            if line.strip():
-                self._last = line.strip()
-            log_line(f"[rendezvous] {line}")
+        with self.proc.stderr:   # the reader owns the pipe: closed at the server's EOF
+            for raw in self.proc.stderr:
+                line = raw.decode(errors="replace").rstrip("\n")
+                if line.strip():
+                    self._last = line.strip()
+                log_line(f"[rendezvous] {line}")
 
     def wait_ready(self, timeout_s: float = 30.0, cancelled: Callable[[], bool] = lambda: False) -> str:
         deadline = time.monotonic() + timeout_s
@@ -87,6 +92,7 @@ class EmbeddedServer:
             return ""
         with open(self._port_file) as f:
             self.address = f"{self._url_host}:{int(f.read())}"
+        self._announce()
         return self.address
 
     def alive(self) -> bool:
@@ -104,7 +110,20 @@ class EmbeddedServer:
         self._reader.join(2)
         self._remove_dir()
 
+    def _announce(self) -> None:
+        """Lets `elastic-rendezvous status` on this machine, run by this user, find the job."""
+        if not self._job_id:
+            return
+        try:
+            self._announced = local_jobs.announce(local_jobs.LocalJob(self._job_id, self.address, self.token_file,
+                                                                      os.getpid()))
+        except OSError as e:   # status then needs --server and --token-file, as before
+            self._log_line(f"elastic-run: cannot announce the job to `elastic-rendezvous status`: {e}")
+
     def _remove_dir(self) -> None:
+        if self._announced:
+            local_jobs.withdraw(self._announced)
+            self._announced = ""
         shutil.rmtree(self._dir, ignore_errors=True)
         atexit.unregister(self._remove_dir)
 

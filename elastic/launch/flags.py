@@ -16,7 +16,7 @@ import re
 import shutil
 import socket
 import sys
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from rendezvous import __version__
 from rendezvous.common import files
@@ -288,7 +288,9 @@ def parser() -> argparse.ArgumentParser:
     level.add_argument("--quiet", action="store_true",
                        help="--log-level warning: only failures, recoveries, leaves and the end are printed")
     add_torchrun_flags(p)
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the worker command, after '--' (-- python train.py ARGS); a script ending in .py runs "
+                        "with this Python, as torchrun runs it (train.py ARGS)")
     return p
 
 
@@ -316,16 +318,32 @@ def _tls(a: argparse.Namespace, embedded: bool, env: Mapping[str, str]) -> Tuple
     return tuple(os.path.abspath(f) if f else None for f in flags)
 
 
+def worker_command(command: Sequence[str], python: str, is_file: Callable[[str], bool],
+                   which: Callable[[str], Optional[str]]) -> List[str]:
+    """The command each worker runs, from what followed the flags (a pure decision). A script
+    ending in ``.py`` runs with this launcher's Python, as torchrun runs it; anything else must be
+    an executable or a name on PATH."""
+    if not command:
+        raise UsageError("no worker command: put it after '--', e.g. elastic-run --np 2 -- python train.py")
+    first = command[0]
+    if first.endswith(".py"):
+        if not is_file(first):
+            raise UsageError(f"worker script {first!r} not found (elastic-run runs a .py file with this Python, "
+                             f"{python}, as torchrun does)")
+        return [python, *command]
+    if which(first) is None:
+        raise UsageError(f"worker command {first!r} not found (not an executable, nor on PATH; a script runs as "
+                         f"'elastic-run ... train.py' or '-- python train.py')")
+    return list(command)
+
+
 def parse(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> LaunchConfig:
     env = os.environ if env is None else env
     a = parser().parse_args(argv)
     command: List[str] = list(a.command)
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
-        raise UsageError("no worker command: put it after '--', e.g. elastic-run --np 2 -- python train.py")
-    if shutil.which(command[0]) is None:
-        raise UsageError(f"worker command {command[0]!r} not found (not an executable, nor on PATH)")
+    command = worker_command(command, sys.executable, os.path.isfile, shutil.which)
     try:
         slurm = from_slurm_env(env)
         rendezvous = parse_addresses(a.rendezvous, "--rendezvous") if a.rendezvous is not None else ()

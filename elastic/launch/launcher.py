@@ -265,7 +265,7 @@ class Launcher:
         if cfg.embedded:
             self.server = EmbeddedServer(cfg.port, cfg.elastic_timeout,
                                          lambda line: self.out.line("err", None, line.encode()),
-                                         host=cfg.embedded_host)
+                                         host=cfg.embedded_host, job_id=cfg.job_id)
             try:
                 self._addresses = (self.server.wait_ready(cancelled=lambda: self.signum is not None),)
             except EmbeddedServerFailed as e:

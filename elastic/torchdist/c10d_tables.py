@@ -11,7 +11,7 @@ line what a torch version changed, and the suite runs it (tests/torchdist/test_c
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Mapping
+from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -161,9 +161,10 @@ def replace_functions(public: Mapping[str, Callable], helpers: Mapping[str, Call
             setattr(dist, name, fn)
 
 
-def wrap_default_group_lookup(make: Callable[[Callable], Callable], ddp_module: Any) -> None:
-    """Replaces torch's ``_get_default_group`` (and the name torch's DDP module imported it as)
-    with ``make(torch's own)``."""
-    wrapper = make(c10d._get_default_group)
-    c10d._get_default_group = wrapper
-    ddp_module._get_default_group = wrapper
+def wrap(name: str, make: Callable[[Callable], Callable], also_in: Sequence[Any] = ()) -> None:
+    """Replaces torch's function ``name`` of ``distributed_c10d`` with ``make(torch's own)``, in
+    ``distributed_c10d`` and in each module of ``also_in`` that imported it by name."""
+    wrapper = make(getattr(c10d, name))
+    setattr(c10d, name, wrapper)
+    for module in also_in:
+        setattr(module, name, wrapper)

@@ -58,10 +58,32 @@ def _comm(group: Any, op: str) -> Communicator:
     return (c10d._world.default_pg if group is None else group)._ring(op)
 
 
+# torch.distributed.checkpoint gathers its plans through the object collectives; they are class
+# instances the format cannot carry, and durable commits are elastic-ring's own.
+DCP_INSIDE_RUN = ("torch.distributed.checkpoint (dcp.save/dcp.load) cannot run on the elastic group: its plans "
+                  "travel as pickles, which the elastic group's object collectives never carry. Make commits durable "
+                  "with @elastic.run(checkpoint_dir=DIR, checkpoint_every=N) (a TorchState, or a ShardedState in DCP's "
+                  "own format), or save after elastic.run returned on a process group of your own")
+
+
+def _from_dcp(obj: Any) -> bool:
+    """Whether ``obj`` (or an entry of a list of them) is one of torch.distributed.checkpoint's types."""
+    values = obj if type(obj) is list else [obj]
+    return any(type(v).__module__.startswith("torch.distributed.checkpoint") for v in values)
+
+
+def _encoded(obj: Any) -> Any:
+    """``encode_object(obj)``, with the one-line answer for a DCP plan."""
+    encoded, failure, size = encode_object(obj)
+    if failure is not None and _from_dcp(obj):
+        failure = TypeError(DCP_INSIDE_RUN)
+    return encoded, failure, size
+
+
 def _gather(comm: Communicator, obj: Any, op: str) -> List[Any]:
     """Every rank's encoded object, in rank order: one size exchange (every size checked
     before anything is allocated), then the bytes."""
-    encoded, failure, size = encode_object(obj)
+    encoded, failure, size = _encoded(obj)
 
     def check(r: int, n: int) -> None:   # the same order on every rank: the same error on every rank
         if r == comm.rank and failure is not None:
@@ -101,16 +123,25 @@ def gather_object(torch_own: Callable, obj: Any, object_gather_list: Optional[Li
         object_gather_list[r] = value
 
 
+def _broadcast(comm: Communicator, objects: Optional[List[Any]], root: int, op: str) -> Any:
+    """``comm.broadcast_object``; the root's refusal of a DCP plan says what to do instead."""
+    try:
+        return comm.broadcast_object(objects, root, op=op)
+    except TypeError:
+        if comm.rank == root and _from_dcp(objects):
+            raise TypeError(DCP_INSIDE_RUN) from None
+        raise
+
+
 def broadcast_object_list(torch_own: Callable, object_list: List[Any], src: Optional[int] = None,
                           group: Any = None, device: Any = None, group_src: Optional[int] = None) -> None:
     """``torch.distributed.broadcast_object_list``; on the elastic group, see the module doc."""
     if not _elastic(group):
-        return torch_own(object_list, src=src, group=group, device=device,
-                                               group_src=group_src)
+        return torch_own(object_list, src=src, group=group, device=device, group_src=group_src)
     op = "broadcast_object_list"
     comm = _comm(group, op)
     root = _root(comm, src, group_src, op)
-    got = comm.broadcast_object(list(object_list) if comm.rank == root else None, root, op=op)
+    got = _broadcast(comm, list(object_list) if comm.rank == root else None, root, op)
     if comm.rank == root:
         return
     if type(got) is not list or len(got) != len(object_list):
@@ -125,8 +156,8 @@ def scatter_object_list(torch_own: Callable, scatter_object_output_list: List[An
     """``torch.distributed.scatter_object_list``; on the elastic group, see the module doc (the
     root's list goes to every rank, as the ring has no scatter; each keeps its entry)."""
     if not _elastic(group):
-        return torch_own(scatter_object_output_list, scatter_object_input_list, src=src,
-                                             group=group, group_src=group_src)
+        return torch_own(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
+                         group_src=group_src)
     op = "scatter_object_list"
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError(f"{op}: expected scatter_object_output_list to be a list of at least 1 entry")
@@ -135,7 +166,7 @@ def scatter_object_list(torch_own: Callable, scatter_object_output_list: List[An
     if comm.rank == root and (scatter_object_input_list is None or len(scatter_object_input_list) != comm.size):
         raise ValueError(f"{op}: rank {root} scatters, so it needs a scatter_object_input_list of {comm.size} "
                          "entries")
-    got = comm.broadcast_object(list(scatter_object_input_list) if comm.rank == root else None, root, op=op)
+    got = _broadcast(comm, list(scatter_object_input_list) if comm.rank == root else None, root, op)
     if comm.rank != root and (type(got) is not list or len(got) != comm.size):
         raise comm._blame(f"rank {root} sent {type(got).__name__} where a list of {comm.size} objects was "
                           "expected", op, root)
@@ -154,7 +185,7 @@ def _root(comm: Communicator, rank: Optional[int], group_rank: Optional[int], op
 def _object_to_tensor(torch_own: Callable, obj: Any, device: Any, group: Any):
     if not _elastic(group):
         return torch_own(obj, device, group)
-    encoded, failure, size = encode_object(obj)
+    encoded, failure, size = _encoded(obj)
     if failure is not None:
         raise failure
     buf = bytearray(size)

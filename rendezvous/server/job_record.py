@@ -51,3 +51,6 @@ class Job:
     # the current world (probes.py: an accusation needs a majority of them). Soft state.
     reports: dict = field(default_factory=dict)
     reported: asyncio.Event = field(default_factory=asyncio.Event)   # set (and replaced) on each report
+    # worker id -> (the newest world it completed a training step in, the step its last commit
+    # holds): what its ReportProgress said, for Status. Soft state: resent, never stored.
+    progress: dict = field(default_factory=dict)

@@ -42,6 +42,13 @@ def test_happy_path_trains_the_linear_example_to_the_known_weights(launch):
     p.wait_no_leftovers()
 
 
+@pytest.mark.slow
+def test_a_script_given_as_torchrun_takes_it_runs_with_this_python(launch):
+    p = launch("--np", "1", "--host", "hA", command=[LINEAR, "--epochs", "1"])   # no 'python' before it
+    assert p.wait(120) == 0, p.text()
+    assert last_line(p) == "elastic-run: job default completed"
+
+
 def test_cnn_example_learns_the_synthetic_classes(launch):
     p = launch("--np", "2", "--host", "hA", command=[sys.executable, CNN, "--epochs", "2"])
     assert p.wait(120) == 0, p.text()
@@ -222,7 +229,8 @@ def test_missing_command_and_unknown_command_give_a_one_line_error(launch):
     p = launch("--np", "2", command=["no-such-command-xyz"])
     assert p.wait(30) == 2
     assert p.stderr == ["elastic-run: error: worker command 'no-such-command-xyz' not found (not an executable, "
-                        "nor on PATH) (see elastic-run --help)"]
+                        "nor on PATH; a script runs as 'elastic-run ... train.py' or '-- python train.py') (see "
+                        "elastic-run --help)"]
 
 
 def test_unreachable_rendezvous_gives_a_one_line_error(launch):

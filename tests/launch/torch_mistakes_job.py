@@ -20,12 +20,21 @@ net = torch.nn.Linear(4, 2)
 state = elastic.TorchState(model=net)
 if mode == "torch-ddp-before-run":
     DDP(net)
+if mode == "init-before-run":
+    dist.init_process_group("gloo")
+if mode == "sampler-before-run":
+    torch.utils.data.DistributedSampler(list(range(10)))
 
 
 @elastic.run
 def train(state):
     if mode == "torch-ddp-inside-run":
         DDP(net)
+    if mode == "init-inside-run":
+        dist.init_process_group("gloo")
+    if mode == "dcp-inside-run":
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"net": net.state_dict()}, checkpoint_id=sys.argv[2])
     t = torch.ones(1)
     dist.all_reduce(t)
     state.commit()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import importlib.metadata
 import os
 import pathlib
@@ -10,11 +9,17 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
 import elastic
 import rendezvous
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
 BIN = os.path.dirname(sys.executable)
 
 
@@ -53,3 +58,14 @@ def test_a_source_tree_that_was_never_installed_says_its_version_is_unknown():
     # -S: no site-packages, so no installed metadata; the checkout itself is the only path.
     probe = f"import sys; sys.path.insert(0, {str(REPO)!r}); import rendezvous; print(rendezvous.__version__)"
     assert output(sys.executable, "-S", "-c", probe) == "0+unknown\n"
+
+
+def test_the_supported_versions_are_the_ones_the_suite_runs_on():
+    # Supported means tested: the floors are the interpreter and the torch this suite runs with.
+    project = PYPROJECT["project"]
+    assert SpecifierSet(project["requires-python"]) == SpecifierSet(f">={sys.version_info[0]}.{sys.version_info[1]}")
+    floor = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch")
+    pinned = next(Requirement(r) for r in project["optional-dependencies"]["test"] if Requirement(r).name == "torch")
+    tested = torch.__version__.split("+")[0]
+    assert pinned.specifier == SpecifierSet(f"=={tested}")
+    assert floor.specifier == SpecifierSet(f">={'.'.join(tested.split('.')[:2])}")

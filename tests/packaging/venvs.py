@@ -2,7 +2,7 @@
 
 A fresh venv gets no test extra. Its torch is the one this test run already has: the installed
 distribution and its runtime requirements are linked into one directory that the new venv's
-.pth file puts on sys.path, so pip sees `torch>=2.1` satisfied and installs only elastic-ring's
+.pth file puts on sys.path, so pip sees `torch>=2.13` satisfied and installs only elastic-ring's
 other requirements (through the ordinary registry, from pip's cache where it can). Copying torch
 would write about a gigabyte per venv; `--system-site-packages` would give the base interpreter's
 packages, not this venv's.
