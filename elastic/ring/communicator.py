@@ -19,9 +19,12 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
+from rendezvous.wire.membership import Blame
+
 from elastic.ring import _native, serialization
 from elastic.ring.comm_config import CommConfig
-from elastic.ring.errors import BadPeerError, ElasticError, RingFailure, SettingsMismatchError, from_native
+from elastic.ring.errors import BadPeerError, ElasticError, ErrorKind, RingFailure, SettingsMismatchError, from_native
+from elastic.ring.majority import odd_ranks
 from elastic.ring.ops import ReduceOp
 from elastic.ring.wait_clock import WaitClock
 
@@ -221,14 +224,22 @@ class Communicator:
     _SHARED = ("algorithm", "hierarchical_bytes", "small_bytes", "segment_bytes", "fusion_bytes", "transport")
 
     def _check_same_settings(self) -> None:
-        """One 48-byte allgather at form: a rank configured differently fails every rank at
-        once with an error naming the setting, instead of a timeout later."""
+        """One 48-byte allgather at form: a rank configured differently fails the form at once
+        with an error naming the setting, instead of a timeout later. In a world of three or
+        more the majority's settings win (``elastic.ring.majority``): the ranks that differ end
+        with ``SettingsMismatchError``, the others raise ``BadPeerError`` naming the first of them
+        (blame ``DIVERGED``: reported, evicted by the majority's reports) and go on without it.
+        Without a majority every rank ends with ``SettingsMismatchError``."""
         words = ("auto", "ring", "hierarchical", "tcp")  # the string settings, as numbers
         mine = np.array([v if isinstance(v, int) else words.index(v)
                          for v in (getattr(self.config, n) for n in self._SHARED)], dtype=np.int64)
         every = np.empty(len(mine) * self.size, dtype=np.int64)
         self._native.allgather_(mine, every, [mine.nbytes] * self.size)
         every = every.reshape(self.size, len(mine))
+        odd = odd_ranks([tuple(r) for r in every.tolist()])
+        if odd == ():
+            return
+        differs = []
         for i, name in enumerate(self._SHARED):
             column = every[:, i].tolist()
             if len(set(column)) == 1:
@@ -239,10 +250,18 @@ class Communicator:
                     v = words[v] if 0 <= v < len(words) else f"unknown value {v}"
                 by_value.setdefault(v, []).append(r)
             said = "; ".join(f"{v} on rank(s) {','.join(map(str, rs))}" for v, rs in by_value.items())
-            raise SettingsMismatchError(
-                f"ring setting {name} ({CommConfig.env_var(name)}) differs between the ranks of world version "
-                f"{self.world_version}: {said}; every worker must use the same",
-                world_version=self.world_version, rank=self.rank, setting=name)
+            differs.append((name, f"ring setting {name} ({CommConfig.env_var(name)}) differs between the ranks of "
+                                  f"world version {self.world_version}: {said}"))
+        name, said = differs[0]
+        if odd is None or self.rank in odd:
+            why = ("; every worker must use the same" if odd is None else
+                   "; this rank differs from the majority of the world and leaves it; every worker must use the same")
+            raise SettingsMismatchError(said + why, world_version=self.world_version, rank=self.rank, setting=name,
+                                        outvoted=odd is not None)
+        raise BadPeerError(f"{said}; rank {odd[0]} differs from the majority of the world"
+                           + (f" (so do rank(s) {', '.join(map(str, odd[1:]))})" if len(odd) > 1 else ""),
+                           op="form", world_version=self.world_version, rank=self.rank, peer=odd[0],
+                           kind=ErrorKind.BadPeer, blame=Blame.DIVERGED)
 
     @classmethod
     def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from rendezvous.wire.membership import Blame
+
 from elastic.ring._native import ErrorKind, RingFailure
 
 # Kinds where the peer named in the error is to blame: the runtime reports it to the
@@ -68,9 +70,17 @@ class BadPeerError(WorkerLostError):
 
     It is that peer's failure, not this worker's: ``peer_rank`` names it (``peer`` too, here
     not necessarily a neighbour), ``elastic.run`` reports it to the rendezvous, which evicts
-    it, and the healthy workers re-form. Nothing it sent was loaded."""
+    it once the majority of the world blamed it too, and the healthy workers re-form. Nothing it
+    sent was loaded. ``blame`` says what it is accused of (``rendezvous.wire.membership.Blame``:
+    ``UNUSABLE`` for the above; ``IMPOSSIBLE_ROW`` or ``DIVERGED`` when the world's rows at a
+    commit or a form showed it wrote what no worker writes, or ran what the majority did not)."""
 
     __module__ = "elastic"   # its public name, whatever module defines it
+
+    def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1,
+                 peer: int = -1, kind: ErrorKind = ErrorKind.BadPeer, blame: Blame = Blame.UNUSABLE):
+        super().__init__(message, op=op, world_version=world_version, rank=rank, peer=peer, kind=kind)
+        self.blame = blame
 
 
 class HandshakeError(ElasticError):
@@ -94,10 +104,11 @@ class SettingsMismatchError(ElasticError):
     __module__ = "elastic"   # its public name, whatever module defines it
 
     def __init__(self, message: str, *, op: str = "form", world_version: int = -1, rank: int = -1, peer: int = -1,
-                 setting: str = ""):
+                 setting: str = "", outvoted: bool = False):
         super().__init__(message)
         _locate(self, ErrorKind.SettingsMismatch, op, world_version, rank, peer)
         self.setting = setting
+        self.outvoted = outvoted   # this rank differs from the majority of its world (which goes on)
 
 
 class CollectiveMismatchError(ElasticError):

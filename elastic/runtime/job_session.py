@@ -16,16 +16,17 @@ import enum
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from rendezvous.client.watch_events import Ended, WorldInfo
 from rendezvous.client.worker_client import RendezvousClient
 from rendezvous.common.channel import RendezvousCallAbandoned
 from rendezvous.common.channel import RendezvousRPCError as _ClientError
-from rendezvous.wire.membership import JobSpec
+from rendezvous.wire.membership import Blame, JobSpec
 
 from elastic.ring.communicator import Communicator, Listener
-from elastic.ring.errors import BadPeerError, ErrorKind, HandshakeError, WorkerLostError
+from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, ElasticError, ErrorKind, HandshakeError,
+                                 SettingsMismatchError, WorkerLostError)
 from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
 from elastic.runtime.commit_watch import describe_commit, joiner_note_after, joiner_waits
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
@@ -36,6 +37,18 @@ from elastic.runtime.session import Session
 from elastic.runtime.worker_config import WorkerConfig
 
 log = logging.getLogger("elastic")
+
+# A claim this worker does not see confirmed is reported after this long (and two commits): a
+# rank that saw the server's notice early is confirmed by the others within a commit or two.
+CLAIM_GRACE_S = 5.0
+# A rank that said it leaves has called the rendezvous Leave within this long, or it is reported.
+LEAVE_GRACE_S = 5.0
+# A collective mismatch waits this long for the server to say a member left the world (its
+# function returned while this one trained on); without that, it is a bug and ends the worker.
+MISMATCH_GRACE_S = 5.0
+# After the world's return check, how long a worker waits for the server to say the job
+# completed (every member reported) before it ends anyway.
+FINISH_WAIT_S = 30.0
 
 _LEFT_BY_CAUSE = {LeaveCause.SIGNAL: Preempted, LeaveCause.PROGRAM: LeaveRequested,
                   LeaveCause.STRAGGLER: EvictedAsStraggler}
@@ -88,6 +101,9 @@ class JobSession(Session):
         self.departed = False   # this worker left the job gracefully (depart() ran)
         self._leave_signals: Optional[preemption.Handlers] = None   # while elastic.run runs
         self._metrics_pusher: Optional[worker_metrics.Pusher] = None
+        self._claims: Tuple[int, Dict[int, Tuple[float, int]]] = (0, {})   # world version, rank -> (since, commits)
+        self._leaving: Optional[Tuple[int, Tuple[int, ...], float]] = None  # (version, leavers, since)
+        self._accused: Set[Tuple[int, str]] = set()   # (version, worker id) reported for a claim
         self.straggler_detector = straggler_detector.Detector(
             config.stragglers, config.worker_id,
             leave=lambda why: self.leave_request.request(why, LeaveCause.STRAGGLER),
@@ -149,13 +165,17 @@ class JobSession(Session):
 
     def finish(self, ending: Ending, keep_ring: bool = False) -> None:
         """Ends this worker's part: tells the server how (``ending``) and releases everything
-        but, with ``keep_ring``, the ring of the last world (collectives after the run)."""
-        self._stop.set()
+        but, with ``keep_ring``, the ring of the last world (collectives after the run).
+
+        A success report completes the job only once every member of the world reported it at
+        the same commit: the worker waits (at most ``FINISH_WAIT_S``) for the server's notice
+        before it closes its stream, so that its leaving is not taken for a failure meanwhile."""
         try:
             if self.departed:
                 pass   # it told the server already
             elif ending is Ending.SUCCEEDED:
-                self.client.report_success()
+                if not self.client.report_success(commit_step=max(self.commit_step, 0)):
+                    self._await_finished(FINISH_WAIT_S)
             elif ending is Ending.LEFT:
                 self.client.leave()
         except _ClientError as e:
@@ -166,6 +186,7 @@ class JobSession(Session):
                 log.info("job already finished (another worker reported success first)")
             else:
                 log.warning("could not tell the rendezvous server this worker %s: %s", ending.value, e)
+        self._stop.set()
         comm = self.comm
         if comm is not None and not (keep_ring and not comm.failed):
             self.close_ring()
@@ -178,6 +199,48 @@ class JobSession(Session):
         self.leave_request.finish()
         self.stop_metrics()
         self._fork_guard.release()
+
+    def _await_finished(self, timeout_s: float) -> None:
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._view.finished is not None or self._view.ended is not None,
+                                       timeout_s)
+        if not done:
+            world = self.world
+            log.warning("worker %s: the job is not complete %g s after every rank of world %d returned: a member "
+                        "has not reported it (the server completes the job when every member did)",
+                        self.config.worker_id, timeout_s, world.world_version if world is not None else 0)
+
+    def _returned_alone(self, why: str) -> None:
+        """This worker's function returned while the others train on: it leaves the world, as a
+        graceful leave (not a failure, not blacklisted); the others go on without it."""
+        world, commit_step = self.world, self.commit_step
+        log.warning("worker %s: its function returned at commit %d of world version %d while the others train on "
+                    "(%s): it leaves the world; the job goes on without it", self.config.worker_id, commit_step,
+                    world.world_version if world is not None else 0, why)
+        self._stop.set()
+        try:
+            self.client.leave()
+        except _ClientError as e:   # it is evicted when its stream ends instead
+            log.warning("worker %s could not tell the rendezvous server it leaves: %s", self.config.worker_id, e)
+        with self._cond:
+            comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.close()
+        self.departed = True
+
+    def _named(self, err: BaseException) -> str:
+        """``worker W (rank R): `` for the peer a ring error blames, by the id the launchers and
+        the rendezvous show ("" when it blames none)."""
+        world, peer = self.world, getattr(err, "peer_rank", None)
+        if world is None or peer is None or getattr(err, "world_version", -1) != world.world_version \
+                or not 0 <= peer < len(world.members):
+            return ""
+        return f"worker {world.members[peer].worker_id} (rank {peer}): "
+
+    def _world_moved_on(self, world_version: int, grace_s: float) -> bool:
+        """Whether the server announces, within ``grace_s``, that world ``world_version`` ends."""
+        with self._cond:
+            return self._cond.wait_for(lambda: reaction.world_moved_on(self._view, world_version), grace_s)
 
     def depart(self) -> LeftJob:
         """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
@@ -268,6 +331,67 @@ class JobSession(Session):
         with self._cond:
             return reaction.membership_pending(self._view)
 
+    def heard_claims(self, comm: Communicator, claimers: Tuple[int, ...]) -> None:
+        """A claim of a pending change that this worker does not see confirmed by the server,
+        made at two commits or more and for ``CLAIM_GRACE_S``, is reported (``FALSE_PENDING``):
+        the server checks it against what it announced and, when the majority reported it too,
+        evicts the claimer. The others train on meanwhile: a minority's claim changes nothing."""
+        version, now = comm.world_version, time.monotonic()
+        if self.membership_pending() or self._claims[0] != version:
+            self._claims = (version, {})
+        if self.membership_pending():
+            return
+        before = self._claims[1]
+        claims = {r: (before.get(r, (now, 0))[0], before.get(r, (now, 0))[1] + 1) for r in claimers if r != comm.rank}
+        self._claims = (version, claims)
+        for r, (since, boundaries) in claims.items():
+            if boundaries >= 2 and now - since >= CLAIM_GRACE_S:
+                self._accuse(version, r, Blame.FALSE_PENDING,
+                             f"rank {r} has claimed a membership change of world version {version} for {now - since:.1f} s "
+                             "that the rendezvous never announced to this worker")
+
+    def expect_leave(self, comm: Communicator, leavers: Tuple[int, ...]) -> None:
+        """Ranks said at this commit that they leave: ``next_world`` reports each that has not
+        done so (no change announced) after ``LEAVE_GRACE_S`` (``FALSE_LEAVE``)."""
+        world = self.world
+        if world is not None and world.world_version == comm.world_version:
+            self._leaving = (comm.world_version, tuple(leavers), time.monotonic())
+
+    def _check_leavers(self, view: reaction.View) -> None:
+        """Called waiting for the next world: leavers the server never saw leave are reported."""
+        if self._leaving is None:
+            return
+        version, leavers, since = self._leaving
+        if view.pending_version >= version or view.aborted_version >= version or view.seen_version > version:
+            self._leaving = None   # the server announced the change: they left
+        elif time.monotonic() - since >= LEAVE_GRACE_S:
+            self._leaving = None
+            for r in leavers:
+                self._accuse(version, r, Blame.FALSE_LEAVE,
+                             f"rank {r} said at a commit of world version {version} that it leaves, and "
+                             f"{LEAVE_GRACE_S:g} s later the rendezvous had announced no change")
+
+    def _accuse(self, version: int, rank: int, blame: Blame, why: str) -> None:
+        """Reports rank ``rank`` of world ``version`` to the server for ``blame``, once, from a
+        thread of its own: the server waits for the majority's reports before it answers."""
+        world = self.world
+        if world is None or world.world_version != version or not 0 <= rank < len(world.members):
+            return
+        suspect = world.members[rank].worker_id
+        if (version, suspect) in self._accused:
+            return
+        self._accused = {(v, w) for v, w in self._accused if v >= version} | {(version, suspect)}   # this world's only
+        log.warning("worker %s reports %s (%s): %s", self.config.worker_id, suspect, blame.value.lower(), why)
+
+        def accuse() -> None:
+            try:
+                evicted = self.client.report_failure(suspect, version, reason=why[:1000], blame=blame)
+                log.info("reported %s (world %d): %s", suspect, version, "evicted" if evicted else "not evicted")
+            except Exception as e:  # noqa: BLE001 (closed meanwhile, or the server unreachable: nothing to do)
+                log.debug("could not report %s: %s", suspect, e)
+
+        threading.Thread(target=accuse, name="elastic-accuse", daemon=True).start()
+
     def leave_pending(self) -> bool:
         return self.leave_request.pending
 
@@ -289,6 +413,7 @@ class JobSession(Session):
                 w = reaction.world_to_take(view, min_version)
                 if w is not None:
                     return w
+                self._check_leavers(view)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ElasticTimeout(
@@ -349,19 +474,20 @@ class JobSession(Session):
     def report_failure(self, err: WorkerLostError) -> None:
         """Tells the server which peer broke, so it checks that peer at once instead of at its timeout.
 
-        A ``BadPeerError`` is reported as an unusable address: the server evicts that peer even
-        though it is alive, since a member nobody can connect to can never be in a ring."""
+        A ``BadPeerError`` is an accusation (its ``blame``: an unusable address, an impossible
+        row, a divergence): the server evicts that peer even though it is alive once the
+        majority of the world accused it too, since such a member can never be in a ring."""
         world = self.world
         # No peer to blame: aborted (the server already knows) or propagated (the neighbour is
         # alive, the failed rank is further on and its own neighbour reports it).
         if world is None or err.peer_rank is None or err.world_version != world.world_version or \
-                not 0 <= err.peer_rank < len(world.members):
+                not 0 <= err.peer_rank < len(world.members) or err.peer_rank == world.rank:
             return
         suspect = world.members[err.peer_rank].worker_id
         try:
             evicted = self.client.report_failure(suspect, world.world_version, reason=str(err)[:1000],
-                                                 unusable_address=isinstance(err, BadPeerError),
-                                                 timed_out=err.kind == ErrorKind.Timeout)
+                                                 timed_out=err.kind == ErrorKind.Timeout,
+                                                 blame=err.blame if isinstance(err, BadPeerError) else Blame.NONE)
             log.info("reported %s (world %d): %s", suspect, world.world_version,
                      "evicted" if evicted else "still alive")
         except _ClientError as e:
@@ -393,11 +519,28 @@ class JobSession(Session):
                     comm = self.ring("the end of the run")
                     state.make_last_commit_durable(comm, comm.config.timeout / 2)
                     state.on_finish()
-                    ending = Ending.SUCCEEDED
+                    # Success is the world's: every rank's function returned at this same point.
+                    try:
+                        together, why = self.check_return(), "they did not return with it"
+                    except ElasticError as e:   # a training rank's collective met this one
+                        together, why = False, f"{self._named(e)}{type(e).__name__}: {e}"
+                    if together:
+                        ending = Ending.SUCCEEDED
+                    else:
+                        self._returned_alone(why)
+                        ending = Ending.CLOSED
                     return result
-                except (WorkerLostError, HandshakeError, MembershipChanged) as e:
+                except (WorkerLostError, HandshakeError, MembershipChanged, CollectiveMismatchError) as e:
                     ring_world_version = self.world.world_version if self.world is not None else 0
-                    plan = reaction.after_error(e, ring_world_version, state.live_state_usable())
+                    if isinstance(e, CollectiveMismatchError):
+                        plan = reaction.after_mismatch(e, ring_world_version, state.live_state_usable(),
+                                                       self._world_moved_on(e.world_version, MISMATCH_GRACE_S))
+                        if plan is None:
+                            raise
+                        log.warning("%s; world version %d ended meanwhile (a member left): re-forming without it",
+                                    e, e.world_version)
+                    else:
+                        plan = reaction.after_error(e, ring_world_version, state.live_state_usable())
                     min_version, restored = plan.min_version, self.recover(e, plan, state)
                 resets += 1
                 if reset_limit and resets > reset_limit:
@@ -411,6 +554,10 @@ class JobSession(Session):
             raise ElasticTimeout(str(e)) from None
         except LeftJob:
             ending = Ending.CLOSED   # left: depart() told the server
+            raise
+        except SettingsMismatchError as e:
+            if e.outvoted:   # no graceful leave: the majority's reports evict it, and that counts against its host
+                ending = Ending.CLOSED
             raise
         finally:
             self.release_leave_signals()

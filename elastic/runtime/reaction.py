@@ -27,6 +27,11 @@ And what the session's loop does after an error (``after_error``), when it forms
 * A neighbour at another world version (``HandshakeError``): ours is stale; restore (or keep the
   live state), and take a world newer than the one held. Nothing to report: the neighbour is alive.
 * A clean join or leave (``MembershipChanged``): keep the state, take a world newer than the one held.
+* Ranks calling different collectives (``CollectiveMismatchError``) is a bug in the program, and
+  ends the worker (``after_mismatch`` gives None), unless the server announced meanwhile that the
+  world ends (``world_moved_on``): a member left it, its function having returned while this one
+  trained on, and its last collective (the return check) met this rank's. Then the world
+  re-forms without it as after a failure; nothing to report: the server knows.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Optional, Tuple, Union
 
 from rendezvous.client.watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
 
-from elastic.ring.errors import HandshakeError, WorkerLostError
+from elastic.ring.errors import CollectiveMismatchError, HandshakeError, WorkerLostError
 from elastic.runtime.errors import MembershipChanged
 
 
@@ -188,3 +193,19 @@ def after_error(error: BaseException, ring_world_version: int, live_state_usable
     if isinstance(error, MembershipChanged):
         return Recovery(ring_world_version + 1, StateAction.KEEP, report=False, stale=False)
     return None
+
+
+def world_moved_on(view: View, world_version: int) -> bool:
+    """The server announced that world ``world_version`` ends: a change pending, an abort, or a newer world."""
+    return (view.pending_version >= world_version or view.aborted_version >= world_version
+            or view.seen_version > world_version)
+
+
+def after_mismatch(error: CollectiveMismatchError, ring_world_version: int, live_state_usable: bool,
+                   moved_on: bool) -> Optional[Recovery]:
+    """The plan for a collective mismatch in world ``error.world_version``: None (a bug in the
+    program: it ends the worker) unless the server announced that world ends (``moved_on``)."""
+    if not moved_on:
+        return None
+    failed = StateAction.KEEP_LIVE if live_state_usable else StateAction.RESTORE
+    return Recovery(max(error.world_version, ring_world_version) + 1, failed, report=False, stale=False)

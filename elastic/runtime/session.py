@@ -27,13 +27,15 @@ The step protocol (``JobSession.run``, what ``elastic.run`` runs)::
   commit to its durable writer on rank 0); the session records the commit step (its pump reports
   it to the rendezvous, which makes the most advanced worker rank 0 of the next world), runs the
   ``committed`` hooks, then ``check_membership``. The world is asked once: the ring of the commit.
-- **membership check** (``check_membership``): one small allreduce of [a change is pending, this
-  rank wants to leave] (each rank's straggler timings ride along,
-  ``elastic.runtime.straggler_detector``); a rank that knows tells all the others, so every rank
-  switches at this same commit. A leave request (``elastic.runtime.preemption``) is carried out
-  here: the leaver calls the rendezvous Leave, closes its ring and ends ``elastic.run`` with
-  ``LeftJob``; the others raise MembershipChanged and form the next world without it, their state
-  kept.
+- **membership check** (``check_membership``): one small allgather of every rank's own row [the
+  world version it saw a change announced for, whether it leaves, its straggler timings]
+  (``elastic.runtime.boundary``, ``elastic.runtime.straggler_detector``), judged alike on every
+  rank: a change takes effect when a majority saw the server announce it, a leave when the leaver
+  says so, and a row no honest worker writes blames its rank (``BadPeerError``). So every rank
+  switches at this same commit, and no rank decides for the others. A leave request
+  (``elastic.runtime.preemption``) is carried out here: the leaver calls the rendezvous Leave,
+  closes its ring and ends ``elastic.run`` with ``LeftJob``; the others raise MembershipChanged
+  and form the next world without it, their state kept.
 - **sync** (``sync``): every rank ends holding the same bits, the commit of the most advanced
   rank (or rank 0's state before any); how: ``State.sync_over``, ``elastic.state.sync``.
 
@@ -58,11 +60,12 @@ from typing import Any, List, Optional, Tuple
 
 from rendezvous.client.watch_events import WorldInfo
 
+from rendezvous.wire.membership import Blame
+
 from elastic.ring.communicator import Communicator
-from elastic.ring.errors import WorkerLostError
-from elastic.ring.ops import Max
+from elastic.ring.errors import BadPeerError, ErrorKind, WorkerLostError
 from elastic.ring.wait_clock import WaitClock
-from elastic.runtime import straggler_detector
+from elastic.runtime import boundary, straggler_detector
 from elastic.runtime.completions import Completions
 from elastic.runtime.errors import LeftJob, MembershipChanged, RendezvousError
 from elastic.runtime.commit_watch import CommitWatch
@@ -134,6 +137,14 @@ class Session:
         """True when a clean join/leave is waiting to take effect at the next commit."""
         return False
 
+    def heard_claims(self, comm: Communicator, claimers: Tuple[int, ...]) -> None:
+        """The ranks of ``comm`` that said, at this commit, that a change is pending (a job
+        session checks a claim it does not see confirmed)."""
+
+    def expect_leave(self, comm: Communicator, leavers: Tuple[int, ...]) -> None:
+        """The ranks of ``comm`` that said, at this commit, that they leave (a job session checks
+        that they do)."""
+
     def leave_pending(self) -> bool:
         """True when this worker was asked to leave (at its next commit)."""
         return False
@@ -185,27 +196,55 @@ class Session:
 
     def check_membership(self, comm: Optional[Communicator] = None) -> None:
         """Raises MembershipChanged on every rank at once when a clean join/leave is pending, or
-        when a rank was asked to leave; on that rank it raises ``LeftJob`` after it left.
+        when a rank was asked to leave; on that rank it raises ``LeftJob`` after it left; raises
+        ``BadPeerError`` naming a rank whose row no honest worker writes.
 
-        One small allreduce (Max of [a change is pending, this rank wants to leave]): a rank that
-        knows tells all the others, so they all switch at this same commit. Each rank's compute and
-        wait seconds since the last window ride along in slots of its own
-        (``elastic.runtime.straggler_detector``).
+        One small allgather of every rank's own row (``elastic.runtime.boundary``): the change
+        this rank saw announced, whether it leaves, its compute and wait seconds since the last
+        window (``elastic.runtime.straggler_detector``). Every rank judges the same rows alike, so
+        they all switch at this same commit, on what the majority saw, not on one rank's word.
         """
         comm = comm if comm is not None else self.ring("check_membership")
         leaving = self.leave_pending()   # read once: what this rank tells the others
         detector = self.straggler_detector
-        flags = straggler_detector.agreement(detector, comm, self.membership_pending(), leaving)
-        comm.allreduce_(flags, Max)
+        compute, wait = detector.timings(comm) if detector is not None else (0.0, 0.0)
+        pending = comm.world_version if self.membership_pending() else 0
+        rows = comm.allgather_equal(boundary.row(pending, leaving, compute, wait))
+        check = boundary.judge(rows, comm.world_version,
+                               detector.window_wall(comm) if detector is not None else None)
+        if check.blamed:
+            raise _impossible_row(comm, check.blamed)
+        self.heard_claims(comm, check.claimers)
         if detector is not None:
-            detector.judge(flags, comm)
-        if flags[1]:
+            detector.judge(check.compute, check.wait, comm)
+        if check.leavers:
             _farewell(comm)
             if leaving:
                 raise self.depart()
-            raise MembershipChanged(f"a worker leaves world version {comm.world_version}; re-forming without it")
-        if flags[0]:
+            self.expect_leave(comm, check.leavers)
+            raise MembershipChanged(f"rank(s) {', '.join(map(str, check.leavers))} leave world version "
+                                    f"{comm.world_version}; re-forming without them")
+        if check.switch:
             raise MembershipChanged(f"membership of world version {comm.world_version} changed; re-forming")
+
+    def check_return(self) -> bool:
+        """The last collective of a rank whose training function returned: its membership row once
+        more, saying so (``elastic.runtime.boundary``). True when every rank's function returned
+        at this same point (the world's success). False when the others train on: their next
+        collective met this one, as a commit's check (they then see this rank leave, and it says
+        farewell as a leaver does) or as another collective (this raises, a mismatch or a lost
+        peer). The caller leaves the world either way but the first."""
+        comm = self.comm
+        if comm is None or comm.failed:
+            return False
+        rows = comm.allgather_equal(boundary.row(0, False, returned=True))
+        check = boundary.judge(rows, comm.world_version, None)
+        if check.done:
+            return True
+        if check.blamed:
+            raise _impossible_row(comm, check.blamed)
+        _farewell(comm)
+        return False
 
     def sync(self, state: Any) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""
@@ -298,6 +337,18 @@ class Session:
         """This session is over: its last world still answers; the ring it holds stays only for
         collectives after the run (``close_ring`` closes it)."""
         self.ended = True
+
+
+def _impossible_row(comm: Communicator, blamed: Tuple[Tuple[int, str], ...]) -> BadPeerError:
+    """What every rank raises when the membership check's rows hold one no honest worker writes:
+    a ``BadPeerError`` naming the first such rank (``elastic.run`` reports it; the majority's
+    reports evict it). The rank blamed raises it too, naming itself: it reports nothing."""
+    rank, why = blamed[0]
+    others = f" (and rank(s) {', '.join(str(r) for r, _ in blamed[1:])})" if len(blamed) > 1 else ""
+    return BadPeerError(f"check_membership in world version {comm.world_version}: rank {rank} wrote {why} into its "
+                        f"row of the membership check{others}; no worker measures that", op="check_membership",
+                        world_version=comm.world_version, rank=comm.rank, peer=rank, kind=ErrorKind.BadPeer,
+                        blame=Blame.IMPOSSIBLE_ROW)
 
 
 def _farewell(comm: Communicator) -> None:

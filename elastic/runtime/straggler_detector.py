@@ -6,13 +6,15 @@ waits least: the others wait for it inside the collectives. So each rank measure
 commit boundaries, how long it was waiting on a collective (the session's ``WaitClock``,
 ``elastic.ring.wait_clock``: the union, over every thread, of the spans of its blocking
 collectives and of its async allreduces from submission to their ``synchronize``, which covers
-DDP's comm hook) and how much of the wall time was left: its compute time. An async allreduce counts from its submission because that is when the rank's
-own part is in: in DDP the slow rank submits each bucket last and finds the others waiting, so
-its buckets complete at once, while each fast rank waits on every bucket for the slow one. At
-the boundary each rank puts its two numbers into its own slots of the membership allreduce
-(``Session.check_membership`` in elastic/runtime/session.py: one allreduce, Max, of
-``[pending, leaving, compute_0..compute_{n-1}, wait_0..wait_{n-1}]``), so every rank holds every
-rank's numbers without another round trip, and every rank judges the same numbers alike.
+DDP's comm hook) and how much of the wall time was left: its compute time. An async allreduce
+counts from its submission because that is when the rank's own part is in: in DDP the slow rank
+submits each bucket last and finds the others waiting, so its buckets complete at once, while
+each fast rank waits on every bucket for the slow one. At the boundary each rank puts its two
+numbers into its own row of the membership check (``Session.check_membership`` in
+elastic/runtime/session.py: one allgather of every rank's row, ``elastic.runtime.boundary``), so
+every rank holds every rank's numbers without another round trip, no rank can write another's,
+and every rank judges the same numbers alike. Numbers no worker measures (negative, not finite,
+more than the window lasted) blame the rank that sent them before any verdict (``boundary.judge``).
 
 A window closes at the first boundary where every rank measured something and the median wall
 time reached ``window_s`` (a job that commits every step still judges whole seconds, not
@@ -24,7 +26,9 @@ scheduler noise); then ``judge`` (pure, table-tested in tests/elastic/test_strag
   not judged on noise);
 * it is a straggler once it was slow ``windows`` windows in a row: one slow window (a garbage
   collection, an evaluation on rank 0) names nobody, and a world that is slow everywhere moves
-  its median and names nobody either;
+  its median and names nobody either (a rank claiming to compute nothing moves the median only
+  down to the fastest honest rank in a world of three or more; in a world of two each rank is
+  compared with the other's word: there is no majority to ask);
 * its score is its compute time over the median (1: typical), the ``elastic_straggler_score`` metric.
 
 Streaks start again in every world. What a straggler does is the policy (``StragglerConfig``):
@@ -48,8 +52,6 @@ import statistics
 import threading
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
-
-import numpy as np
 
 from rendezvous.wire.membership import StragglerReport
 
@@ -207,7 +209,7 @@ def may_leave(size: int, min_np: int, spares: int) -> bool:
 # ---------------------------------------------------------------------- the worker's detector
 class Detector:
     """One worker's detection across the worlds it is in; the session holds it and calls
-    ``agreement`` before its membership allreduce and ``judge`` after it.
+    ``timings`` and ``window_wall`` before its membership allgather and ``judge`` after it.
 
     ``leave(why)`` asks this worker to leave (the evict policy); ``room()`` gives the job's
     min-np and the spares the rendezvous last reported, for ``may_leave``. ``now`` and
@@ -229,28 +231,31 @@ class Detector:
         self._kept_for: Optional[int] = None   # world version in which min-np kept it (logged once)
         self.report: Optional[StragglerReport] = None   # the last verdict on this worker, for the rendezvous
 
-    def agreement(self, comm: Any, pending: bool, leaving: bool) -> np.ndarray:
-        """This rank's row of the membership allreduce: the two flags, then its compute and wait
-        seconds of the open window in its own slots (zeros when it has none)."""
-        n = comm.size
-        flags = np.zeros(2 + 2 * n, dtype=np.float64)
-        flags[0], flags[1] = float(pending), float(leaving)
-        if self.config.policy != "off" and comm is self._comm:
-            wall = self._now() - self._opened
-            waited = min(max(self._waited_so_far() - self._waited, 0.0), wall)
-            flags[2 + comm.rank] = wall - waited
-            flags[2 + n + comm.rank] = waited
-        return flags
+    def timings(self, comm: Any) -> Tuple[float, float]:
+        """This rank's compute and wait seconds of the open window, for its row of the membership
+        check (zeros when it has none: detection off, or a new ring)."""
+        if self.config.policy == "off" or comm is not self._comm:
+            return 0.0, 0.0
+        wall = self._now() - self._opened
+        waited = min(max(self._waited_so_far() - self._waited, 0.0), wall)
+        return wall - waited, waited
 
-    def judge(self, flags: np.ndarray, comm: Any) -> Optional[Verdict]:
-        """After the allreduce (``flags`` as every rank holds it): the verdict when a window
-        closed (None otherwise), acted on."""
-        n = comm.size
+    def window_wall(self, comm: Any) -> float:
+        """How long the open window has lasted here, read after the membership allgather: what
+        every rank's timings are checked against. Every rank measured before that allgather
+        completed here, in a window opened at the same collective as this one, so none can have
+        measured much more. 0 on a new ring, whose first rows are zeros; kept whatever the
+        policy, so every rank checks alike."""
+        return self._now() - self._opened if comm is self._comm else 0.0
+
+    def judge(self, compute: Sequence[float], wait: Sequence[float], comm: Any) -> Optional[Verdict]:
+        """After the membership check (every rank's ``compute`` and ``wait``, in rank order, as
+        every rank holds them): the verdict when a window closed (None otherwise), acted on."""
         if comm is not self._comm:   # a new ring: the first window opens now
             self._comm, self._streaks, self._evict = comm, (), None
             self._open()
             return None
-        compute, wait = flags[2:2 + n].tolist(), flags[2 + n:2 + 2 * n].tolist()
+        compute, wait = list(compute), list(wait)
         if not window_closes(compute, wait, self.config.window_s):
             return None
         verdict = judge(self._streaks, Window(tuple(compute), tuple(wait)), self.config.factor,
@@ -301,13 +306,3 @@ class Detector:
 
 def _seconds(xs: Sequence[float]) -> str:
     return "[" + ", ".join(f"{x:.3f}" for x in xs[:16]) + (", ..." if len(xs) > 16 else "") + "]"
-
-
-def agreement(detector: Optional[Detector], comm: Any, pending: bool, leaving: bool) -> np.ndarray:
-    """The membership allreduce's row of this rank, with or without a detector (a ring formed
-    by hand has none, and still sends the same layout as every other rank)."""
-    if detector is not None:
-        return detector.agreement(comm, pending, leaving)
-    flags = np.zeros(2 + 2 * comm.size, dtype=np.float64)
-    flags[0], flags[1] = float(pending), float(leaving)
-    return flags

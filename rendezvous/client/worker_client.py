@@ -50,7 +50,7 @@ import grpc
 
 from rendezvous.wire import messages as wire
 from rendezvous.common.channel import RendezvousCallAbandoned, RendezvousRPCError, channel_options, open_channel
-from rendezvous.wire.membership import JobSpec, StragglerReport
+from rendezvous.wire.membership import Blame, JobSpec, StragglerReport
 from rendezvous.client.watch_events import Abort, Ended, Event, Finished, Pending, Standby, WorldInfo
 from rendezvous.wire.messages import pb, pb_grpc
 
@@ -295,20 +295,28 @@ class RendezvousClient:
         return resp.world_version
 
     def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "",
-                       unusable_address: bool = False, timed_out: bool = False) -> bool:
-        """Tell the server a peer broke; returns True if the server evicted it. ``unusable_address``:
-        its ring address leads to no member of this job, so the server evicts it even if it is alive.
-        ``timed_out``: the collective timed out waiting on it (it may be alive and busy)."""
+                       unusable_address: bool = False, timed_out: bool = False,
+                       blame: Blame = Blame.NONE) -> bool:
+        """Tell the server a peer broke, or accuse it (``blame``); returns True if the server evicted
+        it. ``unusable_address`` (Blame UNUSABLE): its ring address leads to no member of this job,
+        or what it sent cannot be received. An accusation evicts the suspect even if it is alive,
+        once a majority of the world's other members made one (the server waits up to twice its
+        heartbeat timeout for theirs). ``timed_out``: the collective timed out waiting on it (it
+        may be alive and busy)."""
+        if unusable_address and blame is Blame.NONE:
+            blame = Blame.UNUSABLE
         return self._call("ReportFailure", pb.ReportFailureRequest(
             session_id=self._sid(), world_version=world_version,
-            suspect_worker_id=suspect_worker_id, reason=reason, unusable_address=unusable_address,
-            timed_out=timed_out),
+            suspect_worker_id=suspect_worker_id, reason=reason, unusable_address=blame is Blame.UNUSABLE,
+            timed_out=timed_out, blame=wire.blame_pb(blame)),
             # The server may wait up to its heartbeat timeout for the suspect's stream to break.
             timeout_s=max(30.0, self.rpc_timeout_s), attempt_s=max(15.0, self.rpc_timeout_s)).evicted
 
-    def report_success(self, world_version: Optional[int] = None) -> None:
-        """This worker finished: the job completes for everyone.
+    def report_success(self, world_version: Optional[int] = None, commit_step: int = 0) -> bool:
+        """This worker's function returned at ``commit_step``; True when that completed the job.
 
+        The job completes once every member of the current world reported returning in it at the
+        same commit step (the last report answers True; the Watch brings everyone ``Finished``).
         The server takes it only from a member of `world_version` (default: the latest world this
         client received); a worker that never was in a world cannot end the job."""
         if world_version is None:
@@ -316,10 +324,12 @@ class RendezvousClient:
         # Retried after an unknown outcome, FAILED_PRECONDITION means the job already finished.
         # Retried as long as a reconnect: lost to a leader change, the success would turn into
         # a job failure once the workers are gone.
-        self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid(),
-                                                            world_version=world_version),
-                   max(3 * self.rpc_timeout_s, self.reconnect_timeout_s),
-                   done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
+        resp = self._call("ReportSuccess", pb.ReportSuccessRequest(session_id=self._sid(),
+                                                                   world_version=world_version,
+                                                                   commit_step=max(commit_step, 0)),
+                          max(3 * self.rpc_timeout_s, self.reconnect_timeout_s),
+                          done_if_retried=(grpc.StatusCode.FAILED_PRECONDITION,))
+        return resp is None or bool(resp.finished)
 
     def leave(self, straggler: bool = False) -> None:
         """Leave cleanly (the others see a membership change, not a failure) and stop watching;

@@ -31,8 +31,12 @@ Rules:
   counted against the host: they say more about the control plane than about the host.
 * A worker id belongs to its session: a join naming a registered worker must prove it is that
   worker (the hash of its current session matches); otherwise it is refused and the worker stays.
-* One member's success completes the job for everyone; only a worker that is in the current world
-  and was a member of the world its report names can end the job.
+* Success is the world's, not one member's: a member's success report says its function returned
+  at a commit step; the job completes when every member of the current world still registered
+  has reported returning in that world at the same commit step. Until then a report changes
+  nothing else (the worker that returned early leaves on its own, elastic/runtime/job_session.py,
+  and the others train on). Only a worker that is in the current world and was a member of the
+  world its report names may report.
 
 The job's credential (a hash of the token that created it), its ring secret and each worker's
 session hash ride along in the state, so every replica and every restart sees the same ones; the
@@ -114,6 +118,8 @@ class Worker:
     attached: bool = True      # opened its Watch stream at least once (only then can it enter a world)
     session_hash: str = ""     # SHA-256 (hex) of its session secret; "" matches no session
     member_since: int = 0      # the first world version it was a member of (0: none yet)
+    returned_in: int = 0       # the world version in which it reported its function returned (0: never)
+    returned_step: int = -1    # and the commit step it returned at
 
 
 @dataclass(frozen=True)
@@ -209,7 +215,9 @@ class Departure(str, enum.Enum):
     STREAM_BROKEN = "STREAM_BROKEN"        # its Watch broke: crashed, or missed keepalive acks
     NO_WATCH = "NO_WATCH"                  # did not open (or, after a leader change, reopen) it
     REPORTED = "REPORTED"                  # a peer reported it and it had no stream
-    UNUSABLE_ADDRESS = "UNUSABLE_ADDRESS"  # a peer found its ring address leads nowhere
+    UNUSABLE_ADDRESS = "UNUSABLE_ADDRESS"  # a majority found its ring address leads nowhere (or what it sent unusable)
+    BLAMED = "BLAMED"                      # a majority found what it said impossible or false
+    DIVERGED = "DIVERGED"                  # a majority found it ran other collectives or ring settings
     REJOINED = "REJOINED"                  # it joined again: the old session is replaced
     FAILED = "FAILED"                      # any other failure
 
@@ -227,7 +235,9 @@ _EVICTION_LABELS: dict[Departure, Optional[str]] = {
     Departure.STREAM_BROKEN: "stream_broken",       # crash (EOF/RST) or missed keepalive acks
     Departure.NO_WATCH: "no_watch",                 # never opened / reopened its Watch in time
     Departure.REPORTED: "report",                   # a peer's report, and it had no stream
-    Departure.UNUSABLE_ADDRESS: "unusable_address",  # a peer's report: its ring address is dead
+    Departure.UNUSABLE_ADDRESS: "unusable_address",  # the majority's reports: its ring address is dead
+    Departure.BLAMED: "blamed",                     # the majority's reports: it said impossible things
+    Departure.DIVERGED: "diverged",                 # the majority's reports: it diverged from them
     Departure.REJOINED: "session_replaced",         # joined again: its old session ended
     Departure.FAILED: "other",
 }
@@ -272,6 +282,7 @@ class Progress:
 class Success:
     worker_id: str
     world_version: int         # the world the reporter says it is a member of
+    commit_step: int = 0       # the commit step at which its function returned
 
 
 @dataclass(frozen=True)
@@ -403,7 +414,13 @@ def decide(state: JobState, event: Event, now: float,
                                                      f"(current world {state.world_version}); only a member "
                                                      f"can end the job", Refusal.NOT_MEMBER))
             return state, actions
-        reason = f"worker {event.worker_id} reported success"
+        w = replace(w, returned_in=event.world_version, returned_step=event.commit_step)
+        state = replace(state, workers={**state.workers, w.worker_id: w})
+        if not all_returned(state):
+            return state, actions   # the others train on, or are about to return too
+        members = sorted(m.worker_id for m in state.world if m.worker_id in state.workers)
+        reason = (f"every member of world {state.world_version} returned at commit step {event.commit_step} "
+                  f"({', '.join(members[:8])}{', ...' if len(members) > 8 else ''})")
         state = replace(state, phase=Phase.SUCCEEDED, reason=reason, change_first=None,
                         change_last=None, finished_at=now)
         actions.append(AnnounceFinished(True, reason))
@@ -521,6 +538,14 @@ def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
         return state
     actions.append(AnnouncePending(state.world_version, reason))
     return replace(state, pending_version=state.world_version)
+
+
+def all_returned(state: JobState) -> bool:
+    """Every member of the current world still registered reported that its function returned,
+    in this world and at the same commit step (the job's success)."""
+    members = [state.workers[m.worker_id] for m in state.world if m.worker_id in state.workers]
+    return bool(members) and all(w.returned_in == state.world_version for w in members) and \
+        len({w.returned_step for w in members}) == 1
 
 
 def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: list[Action], *,

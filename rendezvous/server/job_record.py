@@ -1,8 +1,9 @@
 """The leader's in-memory record of each job it serves, and of each open Watch stream.
 
 A job's record holds its state as decided and as last stored (the journal's), and what hangs on it:
-open streams, its liveness clocks (liveness.py, their one owner), outstanding probes, its timer, and
-its members' straggler reports (pace.py: soft state, never stored)."""
+open streams, its liveness clocks (liveness.py, their one owner), outstanding probes, its timer,
+its members' straggler reports (pace.py) and the failure reports heard in its world (probes.py):
+soft state, never stored."""
 from __future__ import annotations
 
 import asyncio
@@ -46,6 +47,10 @@ class Job:
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False                  # being removed from the store or replaced: RPCs retry
     stragglers: StragglerBoard = field(default_factory=StragglerBoard)
+    # (world version, suspect) -> {reporter: Blame}: the failure reports heard about a member of
+    # the current world (probes.py: an accusation needs a majority of them). Soft state.
+    reports: dict = field(default_factory=dict)
+    reported: asyncio.Event = field(default_factory=asyncio.Event)   # set (and replaced) on each report
     # worker id -> (the newest world it completed a training step in, the step its last commit
     # holds): what its ReportProgress said, for Status. Soft state: resent, never stored.
     progress: dict = field(default_factory=dict)

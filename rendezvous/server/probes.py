@@ -18,7 +18,8 @@ from rendezvous.server import decision as d
 from rendezvous.server import verdict as v
 from rendezvous.server.job_record import Job
 from rendezvous.server.server_wire import RpcRefusal
-from rendezvous.wire.messages import pb
+from rendezvous.wire.membership import Blame
+from rendezvous.wire.messages import blame_from_pb, pb
 
 log = logging.getLogger("rendezvous.server.service")
 
@@ -55,10 +56,12 @@ class FailureReports:
     async def judge(self, job: Job, reporter: d.Worker, request) -> pb.ReportFailureResponse:
         """The answer to `reporter`'s ReportFailure `request` about a member of `job`'s world."""
         report = v.Report(reporter.worker_id, request.suspect_worker_id, request.world_version,
-                          request.reason, request.unusable_address, request.timed_out)
+                          request.reason, request.timed_out,
+                          blame_from_pb(request.blame, request.unusable_address))
         inquiry = v.Inquiry(reattach_until=self._leading_since() + self.heartbeat_timeout_s,
                             heartbeat_timeout_s=self.heartbeat_timeout_s)
         probe: Optional[tuple[int, asyncio.Future]] = None   # (nonce, answer) once probed
+        heard = self._heard(job, report)
         try:
             while True:
                 suspect = report.suspect
@@ -66,7 +69,8 @@ class FailureReports:
                                        awaited=job.liveness.awaits_watch(suspect),
                                        probe_answered=probe is not None and probe[1].done()
                                        and not probe[1].cancelled())
-                inquiry, verdict = v.judge_report(job.state, seen, report, inquiry, self._clock())
+                inquiry, verdict = v.judge_report(job.state, seen, report, v.Heard(tuple(heard.items())), inquiry,
+                                                  self._clock())
                 if isinstance(verdict, v.Refuse):
                     raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED, verdict.detail)
                 if isinstance(verdict, v.Dismiss):
@@ -94,10 +98,39 @@ class FailureReports:
                     self._send(job, suspect, pb.WatchEvent(probe=pb.Probe(nonce=probe[0])))
                 elif isinstance(verdict, v.AwaitProbe):
                     await self._await_probe(job, suspect, probe[1], verdict.until)
+                elif isinstance(verdict, v.AwaitCorroboration):
+                    await self._await_report(job, suspect, verdict.until)
                 await self._require_leader()   # stepping down ends every stream: answer UNAVAILABLE
         finally:
             if probe is not None:
                 job.probes.pop(probe[0], None)
+
+    def _heard(self, job: Job, report: v.Report) -> dict[str, Blame]:
+        """The reports about `report`'s suspect in its world so far, this one added: reporter ->
+        blame (an accusation outweighs a failure report of the same reporter). Soft state, like a
+        probe: what a new leader has not heard is reported again after the world re-forms.
+        Every report that comes in wakes the reports waiting for a majority."""
+        key = (report.world_version, report.suspect)
+        if report.world_version == job.state.world_version and job.state.in_world(report.reporter):
+            for old in [k for k in job.reports if k[0] < job.state.world_version]:
+                del job.reports[old]
+            heard = job.reports.setdefault(key, {})
+            if heard.get(report.reporter, Blame.NONE) is Blame.NONE:
+                heard[report.reporter] = report.blame
+            job.reported.set()
+            job.reported = asyncio.Event()
+            return heard
+        return {report.reporter: report.blame}
+
+    async def _await_report(self, job: Job, worker_id: str, until: float) -> None:
+        """Wait until another report comes in, `worker_id` goes away, or the monotonic time `until` passes."""
+        left = until - self._clock()
+        if left <= 0 or worker_id not in job.state.workers:
+            return
+        try:
+            await asyncio.wait_for(job.reported.wait(), left)
+        except asyncio.TimeoutError:
+            return
 
     async def _await_stream(self, job: Job, worker_id: str, until: float) -> None:
         """Wait until `worker_id` has a stream, is gone, or the monotonic time `until` passes."""

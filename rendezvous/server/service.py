@@ -581,12 +581,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
     async def ReportSuccess(self, request, context):
         await self.require_leader()
         job, w = self._by_session(request.session_id)
-        seq, actions = self.journal.apply(job, d.Success(w.worker_id, request.world_version))
+        seq, actions = self.journal.apply(job, d.Success(w.worker_id, request.world_version, request.commit_step))
         for a in actions:
             if isinstance(a, d.Rejected):
                 raise server_wire.refusal(a, a.reason, job.state.phase)
         await self.journal.wait_durable(job, seq)
-        return pb.ReportSuccessResponse()
+        return pb.ReportSuccessResponse(finished=any(isinstance(a, d.AnnounceFinished) for a in actions))
 
     async def Status(self, request, context):
         if request.job_id:

@@ -1,12 +1,13 @@
 """What a job and its worlds are to both sides of the rendezvous: the limits a worker asks for
-(`JobSpec`), the members of an announced world with their rank layout (`Member`), and what a
-worker reports of its own pace (`StragglerReport`).
+(`JobSpec`), the members of an announced world with their rank layout (`Member`), what a
+worker reports of its own pace (`StragglerReport`), and what it may accuse another member of (`Blame`).
 
 The server's decision (decision.py) keeps its state in these values and a worker's client receives
 them; they live apart from the decision so that a worker loads none of the server's code.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 # What a worker asks for as max_np when it is not told (ELASTIC_MAX_NP, elastic-run --max-np):
@@ -56,3 +57,16 @@ class StragglerReport:
     score: float            # its compute time over the world's median (1: typical)
     slow_windows: int       # slow windows in a row, up to the last
     named: bool             # slow for the job's number of windows: a straggler
+
+
+class Blame(str, enum.Enum):
+    """What a failure report accuses its suspect of, beyond breaking the reporter's ring. An
+    accusation evicts only once a majority of the world's other members made one about the same
+    suspect and world version (rendezvous/server/verdict.py); the wire's `ReportFailureRequest.Blame`."""
+
+    NONE = "NONE"                      # a failure report: lost, silent or slow (probed, see verdict.py)
+    UNUSABLE = "UNUSABLE"              # its ring address leads to no member of the job, or what it sent cannot be received
+    IMPOSSIBLE_ROW = "IMPOSSIBLE_ROW"  # its row of a commit's membership check held values no worker writes
+    FALSE_PENDING = "FALSE_PENDING"    # it claimed a membership change the server never announced
+    FALSE_LEAVE = "FALSE_LEAVE"        # it said at a commit that it leaves, and did not
+    DIVERGED = "DIVERGED"              # it ran another collective, or other ring settings, than the majority

@@ -13,11 +13,11 @@ from typing import Optional
 
 from rendezvous.wire._proto import rendezvous_pb2 as pb
 from rendezvous.wire._proto import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.wire.membership import JobSpec, Member, StragglerReport
+from rendezvous.wire.membership import Blame, JobSpec, Member, StragglerReport
 
 __all__ = ["pb", "pb_grpc", "LEADER_KEY", "JOB_OUTCOME_KEY", "refusal_metadata", "job_outcome",
            "leader_hint", "spec_pb", "spec_from_pb", "member_pb", "member_from_pb", "straggler_pb",
-           "straggler_from_pb"]
+           "straggler_from_pb", "blame_pb", "blame_from_pb"]
 
 LEADER_KEY = "leader"                  # UNAVAILABLE from a follower: HOST:PORT of the leader
 JOB_OUTCOME_KEY = "elastic-job-outcome"  # a refusal because the job is over: how it ended
@@ -80,3 +80,17 @@ def straggler_pb(r: Optional[StragglerReport]) -> Optional[pb.StragglerReport]:
 
 def straggler_from_pb(r: pb.StragglerReport) -> StragglerReport:
     return StragglerReport(r.world_version, r.score, r.slow_windows, r.named)
+
+
+def blame_pb(blame: Blame) -> int:
+    return pb.ReportFailureRequest.Blame.Value(blame.value)
+
+
+def blame_from_pb(value: int, unusable_address: bool = False) -> Blame:
+    """The accusation a report makes; a number this version does not know accuses of nothing
+    (it is then judged as a failure report). The older `unusable_address` flag is UNUSABLE."""
+    try:
+        blame = Blame(pb.ReportFailureRequest.Blame.Name(value))
+    except ValueError:
+        blame = Blame.NONE
+    return Blame.UNUSABLE if blame is Blame.NONE and unusable_address else blame

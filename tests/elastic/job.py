@@ -19,6 +19,13 @@ proves the sample accounting. Knobs (environment):
                  its state with the model's weight reshaped / a key added (well-formed, does not fit).
                  When the others refuse it, it stays: alive, in the job, never leaving (only an
                  eviction removes it)
+  JOB_EVIL_ROW   this worker is a hostile member of the commits' membership check: "pending" claims
+                 a change pending at every commit, "timings" writes 1000 s of compute into its own
+                 row, "fast" claims it never computes (to make the others look slow), "leave" says
+                 at its JOB_EVIL_AT-th commit (default 3) that it leaves and never does. Evicted,
+                 it does not join again: alive, it waits forever (only the test ends it)
+  JOB_RETURN_AT  "WORKER:STEP": that worker's training function returns right after its first
+                 commit at or past STEP, while the others train on (it leaves the world; they go on)
   JOB_STOP_FILE  end at the first epoch boundary after this file appears (all ranks agree)
   JOB_STOP_BEFORE_FORM  SIGSTOP this process right before it connects its N-th ring (a worker
                  hung while forming; SIGCONT resumes it there, with the world it had then)
@@ -82,6 +89,7 @@ STALL = os.environ.get("JOB_STALL", "::").split(":")
 KILL_AT = os.environ.get("JOB_KILL_AT", "::").split(":")
 SEEN_AFTER_STEP = os.environ.get("JOB_SEEN_AFTER_STEP") == "1"
 LEAVE_AT = os.environ.get("JOB_LEAVE_AT", ":").split(":")
+RETURN_AT = os.environ.get("JOB_RETURN_AT", ":").split(":")
 FORK_CHILD = os.environ.get("JOB_FORK_CHILD", ":").split(":")
 stalled = {"done": False}
 forked = {"done": False}
@@ -232,6 +240,36 @@ def sync_stubbornly(comm):
 
 state.sync_over = sync_maybe_dying
 
+EVIL_ROW = os.environ.get("JOB_EVIL_ROW") or None
+if EVIL_ROW:
+    import elastic.runtime.job_session as job_session
+    from elastic.runtime import boundary
+
+    session_class = job_session.JobSession
+    evil_at = int(os.environ.get("JOB_EVIL_AT", "3"))
+    boundaries = {"n": 0}
+    # Evicted, a hostile member stays: alive, never joining again (its watch thread answers probes).
+    session_class._rejoin = lambda self, ended: threading.Event().wait()
+    if EVIL_ROW == "pending":
+        session_class.membership_pending = lambda self: self.comm is not None
+    elif EVIL_ROW in ("timings", "fast"):
+        _row = boundary.row
+
+        def forged_row(pending, leaving, compute=0.0, wait=0.0, returned=False):
+            if EVIL_ROW == "timings":
+                return _row(pending, leaving, 1000.0, 0.0, returned)
+            return _row(pending, leaving, 0.0, compute + wait, returned)   # waited all along: the others are slow
+
+        boundary.row = forged_row
+    elif EVIL_ROW == "leave":
+        def says_it_leaves(self):
+            boundaries["n"] += 1
+            return boundaries["n"] >= evil_at
+
+        session_class.leave_pending = says_it_leaves
+        session_class.depart = lambda self: threading.Event().wait()
+
+
 if STOP_BEFORE_FORM:
     _connect = elastic.ring.communicator.Communicator.connect
     connects = {"n": 0}
@@ -356,6 +394,10 @@ def train(state):
             time.sleep(STEP_SLEEP)
             if state.batch % 3 == 0:
                 commit()
+                if WORKER == RETURN_AT[0] and state.step >= int(RETURN_AT[1]):
+                    event("returning", step=state.step, commit=state.commit_step)
+                    log["final_size"] = elastic.size()
+                    return
         commit()
         if STOP_FILE:
             # Decided collectively, so every rank leaves after the same epoch.

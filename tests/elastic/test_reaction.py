@@ -2,11 +2,12 @@
 
 import pytest
 
-from elastic.ring.errors import BadPeerError, HandshakeError, SettingsMismatchError, WorkerLostError
+from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, HandshakeError, SettingsMismatchError,
+                                 WorkerLostError)
 from elastic.runtime.errors import ElasticTimeout, MembershipChanged
 from elastic.runtime.reaction import (AbortRing, Note, Recovery, StateAction, View, aborted_while_forming,
-                                      after_error, holding, membership_pending, must_form, react, rejoined,
-                                      superseded, world_to_take)
+                                      after_error, after_mismatch, holding, membership_pending, must_form, react,
+                                      rejoined, superseded, world_moved_on, world_to_take)
 from rendezvous.client.watch_events import Abort, Ended, Finished, Pending, Standby, WorldInfo
 from rendezvous.wire.membership import Member
 
@@ -187,3 +188,27 @@ def test_a_ring_is_formed_only_when_none_usable_is_held(ring_world_version, fail
 def test_a_ring_that_connected_after_its_world_was_aborted_fails_at_once(aborted, version, dead):
     view = holding(View(aborted_version=aborted), version, formed=True)
     assert aborted_while_forming(view, version) is dead
+
+
+@pytest.mark.parametrize("view, moved_on", [
+    (View(), False),
+    (View(pending_version=3, aborted_version=2, seen_version=3), False),   # older news only
+    (View(pending_version=4), True),      # a member of world 4 left it cleanly
+    (View(aborted_version=4), True),      # one failed
+    (View(seen_version=5), True),         # a newer world exists
+    (View(seen_version=4), False),        # world 4 itself
+])
+def test_the_world_moved_on_when_the_server_announced_its_end(view, moved_on):
+    assert world_moved_on(view, 4) is moved_on
+
+
+MISMATCH = CollectiveMismatchError("rank 2 is in a different collective", op="allreduce", world_version=4)
+
+
+@pytest.mark.parametrize("usable, action", [(True, StateAction.KEEP_LIVE), (False, StateAction.RESTORE)])
+def test_a_mismatch_the_server_explains_re_forms_the_world_like_a_failure_without_a_report(usable, action):
+    assert after_mismatch(MISMATCH, 4, usable, moved_on=True) == Recovery(5, action, report=False, stale=False)
+
+
+def test_a_mismatch_nobody_left_over_is_a_bug_that_ends_the_worker():
+    assert after_mismatch(MISMATCH, 4, True, moved_on=False) is None

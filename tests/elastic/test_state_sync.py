@@ -513,8 +513,8 @@ def test_a_hostile_sync_root_in_a_real_job_is_evicted_and_the_honest_workers_fin
     # Nothing was loaded: each honest worker kept its live state (or restored its last commit).
     assert "sync in world version" in logs and ("keeping the live state" in logs or "restoring commit" in logs), logs
     # Reported by an honest worker as a member nobody can use: the rendezvous evicted it.
-    assert re.search(r"worker evil dropped: .*evicted: unusable ring address; reported by w[01]: sync in world",
-                     server.log()), server.log()
+    assert re.search(r"worker evil dropped: .*evicted: unusable ring address \(reported by 2 of the 2 other "
+                     r"member\(s\) of world \d+: w0, w1\); reported by w[01]: sync in world", server.log()), server.log()
     for w in honest:   # nothing of the evil state was loaded: every sync loaded an honest commit
         assert all(e["commit"] < 10 ** 9 for e in job.events(w) if e["ev"] == "sync")
     assert not os.path.exists(marker)

@@ -13,7 +13,8 @@ import pytest
 from elastic.ring.ops import Sum
 from elastic.ring.wait_clock import WaitClock
 from elastic.ring.communicator import _blocking
-from elastic.runtime.straggler_detector import (MIN_EXCESS, Detector, StragglerConfig, Window, agreement, judge,
+from elastic.runtime import boundary as membership_check
+from elastic.runtime.straggler_detector import (MIN_EXCESS, Detector, StragglerConfig, Window, judge,
                                                 may_leave, window_closes)
 from tests.native.harness import run_world
 from rendezvous.wire.membership import StragglerReport
@@ -251,9 +252,11 @@ def boundary(detectors, rings, compute, tell=True):
     for d, ring, c in zip(detectors, rings, compute):
         d.clocks.wall += 1.0
         d.clocks.waited += 1.0 - c
-        rows.append(d.agreement(ring, pending=False, leaving=False))
-    flags = np.max(np.stack(rows), axis=0)   # what Max over the ring gives every rank
-    verdicts = [d.judge(flags.copy(), ring) for d, ring in zip(detectors, rings)]
+        rows.append(membership_check.row(0, False, *d.timings(ring)))
+    rows = np.stack(rows)   # what the allgather gives every rank
+    checks = [membership_check.judge(rows, ring.world_version, d.window_wall(ring)) for d, ring in zip(detectors, rings)]
+    assert all(not c.blamed for c in checks)
+    verdicts = [d.judge(c.compute, c.wait, ring) for d, c, ring in zip(detectors, checks, rings)]
     for d in detectors if tell else ():
         d.told(d.report)
     return verdicts
@@ -337,8 +340,8 @@ def test_one_rank_with_detection_off_turns_it_off_for_the_world():
     rings = [FakeRing(r, 3) for r in range(3)]
     for compute in ([0.0] * 3, [0.4, 0.4, 0.9], [0.4, 0.4, 0.9], [0.4, 0.4, 0.9]):
         assert boundary(ds, rings, compute) == [None] * 3
-    # ... and its row still has the layout every other rank's has.
-    assert agreement(None, rings[0], True, False).tolist() == [1.0, 0.0] + [0.0] * 6
+    # ... and it sends zeros, in the row every rank sends.
+    assert ds[1].timings(rings[1]) == (0.0, 0.0) and ds[1].window_wall(rings[1]) > 0
 
 
 def test_a_new_world_opens_a_new_window():

@@ -379,7 +379,7 @@ def test_sigterm_to_one_of_two_launchers_drains_its_workers_and_the_job_goes_on(
         assert last_line(b) == "elastic-run: every worker left job j gracefully on SIGTERM; it goes on without host hB"
         # hA's workers re-form without it at a commit (the launcher's own world lines depend on
         # when it polls Status, so the workers' line is the one to wait for).
-        a.wait_for(r"a worker leaves world version \d+; re-forming without it", 15)
+        a.wait_for(r"rank\(s\) \d+ leave world version \d+; re-forming without them", 15)
         a.finish()
         assert a.wait(60) == 0, a.text()
         assert last_line(a).startswith("elastic-run: job j completed"), a.text()

@@ -308,12 +308,43 @@ def test_initial_formation_also_bounded_by_elastic_timeout():
     assert s.phase is Phase.FAILED
 
 
-def test_success_of_one_worker_completes_job_and_refuses_joins():
+def test_success_completes_the_job_once_every_member_returned_at_the_same_commit_and_refuses_joins():
     s = formed([("a", "h"), ("b", "h")])
-    s, acts = run(s, [(2.0, Success("b", 1))])
-    assert [a for _, a in acts] == [AnnounceFinished(True, "worker b reported success")]
+    s, acts = run(s, [(2.0, Success("b", 1, 40))])
+    assert acts == [] and s.phase is Phase.RUNNING   # a alone still trains: one member ends nothing
+    s, acts = run(s, [(2.5, Success("a", 1, 40))])
+    assert [a for _, a in acts] == [AnnounceFinished(True, "every member of world 1 returned at commit step 40 (a, b)")]
     s, acts = run(s, [(3.0, Join("c", "h", "h:3"))])
     assert acts[0][1].kind is Refusal.FINISHED and s.phase is Phase.SUCCEEDED
+
+
+@pytest.mark.parametrize("reports, done", [
+    ([("a", 1, 40)], False),                                  # one member of three
+    ([("a", 1, 40), ("b", 1, 40)], False),                    # a majority is not the world
+    ([("a", 1, 40), ("b", 1, 40), ("c", 1, 41)], False),      # c returned at another commit
+    ([("a", 1, 40), ("b", 1, 40), ("c", 1, 40)], True),
+    ([("a", 1, 30), ("b", 1, 40), ("c", 1, 40), ("a", 1, 40)], True),   # the latest report counts
+])
+def test_success_needs_every_member_of_the_world_at_the_same_commit_step(reports, done):
+    s = formed([("a", "h"), ("b", "h"), ("c", "h")])
+    s, _ = run(s, [(2.0 + i, Success(*r)) for i, r in enumerate(reports)])
+    assert (s.phase is Phase.SUCCEEDED) is done
+
+
+def test_a_member_that_left_or_was_evicted_does_not_hold_up_the_others_success():
+    s = formed([("a", "h"), ("b", "h"), ("c", "h")])
+    s, _ = run(s, [(2.0, Success("a", 1, 7)), (2.1, Leave("c")), (2.2, Success("b", 1, 7))])
+    assert s.phase is Phase.SUCCEEDED and "(a, b)" in s.reason
+
+
+def test_a_success_in_an_earlier_world_does_not_count_in_the_next():
+    s = formed([("a", "h"), ("b", "h")], max_np=3)
+    s, _ = run(s, [(2.0, Success("a", 1, 5)), (2.5, Join("c", "h", "h:3")), (3.0, Tick())])
+    assert s.world_version == 2
+    s, _ = run(s, [(4.0, Success("b", 2, 9)), (4.1, Success("c", 2, 9))])
+    assert s.phase is Phase.RUNNING   # a returned in world 1 and trains on in world 2 (or leaves)
+    s, _ = run(s, [(4.2, Success("a", 2, 9))])
+    assert s.phase is Phase.SUCCEEDED
 
 
 def test_rejoin_with_its_current_session_replaces_old_membership():
@@ -362,8 +393,8 @@ def test_success_counts_only_from_a_member_of_the_world_it_names(reporter, versi
     assert s.world_version == 2 and s.standby() == ["d"]
     after, acts = run(s, [(5.0, Success(reporter, version))])
     if accepted:
-        assert after.phase is Phase.SUCCEEDED
-        assert [a for _, a in acts] == [AnnounceFinished(True, f"worker {reporter} reported success")]
+        assert after.phase is Phase.RUNNING and acts == []   # recorded: the others have not returned
+        assert (after.workers[reporter].returned_in, after.workers[reporter].returned_step) == (version, 0)
     else:
         assert after == s
         assert [(type(a), a.kind) for _, a in acts] == [(Rejected, Refusal.NOT_MEMBER)]
@@ -385,8 +416,8 @@ def test_state_round_trips_through_json():
     s = formed([("a", "h1"), ("b", "h2")])
     s, _ = run(s, [(2.0, Evict("a", "x")), (2.0, Join("c", "h1", "h1:5"))])
     assert from_json(to_json(s)) == s
-    s, _ = run(s, [(3.0, Success("b", 1))])
-    assert s.finished_at == 3.0 and from_json(to_json(s)) == s
+    s, _ = run(s, [(3.0, Success("b", 1, 12))])   # a was evicted: b is the world's last member
+    assert s.workers["b"].returned_step == 12 and s.finished_at == 3.0 and from_json(to_json(s)) == s
 
 
 def test_job_credential_secret_run_and_sessions_round_trip_through_json():

@@ -17,6 +17,9 @@ from rendezvous.server.liveness import Liveness
 from rendezvous.server.probes import FailureReports
 from rendezvous.server.server_wire import RpcRefusal
 
+from rendezvous.wire.membership import Blame
+from rendezvous.wire.messages import blame_pb
+
 from .fakes import CONFIG, HEARTBEAT_TIMEOUT_S, job_of, running
 from .rdzv_helpers import run_async
 
@@ -71,9 +74,9 @@ class Service:
 
 
 def report(suspect="b", reporter="a", world_version=1, reason="connection reset", unusable=False,
-           timed_out=False):
+           timed_out=False, blame=Blame.NONE):
     return SimpleNamespace(world_version=world_version, suspect_worker_id=suspect, reason=reason,
-                           unusable_address=unusable, timed_out=timed_out), reporter
+                           unusable_address=unusable, timed_out=timed_out, blame=blame_pb(blame)), reporter
 
 
 def judge(svc, request, reporter):
@@ -96,12 +99,31 @@ def test_a_report_from_outside_the_world_is_refused_with_permission_denied():
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
 
 
-def test_an_unusable_ring_address_evicts_the_suspect_even_while_its_stream_is_open():
+def test_an_accusation_waits_for_the_majority_and_evicts_the_suspect_even_while_its_stream_is_open():
     svc = Service(with_streams())
-    answer = judge(svc, *report(unusable=True))
-    assert answer.evicted
-    assert svc.evicted == [("b", d.Departure.UNUSABLE_ADDRESS, True)]
+    job = svc.job
+
+    async def body():
+        reports = svc.reports()
+        first = asyncio.ensure_future(reports.judge(job, job.state.workers["a"], report(unusable=True)[0]))
+        await asyncio.sleep(0.05)
+        assert not first.done() and svc.evicted == []      # one member's word: it waits for the others
+        second = await reports.judge(job, job.state.workers["c"], report(reporter="c", blame=Blame.UNUSABLE)[0])
+        return await first, second
+
+    first, second = run_async(body(), 5.0)
+    assert first.evicted and second.evicted
+    assert svc.evicted[0] == ("b", d.Departure.UNUSABLE_ADDRESS, True)
     assert svc.sent == []            # no probe: an answer would prove only that it lives
+
+
+def test_an_accusation_no_other_member_joins_evicts_nobody_and_the_world_is_formed_again():
+    # Every clock reading is past the wait for the others: nobody else accuses the suspect.
+    svc = Service(with_streams(), step=10 * HEARTBEAT_TIMEOUT_S)
+    answer = judge(svc, *report(blame=Blame.IMPOSSIBLE_ROW))
+    assert not answer.evicted and "accused (impossible_row) by a alone" in answer.detail
+    assert svc.evicted == [] and len(svc.applied) == 1 and isinstance(svc.applied[0], d.RingBroken)
+    assert svc.recorded[0][1]["cause"] == "uncorroborated_accusation"
 
 
 def test_a_suspect_that_lost_its_stream_under_this_leader_is_evicted_and_counted():

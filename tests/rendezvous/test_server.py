@@ -216,17 +216,20 @@ def test_below_min_np_fails_job_after_elastic_timeout(serve, client):
     assert not fin.succeeded and "below min_np=2" in fin.reason
 
 
-def test_success_of_one_worker_finishes_job_for_all(serve, client):
+def test_the_job_succeeds_once_every_member_of_its_world_returned_at_the_same_commit(serve, client):
     s = serve()
     job = unique("job")
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     for c in cs:
         c.join()
     wait_world_of(cs, 3)
-    cs[1].report_success()
+    assert cs[1].report_success(commit_step=9) is False   # one member's success ends nothing
+    assert cs[0].report_success(commit_step=9) is False
+    assert cs[2].next_event(0.3) is None
+    assert cs[2].report_success(commit_step=9) is True
     for c in cs:
         fin = next_of(c, Finished)
-        assert fin.succeeded and "w1" in fin.reason
+        assert fin.succeeded and "returned at commit step 9 (w0, w1, w2)" in fin.reason
     late = client(s.address, "late", job_id=job)
     with pytest.raises(RendezvousRPCError) as e:
         late.join()

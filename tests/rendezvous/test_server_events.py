@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import signal
 
+import grpc
 import pytest
 
 from rendezvous.server import decision as d
+from rendezvous.wire.messages import pb, pb_grpc
 from rendezvous.wire.membership import JobSpec
 from rendezvous.client.status_client import StatusClient
 from rendezvous.common.event_log import EVENTS, EventLog
@@ -62,10 +64,11 @@ def test_event_log_of_join_kill_reform_finish_has_exactly_those_events_in_order(
     procs, lead = [], None
     try:
         # w1 and w2 form world 1; w0 (this process) joins it (world 2); w1 is SIGKILLed (world 3);
-        # w0 reports success.
+        # w0 and w2 report success (the job is the world's: every member returns).
         procs.append(WorkerProc([s.address], job, "w1", min_np=2, max_np=3))
         procs[0].wait_event(lambda e: e["event"] == "joined", 10.0, "w1 joined")
         procs.append(WorkerProc([s.address], job, "w2", min_np=2, max_np=3))
+        w2_session = procs[1].wait_event(lambda e: e["event"] == "joined", 10.0, "w2 joined")["session"]
         procs[0].world(1)
         lead = make_client(s.address, "w0", job_id=job, spec=JobSpec(min_np=2, max_np=3))
         lead.join()
@@ -73,7 +76,12 @@ def test_event_log_of_join_kill_reform_finish_has_exactly_those_events_in_order(
         procs[0].kill(signal.SIGKILL)
         w3 = lead.wait_world(timeout_s=10.0, min_version=3)
         assert sorted(m.worker_id for m in w3.members) == ["w0", "w2"]
-        lead.report_success(w3.world_version)
+        assert lead.report_success(w3.world_version, commit_step=5) is False   # w2 has not returned yet
+        with grpc.insecure_channel(s.address) as ch:   # w2's report, with w2's session
+            done = pb_grpc.RendezvousStub(ch).ReportSuccess(
+                pb.ReportSuccessRequest(session_id=w2_session, world_version=w3.world_version, commit_step=5),
+                timeout=10)
+        assert done.finished
         procs[1].wait_event(lambda e: e["event"] == "finished", 10.0, "w2 told the job finished")
     finally:
         if lead is not None:

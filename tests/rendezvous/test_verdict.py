@@ -6,8 +6,10 @@ from dataclasses import replace
 import pytest
 
 from rendezvous.server import decision as d
-from rendezvous.server.verdict import (PROBE_SLACK_S, AwaitProbe, AwaitReattach, Dismiss, Evict, Gone, Inquiry, Probe,
-                                       Refuse, Report, RingBroken, SuspectStream, judge_report)
+from rendezvous.server.verdict import (CORROBORATION_HEARTBEATS, PROBE_SLACK_S, AwaitCorroboration, AwaitProbe,
+                                       AwaitReattach, Dismiss, Evict, Gone, Heard, Inquiry, Probe, Refuse, Report,
+                                       RingBroken, SuspectStream, corroborated, judge_report)
+from rendezvous.wire.membership import Blame
 
 from .fakes import CONFIG, running
 
@@ -37,8 +39,11 @@ def probed(deadline: float = NOW + 1.0, state=WORLD) -> Inquiry:
     return admitted(state, probe_deadline=deadline)
 
 
-def judge(stream=OPEN, rep=None, inquiry=None, state=WORLD, now=NOW):
-    return judge_report(state, stream, rep or report(), inquiry or fresh(), now)
+def judge(stream=OPEN, rep=None, inquiry=None, state=WORLD, now=NOW, heard=None):
+    """`heard`: the other reports about the suspect, as (reporter, blame); this one is added."""
+    rep = rep or report()
+    heard = Heard(((rep.reporter, rep.blame), *(heard or ())))
+    return judge_report(state, stream, rep, heard, inquiry or fresh(), now)
 
 
 def verdict(**kw):
@@ -100,16 +105,101 @@ def test_a_suspect_that_joined_again_is_another_session_and_the_report_is_answer
     assert verdict(inquiry=admitted(), state=rejoined) == Gone("suspect gone meanwhile")
 
 
-# --------------------------------------------------------------------------- unusable address
-def test_an_unusable_ring_address_evicts_the_suspect_even_while_its_stream_is_open():
-    v = verdict(rep=report(unusable_address=True))
-    assert v == Evict("unusable ring address; reported by a: connection reset",
-                      d.Departure.UNUSABLE_ADDRESS, True, "suspect's ring address is unusable")
+# ------------------------------------------------------------------------------- accusations
+def test_an_accusation_no_other_member_joined_waits_for_them_even_while_the_suspect_is_alive():
+    inquiry, v = judge(rep=report(blame=Blame.UNUSABLE))
+    until = NOW + CORROBORATION_HEARTBEATS * HEARTBEAT_TIMEOUT_S + PROBE_SLACK_S
+    assert v == AwaitCorroboration(until) and inquiry.corroboration_deadline == until
 
 
-def test_an_unusable_ring_address_still_waits_for_a_suspect_that_may_reattach():
-    v = verdict(stream=AWAITED, rep=report(unusable_address=True), inquiry=fresh(reattach_until=NOW + 1.0))
+@pytest.mark.parametrize("blame, cause", [
+    (Blame.UNUSABLE, d.Departure.UNUSABLE_ADDRESS),
+    (Blame.IMPOSSIBLE_ROW, d.Departure.BLAMED),
+    (Blame.FALSE_LEAVE, d.Departure.BLAMED),
+    (Blame.DIVERGED, d.Departure.DIVERGED),
+])
+def test_an_accusation_the_majority_of_the_others_made_evicts_the_suspect_even_while_its_stream_is_open(blame, cause):
+    v = verdict(rep=report(blame=blame), heard=[("c", blame)])
+    assert isinstance(v, Evict) and (v.cause, v.count_failure) == (cause, True)
+    assert "reported by 2 of the 2 other member(s) of world 1: a, c);" in v.reason
+
+
+def test_a_failure_report_of_another_member_corroborates_an_accusation():
+    # The suspect never connected: its predecessor finds its address unusable, its successor waited for it.
+    v = verdict(rep=report(blame=Blame.UNUSABLE), heard=[("c", Blame.NONE)])
+    assert isinstance(v, Evict) and v.cause is d.Departure.UNUSABLE_ADDRESS
+
+
+def test_the_failure_report_that_completes_a_majority_evicts_too():
+    v = verdict(rep=report(reporter="c"), heard=[("a", Blame.DIVERGED)])
+    assert isinstance(v, Evict) and v.cause is d.Departure.DIVERGED
+
+
+def test_failure_reports_alone_never_evict_a_live_suspect():
+    assert isinstance(verdict(rep=report(reporter="c"), heard=[("a", Blame.NONE)]), Probe)
+
+
+def test_in_a_world_of_two_the_other_member_is_the_majority():
+    pair = running(["a", "b"])
+    v = verdict(rep=report(blame=Blame.UNUSABLE), state=pair,
+                inquiry=replace(fresh(), suspect_seq=None))
+    assert isinstance(v, Evict) and "reported by 1 of the 1 other member(s)" in v.reason
+
+
+def test_an_accusation_left_alone_re_forms_the_world_and_evicts_nobody():
+    inquiry = admitted(corroboration_deadline=NOW)
+    v = verdict(rep=report(blame=Blame.IMPOSSIBLE_ROW), inquiry=inquiry)
+    assert isinstance(v, RingBroken) and v.cause == "uncorroborated_accusation"
+    assert v.record_detail == "a alone accused rank 1 (b) (impossible_row), every member alive"
+
+
+@pytest.mark.parametrize("blame", [Blame.FALSE_PENDING, Blame.FALSE_LEAVE])
+def test_a_claim_only_the_server_sees_left_alone_is_dismissed_and_breaks_no_ring(blame):
+    v = verdict(rep=report(blame=blame), inquiry=admitted(corroboration_deadline=NOW))
+    assert isinstance(v, Dismiss) and "by a alone, no majority of world 1: not evicted" in v.detail
+
+
+@pytest.mark.parametrize("announced", [
+    replace(WORLD, pending_version=1), replace(WORLD, aborted_version=1),
+], ids=["pending", "aborted"])
+def test_a_pending_change_the_server_announced_is_no_false_claim_however_many_say_so(announced):
+    v = verdict(rep=report(blame=Blame.FALSE_PENDING), heard=[("c", Blame.FALSE_PENDING)], state=announced)
+    assert v == Dismiss("the server did announce a change of world 1: b's claim was true")
+
+
+def test_a_pending_change_never_announced_is_false_once_the_majority_says_so():
+    v = verdict(rep=report(blame=Blame.FALSE_PENDING), heard=[("c", Blame.FALSE_PENDING)])
+    assert isinstance(v, Evict) and v.cause is d.Departure.BLAMED
+
+
+def test_a_worker_does_not_report_itself():
+    assert verdict(rep=report(suspect="a", blame=Blame.UNUSABLE)) == Dismiss("a worker does not report itself")
+
+
+def test_an_accused_suspect_without_a_stream_is_evicted_as_any_reported_one():
+    v = verdict(stream=LOST, rep=report(blame=Blame.UNUSABLE))
+    assert isinstance(v, Evict) and v.cause is d.Departure.REPORTED
+
+
+def test_an_accusation_still_waits_for_a_suspect_that_may_reattach():
+    v = verdict(stream=AWAITED, rep=report(blame=Blame.UNUSABLE), inquiry=fresh(reattach_until=NOW + 1.0))
     assert v == AwaitReattach(NOW + 1.0)
+
+
+# The majority rule, as a table: who is evicted for every split of 3, 4 and 5 ranks. The suspect is
+# rank 0; `accusers` of the others accuse it; the rest say nothing (an honest majority stays silent
+# about an honest member; a hostile minority is all that accuses it).
+@pytest.mark.parametrize("size, accusers, evicted", [
+    (3, 0, False), (3, 1, False), (3, 2, True),
+    (4, 0, False), (4, 1, False), (4, 2, True), (4, 3, True),
+    (5, 0, False), (5, 1, False), (5, 2, False), (5, 3, True), (5, 4, True),
+    (2, 1, True),   # a world of two: the other member is all there is to ask
+])
+def test_the_majority_of_the_other_members_decides(size, accusers, evicted):
+    names = [f"w{i}" for i in range(size)]
+    state = running(names, max_np=size)
+    heard = Heard(tuple((w, Blame.DIVERGED) for w in names[1:1 + accusers]))
+    assert corroborated(state, "w0", heard) is evicted
 
 
 # ------------------------------------------------------------------------------- with a stream

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -223,20 +224,36 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason", "unusable_address", "timed_out")
+    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason", "unusable_address", "timed_out", "blame")
+    class Blame(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NONE: _ClassVar[ReportFailureRequest.Blame]
+        UNUSABLE: _ClassVar[ReportFailureRequest.Blame]
+        IMPOSSIBLE_ROW: _ClassVar[ReportFailureRequest.Blame]
+        FALSE_PENDING: _ClassVar[ReportFailureRequest.Blame]
+        FALSE_LEAVE: _ClassVar[ReportFailureRequest.Blame]
+        DIVERGED: _ClassVar[ReportFailureRequest.Blame]
+    NONE: ReportFailureRequest.Blame
+    UNUSABLE: ReportFailureRequest.Blame
+    IMPOSSIBLE_ROW: ReportFailureRequest.Blame
+    FALSE_PENDING: ReportFailureRequest.Blame
+    FALSE_LEAVE: ReportFailureRequest.Blame
+    DIVERGED: ReportFailureRequest.Blame
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     UNUSABLE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    BLAME_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     world_version: int
     suspect_worker_id: str
     reason: str
     unusable_address: bool
     timed_out: bool
-    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., unusable_address: _Optional[bool] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+    blame: ReportFailureRequest.Blame
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., unusable_address: _Optional[bool] = ..., timed_out: _Optional[bool] = ..., blame: _Optional[_Union[ReportFailureRequest.Blame, str]] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("evicted", "detail")
@@ -247,16 +264,20 @@ class ReportFailureResponse(_message.Message):
     def __init__(self, evicted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ReportSuccessRequest(_message.Message):
-    __slots__ = ("session_id", "world_version")
+    __slots__ = ("session_id", "world_version", "commit_step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     world_version: int
-    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ...) -> None: ...
+    commit_step: int
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., commit_step: _Optional[int] = ...) -> None: ...
 
 class ReportSuccessResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("finished",)
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    finished: bool
+    def __init__(self, finished: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id", "events")

@@ -133,9 +133,12 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportFailure(self, request, context):
-        """A member of world `world_version` could not reach `suspect`, another member. The report is
-        evidence, not a verdict: no stream → evict (right after a leader change, only once the suspect
-        had the heartbeat timeout to reattach); else probe it and wait up to the heartbeat timeout for
+        """A member of world `world_version` could not reach `suspect`, another member, or accuses it
+        (`blame`). The report is evidence, not a verdict: no stream → evict (right after a leader
+        change, only once the suspect had the heartbeat timeout to reattach); an accusation evicts
+        once a majority of the world's other members reported the same suspect for that version
+        (within twice the heartbeat timeout; otherwise the world is formed again, or for a claim the
+        server can check itself, dismissed); else probe it and wait up to the heartbeat timeout for
         the probe answer (not evicted) or the stream to break (evicted); a stream that stays alive is
         trusted. Only an eviction counts against the suspect's host.
         """
@@ -144,7 +147,8 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportSuccess(self, request, context):
-        """A member of world `world_version` finished training: the job is complete for everyone.
+        """A member of world `world_version` finished training: the job is complete for everyone once
+        every member of the current world reported so, at the same commit step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
