@@ -488,8 +488,9 @@ class JobSession(Session):
             evicted = self.client.report_failure(suspect, world.world_version, reason=str(err)[:1000],
                                                  timed_out=err.kind == ErrorKind.Timeout,
                                                  blame=err.blame if isinstance(err, BadPeerError) else Blame.NONE)
+            # Not evicted by this report: gone already (its stream broke first: a SIGKILL), or alive.
             log.info("reported %s (world %d): %s", suspect, world.world_version,
-                     "evicted" if evicted else "still alive")
+                     "evicted" if evicted else "not evicted by this report (gone already, or it proved alive)")
         except _ClientError as e:
             log.warning("could not report failed peer %s: %s", suspect, e)
 
