@@ -150,12 +150,13 @@ def test_world_with_same_version_but_other_members_is_a_new_event(client):
     c = client("127.0.0.1:1", "a", job_id="j")
 
     def world(*members):
-        return pb.WatchEvent(world=pb.World(world_version=1, size=len(members), members=[
-            pb.Member(worker_id=w, rank=i) for i, w in enumerate(members)]))
+        # A world is named by its digest: the server's over every member (world_views.world_digest).
+        return pb.WatchEvent(world=pb.World(world_version=1, size=len(members), peers=[
+            pb.Member(worker_id=w, rank=i) for i, w in enumerate(members)], digest="".join(members).encode()))
     for ev in (world("a", "b"), world("a", "b"), world("a", "c")):
         c._handle(ev, "127.0.0.1:1", c._gen)
     got = [c.next_event(0), c.next_event(0), c.next_event(0)]
-    assert [[m.worker_id for m in w.members] for w in got[:2]] == [["a", "b"], ["a", "c"]]
+    assert [[m.worker_id for m in w.peers] for w in got[:2]] == [["a", "b"], ["a", "c"]]
     assert got[2] is None
 
 
@@ -303,7 +304,7 @@ def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_i
             store.put = real_put
         assert not armed[0] and len(b.ring_secret) == 32
         worlds = wait_world_of([a, b], 2, min_version=2)
-        assert sorted(m.worker_id for m in worlds[0].members) == ["a", "b"]
+        assert sorted(m.worker_id for m in worlds[0].peers) == ["a", "b"]
         a.close()
         b.close()
     finally:

@@ -137,7 +137,7 @@ def test_worker_holding_the_gil_is_not_evicted_even_when_a_peer_reports_it(etcd_
         assert released["t"] - holding["t"] > 1.0, "the worker must hold the GIL past the timeout"
         assert not [e for e in busy.events if e["event"] == "ended"], "the busy worker must not be evicted"
         nxt = calm.wait_world(timeout_s=10.0, min_version=v + 1)
-        assert sorted(m.worker_id for m in nxt.members) == ["busy", "calm"]
+        assert sorted(m.worker_id for m in nxt.peers) == ["busy", "calm"]
     finally:
         calm.close()
 
@@ -257,7 +257,7 @@ def test_worker_that_died_during_server_outage_is_evicted_after_reattach_grace(e
             ev = cs[0].next_event(deadline - time.monotonic())
             assert ev is not None, f"no world {v + 1} within 15 s; events {seen}"
             seen.append(ev)
-        assert [m.worker_id for m in seen[-1].members] == ["w0", "w1"]
+        assert [m.worker_id for m in seen[-1].peers] == ["w0", "w1"]
         (abort,) = [e for e in seen if isinstance(e, Abort)]
         assert abort.world_version == v and "w2" in abort.reason
         # Window: heartbeat timeout 1.5 + leader TTL 1 + reconnect allowance 2 s.

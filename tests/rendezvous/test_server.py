@@ -26,7 +26,7 @@ def test_joined_workers_get_one_world_with_ranks(serve, client):
         c.join()
     worlds = wait_world_of(cs, 4)
     assert worlds[0].world_version == 1
-    assert [m.host for m in worlds[0].members] == ["h0", "h0", "h1", "h1"]
+    assert [m.host for m in worlds[0].peers] == ["h0", "h0", "h1", "h1"]
     assert {(w.rank, w.local_rank, w.cross_rank) for w in worlds} == {(0, 0, 0), (1, 1, 0),
                                                                        (2, 0, 1), (3, 1, 1)}
 
@@ -42,7 +42,7 @@ def test_broken_stream_evicts_and_announces_next_world_promptly(serve, client):
     abort = next_of(cs[0], Abort, timeout_s=1.0)
     world = next_of(cs[0], WorldInfo, timeout_s=1.0)
     assert abort.world_version == v and "watch stream broken" in abort.reason
-    assert [m.worker_id for m in world.members] == ["w0", "w2"] and world.world_version == v + 1
+    assert [m.worker_id for m in world.peers] == ["w0", "w2"] and world.world_version == v + 1
 
 
 def test_clean_leave_is_pending_change_not_abort(serve, client):
@@ -77,7 +77,7 @@ def test_hot_spare_replaces_failed_member(serve, client):
                                               "that fails or leaves")
     cs[0].close()
     worlds = wait_world_of([cs[1], spare], 2, min_version=2)
-    assert [m.worker_id for m in worlds[0].members] == ["w1", "spare"]
+    assert [m.worker_id for m in worlds[0].peers] == ["w1", "spare"]
 
 
 def test_simultaneous_joins_become_one_world(serve, client):
@@ -99,7 +99,7 @@ def test_highest_commit_step_becomes_rank_zero_of_next_world(serve, client):
     cs[1].report_progress(commit_step=30)
     cs[0].close()
     worlds = wait_world_of(cs[1:], 2, min_version=v + 1)
-    assert [m.worker_id for m in worlds[0].members] == ["w2", "w1"]
+    assert [m.worker_id for m in worlds[0].peers] == ["w2", "w1"]
 
 
 def test_report_failure_evicts_suspect_without_stream_at_once(serve, client, stub):
@@ -180,7 +180,7 @@ def test_report_failure_of_live_peer_is_refuted_by_probe(serve, client):
     # b stays: the reporter's ring is broken all the same, so the world re-forms with both (as soon
     # as both acknowledged the abort), once.
     nxt = a.wait_world(timeout_s=5.0, min_version=w.world_version + 1)
-    assert nxt.world_version == w.world_version + 1 and sorted(m.worker_id for m in nxt.members) == ["a", "b"]
+    assert nxt.world_version == w.world_version + 1 and sorted(m.worker_id for m in nxt.peers) == ["a", "b"]
     assert set(s.service.jobs[job].state.workers) == {"a", "b"}
 
 
@@ -317,7 +317,7 @@ def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(
     stub(s).Join(pb.JoinRequest(job_id=job, worker_id="ghost", host="ghost-host",
                                 ring_address="127.0.0.1:5", commit_step=-1), timeout=5)
     world = a.wait_world(timeout_s=5.0)
-    assert [m.worker_id for m in world.members] == ["a"]
+    assert [m.worker_id for m in world.peers] == ["a"]
     joined = time.monotonic()
 
     def ghost_gone():
@@ -356,7 +356,7 @@ def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve
         first = next(iter(call))
         stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}")).value)
         assert stored["world_version"] == v
-        assert first.world.world_version == v and [m.worker_id for m in first.world.members] == \
+        assert first.world.world_version == v and [m.worker_id for m in first.world.peers] == \
             ["a", "b", "c"]
         call.cancel()
     finally:
@@ -385,7 +385,7 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
         assert writes == []
         cs[0].close()   # the next real change stores the steps too, and ranks follow them
         worlds = wait_world_of(cs[1:], 3, min_version=v + 1)
-        assert [m.worker_id for m in worlds[0].members] == ["w3", "w1", "w2"]
+        assert [m.worker_id for m in worlds[0].peers] == ["w3", "w1", "w2"]
         assert len(writes) >= 1
     finally:
         store.put = real_put
@@ -402,7 +402,7 @@ def test_commit_step_is_resent_when_reattaching(serve, client):
     wait_until(lambda: "c" in s.service.jobs[job].streams, 5.0, "c to reattach")
     cs[0].close()
     worlds = wait_world_of(cs[1:], 2, min_version=v + 1)
-    assert [m.worker_id for m in worlds[0].members] == ["c", "b"]
+    assert [m.worker_id for m in worlds[0].peers] == ["c", "b"]
 
 
 async def _forget_steps(s, job):

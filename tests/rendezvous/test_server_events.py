@@ -72,7 +72,7 @@ def test_event_log_of_join_kill_reform_finish_has_exactly_those_events_in_order(
         lead.wait_world(timeout_s=10.0, min_version=2)
         procs[0].kill(signal.SIGKILL)
         w3 = lead.wait_world(timeout_s=10.0, min_version=3)
-        assert sorted(m.worker_id for m in w3.members) == ["w0", "w2"]
+        assert sorted(m.worker_id for m in w3.peers) == ["w0", "w2"]
         lead.report_success(w3.world_version)
         procs[1].wait_event(lambda e: e["event"] == "finished", 10.0, "w2 told the job finished")
     finally:
