@@ -644,14 +644,21 @@ def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
             by_host[h] = []
         by_host[h].append(w)
     # cross rank/size as Horovod defines them: among the hosts that have a worker with this local rank.
+    # Counted in one pass (O(N), not O(N x hosts)): hosts_with[lr] is how many hosts have a
+    # worker of local rank lr, and a host's cross rank is how many came before it.
+    hosts_with = [0] * max((len(ws) for ws in by_host.values()), default=0)
+    for h in host_order:
+        for local_rank in range(len(by_host[h])):
+            hosts_with[local_rank] += 1
+    seen_with = [0] * len(hosts_with)
     members = []
     for h in host_order:
         for local_rank, w in enumerate(by_host[h]):
-            hosts_with_lr = [x for x in host_order if len(by_host[x]) > local_rank]
             worker = state.workers[w]
             members.append(Member(worker_id=w, host=h, ring_address=worker.ring_address,
                                   rank=len(members), local_rank=local_rank,
                                   local_size=len(by_host[h]),
-                                  cross_rank=hosts_with_lr.index(h), cross_size=len(hosts_with_lr),
+                                  cross_rank=seen_with[local_rank], cross_size=hosts_with[local_rank],
                                   commit_step=worker.commit_step))
+            seen_with[local_rank] += 1
     return tuple(members)

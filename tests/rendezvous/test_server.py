@@ -341,27 +341,27 @@ def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve
     v = join_world(cs)
     store = s.server.store
     gate = asyncio.Event()
-    real_put = store.put
+    real_commit = store.commit
 
-    async def held_put(key, value, **kw):   # job writes wait for the gate (a stalled etcd)
-        if "/jobs/" in key:
+    async def held_put(puts, deletes=(), **kw):   # job writes wait for the gate (a stalled etcd)
+        if any("/jobs/" in key for key in puts):
             await gate.wait()
-        return await real_put(key, value, **kw)
-    store.put = held_put
+        return await real_commit(puts, deletes, **kw)
+    store.commit = held_put
     try:
         cs[1].close()   # crash: Abort(v) and then world v + 1 are decided, but cannot be stored
         wait_until(lambda: s.service.jobs[job].state.world_version == v + 1, 5.0,
                    f"world {v + 1} decided in memory")
         call = stub(s).Watch(pb.WatchRequest(session_id=cs[0].session_id), timeout=5)
         first = next(iter(call))
-        stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}")).value)
+        stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}/head")).value)
         assert stored["world_version"] == v
         assert first.world.world_version == v and [m.worker_id for m in first.world.peers] == \
             ["a", "b", "c"]
         call.cancel()
     finally:
         s.loop.call_soon_threadsafe(gate.set)
-        store.put = real_put
+        store.commit = real_commit
 
 
 def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client):
@@ -371,13 +371,13 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
     v = join_world(cs)
     store = s.server.store
     writes = []
-    real_put = store.put
+    real_commit = store.commit
 
-    async def counting_put(key, value, **kw):
-        if "/jobs/" in key:
-            writes.append(len(value))
-        return await real_put(key, value, **kw)
-    store.put = counting_put
+    async def counting_put(puts, deletes=(), **kw):
+        if any("/jobs/" in key for key in puts):
+            writes.append(sum(map(len, puts.values())))
+        return await real_commit(puts, deletes, **kw)
+    store.commit = counting_put
     try:
         for step in range(1, 11):
             for c in cs:
@@ -388,7 +388,7 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
         assert [m.worker_id for m in worlds[0].peers] == ["w3", "w1", "w2"]
         assert len(writes) >= 1
     finally:
-        store.put = real_put
+        store.commit = real_commit
 
 
 def test_commit_step_is_resent_when_reattaching(serve, client):
@@ -422,23 +422,23 @@ def test_write_that_landed_but_reported_an_error_keeps_leadership(serve, client)
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     v = join_world(cs)
     store = s.server.store
-    real_put = store.put
+    real_commit = store.commit
     armed = [True]
 
-    async def lossy_put(key, value, **kw):
-        rev = await real_put(key, value, **kw)
-        if armed[0] and "/jobs/" in key:
+    async def lossy_put(puts, deletes=(), **kw):
+        rev = await real_commit(puts, deletes, **kw)
+        if armed[0] and any("/jobs/" in key for key in puts):
             armed[0] = False
             raise StoreError("put timed out (simulated: applied, response lost)")
         return rev
-    store.put = lossy_put
+    store.commit = lossy_put
     try:
         cs[2].leave()                   # a real change: Pending, then world v + 1
         worlds = wait_world_of(cs[:2], 2, min_version=v + 1)
         assert worlds[0].world_version == v + 1 and not armed[0]
         assert s.service.is_leader and s.service.leadership_losses == 0
     finally:
-        store.put = real_put
+        store.commit = real_commit
 
 
 def test_membership_events_are_logged_when_they_take_effect_not_when_decided(serve, client, caplog):
@@ -452,20 +452,20 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
     v = join_world(cs)
     store = s.server.store
     gate = asyncio.Event()
-    real_put = store.put
+    real_commit = store.commit
 
-    async def held_put(key, value, **kw):
-        if "/jobs/" in key:
+    async def held_put(puts, deletes=(), **kw):
+        if any("/jobs/" in key for key in puts):
             await gate.wait()
-        return await real_put(key, value, **kw)
-    store.put = held_put
+        return await real_commit(puts, deletes, **kw)
+    store.commit = held_put
     try:
         cs[1].close()
         wait_until(lambda: s.service.jobs[job].state.world_version == v + 1, 5.0, f"world {v + 1} decided")
         assert f"job {job}: world {v + 1} announced" not in caplog.text
     finally:
         s.loop.call_soon_threadsafe(gate.set)
-        store.put = real_put
+        store.commit = real_commit
     wait_until(lambda: f"job {job}: world {v + 1} announced" in caplog.text, 5.0,
                "the announcement log")
     assert f"job {job}: abort world {v}" in caplog.text
@@ -476,13 +476,13 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
 
     s = serve()
     store = s.server.store
-    real_put = store.put
+    real_commit = store.commit
 
-    async def failing_put(key, value, **kw):
-        if "/jobs/" in key:
+    async def failing_put(puts, deletes=(), **kw):
+        if any("/jobs/" in key for key in puts):
             raise StoreError("etcd put failed (simulated)")
-        return await real_put(key, value, **kw)
-    store.put = failing_put
+        return await real_commit(puts, deletes, **kw)
+    store.commit = failing_put
     try:
         with pytest.raises(grpc.RpcError) as e:
             stub(s).Join(pb.JoinRequest(job_id=unique("job"), worker_id="w", host="h",
@@ -490,7 +490,7 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
                                         spec=pb.JobSpec(min_np=1, max_np=2)), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot create" in e.value.details()
     finally:
-        store.put = real_put
+        store.commit = real_commit
 
 
 @pytest.mark.slow

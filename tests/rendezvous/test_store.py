@@ -147,3 +147,28 @@ def test_delete_applies_only_at_expected_revision(make_store, prefix):
         assert await store.delete(k, expected_revision=r2) is False   # already gone
         await store.close()
     run_async(body())
+
+
+def test_a_commit_writes_and_deletes_several_keys_at_once_or_not_at_all(make_store, prefix):
+    async def body():
+        store = make_store()
+        fence = Fence(prefix + "leader", b"me")
+        await store.put(prefix + "leader", b"me")
+        head = await store.commit({prefix + "j/head": b"h1", prefix + "j/w/a": b"a"}, expected={prefix + "j/head": 0},
+                                  fence=fence)
+        assert head is not None and (await store.get(prefix + "j/head")).revision == head
+        # A stale expectation changes nothing, not even the keys it did not compare.
+        assert await store.commit({prefix + "j/w/b": b"b"}, [prefix + "j/w/a"], expected={prefix + "j/head": 0},
+                                  fence=fence) is None
+        assert await store.get(prefix + "j/w/b") is None and await store.get(prefix + "j/w/a") is not None
+        rev = await store.commit({prefix + "j/head": b"h2", prefix + "j/w/b": b"b"}, [prefix + "j/w/a"],
+                                 expected={prefix + "j/head": head}, fence=fence)
+        assert rev > head and await store.get(prefix + "j/w/a") is None
+        await store.put(prefix + "leader", b"other")
+        assert await store.commit({prefix + "j/w/c": b"c"}, fence=fence) is None
+        await store.put(prefix + "leader", b"me")
+        assert await store.commit({}, expected={prefix + "j/head": rev}, fence=fence,
+                                  delete_prefixes=[prefix + "j/"]) is not None
+        assert await store.get_prefix(prefix + "j/") == {}
+        await store.close()
+    run_async(body())
