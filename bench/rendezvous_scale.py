@@ -19,7 +19,10 @@ process (no ring, no training); up to 1,024 workers each get their own channel (
 beyond that workers share channels (N/1,024 Watch streams per HTTP/2 connection), because one
 process on this 2-core machine cannot hold 16,384 connections and their keepalive pings. The
 server sees the same RPCs and streams per worker, but fewer connections and pings than N real
-processes would give it. Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of
+processes would give it. That one process opens a worker's Watch later after its Join than a
+real worker would, and shares the 2 cores with the server and etcd, so the server runs with a
+heartbeat timeout of 10 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
+worker is still seen at once, by its stream breaking. Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of
 framing to each, HTTP/2 a few more). Targets at N = 16,384: form <= 3 s, re-form <= 2 s,
 <= 4 KiB per worker per world change, CPU exponent <= 1.1. Only our server runs here: no peer.
 """
@@ -61,9 +64,11 @@ class Server:
         start = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path "
                  "if not type(f).__module__.startswith('_editable')]; sys.path.insert(0, sys.argv[1]); "
                  "sys.argv[1:2] = []; runpy.run_module('rendezvous', run_name='__main__', alter_sys=True)")
+        if os.environ.get("BENCH_SERVER_PROFILE"):   # cProfile of the server, written when it stops
+            start = (f"import cProfile; cProfile.run({start!r}, {os.environ['BENCH_SERVER_PROFILE']!r})")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", start, repo, "serve", "--host", "127.0.0.1", "--port", "0",
-             "--port-file", port_file, "--etcd", etcd, "--etcd-prefix", prefix, "--insecure",
+             "--port-file", port_file, "--etcd", etcd, "--etcd-prefix", prefix, "--insecure", "--leader-ttl", "10", "--heartbeat-timeout", "10",
              "--log-level", os.environ.get("BENCH_SERVER_LOG", "WARNING")], cwd=repo, env=env)
         deadline = time.monotonic() + 30
         while not os.path.exists(port_file):
@@ -85,6 +90,12 @@ class Server:
         return float("nan")
 
     def stop(self) -> None:
+        if os.environ.get("BENCH_SERVER_PROFILE"):
+            self.proc.send_signal(2)   # KeyboardInterrupt: the profile is written on the way out
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
         self.proc.terminate()
         try:
             self.proc.wait(15)

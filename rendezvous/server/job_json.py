@@ -17,7 +17,7 @@ from rendezvous.server.decision import HostRecord, JobSpec, JobState, Member, Ph
 def to_json(state: JobState) -> bytes:
     """Serialize for the store (all times are wall-clock seconds, meaningful across replicas)."""
     # vars() instead of dataclasses.asdict: asdict deep-copies, which dominated at 1,024 workers.
-    d = dict(vars(state))
+    d = {k: v for k, v in vars(state).items() if not k.startswith("_")}   # not the derived caches
     d["spec"] = vars(state.spec)
     d["phase"] = state.phase.value
     d["world"] = [vars(m) for m in state.world]

@@ -98,7 +98,7 @@ def _member_of(rank: int, row: list) -> Member:
 
 
 def _head_json(state: JobState, gen: int, world_gen: int, chunks: int) -> bytes:
-    d = dict(vars(state))
+    d = {k: v for k, v in vars(state).items() if not k.startswith("_")}   # not the derived caches
     del d["workers"], d["world"]
     d["spec"] = vars(state.spec)
     d["phase"] = state.phase.value
