@@ -21,7 +21,7 @@ process on this 2-core machine cannot hold 16,384 connections and their keepaliv
 server sees the same RPCs and streams per worker, but fewer connections and pings than N real
 processes would give it. That one process opens a worker's Watch later after its Join than a
 real worker would, and shares the 2 cores with the server and etcd, so the server runs with a
-heartbeat timeout of 10 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
+heartbeat timeout of 30 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
 worker is still seen at once, by its stream breaking. Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of
 framing to each, HTTP/2 a few more). Targets at N = 16,384: form <= 3 s, re-form <= 2 s,
 <= 4 KiB per worker per world change, CPU exponent <= 1.1. Only our server runs here: no peer.
@@ -68,7 +68,8 @@ class Server:
             start = (f"import cProfile; cProfile.run({start!r}, {os.environ['BENCH_SERVER_PROFILE']!r})")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", start, repo, "serve", "--host", "127.0.0.1", "--port", "0",
-             "--port-file", port_file, "--etcd", etcd, "--etcd-prefix", prefix, "--insecure", "--leader-ttl", "10", "--heartbeat-timeout", "10",
+             "--port-file", port_file, "--etcd", etcd, "--etcd-prefix", prefix, "--insecure",
+             "--leader-ttl", "10", "--heartbeat-timeout", "30",
              "--log-level", os.environ.get("BENCH_SERVER_LOG", "WARNING")], cwd=repo, env=env)
         deadline = time.monotonic() + 30
         while not os.path.exists(port_file):
@@ -114,8 +115,8 @@ def etcd_received_bytes(client_url: str) -> float:
 
 
 class Worker:
-    def __init__(self, channel, job: str, i: int, n: int):
-        self.i = i
+    def __init__(self, channel, job: str, i: int, n: int, min_np: int):
+        self.i, self.min_np = i, min_np
         # The same options as a RendezvousClient: its keepalive pings are part of the server's load.
         self.channel = channel
         self.stub = pb_grpc.RendezvousStub(self.channel)
@@ -131,10 +132,19 @@ class Worker:
         self.session = ""
 
     async def join(self) -> float:
-        resp = await self.stub.Join(pb.JoinRequest(
-            job_id=self.job, worker_id=f"w{self.i:05d}", host=f"host{self.i // 8}",
-            ring_address=f"127.0.0.1:{10000 + self.i}", commit_step=-1,
-            spec=pb.JobSpec(min_np=1, max_np=self.n)), timeout=TIMEOUT_S)
+        request = pb.JoinRequest(job_id=self.job, worker_id=f"w{self.i:05d}", host=f"host{self.i // 8}",
+                                 ring_address=f"127.0.0.1:{10000 + self.i}", commit_step=-1,
+                                 spec=pb.JobSpec(min_np=self.min_np, max_np=self.n))
+        give_up = time.monotonic() + 60   # as a RendezvousClient does: a transient failure is tried again
+        while True:
+            try:
+                resp = await self.stub.Join(request, timeout=TIMEOUT_S)
+                break
+            except grpc.RpcError as e:
+                if time.monotonic() > give_up or e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                                   grpc.StatusCode.CANCELLED):
+                    raise
+                await asyncio.sleep(0.5)
         self.session = resp.session_id
         self.task = asyncio.get_running_loop().create_task(self._watch())
         return time.monotonic()
@@ -150,11 +160,11 @@ class Worker:
         except (grpc.RpcError, asyncio.CancelledError):
             pass
 
-    async def until_world(self, size: int, deadline: float) -> tuple[int, float]:
-        """(version, time received) of the first world of `size` members."""
+    async def until_world(self, size: int, deadline: float, after: int = 0) -> tuple[int, float]:
+        """(version, time received) of the first world of `size` members after version `after`."""
         while True:
             for v, (t, s) in sorted(self.worlds.items()):
-                if s == size:
+                if s == size and v > after:
                     return v, t
             self.changed.clear()
             await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
@@ -171,9 +181,11 @@ class Worker:
             await asyncio.sleep(period_s)
 
 
-async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_percent: float) -> dict:
+async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_percent: float,
+                   min_np_all: bool) -> dict:
     job = f"bench-{n}"
     victims_n = max(1, round(n * kill_percent / 100))
+    min_np = n - victims_n if min_np_all else 1   # the survivors are enough to go on
     per_channel = max(1, -(-n // MAX_CHANNELS))
     channels = []
 
@@ -181,12 +193,12 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
         channels.append(aio.insecure_channel(server.address, options=channel_options()))
         return channels[-1]
     # Victims get a connection each (killing one drops only it); the rest share theirs.
-    workers = [Worker(channel(), job, i, n) for i in range(victims_n)]
+    workers = [Worker(channel(), job, i, n, min_np) for i in range(victims_n)]
     shared = None
     for i in range(victims_n, n):
         if (i - victims_n) % per_channel == 0:
             shared = channel()
-        workers.append(Worker(shared, job, i, n))
+        workers.append(Worker(shared, job, i, n, min_np))
     cpu0 = server.cpu_s()
     sem = asyncio.Semaphore(128)  # bound in-flight joins, like a launcher ramping up
 
@@ -213,7 +225,8 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     killed_at = time.monotonic()
     await asyncio.gather(*(v.crash() for v in victims))
     deadline = time.monotonic() + TIMEOUT_S
-    got = await asyncio.gather(*(w.until_world(len(survivors), deadline) for w in survivors))
+    formed = max(versions)
+    got = await asyncio.gather(*(w.until_world(len(survivors), deadline, formed) for w in survivors))
     versions = {v for v, _ in got}
     assert len(versions) == 1, "survivors disagree on the next world"
     result["recover_s"] = max(t for _, t in got) - killed_at
@@ -260,6 +273,9 @@ def main() -> int:
     p.add_argument("--sizes", default="1024,4096,16384", help="comma-separated N (default: %(default)s)")
     p.add_argument("--kill-percent", type=float, default=1.0,
                    help="workers killed at once for the re-form, in %% of N (at least one; default %(default)s)")
+    p.add_argument("--min-np", choices=("survivors", "1"), default="survivors",
+                   help="the job's min_np: the number that survive the kill (the world forms once nearly "
+                        "all joined; default) or 1 (a world forms, and grows, while workers join)")
     p.add_argument("--repo", default=REPO, help="the checkout whose server runs (default: this one)")
     p.add_argument("--liveness", action="store_true",
                    help="also measure the idle CPU cost of keepalive vs 1 Hz heartbeats")
@@ -277,7 +293,8 @@ def main() -> int:
                 # A fresh server per size, so its peak memory belongs to that size.
                 server = Server(tmp, etcd.endpoint, f"/bench-{n}-{os.getpid()}", os.path.abspath(a.repo))
                 try:
-                    r = asyncio.run(run_size(server, etcd.client_url, n, a.liveness, a.kill_percent))
+                    r = asyncio.run(run_size(server, etcd.client_url, n, a.liveness, a.kill_percent,
+                                             a.min_np == "survivors"))
                     r["peak_mib"] = server.peak_rss_mib()
                     r["cpu_total_s"] = server.cpu_s()
                 finally:
