@@ -172,3 +172,18 @@ def test_a_commit_writes_and_deletes_several_keys_at_once_or_not_at_all(make_sto
         assert await store.get_prefix(prefix + "j/") == {}
         await store.close()
     run_async(body())
+
+
+def test_get_prefix_returns_every_key_of_a_prefix_larger_than_a_page(make_store, prefix):
+    # A job of 16,384 workers is ~6 MB of keys: read in pages, never as one message.
+    from rendezvous.server.store import GET_PAGE
+
+    async def body():
+        store = make_store()
+        keys = {f"{prefix}big/{i:05d}": b"v" * 100 for i in range(GET_PAGE * 2 + 7)}
+        for i in range(0, len(keys), 100):
+            assert await store.commit(dict(list(keys.items())[i:i + 100])) is not None
+        got = await store.get_prefix(prefix + "big/")
+        assert {k: v.value for k, v in got.items()} == keys
+        await store.close()
+    run_async(body(), 120.0)
