@@ -92,7 +92,7 @@ def main() -> None:
 
     def build() -> torch.nn.Module:
         # Once this worker holds a commit every value comes from it: the meta device skips the
-        # random initialisation that would be overwritten (README, Sharded models).
+        # random initialisation that would be overwritten (docs: "From torchrun: FSDP2").
         if args.meta_build and state.commit_step >= 0:
             with torch.device("meta"):
                 return build_model(args.width, args.depth)

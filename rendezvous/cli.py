@@ -40,7 +40,7 @@ ranks, evictions) and keeps all state in etcd so a restart or failover changes n
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-rendezvous", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
@@ -283,7 +283,7 @@ def _status(a: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    a = _parser().parse_args(argv)
+    a = parser().parse_args(argv)
     if a.command == "status":
         return _status(a)
     cfg = config_from_args(a)

@@ -1,4 +1,4 @@
-"""The public names the README lists are the package's, both ways: none listed that does not exist,
+"""The public names the architecture page lists are the package's, both ways: none listed that does not exist,
 none exported that is not listed."""
 
 import os
@@ -6,7 +6,7 @@ import re
 
 import elastic
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "architecture.md")
 
 
 def listed_names(text: str) -> set:

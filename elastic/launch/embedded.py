@@ -71,11 +71,12 @@ class EmbeddedServer:
         self.address = ""
 
     def _read(self, log_line: Callable[[str], None]) -> None:
-        for raw in self.proc.stderr:
-            line = raw.decode(errors="replace").rstrip("\n")
-            if line.strip():
-                self._last = line.strip()
-            log_line(f"[rendezvous] {line}")
+        with self.proc.stderr:   # the reader owns the pipe: closed at the server's EOF
+            for raw in self.proc.stderr:
+                line = raw.decode(errors="replace").rstrip("\n")
+                if line.strip():
+                    self._last = line.strip()
+                log_line(f"[rendezvous] {line}")
 
     def wait_ready(self, timeout_s: float = 30.0, cancelled: Callable[[], bool] = lambda: False) -> str:
         deadline = time.monotonic() + timeout_s

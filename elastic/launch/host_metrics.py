@@ -51,7 +51,9 @@ _GONE_KEPT = 256
 WORKER_METRICS = (
     ("elastic_worker_steps", "counter", "Commits this worker took (one step of the commit protocol each)."),
     ("elastic_worker_step_seconds", "histogram", "Seconds from one commit (or sync) to the next commit."),
-    ("elastic_worker_committed_step", "gauge", "The step of this worker's last commit (-1 before any)."),
+    ("elastic_worker_committed_step", "gauge", "The number of this worker's last commit (-1 before any)."),
+    ("elastic_worker_training_step", "gauge", "The training step this worker's last commit holds (its state's "
+                                              "step; -1 when the state counts none)."),
     ("elastic_allreduce_calls", "counter", "Allreduce calls, by transport (tcp, shm, hierarchical, local)."),
     ("elastic_allreduce_bytes", "counter", "Bytes of the buffers allreduced, by transport."),
     ("elastic_allreduce_seconds", "counter", "Seconds callers were blocked in allreduce (or its synchronize), "
@@ -248,6 +250,7 @@ class _Collector(Collector):
             labels = [str(s.rank) if s.rank >= 0 else "", worker]
             fam["elastic_worker_steps"].add_metric(labels, s.steps)
             fam["elastic_worker_committed_step"].add_metric(labels, s.committed_step)
+            fam["elastic_worker_training_step"].add_metric(labels, s.training_step)
             for kind in TRANSPORTS:
                 calls, nbytes, seconds = s.allreduce.get(kind, (0, 0, 0.0))
                 if kind in s.allreduce:

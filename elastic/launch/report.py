@@ -4,18 +4,22 @@ successive Status answers and the local events the launcher notes, so it is test
 processes.
 
 Durations are measured here, at the launcher: from the moment it saw a failure (a local worker
-reaped, or a world member gone from Status) or a worker start, to the first Status answer that
-shows the new world. Status is polled every 0.2 s, so they are accurate to about that.
+reaped, or a world member gone from Status) to the first Status answer that shows every member of
+the new world having trained a step in it (their progress reports), or from a worker's start to
+the world it joined. Status is polled every 0.2 s, so they are accurate to about that.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from rendezvous.client.status_client import JobStatusInfo
 
 
 WAIT_LINE_EVERY_S = 10.0   # while the job waits for workers to reach min-np: a line this often
+STEP_WAIT_S = 30.0         # a recovered world whose members report no training step: said without it
+BELOW_MIN_GRACE_S = 1.0    # below min-np this long before it is said (not while a launcher stops the job)
 
 
 class Line(str):
@@ -28,6 +32,20 @@ class Line(str):
         line = super().__new__(cls, text)
         line.notable = notable
         return line
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A world formed after a failure, its line held until its members train a step in it."""
+
+    version: int
+    text: str
+    since: float          # the failure
+    what: str
+    formed_at: float
+
+    def formed_line(self) -> Line:
+        return Line(f"{self.text}; formed {self.formed_at - self.since:.2f} s after {self.what}", True)
 
 
 def _ids(workers) -> str:
@@ -50,6 +68,9 @@ class Reporter:
         self._broken: set = set()              # world versions whose ring_broken event was noted
         self._waiting_since: Optional[float] = None   # the job waits below min-np since (as first seen)
         self._waiting_told = 0.0
+        self._below_since: Optional[float] = None    # the job is below min-np (WAITING) since
+        self._below_told = False
+        self._held: Optional[_Held] = None           # a world formed after a failure, until it trains
         # worker id -> (world version, rank or None on standby), as the latest answer naming it
         # said; kept after it is gone from Status, so its failure is still reported with its rank.
         self._ranks: Dict[str, Tuple[int, Optional[int]]] = {}
@@ -124,27 +145,57 @@ class Reporter:
                     text += f"; joined: {_ids(joined)}"
                     if waits:
                         text += f" ({max(waits):.2f} s after start)"
-                if self.failure_since is not None:
-                    took = now - self.failure_since
-                    self.recoveries.append(took)
-                    text += f"; recovered {took:.2f} s after {self.failure_what}"
-                    notable = True
-            self.failure_since = None
+            if self._held is not None:   # a newer world came before the held one trained a step
+                msgs.append(self._held.formed_line())
+                if self.failure_since is None:
+                    self.failure_since, self.failure_what = self._held.since, self._held.what
+                self._held = None
             for w in joined:
                 self.starts.pop(w, None)
-            msgs.append(Line(text, notable))
-        if prev is None or view.phase != prev.phase:
-            if view.phase == "WAITING":
+            if self.failure_since is not None and prev is not None and prev.world_version != 0:
+                # A recovery ends when every member of the new world has trained a step in it.
+                self._held = _Held(view.world_version, text, self.failure_since, self.failure_what, now)
+            else:
+                msgs.append(Line(text, notable))
+            self.failure_since = None
+        if self._held is not None:
+            line = self._recovered(view, now)
+            if line is not None:
+                msgs.append(line)
+        # Below min-np is said once it lasts BELOW_MIN_GRACE_S: a job that stops for another reason
+        # (a worker's exception ends the launcher) drops below min-np on its way out, which is no news.
+        if view.phase == "WAITING":
+            if self._below_since is None:
+                self._below_since = now
+            if not self._below_told and now - self._below_since >= BELOW_MIN_GRACE_S:
+                self._below_told = True
                 alive = sum(1 for m in view.members)
                 msgs.append(Line(f"below min-np={view.min_np}: {alive} worker(s) left; the job fails if it stays "
                                  f"below for {view.elastic_timeout_s:g} s", True))
-            elif view.phase == "RUNNING" and prev is not None and prev.phase == "WAITING":
+        else:
+            if view.phase == "RUNNING" and self._below_told:
                 msgs.append(Line(f"back at {len(view.ranks())} worker(s), at least min-np={view.min_np}", True))
+            self._below_since, self._below_told = None, False
         waiting = self._waiting(view, now)
         if waiting:
             msgs.append(waiting)
         self.last = view
         return msgs
+
+    def _recovered(self, view: JobStatusInfo, now: float) -> Optional[Line]:
+        """The held world's line once every member stepped in it (or STEP_WAIT_S went by without)."""
+        held = self._held
+        ranked = [m for m in view.members if m.rank is not None]
+        if view.world_version == held.version and ranked and all(m.stepped_world >= held.version for m in ranked):
+            took = now - held.since
+            self.recoveries.append(took)
+            self._held = None
+            return Line(f"{held.text}; recovered {took:.2f} s after {held.what}", True)
+        if now - held.formed_at >= STEP_WAIT_S:
+            self.recoveries.append(held.formed_at - held.since)
+            self._held = None
+            return Line(f"{held.formed_line()}; no training step reported in {STEP_WAIT_S:g} s", True)
+        return None
 
     def _waiting(self, view: JobStatusInfo, now: float) -> Optional[Line]:
         """Every WAIT_LINE_EVERY_S while the job has fewer workers than min-np (before its first

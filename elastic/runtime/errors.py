@@ -43,13 +43,13 @@ class LeftJob(SystemExit):
 
     __module__ = "elastic"   # its public name, whatever module defines it
 
-    def __init__(self, reason: str, *, world_version: int = -1, commit_step: int = -1):
+    def __init__(self, reason: str, *, world_version: int = -1, commit_step: int = -1, held: str = ""):
         super().__init__(0)
         self.reason, self.world_version, self.commit_step = reason, world_version, commit_step
+        self.held = held or f"commit {commit_step}"   # the commit and the training step it holds
 
     def __str__(self) -> str:
-        return (f"left the job gracefully ({self.reason}) at commit {self.commit_step} of world version "
-                f"{self.world_version}")
+        return f"left the job gracefully ({self.reason}) at {self.held} of world version {self.world_version}"
 
 
 class Preempted(LeftJob):

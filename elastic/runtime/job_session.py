@@ -16,7 +16,7 @@ import enum
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from rendezvous.client.watch_events import Ended, WorldInfo
 from rendezvous.client.worker_client import RendezvousClient
@@ -28,6 +28,7 @@ from elastic.ring.communicator import Communicator, Listener
 from elastic.ring.errors import BadPeerError, ErrorKind, HandshakeError, WorkerLostError
 from elastic.ring.ring_view import RingView
 from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
+from elastic.runtime.commit_watch import describe_commit, joiner_note_after, joiner_waits
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
                                     Preempted, RendezvousError)
 from elastic.runtime.hooks import WorldChange
@@ -63,6 +64,10 @@ class JobSession(Session):
     def __init__(self, config: WorkerConfig):
         super().__init__(job_id=config.job_id)
         self.config = config
+        self.trained_here = False   # the training function has run in this worker
+        self._forming: Optional[Tuple[int, float]] = None   # (world version, since): its ring is forming
+        self.commit_watch.max_steps = config.commit_warn_steps
+        self.commit_watch.max_seconds = config.commit_warn_seconds
         # Opened before rendezvous: its address is what this worker announces.
         self.listener = Listener(config.ring_host, 0)
         self.client = RendezvousClient(
@@ -192,14 +197,15 @@ class JobSession(Session):
         self.departed = True
         self.leave_request.finish()
         version = world.world_version if world is not None else 0
-        log.warning("worker %s left job %s gracefully (%s) at commit %d of world version %d", self.config.worker_id,
-                    self.config.job_id, self.leave_request.why, commit_step, version)
+        log.warning("worker %s left job %s gracefully (%s) at %s of world version %d", self.config.worker_id,
+                    self.config.job_id, self.leave_request.why, describe_commit(commit_step, self.state), version)
         return self._left(world_version=version, commit_step=commit_step)
 
     def _left(self, world_version: int, commit_step: int) -> LeftJob:
         """The exception that says why this worker left: preempted, asked to, or evicted as a straggler."""
         kind = _LEFT_BY_CAUSE[self.leave_request.cause]
-        return kind(self.leave_request.why, world_version=world_version, commit_step=commit_step)
+        return kind(self.leave_request.why, world_version=world_version, commit_step=commit_step,
+                    held=describe_commit(commit_step, self.state))
 
     def _on_leave_request(self) -> None:
         self._leave_asked.set()
@@ -208,8 +214,16 @@ class JobSession(Session):
 
     # ------------------------------------------------------------------ events
     def _pump_loop(self) -> None:
-        reported, last_report, told = -1, 0.0, None
+        reported, last_report, told, noted, stepped_told = -1, 0.0, None, 0, 0
         while not self._stop.is_set():
+            # A ring that takes long to form waits for members still in the running world: they
+            # switch at their next commit. Say so once per world, not only when the form times out.
+            forming = self._forming
+            if forming is not None and forming[0] != noted and \
+                    time.monotonic() - forming[1] >= joiner_note_after(self.config.comm.form_timeout):
+                noted = forming[0]
+                log.warning("%s", joiner_waits(self.config.worker_id, time.monotonic() - forming[1], forming[0],
+                                               self.config.comm.form_timeout))
             ev = self.client.next_event(0.2)
             if ev is not None:
                 with self._cond:
@@ -222,13 +236,17 @@ class JobSession(Session):
             # world. Sent from here, at most once a second, so commit() never waits on the network.
             # The straggler verdict rides along (elastic.runtime.straggler_detector), at once when it
             # names this worker.
-            commit_step, verdict = self.commit_step, self.straggler_detector.report
+            commit_step, verdict, stepped = self.commit_step, self.straggler_detector.report, self.stepped_world
             named = verdict is not None and verdict.named and not (told is not None and told.named and
                                                                    told.world_version == verdict.world_version)
-            if (commit_step != reported or verdict is not told) and (named or time.monotonic() - last_report >= 1.0):
+            # The first step in a new world goes at once: the launchers count a recovery to it.
+            if (commit_step != reported or verdict is not told or stepped != stepped_told) and \
+                    (named or stepped != stepped_told or time.monotonic() - last_report >= 1.0):
                 try:
-                    self.client.report_progress(commit_step=commit_step, straggler=verdict)
-                    reported, told = commit_step, verdict
+                    held = getattr(self.state, "step", None)
+                    self.client.report_progress(commit_step=commit_step, straggler=verdict, stepped_world=stepped,
+                                                step=held if type(held) is int and held >= 0 else -1)
+                    reported, told, stepped_told = commit_step, verdict, stepped
                     self.straggler_detector.told(verdict)
                 except _ClientError as e:
                     log.debug("progress report failed: %s", e)
@@ -314,7 +332,11 @@ class JobSession(Session):
             old.close()
         if superseded:
             self.abort_ring(f"world version {world.world_version} was superseded before it formed", comm)
-        comm.connect()
+        self._forming = (world.world_version, time.monotonic())
+        try:
+            comm.connect()
+        finally:
+            self._forming = None
         with self._cond:
             self._view = reaction.holding(self._view, world.world_version, formed=True)
             if reaction.aborted_while_forming(self._view, world.world_version):
@@ -366,7 +388,10 @@ class JobSession(Session):
                     # The most advanced rank's state, after its reset callbacks, goes to everyone.
                     self.sync(state)
                     first = restored = False
+                    self.trained_here = True   # its function ran: a restore of commit -1 now undoes work
                     result = self._call(func, state, args, kwargs)
+                    comm = self.ring("the end of the run")
+                    state.make_last_commit_durable(comm, comm.config.timeout / 2)
                     state.on_finish()
                     ending = Ending.SUCCEEDED
                     return result
@@ -411,10 +436,18 @@ class JobSession(Session):
         if plan.stale:   # a neighbour at another world version: ours is stale
             log.warning("%s", error)
         elif action is reaction.StateAction.KEEP_LIVE:
-            log.warning("%s; keeping the live state (commit %d and %d step(s) since, none half done)",
-                        error, *state.standing())
+            commit, since = state.standing()
+            log.warning("%s; keeping the live state (%s and %d step(s) since, none half done)",
+                        error, describe_commit(commit, state), since)
+        elif action is reaction.StateAction.RESTORE and state.commit_step < 0 and self.trained_here:
+            # The one restore that loses everything: say so where nobody can miss it.
+            lost = f" ({self.commit_watch.trained} training step(s) of this worker are lost)" \
+                if self.commit_watch.trained else ""
+            log.error("%s; restoring commit -1: no state.commit() was made in this run, so training RESTARTS FROM "
+                      "THE BEGINNING%s. Call state.commit() every few steps inside the @elastic.run function",
+                      error, lost)
         elif action is reaction.StateAction.RESTORE:
-            log.warning("%s; restoring commit %d", error, state.commit_step)
+            log.warning("%s; restoring %s", error, describe_commit(state.commit_step, state))
         else:
             log.info("%s", error)
         if action is not reaction.StateAction.KEEP and self.metrics is not None:

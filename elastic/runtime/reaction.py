@@ -100,6 +100,9 @@ def react(view: View, event: Event) -> Tuple[View, Tuple[Action, ...]]:
         view = dataclasses.replace(view, finished=event)
         if holding and not event.succeeded:
             return view, (AbortRing(f"job failed: {event.reason}"),)
+        if holding and not view.ring_formed:   # a ring still forming has no run to finish: stop waiting
+            return view, (AbortRing(f"job finished while world version {view.ring_world_version} formed: "
+                                    f"{event.reason}"),)
         return view, ()
     if isinstance(event, Ended):
         view = dataclasses.replace(view, ended=event)

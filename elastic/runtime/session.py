@@ -65,6 +65,7 @@ from elastic.ring.wait_clock import WaitClock
 from elastic.runtime import straggler_detector
 from elastic.runtime.completions import Completions
 from elastic.runtime.errors import LeftJob, MembershipChanged, RendezvousError
+from elastic.runtime.commit_watch import CommitWatch
 from elastic.runtime.hooks import StepHooks
 from elastic.runtime.worker_metrics import Recorder, timed
 
@@ -90,12 +91,16 @@ class Session:
         self._lock = threading.Lock()
         self._failure: Optional[WorkerLostError] = None
         self._sync_clock: Optional[Tuple[Communicator, Any]] = None   # opened by start_sync_clock
+        # Warns (rank 0) when training goes long without a commit; JobSession sets its limits.
+        self.commit_watch = CommitWatch(warn=self._warn_on_rank_0)
+        self.stepped_world = 0                      # the newest world it trained in (note_progress)
 
     # ------------------------------------------------------------------ where this worker is
     def ring(self, what: str = "") -> Communicator:
         """The ring the collectives run on now; a clear error when there is none."""
         comm = self.comm
         if comm is not None:
+            self.commit_watch.check(self.commit_step)   # a monotonic read: every collective may
             return comm
         doing = f"{what}: " if what else ""
         if self.ended:
@@ -148,6 +153,7 @@ class Session:
             # A durable write waits at most half the collective timeout for the one before, so
             # the other ranks, already in the boundary's allreduce, never take this rank for dead.
             state.take_commit(durable=comm.rank == 0, wait_s=comm.config.timeout / 2)
+            self.note_progress()   # a commit in this world: it trains here (a state that counts no steps)
             self.boundary(state, state.commit_step, comm)
 
     def boundary(self, state: Any, commit_step: int, comm: Communicator) -> None:
@@ -160,6 +166,22 @@ class Session:
     def record_commit(self, commit_step: int) -> None:
         """The state holds commit ``commit_step`` now (taken or synced)."""
         self.commit_step = commit_step
+        self.commit_watch.committed()
+
+    def stepped(self) -> None:
+        """A training step completed (a ``TorchState``'s optimizer stepped and its batch was done)."""
+        self.commit_watch.stepped(self.commit_step)
+        self.note_progress()
+
+    def note_progress(self) -> None:
+        """This worker trained in its current world: a step completed, or a commit taken in it."""
+        if self.world is not None:
+            self.stepped_world = self.world.world_version
+
+    def _warn_on_rank_0(self, text: str) -> None:
+        where = self.position()
+        if where is None or where[0] == 0:   # one line for the job, not one per worker
+            log.warning("%s", text)
 
     def check_membership(self, comm: Optional[Communicator] = None) -> None:
         """Raises MembershipChanged on every rank at once when a clean join/leave is pending, or

@@ -1,6 +1,6 @@
 """Worker configuration: the one place the runtime reads the environment the launcher sets.
 
-This is the one table of a worker's environment (README's "Configuration" points here).
+This is the one table of a worker's environment (docs/reference/environment.md is generated from it).
 "default" is what a worker started by hand gets; "elastic-run" is what the launcher sets.
 
 | variable | meaning | default | elastic-run |
@@ -18,9 +18,10 @@ This is the one table of a worker's environment (README's "Configuration" points
 | ``ELASTIC_ELASTIC_TIMEOUT`` | seconds the job may stay below min-np | the server's (600) | ``--elastic-timeout`` (600) |
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 | inherited |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form (the rendezvous aborts it sooner when a peer fails) | ``ELASTIC_WORLD_TIMEOUT`` | inherited |
-| ``ELASTIC_COLLECTIVE_TIMEOUT`` | seconds a worker may stay in one collective before it fails and the world re-forms (README: "The collective timeout") | 1800 | ``--collective-timeout`` |
+| ``ELASTIC_COLLECTIVE_TIMEOUT`` | seconds a worker may stay in one collective before it fails and the world re-forms (docs: "The collective timeout") | 1800 | ``--collective-timeout`` |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 | inherited |
 | ``ELASTIC_DEFAULT_GROUP`` | ``0`` (``false``, ``no``, ``off``): ``elastic.run`` leaves torch.distributed's default group unset (``elastic.process_group()`` still works) | ``1`` | inherited |
+| ``ELASTIC_COMMIT_WARN_STEPS`` / ``ELASTIC_COMMIT_WARN_SECONDS`` | warn once (rank 0) when training goes this many steps or seconds without a ``state.commit()``; 0: never (``elastic.runtime.commit_watch``) | 1000 / 600 | inherited |
 | ``ELASTIC_PREEMPT_GRACE`` | seconds a worker asked to leave (SIGTERM, SIGINT, ``elastic.request_leave()``) may take to reach a commit boundary; then it ends as a failure | 30 | ``--preempt-grace`` |
 | ``ELASTIC_STRAGGLER_POLICY``, ``ELASTIC_STRAGGLER_FACTOR``, ``ELASTIC_STRAGGLER_WINDOWS``, ``ELASTIC_STRAGGLER_WINDOW`` | straggler detection: what happens to a straggler (``report``, ``evict``, ``off``), how many times the median compute time is slow, how many slow windows in a row name it, the shortest window in seconds (``elastic.runtime.straggler_detector.StragglerConfig``) | ``report``, 1.5, 3, 1 | ``--straggler-policy``, ``--straggler-factor``, ``--straggler-windows``, ``--straggler-window`` |
 | ``ELASTIC_LOG_LEVEL`` | log the runtime's lines (rank of each world, standby, recoveries) on stderr at this level, unless the script configured logging itself (``elastic.runtime.logs``) | unset: Python's defaults | ``--log-level`` (``info``; ``--quiet``: ``warning``) |
@@ -33,7 +34,7 @@ This is the one table of a worker's environment (README's "Configuration" points
 | ``ELASTIC_RESTART_COUNT`` | times this slot was started before (read by scripts, not here) | unset | the count |
 
 elastic-run also sets torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS``
-(README: "From torchrun"), and, unless they are set already, ``PYTHONUNBUFFERED=1``,
+(docs: "From torchrun: DDP"), and, unless they are set already, ``PYTHONUNBUFFERED=1``,
 ``GRPC_VERBOSITY=ERROR`` and ``GRPC_ENABLE_FORK_SUPPORT=0`` (``elastic.launch.environment``).
 
 The ring secret is not configured: the rendezvous server makes a random one per job and hands it
@@ -52,6 +53,7 @@ from rendezvous.common.channel import channel_credentials, is_loopback, parse_ad
 from rendezvous.wire.membership import DEFAULT_MAX_NP
 
 from elastic.runtime import worker_metrics as metrics
+from elastic.runtime.commit_watch import DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS
 from elastic.ring.communicator import CommConfig
 from elastic.runtime.straggler_detector import StragglerConfig
 
@@ -77,6 +79,8 @@ class WorkerConfig:
     world_timeout: float = 600.0
     reset_limit: int = 0
     preempt_grace: float = 30.0
+    commit_warn_steps: int = DEFAULT_MAX_STEPS       # ELASTIC_COMMIT_WARN_STEPS (0: never)
+    commit_warn_seconds: float = DEFAULT_MAX_SECONDS  # ELASTIC_COMMIT_WARN_SECONDS (0: never)
     log_level: Optional[str] = None         # ELASTIC_LOG_LEVEL: install the "elastic" log handler (elastic.runtime.logs)
     metrics_socket: Optional[str] = None    # elastic-run --metrics-port: push metrics there
     metrics_token: Optional[str] = dataclasses.field(default=None, repr=False)
@@ -133,6 +137,8 @@ class WorkerConfig:
             world_timeout=number("ELASTIC_WORLD_TIMEOUT", float, 600.0),
             reset_limit=number("ELASTIC_RESET_LIMIT", int, 0),
             preempt_grace=number("ELASTIC_PREEMPT_GRACE", float, 30.0),
+            commit_warn_steps=number("ELASTIC_COMMIT_WARN_STEPS", int, DEFAULT_MAX_STEPS),
+            commit_warn_seconds=number("ELASTIC_COMMIT_WARN_SECONDS", float, DEFAULT_MAX_SECONDS),
             log_level=_log_level(env.get("ELASTIC_LOG_LEVEL", "")),
             metrics_socket=metrics_socket,
             metrics_token=metrics_token,

@@ -46,7 +46,7 @@ ENV_SOCKET = "ELASTIC_METRICS_SOCKET"
 ENV_TOKEN = "ELASTIC_METRICS_TOKEN"
 PUSH_EVERY_S = 1.0
 MAX_SNAPSHOT_BYTES = 8192
-FORMAT = 2   # 2: restores
+FORMAT = 3   # 2: restores; 3: training_step
 
 # How an allreduce ran: over TCP, over shared memory (a same-host neighbour), the hierarchical
 # algorithm (shm within hosts, TCP between them), or in a world of one (no link).
@@ -60,7 +60,8 @@ BUCKETS: Dict[str, Tuple[float, ...]] = {
     "recovery": (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0),
 }
 
-_INTS = ("rank", "size", "world_version", "committed_step", "steps", "recoveries", "steps_redone", "restores")
+_INTS = ("rank", "size", "world_version", "committed_step", "training_step", "steps", "recoveries", "steps_redone",
+         "restores")
 _MAX_INT = 2 ** 53   # JSON numbers beyond this lose precision; no real counter gets there
 
 
@@ -84,6 +85,7 @@ class Recorder:
         self.worker_id, self.token = worker_id, token
         self.rank, self.size, self.world_version = -1, 0, 0
         self.committed_step, self.steps = -1, 0
+        self.training_step = -1   # the training step the last commit holds (the state's step; -1: none)
         self.recoveries, self.steps_redone, self.lost_seconds = 0, 0, 0.0
         self.restores = 0   # failures that rolled the state back to the last commit (the rest kept it live)
         self.allreduce: Dict[str, list] = {}        # transport -> [calls, bytes, seconds]
@@ -172,7 +174,8 @@ class Recorder:
     def snapshot(self, final: bool = False) -> bytes:
         doc = {"v": FORMAT, "worker": self.worker_id, "token": self.token, "final": final,
                "rank": self.rank, "size": self.size, "world_version": self.world_version,
-               "committed_step": max(self.committed_step, -1), "steps": self.steps,
+               "committed_step": max(self.committed_step, -1), "training_step": self.training_step,
+               "steps": self.steps,
                "recoveries": self.recoveries, "steps_redone": self.steps_redone, "restores": self.restores,
                "lost_seconds": self.lost_seconds, "straggler_score": self.straggler_score,
                "allreduce": {k: list(v) for k, v in list(self.allreduce.items())},
@@ -234,6 +237,8 @@ class _Timed:
 
     def __exit__(self, kind, value, tb) -> None:
         step = self.state.commit_step
+        held = getattr(self.state, "step", None)   # the training step it holds, as the state counts it
+        self.rec.training_step = held if type(held) is int and held >= 0 else -1
         if self.what == "commit":
             # Counted even when the membership check ends it with an exception: the copy was taken.
             self.rec.commit_done(step, step != self.step, self.started, kind is None)
@@ -268,6 +273,7 @@ class Snapshot:
     size: int
     world_version: int
     committed_step: int
+    training_step: int
     steps: int
     recoveries: int
     steps_redone: int
@@ -313,7 +319,8 @@ def parse_snapshot(data: bytes, tokens: Mapping[str, str]) -> Snapshot:
         raise SnapshotRejected("bad_token", f"worker {worker!r}: wrong token")
     if not isinstance(doc["final"], bool):
         raise SnapshotRejected("schema", "final is not true or false")
-    ints = {k: _number(doc[k], k, True, low=-1 if k in ("rank", "committed_step") else 0) for k in _INTS}
+    ints = {k: _number(doc[k], k, True, low=-1 if k in ("rank", "committed_step", "training_step") else 0)
+            for k in _INTS}
     allreduce = doc["allreduce"]
     if not isinstance(allreduce, dict) or not set(allreduce) <= set(TRANSPORTS):
         raise SnapshotRejected("schema", f"allreduce transports must be among {', '.join(TRANSPORTS)}")

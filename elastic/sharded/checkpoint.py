@@ -42,11 +42,13 @@ from elastic.sharded import reshard
 log = logging.getLogger("elastic")
 
 KEEP = 2   # durable commits kept
-_DIR = re.compile(r"sharded-(\d{1,19})")
+_DIR = re.compile(r"sharded-(\d{1,19})(?:-[a-z0-9-]{1,80})?")
 
 
-def dir_name(step: int) -> str:
-    return f"sharded-{step:012d}"
+def dir_name(step: int, position: str = "") -> str:
+    """The directory of durable commit ``step``, named with the training step it holds
+    (``sharded-000000000006-step-60``; ``position`` as ``elastic.runtime.commit_watch`` gives it)."""
+    return checkpoint.file_name(step, position).replace("elastic-commit-", "sharded-", 1)[:-len(".ckpt")]
 
 
 def dcp_key(key: str) -> str:
@@ -61,11 +63,11 @@ def _item_bytes(t: torch.Tensor) -> bytes:
 
 
 def write_rank(directory: str, step: int, rank: int, table: List[list], shards: Dict[str, torch.Tensor],
-               extra: Dict[str, torch.Tensor]) -> np.ndarray:
+               extra: Dict[str, torch.Tensor], position: str = "") -> np.ndarray:
     """Writes this rank's file of durable commit ``step``; returns its (offset, length) per table
     entry then per ``extra`` key (-1 where it holds no rows), as an int64 array, and the SHA-256
     of each item (32 bytes each) after them."""
-    path = os.path.join(directory, dir_name(step))
+    path = os.path.join(directory, dir_name(step, position))
     os.makedirs(path, mode=0o700, exist_ok=True)
     out = np.full(2 * (len(table) + len(extra)), -1, dtype=np.int64)
     digests = bytearray(32 * (len(table) + len(extra)))
@@ -85,13 +87,13 @@ def write_rank(directory: str, step: int, rank: int, table: List[list], shards: 
 
 
 def finish(directory: str, step: int, size: int, table: List[list], extra: Dict[str, torch.Tensor],
-           replicated: Dict[str, Any], written: np.ndarray) -> str:
+           replicated: Dict[str, Any], written: np.ndarray, position: str = "") -> str:
     """Rank 0, once every rank's file is written (``written``: every rank's ``write_rank``
     answer, stacked): DCP's ``.metadata``, then our index, which makes the commit complete."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                        TensorProperties, TensorStorageMetadata)
-    path = os.path.join(directory, dir_name(step))
+    path = os.path.join(directory, dir_name(step, position))
     n_items = len(table) + len(extra)
     md: Dict[str, Any] = {}
     storage: Dict[Any, Any] = {}

@@ -44,7 +44,7 @@ import torch
 
 from elastic.ring.errors import BadPeerError, ElasticError, ErrorKind
 from elastic.ring.ops import Sum
-from elastic.runtime import hooks, lifecycle
+from elastic.runtime import commit_watch, hooks, lifecycle
 from elastic.runtime.errors import LeftJob, MembershipChanged
 from elastic.sharded import checkpoint as durable_format
 from elastic.sharded import reshard, transfer
@@ -198,14 +198,15 @@ class ShardedState(ObjectState):
     def _write_durable(self, comm) -> None:
         """Every rank writes its file, then one allgather (entered once the file is on disk, or
         its write failed) tells rank 0 where every item is; rank 0 completes the commit."""
-        step, own = self.commit_step, self._own
+        step, own, where = self.commit_step, self._own, commit_watch.position(self)
         table = own["replicated"]["table"]
         extra = {"model." + k: v for k, v in own["replicated"]["buffers"].items()}
         extra.update({durable_format.dcp_key(k): v for k, v in own["replicated"]["scalars"].items()
                       if isinstance(v, torch.Tensor)})
         n = 2 * (len(table) + len(extra)) + 4 * (len(table) + len(extra))
         try:
-            written = durable_format.write_rank(self._checkpoint_dir, step, comm.rank, table, own["shards"], extra)
+            written = durable_format.write_rank(self._checkpoint_dir, step, comm.rank, table, own["shards"], extra,
+                                                where)
             ok = 1
         except OSError as e:
             log.error("durable commit %d: rank %d could not write its shards to %s: %s", step, comm.rank,
@@ -221,8 +222,8 @@ class ShardedState(ObjectState):
             return
         try:
             path = durable_format.finish(self._checkpoint_dir, step, comm.size, table, extra, own["replicated"],
-                                         every[:, 1:])
-            log.info("durable commit %d written to %s", step, path)
+                                         every[:, 1:], where)
+            log.info("durable %s written to %s", commit_watch.describe_commit(step, self), path)
         except (OSError, TypeError) as e:
             log.error("durable commit %d could not be completed in %s: %s", step, self._checkpoint_dir, e)
 
@@ -336,12 +337,14 @@ class ShardedState(ObjectState):
                                                   "buddy_bytes": sent, "seconds": seconds,
                                                   "phases": r["clock"].phases})
         if r["disk"] is not None:
-            log.info("world version %d: resumed from durable commit %d in %s (written by %d ranks) in %.3f s",
-                     comm.world_version, r["disk"].step, r["disk"].path, r["disk"].size, seconds)
+            log.info("world version %d: resumed from durable %s in %s (written by %d ranks) in %.3f s",
+                     comm.world_version, commit_watch.describe_commit(r["disk"].step, self), r["disk"].path,
+                     r["disk"].size, seconds)
         else:
             g = r["from"]
-            log.info("world version %d: resumed from commit %d (%d-rank layout of world version %d), %d bytes moved "
-                     "in %.3f s", comm.world_version, g.step, g.size, g.world_version, r["moved"], seconds)
+            log.info("world version %d: resumed from %s (%d-rank layout of world version %d), %d bytes moved "
+                     "in %.3f s", comm.world_version, commit_watch.describe_commit(g.step, self), g.size,
+                     g.world_version, r["moved"], seconds)
         return r["root"], self.commit_step
 
     def _reshard(self, comm) -> Dict[str, Any]:
@@ -502,6 +505,11 @@ class ShardedState(ObjectState):
         self._load_attributes(snapshot["attrs"])
 
     # ------------------------------------------------------------------ the whole state
+    def make_last_commit_durable(self, comm: Any, wait_s: float) -> None:
+        """Every rank writes the run's last commit (a collective, as every durable commit here)."""
+        if self._checkpoint_dir and self.commit_step >= 0 and self._written != self.commit_step:
+            self._write_durable(comm)
+
     def on_finish(self) -> None:
         """``elastic.run``'s function returned on every rank: gather the full model while the
         ring is still up, for ``full_state_dict()`` after the run."""

@@ -1,7 +1,9 @@
 """Durable commits on disk: a checksummed file per commit, the newest two kept, a corrupt one
 skipped, and a directory no other user can write.
 
-A file, ``elastic-commit-<step>.ckpt`` (all integers little-endian):
+A file, ``elastic-commit-<commit>-<position>.ckpt``, ``<position>`` the training step the commit
+holds as the state counts it (``step-70``, ``epoch-3-batch-10``; absent when the state has no such
+counter; ``elastic.runtime.commit_watch.position``), all integers little-endian:
 
 | offset | bytes | what |
 | --- | --- | --- |
@@ -54,7 +56,7 @@ KEEP = 2  # durable commits kept: the newest, and the one before in case the new
 
 _HEADER = struct.Struct("<8sIqQ")
 _DIGEST = 32
-_NAME = re.compile(r"elastic-commit-(\d{1,19})\.ckpt")
+_NAME = re.compile(r"elastic-commit-(\d{1,19})(?:-[a-z0-9-]{1,80})?\.ckpt")
 _LEGACY_NAME = "elastic-commit.pt"  # pickle files of earlier versions: never read
 # At the end of elastic.run and at process exit, how long the write in flight may take to finish:
 # less than the 30 s the launcher gives workers to exit after the job succeeded.
@@ -63,8 +65,10 @@ IDLE_EXIT_S = 30.0  # a writer thread with nothing to write for this long ends
 NOTABLE_WAIT_S = 0.1  # a commit that waited this long for the previous write says so (a warning)
 
 
-def file_name(step: int) -> str:
-    return f"elastic-commit-{step:012d}.ckpt"
+def file_name(step: int, position: str = "") -> str:
+    """The file of durable commit ``step``, which holds the training step ``position`` (``step 70``)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", position.lower()).strip("-")[:80].strip("-")
+    return f"elastic-commit-{step:012d}-{slug}.ckpt" if slug else f"elastic-commit-{step:012d}.ckpt"
 
 
 def _describe(st: os.stat_result) -> str:
@@ -108,13 +112,13 @@ def prepare_directory(directory: str) -> None:
     check_directory(directory)
 
 
-def write(directory: str, step: int, state: Any) -> str:
+def write(directory: str, step: int, state: Any, position: str = "") -> str:
     """Writes ``state`` as the durable commit ``step``, atomically; keeps the newest ``KEEP``
     files and returns the new file's path. ``TypeError`` if the state cannot be carried."""
     encoded = serialization.encode(state)
     header = _HEADER.pack(MAGIC, VERSION, step, encoded.nbytes)
     digest = encoded.hash_into(hashlib.sha256(header))
-    path = os.path.join(directory, file_name(step))
+    path = os.path.join(directory, file_name(step, position))
 
     def write_to(f) -> None:
         f.write(header)
@@ -241,7 +245,8 @@ class DurableWriter:
     def __init__(self, directory: str):
         self.directory = directory
         self._cond = threading.Condition()
-        self._job: Optional[Tuple[int, Any]] = None  # (step, snapshot) handed over and not yet written
+        self._job: Optional[Tuple[int, Any, str]] = None  # (step, snapshot, position) handed over, not yet written
+        self.submitted: Optional[int] = None   # the last commit handed over (written or being written)
         self._thread: Optional[threading.Thread] = None
         self.written: Optional[int] = None  # step of the last commit written
         self.failed: Optional[Tuple[int, str]] = None  # (step, reason) of the last failure, until a write succeeds
@@ -262,7 +267,7 @@ class DurableWriter:
         with self._cond:
             return None if self._job is None else self._job[0]
 
-    def submit(self, step: int, snapshot: Any, wait_s: float) -> bool:
+    def submit(self, step: int, snapshot: Any, wait_s: float, position: str = "") -> bool:
         """Hands ``snapshot`` (commit ``step``) to the writer; False (logged) when the previous
         write was still running after ``wait_s`` seconds and this commit is not written."""
         started = time.monotonic()
@@ -279,7 +284,8 @@ class DurableWriter:
                 log.log(logging.WARNING if waited >= NOTABLE_WAIT_S else logging.DEBUG,
                         "durable commit %d waited %.1f s for the write of commit %d to %s", step, waited, previous,
                         self.directory)
-            self._job = (step, snapshot)
+            self._job = (step, snapshot, position)
+            self.submitted = step
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="elastic-durable-writer", daemon=True)
                 self._thread.start()
@@ -321,10 +327,10 @@ class DurableWriter:
                         self._thread = None
                         return
                     self._cond.wait(left)
-                step, snapshot = self._job
-            path = os.path.join(self.directory, file_name(step))
+                step, snapshot, position = self._job
+            path = os.path.join(self.directory, file_name(step, position))
             try:
-                self.write_file(self.directory, step, snapshot)
+                self.write_file(self.directory, step, snapshot, position)
             except BaseException as e:  # noqa: B036 - a thread that died here would hold the job forever
                 log.error("durable commit %d could not be written to %s: %s; the in-memory commit stands and the "
                           "next durable commit tries again", step, path, _reason(e))

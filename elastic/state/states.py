@@ -35,6 +35,7 @@ import numpy as np
 
 from elastic.state import checkpoint
 from elastic.runtime import step_phase
+from elastic.runtime import commit_watch, current
 from elastic.runtime.lifecycle import session_now
 from elastic.state import sync as state_sync
 from elastic.ring import serialization
@@ -251,7 +252,12 @@ class State:
         """Hands the commit just taken to the background writer; waits (logged) only while the
         previous write still runs, at most ``wait_s``, and past that leaves this one unwritten
         (logged). Never raises for the disk: failed writes are logged by the writer."""
-        return self._writer.submit(self.commit_step, self._snapshot, wait_s)
+        return self._writer.submit(self.commit_step, self._snapshot, wait_s, commit_watch.position(self))
+
+    def make_last_commit_durable(self, comm: Any, wait_s: float) -> None:
+        """At the run's end the last commit goes to disk too (durable commits on), whatever ``checkpoint_every``."""
+        if comm.rank == 0 and self._checkpoint_dir and 0 <= self.commit_step != self._writer.submitted:
+            self.write_checkpoint(wait_s)
 
     def finish_durable_commits(self, timeout_s: Optional[float] = None) -> bool:
         """Waits until the durable commit being written is on disk; False (logged) when it is not
@@ -535,6 +541,9 @@ class TorchState(ObjectState):
         if step_phase.completes_a_step(before, phase):
             object.__setattr__(self, "_progress", self._progress + 1)
             self._copy_buffers()
+            session = current.session()
+            if session is not None:
+                session.stepped()   # counts toward the warning of a job that does not commit
 
     def _batch_recorded(self) -> None:
         self._step_event(step_phase.Event.BATCH_RECORDED)

@@ -1,5 +1,5 @@
 """A torch DDP training script in two versions that differ only where elastic-ring needs it:
-ddp_torchrun.py as torchrun runs it, ddp_elastic.py on elastic-ring (README: From torchrun).
+ddp_torchrun.py as torchrun runs it, ddp_elastic.py on elastic-ring (docs: "From torchrun: DDP").
 
     torchrun --standalone --nproc-per-node 2 examples/from_torchrun/ddp_torchrun.py
     elastic-run --np 2 -- python examples/from_torchrun/ddp_elastic.py

@@ -36,6 +36,8 @@ class MemberStatusInfo:
     cross_size: int = 0
     age_s: float = 0.0               # seconds since it joined
     straggler: Optional[StragglerReport] = None   # its latest report in the current world (None: none yet)
+    stepped_world: int = 0           # the newest world it completed a training step in (0: none known)
+    step: int = -1                   # the training step its last commit holds (-1: unknown)
 
     @property
     def in_world(self) -> bool:
@@ -120,7 +122,8 @@ def _member_status(m: pb.MemberStatus) -> MemberStatusInfo:
     return MemberStatusInfo(mm.worker_id, mm.host, mm.rank if m.in_world else None, m.attached,
                             mm.commit_step, mm.ring_address, mm.local_rank, mm.local_size,
                             mm.cross_rank, mm.cross_size, m.age_s,
-                            straggler_from_pb(m.straggler) if m.HasField("straggler") else None)
+                            straggler_from_pb(m.straggler) if m.HasField("straggler") else None,
+                            m.stepped_world, m.step)
 
 
 def _job_status(j: pb.JobStatus) -> JobStatusInfo:

@@ -62,13 +62,16 @@ def format_status(status: StatusInfo, events: int = 0) -> str:
                      f"np {j.min_np}..{j.max_np}" + (f"  ({safe(j.reason)})" if j.reason else "")
                      + (f"  blacklisted: {safe(','.join(j.blacklisted_hosts))}"
                         if j.blacklisted_hosts else ""))
-        rows = [("RANK", "WORKER", "HOST", "LOCAL", "CROSS", "RING ADDRESS", "STEP", "PACE", "ATTACHED",
+        # COMMIT counts the worker's commits; STEP is the training step it is at (its state's
+        # `step`, "-" when it has none): the two differ, and a reader needs both.
+        rows = [("RANK", "WORKER", "HOST", "LOCAL", "CROSS", "RING ADDRESS", "COMMIT", "STEP", "PACE", "ATTACHED",
                  "AGE")]
         for m in j.members:
             rows.append((str(m.rank) if m.in_world else "standby", safe(m.worker_id), safe(m.host),
                          f"{m.local_rank}/{m.local_size}" if m.in_world else "-",
                          f"{m.cross_rank}/{m.cross_size}" if m.in_world else "-",
-                         safe(m.ring_address), str(m.commit_step), format_pace(m.straggler),
+                         safe(m.ring_address), str(m.commit_step), str(m.step) if m.step >= 0 else "-",
+                         format_pace(m.straggler),
                          "yes" if m.attached else "no", format_age(m.age_s)))
         lines += _table(rows)
     if events:

@@ -277,10 +277,11 @@ class RendezvousClient:
                                          finished=ev.finished)
 
     def report_progress(self, commit_step: int = -1, timeout_s: float = 1.0,
-                        straggler: Optional[StragglerReport] = None) -> int:
-        """Report the step of the last commit (-1: unchanged) and this worker's pace
-        (``straggler``); returns the server's current world version. ``spares`` keeps what the
-        answer says of the workers that could take this one's place.
+                        straggler: Optional[StragglerReport] = None, stepped_world: int = 0, step: int = -1) -> int:
+        """Report the step of the last commit (-1: unchanged), this worker's pace (``straggler``),
+        the newest world it completed a training step in and the training step its last commit
+        holds (``step``, -1: unknown); returns the server's current world version. ``spares``
+        keeps what the answer says of the workers that could take this one's place.
 
         Short default deadline: callers send it from their event loop, which must not stall for long
         during a server outage (the step is resent on the next call and on reattach anyway).
@@ -288,7 +289,8 @@ class RendezvousClient:
         if commit_step > self._commit_step:
             self._commit_step = commit_step
         resp = self._call("ReportProgress", pb.ReportProgressRequest(
-            session_id=self._sid(), commit_step=commit_step, straggler=wire.straggler_pb(straggler)),
+            session_id=self._sid(), commit_step=commit_step, straggler=wire.straggler_pb(straggler),
+            stepped_world=stepped_world, step=step),
             timeout_s)
         self.spares = resp.spares
         return resp.world_version

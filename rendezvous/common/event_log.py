@@ -33,7 +33,7 @@ EVENTS = frozenset({
     "job_created", "world_formed", "worker_joined", "worker_left", "worker_evicted", "ring_broken",
     "straggler_detected", "straggler_left",
     "worker_started", "worker_exited", "worker_respawned",
-    "recovery", "commit_restored", "preempted", "job_finished",
+    "recovery", "preempted", "job_finished",
 })
 
 MAX_TEXT = 1000   # a reason longer than this is cut: one event is one readable line

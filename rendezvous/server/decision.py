@@ -231,7 +231,7 @@ class Departure(str, enum.Enum):
         return _EVICTION_LABELS[self]
 
 
-# One table, so the README's list of causes, the event log and the tests cannot drift from it.
+# One table, so the documented list of causes, the event log and the tests cannot drift from it.
 _EVICTION_LABELS: dict[Departure, Optional[str]] = {
     Departure.LEFT: None,
     Departure.STRAGGLER: None,                      # a clean leave

@@ -47,6 +47,9 @@ class Job:
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False                  # being removed from the store or replaced: RPCs retry
     stragglers: StragglerBoard = field(default_factory=StragglerBoard)
+    # worker id -> (the newest world it completed a training step in, the step its last commit
+    # holds): what its ReportProgress said, for Status. Soft state: resent, never stored.
+    progress: dict = field(default_factory=dict)
     _views: Optional[WorldViews] = None    # of the last world asked for (see views())
 
     def views(self, world_version: int, members: tuple) -> WorldViews:

@@ -40,9 +40,9 @@ def check_host(value: str) -> None:
         raise bad("host", value, "1..255 chars of [A-Za-z0-9._:[]-]")
 
 
-def check_step(value: int) -> None:
+def check_step(value: int, name: str = "commit_step") -> None:
     if value < -1:
-        raise bad("commit_step", value, ">= -1")
+        raise bad(name, value, ">= -1")
 
 
 MAX_SCORE = 1e6

@@ -11,7 +11,7 @@ one process (tests, an embedded server next to a real one) do not collide. What 
   observation, per RPC and per store call, never per stream message.
 
 Names follow Prometheus conventions: `elastic_rendezvous_…`, base units, `_total` counters,
-`_seconds` histograms. README.md ("Operating") lists them all.
+`_seconds` histograms. docs/reference/metrics.md lists them all.
 """
 from __future__ import annotations
 

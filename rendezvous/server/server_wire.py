@@ -7,7 +7,7 @@ this module is the server's, so a worker never loads it (nor the decision it rea
 """
 from __future__ import annotations
 
-from typing import Container, Mapping, Optional, Union
+from typing import Container, Mapping, Optional, Tuple, Union
 
 import grpc
 
@@ -55,17 +55,20 @@ def refusal(rejected: d.Rejected, message: str, phase: d.Phase) -> RpcRefusal:
 
 
 def job_status(state: d.JobState, attached: Container[str], now: float,
-               stragglers: Mapping[str, StragglerReport] = {}) -> pb.JobStatus:   # noqa: B006 (read only)
+               stragglers: Mapping[str, StragglerReport] = {},   # noqa: B006 (read only)
+               progress: Mapping[str, Tuple[int, int]] = {}) -> pb.JobStatus:   # noqa: B006 (read only)
     """One job as Status shows it: its world's members in rank order, with their straggler
-    reports (`stragglers`, by worker id), then the standby workers."""
+    reports (`stragglers`, by worker id) and progress (`progress`: the newest world each stepped
+    in, the training step its last commit holds), then the standby workers."""
     js = pb.JobStatus(job_id=state.job_id, world_version=state.world_version, phase=state.phase.value,
                       reason=state.reason, spec=spec_pb(state.spec),
                       blacklisted_hosts=state.blacklisted_hosts(now))
     for m in state.world:
         if m.worker_id in state.workers:
+            stepped, step = progress.get(m.worker_id, (0, -1))
             js.members.add(member=member_pb(m), in_world=True, attached=m.worker_id in attached,
                            age_s=now - state.workers[m.worker_id].joined_at,
-                           straggler=straggler_pb(stragglers.get(m.worker_id)))
+                           straggler=straggler_pb(stragglers.get(m.worker_id)), stepped_world=stepped, step=step)
     for wid in state.standby():
         w = state.workers[wid]
         js.members.add(member=pb.Member(worker_id=wid, host=w.host, ring_address=w.ring_address,

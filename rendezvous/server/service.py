@@ -536,9 +536,12 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         request_checks.check_step(request.commit_step)
         if request.HasField("straggler"):
             request_checks.check_straggler(request.straggler.score)
+        request_checks.check_step(request.step, "step")
         job, w = self._by_session(request.session_id)
         if request.commit_step > w.commit_step:
             self.journal.apply(job, d.Progress(w.worker_id, request.commit_step))
+        if job.state.member(w.worker_id) is not None:   # a world it steps in is one it is in (or was)
+            job.progress[w.worker_id] = (min(request.stepped_world, job.state.world_version), request.step)
         spare = 0
         if request.HasField("straggler"):   # its pace: soft state (pace.py)
             spare = job.stragglers.heard(job.state, w, wire.straggler_from_pb(request.straggler), time.time(),
@@ -593,13 +596,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         n_events = min(request.events, RECENT_PER_JOB)
         now = time.time()
         if self.is_leader:
-            jobs = {j: (job.state, set(job.streams), job.stragglers.current(job.state)) for j, job in self.jobs.items()}
+            jobs = {j: (job.state, set(job.streams), job.stragglers.current(job.state), dict(job.progress))
+                    for j, job in self.jobs.items()}
         else:  # all state is in the store: a follower can answer too (nobody is attached to it)
             try:
                 stored = await self.journal.load()
             except StoreError as e:
                 raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, str(e))
-            jobs = {state.job_id: (state, set(), {}) for state, _ in stored}
+            jobs = {state.job_id: (state, set(), {}, {}) for state, _ in stored}
         # Only the caller's own jobs: another token's jobs are not even named.
         caller = auth.caller()
         jobs = {j: v for j, v in jobs.items() if auth.owns(v[0], caller)}
@@ -607,8 +611,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         for job_id in sorted(jobs):
             if request.job_id and job_id != request.job_id:
                 continue
-            state, attached, stragglers = jobs[job_id]
-            js = server_wire.job_status(state, attached, now, stragglers)
+            state, attached, stragglers, progress = jobs[job_id]
+            js = server_wire.job_status(state, attached, now, stragglers, progress)
             js.events.extend(server_wire.job_event_pb(e) for e in
                              self.history.recent(job_id, state.credential, n_events))
             out.jobs.append(js)

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 from elastic.launch.flags import parse as parse_launch
-from rendezvous.cli import _parser as rendezvous_parser, config_from_args
+from rendezvous.cli import parser as rendezvous_parser, config_from_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(REPO, "deploy", "kubernetes")

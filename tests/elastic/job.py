@@ -248,10 +248,10 @@ if STOP_BEFORE_FORM:
 if SLOW_DISK:
     _write_file = elastic.state.checkpoint.write
 
-    def slow_write(directory, step, snapshot):
+    def slow_write(directory, step, snapshot, position=""):
         started = time.time()
         time.sleep(SLOW_DISK)  # a disk this much slower
-        path = _write_file(directory, step, snapshot)
+        path = _write_file(directory, step, snapshot, position)
         event("durable", commit=step, started=started)
         return path
 

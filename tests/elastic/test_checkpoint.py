@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 
 import pytest
@@ -16,6 +17,13 @@ from elastic.runtime import collectives
 from elastic.ring import serialization
 
 from .bait import planted_pickle, planted_torch_save, prove_it_bites
+
+def commit_file(directory, commit: int) -> str:
+    """The durable commit file of ``commit`` in ``directory``, whatever training step its name shows."""
+    found = [n for n in os.listdir(directory) if re.fullmatch(rf"elastic-commit-{commit:012d}(-[a-z0-9-]+)?\.ckpt", n)]
+    assert len(found) == 1, (commit, sorted(os.listdir(directory)))
+    return os.path.join(str(directory), found[0])
+
 
 
 @pytest.fixture
@@ -176,7 +184,7 @@ def test_state_resumes_from_the_commit_before_a_truncated_newest_one_and_goes_on
         first.w += 1
         first.commit()  # commit_step 0..4; durable at 0, 2, 4
     assert first.finish_durable_commits()  # written on the writer thread
-    newest = os.path.join(directory, checkpoint.file_name(4))
+    newest = commit_file(directory, 4)
     with open(newest, "r+b") as f:
         f.truncate(os.path.getsize(newest) - 10)
     again = elastic.ObjectState(epoch=0, w=torch.zeros(3))

@@ -139,7 +139,7 @@ def test_sigterm_while_joining_leaves_once_the_server_answers(job_factory, serve
     finally:
         server.signal(signal.SIGCONT)
     assert job.wait(["w0"], timeout=30) == {"w0": 0}, job.log("w0")
-    assert "left job job gracefully (SIGTERM) at commit -1 of world version 0" in job.log("w0")
+    assert "left job job gracefully (SIGTERM) at commit -1 (none made yet) of world version 0" in job.log("w0")
     status = StatusClient([server.address])
     try:
         check_no_member(status, "w0")

@@ -84,12 +84,18 @@ def test_a_newer_world_aborts_a_ring_still_forming():
     assert aborts(actions) == [AbortRing("world version 3 superseded by 4 while forming")]
 
 
-def test_finished_while_forming_aborts_only_when_the_job_failed():
+def test_finished_while_forming_aborts_the_forming_ring_either_way():
+    # A joiner forming the next world waits for members that finished their run instead: it stops.
     _, actions = react(in_ring(3, formed=False), Finished(True, "w1 reported success"))
-    assert aborts(actions) == []
+    assert aborts(actions) == [AbortRing("job finished while world version 3 formed: w1 reported success")]
     view, actions = react(in_ring(3, formed=False), Finished(False, "below min_np for 600 s"))
     assert aborts(actions) == [AbortRing("job failed: below min_np for 600 s")]
     assert view.finished == Finished(False, "below min_np for 600 s")
+
+
+def test_success_keeps_a_formed_ring_for_the_collectives_after_the_run():
+    view, actions = react(in_ring(3), Finished(True, "w1 reported success"))
+    assert aborts(actions) == [] and view.finished.succeeded
 
 
 def test_finished_before_any_ring_is_recorded_for_the_wait():

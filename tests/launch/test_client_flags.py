@@ -8,7 +8,7 @@ import pytest
 
 from elastic.launch.flags import parser as launch_parser
 from elastic.runtime import worker_config
-from rendezvous.cli import _parser as rendezvous_parser
+from rendezvous.cli import parser as rendezvous_parser
 from rendezvous.common import client_flags
 
 

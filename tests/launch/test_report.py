@@ -11,8 +11,10 @@ import dataclasses
 from rendezvous.client.status_client import JobEventInfo, JobStatusInfo, MemberStatusInfo
 
 
-def view(version, ranked, standby=(), phase="RUNNING", min_np=1):
-    members = tuple(MemberStatusInfo(w, "h", r, True, 0) for r, w in enumerate(ranked))
+def view(version, ranked, standby=(), phase="RUNNING", min_np=1, stepped=True):
+    """``stepped``: every member has trained a step in this world (False: none has yet)."""
+    members = tuple(MemberStatusInfo(w, "h", r, True, 0, stepped_world=version if stepped else version - 1)
+                    for r, w in enumerate(ranked))
     members += tuple(MemberStatusInfo(w, "h", None, True, -1) for w in standby)
     return JobStatusInfo("job", phase, "", version, min_np, 8, 600.0, members)
 
@@ -32,6 +34,39 @@ def test_a_failure_is_reported_with_who_left_and_the_recovery_time():
     assert r.update(view(2, ["a", "c"]), 10.4) == [
         "world 2: 2 worker(s); left: b; recovered 0.40 s after b killed by SIGKILL"]
     assert r.recoveries == [pytest.approx(0.4)]
+
+
+def test_a_recovery_is_counted_to_the_first_step_every_member_of_the_new_world_trained():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b", "c"]), 1.0)
+    r.note_failure("b killed by SIGKILL", 10.0)
+    assert r.update(view(2, ["a", "c"], stepped=False), 10.05) == []    # formed, nobody stepped yet
+    half = view(2, ["a", "c"])
+    half = dataclasses.replace(half, members=(half.members[0], dataclasses.replace(half.members[1], stepped_world=1)))
+    assert r.update(half, 10.2) == []                                   # one of the two stepped
+    assert r.update(view(2, ["a", "c"]), 10.4) == [
+        "world 2: 2 worker(s); left: b; recovered 0.40 s after b killed by SIGKILL"]
+    assert r.recoveries == [pytest.approx(0.4)]
+
+
+def test_a_world_that_reports_no_step_is_said_formed_after_a_while():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    r.note_failure("b killed by SIGKILL", 10.0)
+    assert r.update(view(2, ["a"], stepped=False), 10.3) == []
+    assert r.update(view(2, ["a"], stepped=False), 40.5) == [
+        "world 2: 1 worker(s); left: b; formed 0.30 s after b killed by SIGKILL; no training step reported in 30 s"]
+    assert r.recoveries == [pytest.approx(0.3)]
+
+
+def test_a_newer_world_before_the_first_step_carries_the_recovery_on():
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b", "c"]), 1.0)
+    r.note_failure("b killed by SIGKILL", 10.0)
+    assert r.update(view(2, ["a", "c"], stepped=False), 10.2) == []
+    assert r.update(view(3, ["a", "c", "b2"]), 11.0) == [
+        "world 2: 2 worker(s); left: b; formed 0.20 s after b killed by SIGKILL",
+        "world 3: 3 worker(s); joined: b2; recovered 1.00 s after b killed by SIGKILL"]
 
 
 def test_a_remote_failure_starts_the_clock_when_status_shows_the_member_gone():
@@ -115,12 +150,24 @@ def test_a_join_is_reported_with_the_time_since_the_worker_started_and_no_recove
     assert r.recoveries == []
 
 
-def test_waiting_below_min_np_and_coming_back_are_reported():
+def test_waiting_below_min_np_and_coming_back_are_reported_once_it_lasts():
     r = Reporter(now=0.0)
     r.update(view(1, ["a", "b"], min_np=2), 1.0)
-    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == [
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == []
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.5) == []
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 3.0) == [
         "below min-np=2: 1 worker(s) left; the job fails if it stays below for 600 s"]
-    assert r.update(view(2, ["a", "b2"], min_np=2), 3.0)[-1] == "back at 2 worker(s), at least min-np=2"
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 4.0) == []
+    assert r.update(view(2, ["a", "b2"], min_np=2), 5.0)[-1] == "back at 2 worker(s), at least min-np=2"
+
+
+def test_a_job_below_min_np_only_on_its_way_out_says_nothing_of_it():
+    # A worker's exception stops the launcher: Status shows WAITING for a moment before the end.
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"], min_np=2), 1.0)
+    assert r.update(view(1, ["a"], phase="WAITING", min_np=2), 2.0) == []
+    assert r.update(view(2, ["a", "b2"], min_np=2), 2.5) == [
+        "world 2: 2 worker(s); left: b; joined: b2; recovered 0.50 s after b left the world"]
 
 
 def test_ranks_come_from_status_and_outlive_the_worker_s_place_in_it():

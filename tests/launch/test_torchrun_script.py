@@ -1,4 +1,4 @@
-"""A torchrun DDP script and its elastic-ring version (examples/from_torchrun/): the README shows
+"""A torchrun DDP script and its elastic-ring version (examples/from_torchrun/): the docs show
 the first whole and the real diff to the second, both train to the end under their own
 launcher, and what a torchrun script does that cannot work here says what to do instead."""
 
@@ -34,13 +34,16 @@ def _readme_block(readme: str, language: str, after: str) -> str:
     return m.group(1)
 
 
-def test_the_readme_shows_the_whole_torchrun_script_and_the_real_diff_to_its_elastic_version():
-    with open(os.path.join(REPO, "README.md")) as f:
+@pytest.mark.parametrize("kind,page", [("ddp", "ddp.md"), ("fsdp", "fsdp.md")])
+def test_the_docs_show_the_whole_torchrun_script_and_the_real_diff_to_its_elastic_version(kind, page):
+    with open(os.path.join(REPO, "docs", "guides", page)) as f:
         readme = f.read()
-    torchrun, elastic_version = _read(TORCHRUN_SCRIPT), _read(ELASTIC_SCRIPT)
-    assert _readme_block(readme, "python", "examples/from_torchrun/ddp_torchrun.py").splitlines() == torchrun
-    diff = list(difflib.unified_diff(torchrun, elastic_version, "ddp_torchrun.py", "ddp_elastic.py", lineterm=""))
-    assert _readme_block(readme, "diff", "examples/from_torchrun/ddp_elastic.py").splitlines() == diff
+    torchrun = _read(os.path.join(EXAMPLES, f"{kind}_torchrun.py"))
+    elastic_version = _read(os.path.join(EXAMPLES, f"{kind}_elastic.py"))
+    assert _readme_block(readme, "python", f"examples/from_torchrun/{kind}_torchrun.py").splitlines() == torchrun
+    diff = list(difflib.unified_diff(torchrun, elastic_version, f"{kind}_torchrun.py", f"{kind}_elastic.py",
+                                     lineterm=""))
+    assert _readme_block(readme, "diff", f"examples/from_torchrun/{kind}_elastic.py").splitlines() == diff
     removed = sum(1 for line in diff[2:] if line.startswith("-"))
     added = sum(1 for line in diff[2:] if line.startswith("+"))
     blank = sum(1 for line in diff[2:] if line == "+")
@@ -70,6 +73,26 @@ def test_the_torchrun_script_and_its_elastic_version_both_train_to_the_end(launc
     # Saved by rank 0 after the run, then barrier and destroy_process_group on both.
     saved = [torch.load(tmp_path / name, weights_only=True) for name in ("torchrun.pt", "elastic.pt")]
     assert saved[0].keys() == saved[1].keys() and all(saved[1][k].shape == v.shape for k, v in saved[0].items())
+    p.wait_no_leftovers()
+
+
+@pytest.mark.slow
+def test_the_fsdp_torchrun_script_and_its_elastic_version_both_train_to_the_end_without_warnings(launch, tmp_path):
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(EXAMPLES, "fsdp_torchrun.py"), "--epochs", "2", "--ckpt", str(tmp_path / "dcp")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    p = launch("--np", "2", "--host", "hA", command=[sys.executable, os.path.join(EXAMPLES, "fsdp_elastic.py"),
+                                                     "--epochs", "2", "--ckpt", str(tmp_path / "ck")])
+    assert p.wait(240) == 0, p.text()
+    for text in (torchrun.stdout, p.text()):
+        epochs = _epochs(text)
+        assert [(e, n, b) for e, _, n, b in epochs] == [("0", "512", "16"), ("1", "512", "16")], text
+        assert float(epochs[1][1]) < float(epochs[0][1]), text
+    assert "Warning" not in p.text(), p.text()
+    # Each epoch's commit is durable: DCP's format, readable without elastic-ring.
+    assert sorted(os.listdir(tmp_path / "ck"))
     p.wait_no_leftovers()
 
 

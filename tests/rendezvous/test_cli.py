@@ -42,10 +42,10 @@ def test_serve_rejects_bad_arguments_with_a_clear_message(args, message):
 
 
 def test_serve_flags_left_out_mean_the_server_configs_defaults():
-    from rendezvous.cli import _parser, config_from_args
+    from rendezvous.cli import parser, config_from_args
     from rendezvous.server.server_config import ServerConfig
 
-    got, want = config_from_args(_parser().parse_args(["serve", "--insecure"])), ServerConfig(insecure=True)
+    got, want = config_from_args(parser().parse_args(["serve", "--insecure"])), ServerConfig(insecure=True)
     for field in ("host", "port", "etcd_prefix", "heartbeat_timeout_s", "leader_ttl_s", "settle_s",
                   "settle_max_s", "default_elastic_timeout_s", "blacklist_after", "cooldown_min_s",
                   "cooldown_max_s", "advertise_address"):
@@ -59,9 +59,9 @@ def test_serve_flags_left_out_mean_the_server_configs_defaults():
     (["--settle", "0.5", "--settle-max", "1"], 1.0),
 ])
 def test_settle_max_follows_settle_unless_given(args, settle_max):
-    from rendezvous.cli import _parser, config_from_args
+    from rendezvous.cli import parser, config_from_args
 
-    cfg = config_from_args(_parser().parse_args(["serve", "--insecure", *args]))
+    cfg = config_from_args(parser().parse_args(["serve", "--insecure", *args]))
     assert cfg.decision().settle_max_s == settle_max
 
 

@@ -114,10 +114,10 @@ def test_etcd_settings_that_cannot_work_are_refused(overrides, message):
 
 
 def test_the_password_never_goes_on_the_command_line():
-    from rendezvous.cli import _parser
+    from rendezvous.cli import parser
 
     with pytest.raises(SystemExit):
-        _parser().parse_args(["serve", "--insecure", "--etcd-password", "pw"])
+        parser().parse_args(["serve", "--insecure", "--etcd-password", "pw"])
 
 
 def test_unreadable_etcd_tls_files_are_named(tmp_path, capsys):

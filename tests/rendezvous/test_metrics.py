@@ -284,14 +284,14 @@ def test_serve_help_documents_the_metrics_and_events_flags(capsys):
 
 
 def test_metrics_flags_left_out_mean_the_server_configs_defaults():
-    from rendezvous.cli import _parser, config_from_args
+    from rendezvous.cli import parser, config_from_args
     from rendezvous.server.server_config import ServerConfig
 
-    got = config_from_args(_parser().parse_args(["serve", "--insecure"]))
+    got = config_from_args(parser().parse_args(["serve", "--insecure"]))
     want = ServerConfig(insecure=True)
     assert (got.metrics_port, got.metrics_host, got.events_path) == \
         (want.metrics_port, want.metrics_host, want.events_path) == (None, "127.0.0.1", None)
-    got = config_from_args(_parser().parse_args(["serve", "--insecure", "--metrics-port", "9400",
+    got = config_from_args(parser().parse_args(["serve", "--insecure", "--metrics-port", "9400",
                                                  "--metrics-host", "0.0.0.0"]))
     assert (got.metrics_port, got.metrics_host) == (9400, "0.0.0.0")
 

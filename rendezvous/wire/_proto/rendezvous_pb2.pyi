@@ -177,14 +177,18 @@ class StragglerReport(_message.Message):
     def __init__(self, world_version: _Optional[int] = ..., score: _Optional[float] = ..., slow_windows: _Optional[int] = ..., named: _Optional[bool] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("session_id", "commit_step", "straggler")
+    __slots__ = ("session_id", "commit_step", "straggler", "stepped_world", "step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    STEPPED_WORLD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_step: int
     straggler: StragglerReport
-    def __init__(self, session_id: _Optional[str] = ..., commit_step: _Optional[int] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ...) -> None: ...
+    stepped_world: int
+    step: int
+    def __init__(self, session_id: _Optional[str] = ..., commit_step: _Optional[int] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ..., stepped_world: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("world_version", "spares")
@@ -298,18 +302,22 @@ class JobEvent(_message.Message):
     def __init__(self, time: _Optional[float] = ..., event: _Optional[str] = ..., world_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., detail: _Optional[str] = ..., numbers: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("member", "in_world", "attached", "age_s", "straggler")
+    __slots__ = ("member", "in_world", "attached", "age_s", "straggler", "stepped_world", "step")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     IN_WORLD_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    STEPPED_WORLD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     member: Member
     in_world: bool
     attached: bool
     age_s: float
     straggler: StragglerReport
-    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., in_world: _Optional[bool] = ..., attached: _Optional[bool] = ..., age_s: _Optional[float] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ...) -> None: ...
+    stepped_world: int
+    step: int
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., in_world: _Optional[bool] = ..., attached: _Optional[bool] = ..., age_s: _Optional[float] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ..., stepped_world: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "spec", "world_version", "phase", "reason", "members", "blacklisted_hosts", "events")
