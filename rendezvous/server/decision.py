@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import enum
 import hmac
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
+from rendezvous.server.derived import DERIVED, ack_counts, carry, eligible_count, replace
 # The values both sides share (a worker asks with a JobSpec and receives Members) live in
 # membership.py, so that a worker loads none of the decision; they are the decision's too.
 from rendezvous.wire.membership import DEFAULT_MAX_NP, JobSpec, Member  # noqa: F401
@@ -161,7 +161,7 @@ class JobState:
 
     def _world_index(self) -> Mapping[str, int]:
         """Rank by worker id of the world's members: built once per world (the states a decision
-        derives share it, see _carry), so a membership question costs O(1), not O(N)."""
+        derives share it, see derived.carry), so a membership question costs O(1), not O(N)."""
         cached = self.__dict__.get("_index")
         if cached is None or cached[0] is not self.world:
             cached = (self.world, {m.worker_id: i for i, m in enumerate(self.world)})
@@ -424,9 +424,9 @@ def decide(state: JobState, event: Event, now: float,
         raise TypeError(f"unknown event {event!r}")
     worker_id = getattr(event, "worker_id", None)
     if worker_id is not None and state is not before:
-        state = _carry(before, state, worker_id)
+        state = carry(before, state, worker_id)
     result, actions = _evaluate(state, now, config, actions)
-    for name in _DERIVED:   # each records what it was derived from: a stale one is never used
+    for name in DERIVED:   # each records what it was derived from: a stale one is never used
         if name in state.__dict__ and name not in result.__dict__:
             object.__setattr__(result, name, state.__dict__[name])
     return result, actions
@@ -457,86 +457,8 @@ def abort_acknowledged(state: JobState) -> bool:
     nobody the next world could wait for is left, so it need not wait out the settle window."""
     if state.aborted_version != state.world_version or not state.world:
         return False
-    alive, acked = _ack_counts(state)
+    alive, acked = ack_counts(state)
     return alive > 0 and acked == alive
-
-
-def _ack_counts(state: JobState) -> tuple[int, int]:
-    """(members of the world still registered, those of them that acknowledged its abort): kept
-    on the state like the eligible count, since every acknowledgement asks."""
-    cached = state.__dict__.get("_acks")
-    if cached is not None and all(a is b for a, b in zip(cached[:3], (state.workers, state.world,
-                                                                        state.abort_acks))):
-        return cached[3], cached[4]
-    alive = sum(1 for m in state.world if m.worker_id in state.workers)
-    acked = sum(1 for w in set(state.abort_acks) if w in state.workers and state.in_world(w))
-    object.__setattr__(state, "_acks", (state.workers, state.world, state.abort_acks, alive, acked))
-    return alive, acked
-
-
-def _blocked(state: JobState, now: Optional[float]) -> frozenset:
-    return frozenset(h for h, r in state.hosts.items()
-                     if r.blacklisted_until and (now is None or r.blacklisted_until > now))
-
-
-def _counts(state: JobState, w: Optional[Worker], blocked: frozenset) -> int:
-    """1 when worker `w` (None: not registered) is eligible for the next world, else 0."""
-    return int(w is not None and (state.in_world(w.worker_id) or (w.attached and w.host not in blocked)))
-
-
-def eligible_count(state: JobState, now: Optional[float] = None) -> int:
-    """len(eligible(state, now)) without sorting (the server asks after every event). Kept on the
-    state and carried from one state to the next by decide() when only one worker changed, so
-    an event costs O(1) here, not O(N) (N events would cost O(N^2))."""
-    blocked = _blocked(state, now)
-    cached = state.__dict__.get("_eligible")
-    if cached is not None and cached[0] is state.workers and cached[1] is state.world and cached[2] == blocked:
-        return cached[3]
-    count = sum(_counts(state, w, blocked) for w in state.workers.values())
-    object.__setattr__(state, "_eligible", (state.workers, state.world, blocked, count))
-    return count
-
-
-_DERIVED = ("_index", "_eligible", "_acks")   # what a state caches of itself (see _carry)
-
-
-def replace(obj, **changes):
-    """dataclasses.replace that hands a JobState's derived values on to the new state: each records
-    what it was derived from (compared by identity where it is used), so one that no longer holds
-    is recomputed, and one that does (the world's index, when the world is the same) is kept."""
-    new = dataclasses.replace(obj, **changes)
-    if isinstance(obj, JobState):
-        for name in _DERIVED:
-            if name in obj.__dict__:
-                object.__setattr__(new, name, obj.__dict__[name])
-    return new
-
-
-def _carry(before: JobState, after: JobState, worker_id: str) -> JobState:
-    """Carries `before`'s derived values (the world's index, the eligible count) over to `after`,
-    a state that differs from it at most in worker `worker_id` and in fields neither depends on."""
-    index = before.__dict__.get("_index")
-    if index is not None and index[0] is after.world:
-        object.__setattr__(after, "_index", index)
-    cached = before.__dict__.get("_eligible")
-    if (cached is not None and cached[0] is before.workers and cached[1] is before.world is after.world
-            and after.hosts is before.hosts):
-        blocked = cached[2]
-        count = (cached[3] - _counts(before, before.workers.get(worker_id), blocked)
-                 + _counts(after, after.workers.get(worker_id), blocked))
-        object.__setattr__(after, "_eligible", (after.workers, after.world, blocked, count))
-    acks = before.__dict__.get("_acks")
-    if (acks is not None and acks[0] is before.workers and acks[1] is before.world is after.world
-            and acks[2] is before.abort_acks):
-        def alive(s: JobState) -> int:
-            return int(worker_id in s.workers and s.in_world(worker_id))
-
-        def acked(s: JobState) -> int:
-            return alive(s) if worker_id in s.abort_acks else 0
-        object.__setattr__(after, "_acks", (after.workers, after.world, after.abort_acks,
-                                            acks[3] - alive(before) + alive(after),
-                                            acks[4] - acked(before) + acked(after)))
-    return after
 
 
 def eligible(state: JobState, now: Optional[float] = None) -> list[str]:
