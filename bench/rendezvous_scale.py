@@ -1,24 +1,38 @@
-"""Scale benchmark of the rendezvous service: N lightweight workers join one job on the etcd-backed server.
+"""Scale benchmark of the rendezvous service: N simulated workers join one job on the etcd-backed server.
 
 For each N it prints: time from the last join until every worker holds the same world; time from
-killing 10% of the workers (their connections drop, as on a crash) until every survivor holds the next
-world; the server's CPU time and peak memory (it runs as its own process against a local etcd).
+killing 1% of the workers (their connections drop, as on a crash) until every survivor holds the next
+world; the server's CPU time and peak memory (it runs as its own process against a local etcd); the
+bytes of World messages sent for one world change (the re-form), in all and to the worker that got
+the most; the bytes the server sent etcd for that change (etcd's own count of what its clients sent
+it); and the exponent of server CPU per world change against N, fitted over the sizes (1: linear).
 With --liveness it also compares the server's CPU cost of keeping N idle workers alive with HTTP/2
 keepalive only (the design) against a unary RPC per worker per second, as Python heartbeats would
 be (the alternative; ReportProgress stands in for one).
 
-    python bench/rendezvous_scale.py                    # N = 64, 256, 1024
+    python bench/rendezvous_scale.py                    # N = 1024, 4096, 16384
     python bench/rendezvous_scale.py --sizes 64,128 --liveness
+    python bench/rendezvous_scale.py --sizes 1024 --repo ../main   # another checkout's server
 
-Workers are grpc.aio clients in this process, each with its own channel (its own TCP connection, as
-separate processes would have). Targets at N = 1024: <= 3 s and <= 2 s. Only our server runs
-here: no peer.
+How the simulation differs from real workers: every worker is a grpc.aio client in this one
+process (no ring, no training); up to 1,024 workers each get their own channel (TCP connection),
+beyond that workers share channels (N/1,024 Watch streams per HTTP/2 connection), because one
+process on this 2-core machine cannot hold 16,384 connections and their keepalive pings. The
+server sees the same RPCs and streams per worker, but fewer connections and pings than N real
+processes would give it. That one process opens a worker's Watch later after its Join than a
+real worker would, and shares the 2 cores with the server and etcd, so the server runs with a
+heartbeat timeout of 30 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
+worker is still seen at once, by its stream breaking. Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of
+framing to each, HTTP/2 a few more). Targets at N = 16,384: form <= 3 s, re-form <= 2 s,
+<= 4 KiB per worker per world change, CPU exponent <= 1.1. Only our server runs here: no peer.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -27,6 +41,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+MAX_CHANNELS = 1024
 
 import grpc  # noqa: E402
 from grpc import aio  # noqa: E402
@@ -41,13 +56,21 @@ TIMEOUT_S = 120.0
 class Server:
     """`python -m rendezvous serve` against etcd, in its own process so its CPU/memory are its own."""
 
-    def __init__(self, tmp: str, etcd: str, prefix: str):
+    def __init__(self, tmp: str, etcd: str, prefix: str, repo: str):
         port_file = os.path.join(tmp, f"port-{prefix.strip('/')}")
-        env = dict(os.environ, PYTHONPATH=REPO)
+        env = dict(os.environ, PYTHONPATH=repo)
+        # `-m rendezvous` of `repo`, not of an editable install of this checkout (whose import
+        # finder would otherwise come first).
+        start = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path "
+                 "if not type(f).__module__.startswith('_editable')]; sys.path.insert(0, sys.argv[1]); "
+                 "sys.argv[1:2] = []; runpy.run_module('rendezvous', run_name='__main__', alter_sys=True)")
+        if os.environ.get("BENCH_SERVER_PROFILE"):   # cProfile of the server, written when it stops
+            start = (f"import cProfile; cProfile.run({start!r}, {os.environ['BENCH_SERVER_PROFILE']!r})")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rendezvous", "serve", "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, "-c", start, repo, "serve", "--host", "127.0.0.1", "--port", "0",
              "--port-file", port_file, "--etcd", etcd, "--etcd-prefix", prefix, "--insecure",
-             "--log-level", os.environ.get("BENCH_SERVER_LOG", "WARNING")], cwd=REPO, env=env)
+             "--leader-ttl", "10", "--heartbeat-timeout", "30",
+             "--log-level", os.environ.get("BENCH_SERVER_LOG", "WARNING")], cwd=repo, env=env)
         deadline = time.monotonic() + 30
         while not os.path.exists(port_file):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -68,6 +91,12 @@ class Server:
         return float("nan")
 
     def stop(self) -> None:
+        if os.environ.get("BENCH_SERVER_PROFILE"):
+            self.proc.send_signal(2)   # KeyboardInterrupt: the profile is written on the way out
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
         self.proc.terminate()
         try:
             self.proc.wait(15)
@@ -76,47 +105,72 @@ class Server:
             self.proc.wait(10)
 
 
+def etcd_received_bytes(client_url: str) -> float:
+    """What etcd's clients have sent it so far (its etcd_network_client_grpc_received_bytes_total)."""
+    import urllib.request
+    with urllib.request.urlopen(f"{client_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r"^etcd_network_client_grpc_received_bytes_total ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
 class Worker:
-    def __init__(self, address: str, job: str, i: int, n: int):
-        self.i = i
+    def __init__(self, channel, job: str, i: int, n: int, min_np: int):
+        self.i, self.min_np = i, min_np
         # The same options as a RendezvousClient: its keepalive pings are part of the server's load.
-        self.channel = aio.insecure_channel(address, options=channel_options())
+        self.channel = channel
         self.stub = pb_grpc.RendezvousStub(self.channel)
+        # Watch as raw bytes: what was sent is measured as sent, whichever version the server is.
+        self.raw_watch = self.channel.unary_stream("/elastic.rendezvous.v1.Rendezvous/Watch",
+                                                   request_serializer=pb.WatchRequest.SerializeToString,
+                                                   response_deserializer=None)
         self.job, self.n = job, n
         self.worlds: dict[int, tuple[float, int]] = {}   # version -> (time received, size)
+        self.world_bytes: dict[int, int] = {}            # version -> bytes of its World message
         self.changed = asyncio.Event()
         self.task = None
         self.session = ""
 
     async def join(self) -> float:
-        resp = await self.stub.Join(pb.JoinRequest(
-            job_id=self.job, worker_id=f"w{self.i:05d}", host=f"host{self.i // 8}",
-            ring_address=f"127.0.0.1:{10000 + self.i}", commit_step=-1,
-            spec=pb.JobSpec(min_np=1, max_np=self.n)), timeout=TIMEOUT_S)
+        request = pb.JoinRequest(job_id=self.job, worker_id=f"w{self.i:05d}", host=f"host{self.i // 8}",
+                                 ring_address=f"127.0.0.1:{10000 + self.i}", commit_step=-1,
+                                 spec=pb.JobSpec(min_np=self.min_np, max_np=self.n))
+        give_up = time.monotonic() + 60   # as a RendezvousClient does: a transient failure is tried again
+        while True:
+            try:
+                resp = await self.stub.Join(request, timeout=TIMEOUT_S)
+                break
+            except grpc.RpcError as e:
+                if time.monotonic() > give_up or e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                                   grpc.StatusCode.CANCELLED):
+                    raise
+                await asyncio.sleep(0.5)
         self.session = resp.session_id
         self.task = asyncio.get_running_loop().create_task(self._watch())
         return time.monotonic()
 
     async def _watch(self) -> None:
         try:
-            async for ev in self.stub.Watch(pb.WatchRequest(session_id=self.session)):
+            async for data in self.raw_watch(pb.WatchRequest(session_id=self.session)):
+                ev = pb.WatchEvent.FromString(data)
                 if ev.WhichOneof("event") == "world":
                     self.worlds[ev.world.world_version] = (time.monotonic(), ev.world.size)
+                    self.world_bytes[ev.world.world_version] = len(data)
                     self.changed.set()
         except (grpc.RpcError, asyncio.CancelledError):
             pass
 
-    async def until_world(self, size: int, deadline: float) -> tuple[int, float]:
-        """(version, time received) of the first world of `size` members."""
+    async def until_world(self, size: int, deadline: float, after: int = 0) -> tuple[int, float]:
+        """(version, time received) of the first world of `size` members after version `after`."""
         while True:
             for v, (t, s) in sorted(self.worlds.items()):
-                if s == size:
+                if s == size and v > after:
                     return v, t
             self.changed.clear()
             await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
 
     async def crash(self) -> None:
-        """Drop the connection without leaving, as a killed process would."""
+        """Drop the connection without leaving, as a killed process would (a victim has its own)."""
         await self.channel.close(grace=None)
 
     async def heartbeat_forever(self, period_s: float) -> None:
@@ -127,9 +181,24 @@ class Worker:
             await asyncio.sleep(period_s)
 
 
-async def run_size(server: Server, n: int, liveness: bool) -> dict:
+async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_percent: float,
+                   min_np_all: bool) -> dict:
     job = f"bench-{n}"
-    workers = [Worker(server.address, job, i, n) for i in range(n)]
+    victims_n = max(1, round(n * kill_percent / 100))
+    min_np = n - victims_n if min_np_all else 1   # the survivors are enough to go on
+    per_channel = max(1, -(-n // MAX_CHANNELS))
+    channels = []
+
+    def channel():
+        channels.append(aio.insecure_channel(server.address, options=channel_options()))
+        return channels[-1]
+    # Victims get a connection each (killing one drops only it); the rest share theirs.
+    workers = [Worker(channel(), job, i, n, min_np) for i in range(victims_n)]
+    shared = None
+    for i in range(victims_n, n):
+        if (i - victims_n) % per_channel == 0:
+            shared = channel()
+        workers.append(Worker(shared, job, i, n, min_np))
     cpu0 = server.cpu_s()
     sem = asyncio.Semaphore(128)  # bound in-flight joins, like a launcher ramping up
 
@@ -145,23 +214,33 @@ async def run_size(server: Server, n: int, liveness: bool) -> dict:
     form_s = max(t for _, t in got) - last_join
     cpu_join = server.cpu_s() - cpu0
 
-    result = {"n": n, "form_s": form_s, "cpu_join_s": cpu_join}
+    result = {"n": n, "form_s": form_s, "cpu_join_s": cpu_join, "per_channel": per_channel}
     if liveness:
         result.update(await idle_cost(server, workers))
 
-    victims = workers[: max(1, n // 10)]
-    survivors = workers[len(victims):]
+    victims = workers[:victims_n]
+    survivors = workers[victims_n:]
     cpu1 = server.cpu_s()
+    etcd1 = etcd_received_bytes(etcd_url)
     killed_at = time.monotonic()
     await asyncio.gather(*(v.crash() for v in victims))
     deadline = time.monotonic() + TIMEOUT_S
-    got = await asyncio.gather(*(w.until_world(len(survivors), deadline) for w in survivors))
-    assert len({v for v, _ in got}) == 1, "survivors disagree on the next world"
+    formed = max(versions)
+    got = await asyncio.gather(*(w.until_world(len(survivors), deadline, formed) for w in survivors))
+    versions = {v for v, _ in got}
+    assert len(versions) == 1, "survivors disagree on the next world"
     result["recover_s"] = max(t for _, t in got) - killed_at
+    await asyncio.sleep(0.5)   # the server's last writes of this change (acknowledgements ride along)
     result["cpu_recover_s"] = server.cpu_s() - cpu1
-    for w in survivors:
-        w.task.cancel()
-        await w.channel.close(grace=None)
+    result["etcd_bytes"] = etcd_received_bytes(etcd_url) - etcd1
+    (version,) = versions
+    sent = [w.world_bytes[version] for w in survivors]
+    result["world_bytes_total"], result["world_bytes_max"] = sum(sent), max(sent)
+    for w in workers:
+        if w.task is not None:
+            w.task.cancel()
+    for c in channels:
+        await c.close(grace=None)
     return result
 
 
@@ -181,9 +260,23 @@ async def idle_cost(server: Server, workers: list, seconds: float = 5.0) -> dict
     return {"idle_keepalive_cpu": keepalive, "idle_heartbeat_cpu": heartbeats}
 
 
+def fitted_exponent(rows: list, key: str) -> float:
+    """The slope of log(rows[key]) against log(N), least squares (1.0: grows as N)."""
+    xs = [math.log(r["n"]) for r in rows]
+    ys = [math.log(max(r[key], 1e-3)) for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="64,256,1024", help="comma-separated N (default: %(default)s)")
+    p.add_argument("--sizes", default="1024,4096,16384", help="comma-separated N (default: %(default)s)")
+    p.add_argument("--kill-percent", type=float, default=1.0,
+                   help="workers killed at once for the re-form, in %% of N (at least one; default %(default)s)")
+    p.add_argument("--min-np", choices=("survivors", "1"), default="survivors",
+                   help="the job's min_np: the number that survive the kill (the world forms once nearly "
+                        "all joined; default) or 1 (a world forms, and grows, while workers join)")
+    p.add_argument("--repo", default=REPO, help="the checkout whose server runs (default: this one)")
     p.add_argument("--liveness", action="store_true",
                    help="also measure the idle CPU cost of keepalive vs 1 Hz heartbeats")
     a = p.parse_args()
@@ -198,9 +291,10 @@ def main() -> int:
         try:
             for n in sizes:
                 # A fresh server per size, so its peak memory belongs to that size.
-                server = Server(tmp, etcd.endpoint, f"/bench-{n}-{os.getpid()}")
+                server = Server(tmp, etcd.endpoint, f"/bench-{n}-{os.getpid()}", os.path.abspath(a.repo))
                 try:
-                    r = asyncio.run(run_size(server, n, a.liveness))
+                    r = asyncio.run(run_size(server, etcd.client_url, n, a.liveness, a.kill_percent,
+                                             a.min_np == "survivors"))
                     r["peak_mib"] = server.peak_rss_mib()
                     r["cpu_total_s"] = server.cpu_s()
                 finally:
@@ -209,13 +303,19 @@ def main() -> int:
                 print(f"N={n}: done", file=sys.stderr, flush=True)
         finally:
             etcd.stop()
-    head = ("| N | last join → same world (s) | kill 10% → next world (s) | server CPU: joins (s) |"
-            " server CPU: recovery (s) | server CPU total (s) | server peak RSS (MiB) |")
+    head = (f"| N | last join → same world (s) | kill {a.kill_percent:g}% → next world (s) | server CPU: joins (s) |"
+            " server CPU: re-form (s) | server CPU total (s) | server peak RSS (MiB) |"
+            " World bytes per change: total | per worker (max) | etcd bytes per change |")
     print(head)
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']} | {r['form_s']:.2f} | {r['recover_s']:.2f} | {r['cpu_join_s']:.2f} | "
-              f"{r['cpu_recover_s']:.2f} | {r['cpu_total_s']:.2f} | {r['peak_mib']:.0f} |")
+              f"{r['cpu_recover_s']:.2f} | {r['cpu_total_s']:.2f} | {r['peak_mib']:.0f} | "
+              f"{r['world_bytes_total']:,} | {r['world_bytes_max']:,} | {r['etcd_bytes']:,.0f} |")
+    if len(rows) >= 2:
+        for key, what in (("cpu_recover_s", "server CPU per world change (re-form)"),
+                          ("cpu_join_s", "server CPU of the joins and first world")):
+            print(f"fitted exponent of {what} against N: {fitted_exponent(rows, key):.2f}")
     if a.liveness:
         print()
         print("| N | idle server CPU, keepalive only (cores) | idle server CPU, 1 Hz heartbeats (cores) |")

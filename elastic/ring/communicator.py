@@ -26,6 +26,7 @@ from elastic.ring.comm_config import CommConfig
 from elastic.ring.errors import BadPeerError, ElasticError, ErrorKind, RingFailure, SettingsMismatchError, from_native
 from elastic.ring.majority import odd_ranks
 from elastic.ring.ops import ReduceOp
+from elastic.ring.ring_view import RingView, list_digest
 from elastic.ring.wait_clock import WaitClock
 
 Listener = _native.Listener
@@ -163,14 +164,18 @@ class Communicator:
 
     @classmethod
     def create(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
-               peers: Sequence[str], config: Optional[CommConfig] = None,
+               peers: Optional[Sequence[str]] = None, config: Optional[CommConfig] = None,
                hosts: Optional[Sequence[str]] = None, wait_clock: Optional[WaitClock] = None,
-               observer: Optional[RingObserver] = None) -> "Communicator":
+               observer: Optional[RingObserver] = None, view: Optional[RingView] = None) -> "Communicator":
         """Validates the arguments and returns an unconnected communicator; ``connect()`` forms it.
 
-        ``hosts`` names each rank's host (in rank order). Ring neighbours with the same host
-        name exchange data through shared memory (unless ``config.transport == "tcp"``); the
-        TCP connection between them stays up as the liveness channel. ``None``: all TCP.
+        The world is given either in full, ``peers`` (every rank's ring address in rank order),
+        or as this rank's ``view`` (``elastic.ring.ring_view.RingView``: only the ranks its rings
+        connect to, its host's layout and the world's digest), which is what a worker gets from
+        the rendezvous. ``hosts`` names each rank's host (in rank order) with ``peers``; a view
+        carries its own. Ring neighbours with the same host name exchange data through shared
+        memory (unless ``config.transport == "tcp"``); the TCP connection between them stays
+        up as the liveness channel. No host names: all TCP.
 
         Splitting the two lets another thread hold the communicator, and abort it, while
         ``connect()`` is still waiting for a neighbour.
@@ -182,6 +187,10 @@ class Communicator:
             raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
         if world_version < 0:
             raise ValueError(f"world_version must not be negative, got {world_version}")
+        if (peers is None) == (view is None):
+            raise ValueError("give the world either as peers (every rank's address) or as a view, not both")
+        if view is not None:
+            return cls._from_view(listener, job_id, secret, world_version, rank, view, config, wait_clock, observer)
         peers = list(peers)
         host_list: list = []
         if hosts is not None:
@@ -193,7 +202,29 @@ class Communicator:
                 raise ValueError("hosts: host names must not be empty")
         try:
             native = _native.Communicator(listener, job_id, secret, world_version, rank, peers, config.to_native(),
-                                          host_list)
+                                          host_list, list_digest(peers, host_list or None))
+        except RingFailure as failure:
+            raise from_native(failure) from None
+        return cls(native, config, wait_clock=wait_clock, observer=observer)
+
+    @classmethod
+    def _from_view(cls, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
+                   view: RingView, config: CommConfig, wait_clock: Optional[WaitClock],
+                   observer: Optional[RingObserver]) -> "Communicator":
+        if view.rank != rank:
+            raise ValueError(f"view: it is rank {view.rank}'s, not rank {rank}'s")
+        problem = view.problem()
+        if problem is not None:
+            raise ValueError(f"view of world version {world_version}: {problem}")
+        ranks = sorted(view.peers)
+        hosts = [view.peers[r][1] for r in ranks]
+        if not all(hosts):
+            hosts = []
+        layout = view.layout.numbers() if view.layout is not None and hosts else []
+        try:
+            native = _native.Communicator.from_view(listener, job_id, secret, world_version, rank, view.size, ranks,
+                                                    [view.peers[r][0] for r in ranks], hosts, layout,
+                                                    config.to_native(), bytes(view.digest))
         except RingFailure as failure:
             raise from_native(failure) from None
         return cls(native, config, wait_clock=wait_clock, observer=observer)
@@ -265,16 +296,18 @@ class Communicator:
 
     @classmethod
     def form(cls, *, listener: Optional[Listener], job_id: str, secret: bytes, world_version: int, rank: int,
-             peers: Sequence[str], config: Optional[CommConfig] = None,
-             hosts: Optional[Sequence[str]] = None, wait_clock: Optional[WaitClock] = None) -> "Communicator":
+             peers: Optional[Sequence[str]] = None, config: Optional[CommConfig] = None,
+             hosts: Optional[Sequence[str]] = None, wait_clock: Optional[WaitClock] = None,
+             view: Optional[RingView] = None) -> "Communicator":
         """Creates and connects a ring in one call.
 
         ``peers`` lists every rank's ring address in rank order (``peers[rank]`` is this
-        worker's own); ``hosts``, if given, each rank's host name (see ``create``). A world
-        of one rank needs no listener and opens no socket.
+        worker's own); ``hosts``, if given, each rank's host name; or ``view`` instead of both
+        (see ``create``). A world of one rank needs no listener and opens no socket.
         """
         return cls.create(listener=listener, job_id=job_id, secret=secret, world_version=world_version,
-                          rank=rank, peers=peers, config=config, hosts=hosts, wait_clock=wait_clock).connect()
+                          rank=rank, peers=peers, config=config, hosts=hosts, wait_clock=wait_clock,
+                          view=view).connect()
 
     # ------------------------------------------------------------------ identity
     @property

@@ -27,6 +27,7 @@ from rendezvous.wire.membership import Blame, JobSpec
 from elastic.ring.communicator import Communicator, Listener
 from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, ElasticError, ErrorKind, HandshakeError,
                                  SettingsMismatchError, WorkerLostError)
+from elastic.ring.ring_view import RingView
 from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
 from elastic.runtime.commit_watch import describe_commit, joiner_note_after, joiner_waits
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
@@ -446,8 +447,7 @@ class JobSession(Session):
         # The job's random secret, from the server's answer to this worker's Join.
         comm = Communicator.create(listener=self.listener, job_id=self.config.job_id,
                                    secret=self.client.ring_secret, world_version=world.world_version, rank=world.rank,
-                                   peers=[m.ring_address for m in world.members],
-                                   hosts=[m.host for m in world.members],  # same host: shared memory
+                                   view=RingView.of_world(world),  # its neighbours; same host: shared memory
                                    config=self.config.comm, wait_clock=self.wait_clock, observer=self.metrics)
         with self._cond:
             old, self.comm, self.world = self.comm, comm, world
@@ -480,10 +480,11 @@ class JobSession(Session):
         world = self.world
         # No peer to blame: aborted (the server already knows) or propagated (the neighbour is
         # alive, the failed rank is further on and its own neighbour reports it).
-        if world is None or err.peer_rank is None or err.world_version != world.world_version or \
-                not 0 <= err.peer_rank < len(world.members) or err.peer_rank == world.rank:
+        peer = None if world is None or err.peer_rank is None else world.peer(err.peer_rank)
+        # A rank outside its view (no neighbour of its rings) or itself: nobody for it to name.
+        if peer is None or err.world_version != world.world_version or err.peer_rank == world.rank:
             return
-        suspect = world.members[err.peer_rank].worker_id
+        suspect = peer.worker_id
         try:
             evicted = self.client.report_failure(suspect, world.world_version, reason=str(err)[:1000],
                                                  timed_out=err.kind == ErrorKind.Timeout,

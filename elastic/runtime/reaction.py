@@ -83,7 +83,7 @@ def react(view: View, event: Event) -> Tuple[View, Tuple[Action, ...]]:
     if isinstance(event, WorldInfo):
         latest = view.latest
         if latest is None or event.world_version > latest.world_version or \
-                (event.world_version == latest.world_version and event.members != latest.members):
+                (event.world_version == latest.world_version and event.digest != latest.digest):
             latest = event
         view = dataclasses.replace(view, latest=latest, seen_version=max(view.seen_version, event.world_version))
         if holding and not view.ring_formed and view.ring_world_version < event.world_version:

@@ -7,7 +7,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <limits>
+#include <utility>
 #include <memory>
 #include <mutex>
 
@@ -115,6 +117,27 @@ struct PyComm {
   }
   ~PyComm() { close(); }
 };
+
+// The world digest a communicator is given: exactly 32 bytes (see transport/handshake.h).
+WorldDigest to_world_digest(const nb::bytes& digest) {
+  WorldDigest d{};
+  if (digest.size() != d.size())
+    throw nb::value_error(("digest: got " + std::to_string(digest.size()) + " bytes, want " +
+                           std::to_string(d.size()) + " (a SHA-256 naming the world)").c_str());
+  std::memcpy(d.data(), digest.c_str(), d.size());
+  return d;
+}
+
+// The communicator of `view`, made before any PyComm holds it (a bad world throws first).
+std::pair<std::shared_ptr<Listener>, std::shared_ptr<Communicator>> make_comm(
+    PyListener* listener, const std::string& job_id, const nb::bytes& secret, uint64_t world_version, int rank,
+    RingView view, const CommConfig& config) {
+  std::shared_ptr<Listener> l = listener ? listener->get() : nullptr;
+  auto comm = std::make_shared<Communicator>(l.get(), job_id, std::string(secret.c_str(), secret.size()),
+                                             world_version, rank, std::move(view), config);
+  return {std::move(l), std::move(comm)};
+}
+
 
 }  // namespace
 
@@ -227,7 +250,7 @@ NB_MODULE(_native, m) {
           if (!hosts.empty() && (rank < 0 || size_t(rank) >= hosts.size()))
             throw nb::value_error(("rank " + std::to_string(rank) + " has no entry in hosts (" +
                                    std::to_string(hosts.size()) + " of them)").c_str());
-          return choose_allreduce(nbytes, config, plan_hierarchy(hosts, rank, config.algorithm));
+          return choose_allreduce(nbytes, config, plan_hierarchy(host_layout(hosts, rank), config.algorithm));
         },
         nb::arg("nbytes"), nb::arg("config"), nb::arg("hosts"), nb::arg("rank"),
         "The algorithm an allreduce of nbytes gets on `rank` of a world on `hosts` (one name per rank, or "
@@ -236,17 +259,53 @@ NB_MODULE(_native, m) {
   nb::class_<PyComm>(m, "Communicator")
       .def("__init__",
            [](PyComm* self, PyListener* listener, const std::string& job_id, nb::bytes secret, uint64_t world_version,
-              int rank, std::vector<std::string> peers, const CommConfig& config, std::vector<std::string> hosts) {
-             std::shared_ptr<Listener> l = listener ? listener->get() : nullptr;
-             auto comm = std::make_shared<Communicator>(l.get(), job_id, std::string(secret.c_str(), secret.size()),
-                                                        world_version, rank, std::move(peers), config,
-                                                        std::move(hosts));
+              int rank, std::vector<std::string> peers, const CommConfig& config, std::vector<std::string> hosts,
+              nb::bytes digest) {
+             auto [l, comm] = make_comm(listener, job_id, secret, world_version, rank,
+                                        full_view(peers, hosts, rank, to_world_digest(digest)), config);
              auto* pc = new (self) PyComm();
-             pc->listener = l;
+             pc->listener = std::move(l);
              pc->comm = std::move(comm);
            },
            nb::arg("listener").none(), nb::arg("job_id"), nb::arg("secret"), nb::arg("world_version"), nb::arg("rank"),
-           nb::arg("peers"), nb::arg("config") = CommConfig(), nb::arg("hosts") = std::vector<std::string>{})
+           nb::arg("peers"), nb::arg("config") = CommConfig(), nb::arg("hosts") = std::vector<std::string>{},
+           nb::arg("digest") = nb::bytes(std::string(kWorldDigestBytes, '\0').data(), kWorldDigestBytes),
+           "A communicator of a world given in full: every rank's address (and host), in rank order. "
+           "elastic.Communicator.create passes the digest of that list (ring_view.list_digest); all zero "
+           "bytes otherwise, which only another communicator made this way matches.")
+      .def_static(
+          "from_view",
+          [](PyListener* listener, const std::string& job_id, nb::bytes secret, uint64_t world_version, int rank,
+             int size, std::vector<int> ranks, std::vector<std::string> addresses, std::vector<std::string> hosts,
+             std::vector<int> layout, const CommConfig& config, nb::bytes digest) {
+            // layout: [] (no hosts) or [num_hosts, host, local_rank, local_size, first, prev_leader,
+            // next_leader, largest_host]
+            if (addresses.size() != ranks.size() || (!hosts.empty() && hosts.size() != ranks.size()))
+              throw nb::value_error("from_view: ranks, addresses and hosts (if given) must have the same length");
+            if (!layout.empty() && layout.size() != 8) throw nb::value_error("from_view: layout has 8 numbers or none");
+            RingView v;
+            v.size = size;
+            for (size_t i = 0; i < ranks.size(); ++i) {
+              v.addresses[ranks[i]] = addresses[i];
+              if (!hosts.empty()) v.hosts[ranks[i]] = hosts[i];
+            }
+            if (!layout.empty()) {
+              HostLayout& l = v.layout;
+              l.known = true;
+              l.num_hosts = layout[0], l.host = layout[1], l.local_rank = layout[2], l.local_size = layout[3];
+              l.first = layout[4], l.prev_leader = layout[5], l.next_leader = layout[6], l.largest_host = layout[7];
+            }
+            v.digest = to_world_digest(digest);
+            auto [l, comm] = make_comm(listener, job_id, secret, world_version, rank, std::move(v), config);
+            auto* pc = new PyComm();
+            pc->listener = std::move(l);
+            pc->comm = std::move(comm);
+            return pc;
+          },
+          nb::arg("listener").none(), nb::arg("job_id"), nb::arg("secret"), nb::arg("world_version"), nb::arg("rank"),
+          nb::arg("size"), nb::arg("ranks"), nb::arg("addresses"), nb::arg("hosts"), nb::arg("layout"),
+          nb::arg("config"), nb::arg("digest"), nb::rv_policy::take_ownership,
+          "A communicator of a world this rank knows by its view: the ranks it connects to and its host's layout.")
       .def("form",
            [](PyComm& s) {
              auto c = s.c();
@@ -293,7 +352,8 @@ NB_MODULE(_native, m) {
                        d["local_rank"] = h.local_rank;
                        d["local_size"] = h.local_size;
                        d["leader"] = h.leader();
-                       d["leaders"] = h.leaders;
+                       d["prev_leader"] = h.prev_leader;
+                       d["next_leader"] = h.next_leader;
                      }
                      return d;
                    })

@@ -14,30 +14,82 @@
 
 namespace ering {
 
+RingView full_view(const std::vector<std::string>& peers, const std::vector<std::string>& hosts, int rank,
+                   const WorldDigest& digest) {
+  RingView v;
+  v.size = int(peers.size());
+  for (size_t r = 0; r < peers.size(); ++r) v.addresses[int(r)] = peers[r];
+  if (!hosts.empty()) {
+    if (hosts.size() != peers.size())
+      throw CommError(ErrorKind::Invalid, "hosts: got " + std::to_string(hosts.size()) + " hosts for " +
+                                              std::to_string(peers.size()) + " peers: give one host name per rank");
+    for (size_t r = 0; r < hosts.size(); ++r) v.hosts[int(r)] = hosts[r];
+    if (rank >= 0 && rank < v.size) v.layout = host_layout(hosts, rank);
+  }
+  v.digest = digest;
+  return v;
+}
+
+namespace {
+
+// A layout that does not fit the world (from a view received over the network): why, or "".
+std::string layout_problem(const HostLayout& l, int rank, int size) {
+  if (!l.known || !l.not_contiguous.empty()) return "";
+  auto in = [&](int r) { return r >= 0 && r < size; };
+  if (l.num_hosts < 1 || l.num_hosts > size || l.host < 0 || l.host >= l.num_hosts)
+    return "host " + std::to_string(l.host) + " of " + std::to_string(l.num_hosts) + " hosts";
+  if (l.local_size < 1 || l.local_rank < 0 || l.local_rank >= l.local_size || l.first + l.local_rank != rank ||
+      !in(l.first) || !in(l.first + l.local_size - 1))
+    return "local rank " + std::to_string(l.local_rank) + " of " + std::to_string(l.local_size) + " from rank " +
+           std::to_string(l.first);
+  if (!in(l.prev_leader) || !in(l.next_leader) || l.largest_host < l.local_size || l.largest_host > size)
+    return "leaders " + std::to_string(l.prev_leader) + "/" + std::to_string(l.next_leader) + ", largest host " +
+           std::to_string(l.largest_host);
+  return "";
+}
+
+}  // namespace
+
 Communicator::Communicator(Listener* listener, std::string job_id, std::string secret, uint64_t world_version,
-                           int rank, std::vector<std::string> peers, CommConfig cfg, std::vector<std::string> hosts)
+                           int rank, RingView view, CommConfig cfg)
     : listener_(listener), job_id_(std::move(job_id)), secret_(std::move(secret)), world_version_(world_version),
-      rank_(rank), peers_(std::move(peers)), hosts_(std::move(hosts)), cfg_(cfg) {
-  if (peers_.empty()) throw CommError(ErrorKind::Invalid, "a communicator needs at least one peer address");
-  if (rank_ < 0 || rank_ >= int(peers_.size()))
+      rank_(rank), size_(view.size), peers_(std::move(view.addresses)), hosts_(std::move(view.hosts)),
+      digest_(view.digest), cfg_(cfg) {
+  if (size_ < 1) throw CommError(ErrorKind::Invalid, "a communicator needs at least one peer address");
+  if (rank_ < 0 || rank_ >= size_)
     throw CommError(ErrorKind::Invalid, "rank " + std::to_string(rank_) + " is outside a world of size " +
-                                            std::to_string(peers_.size()));
+                                            std::to_string(size_));
   if (job_id_.empty() || job_id_.size() > kMaxJobIdBytes)
     throw CommError(ErrorKind::Invalid, "job id must be 1-255 bytes, got " + std::to_string(job_id_.size()));
   check_config(cfg_);
-  if (!hosts_.empty()) {
-    if (hosts_.size() != peers_.size())
-      throw CommError(ErrorKind::Invalid, "hosts: got " + std::to_string(hosts_.size()) + " hosts for " +
-                                              std::to_string(peers_.size()) + " peers: give one host name per rank");
-    for (auto& h : hosts_)
-      if (h.empty()) throw CommError(ErrorKind::Invalid, "host names must not be empty");
+  for (auto& [r, h] : hosts_)
+    if (h.empty()) throw CommError(ErrorKind::Invalid, "host names must not be empty");
+  std::string bad = layout_problem(view.layout, rank_, size_);
+  if (!bad.empty())
+    throw CommError(ErrorKind::Invalid, "host layout does not fit rank " + std::to_string(rank_) + " of " +
+                                            std::to_string(size_) + ": " + bad);
+  hier_ = plan_hierarchy(view.layout, cfg_.algorithm);
+  // Every ring neighbour's address must be known (a view names exactly these ranks).
+  std::vector<int> needed{rank_, (rank_ + 1) % size_, (rank_ + size_ - 1) % size_};
+  if (hier_.applies) {
+    needed.push_back(hier_.first + (hier_.local_rank + 1) % hier_.local_size);
+    needed.push_back(hier_.first + (hier_.local_rank + hier_.local_size - 1) % hier_.local_size);
+    if (hier_.leader()) {
+      needed.push_back(hier_.prev_leader);
+      needed.push_back(hier_.next_leader);
+    }
   }
-  hier_ = plan_hierarchy(hosts_, rank_, cfg_.algorithm);
+  for (int r : needed)
+    if (!peers_.count(r))
+      throw CommError(ErrorKind::Invalid, "no ring address for rank " + std::to_string(r) + ", a ring neighbour of rank " +
+                                              std::to_string(rank_) + ": the view must name every neighbour");
   // The peers' addresses are what they announced: a bad one is that peer's failure, which
   // form() reports naming it (ErrorKind::Unreachable), not a bad argument of this caller.
-  if (peers_.size() > 1 && !listener_)
+  if (size_ > 1 && !listener_)
     throw CommError(ErrorKind::Invalid, "a world of more than one rank needs a listener");
 }
+
+const std::string& Communicator::address_of(int rank) const { return peers_.at(rank); }
 
 Algorithm Communicator::algorithm_for(size_t bytes) const { return choose_allreduce(bytes, cfg_, hier_); }
 
@@ -72,13 +124,15 @@ void Communicator::abort(const std::string& reason) {
 // share the listener and differ by handshake channel.
 RingToForm Communicator::ring_to_form(uint8_t channel, int ring_size, int next, int prev) const {
   auto same_host = [&](int other) {
-    return cfg_.transport == CommConfig::Transport::Auto && !hosts_.empty() && hosts_[other] == hosts_[rank_];
+    if (cfg_.transport != CommConfig::Transport::Auto) return false;
+    auto mine = hosts_.find(rank_), theirs = hosts_.find(other);
+    return mine != hosts_.end() && theirs != hosts_.end() && mine->second == theirs->second;
   };
   RingToForm r;
   r.channel = channel;
-  r.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(peers_[next], 300),
-                      printable(peers_[prev], 300), cfg_.dead_link_timeout};
-  r.next_address = peers_[next];
+  r.ctx = LinkContext{rank_, ring_size, world_version_, next, prev, printable(address_of(next), 300),
+                      printable(address_of(prev), 300), cfg_.dead_link_timeout};
+  r.next_address = address_of(next);
   r.send.want_shm = same_host(next);
   r.recv.want_shm = same_host(prev);
   return r;
@@ -93,6 +147,7 @@ void Communicator::form_rings(const std::vector<RingToForm>& rings, const std::v
   how.world_version = world_version_;
   how.rank = rank_;
   how.world_size = size();
+  how.world_digest = digest_;
   how.deadline = deadline;
   how.collective_timeout = cfg_.timeout;
   how.dead_link_timeout = cfg_.dead_link_timeout;
@@ -124,8 +179,7 @@ void Communicator::form() {
       into.push_back(&local_links_);
     }
     if (h.leader()) {
-      rings.push_back(ring_to_form(kChannelLeaders, h.num_hosts, h.leaders[(h.host + 1) % h.num_hosts],
-                                   h.leaders[(h.host + h.num_hosts - 1) % h.num_hosts]));
+      rings.push_back(ring_to_form(kChannelLeaders, h.num_hosts, h.next_leader, h.prev_leader));
       into.push_back(&leader_links_);
     }
   }
@@ -136,6 +190,7 @@ void Communicator::form() {
   e.world_version = world_version_;
   e.rank = uint32_t(rank_);
   e.world_size = uint32_t(n);
+  e.world_digest = digest_;
   for (auto& r : rings) e.prev_rank[r.channel] = r.ctx.prev_rank;
   // The reverse ring forms later, at the first shift_back(): its predecessor is the flat
   // ring's next rank, whose connection the listener holds until then.

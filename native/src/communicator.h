@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -21,10 +22,27 @@
 
 namespace ering {
 
+// What a communicator is told of its world: its size, the addresses of the ranks it connects
+// to, the layout of its host and the digest that names the world. A worker's rendezvous view
+// is exactly this (O(1) ranks whatever the world's size); full_view() makes one from a full
+// list of addresses (and hosts) for rings formed by hand.
+struct RingView {
+  int size = 0;
+  std::map<int, std::string> addresses;  // ring address by rank: this rank's and every ring neighbour's
+  std::map<int, std::string> hosts;      // host name by rank (the same ranks), or empty: every link over TCP
+  HostLayout layout;                     // layout.known false: no hosts, flat ring only
+  WorldDigest digest{};
+};
+
+// The view of `rank` in the world of `peers` (every rank's address) and `hosts` (every rank's
+// host, or empty).
+RingView full_view(const std::vector<std::string>& peers, const std::vector<std::string>& hosts, int rank,
+                   const WorldDigest& digest);
+
 class Communicator {
  public:
   Communicator(Listener* listener, std::string job_id, std::string secret, uint64_t world_version, int rank,
-               std::vector<std::string> peers, CommConfig cfg, std::vector<std::string> hosts = {});
+               RingView view, CommConfig cfg);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -53,7 +71,7 @@ class Communicator {
   void barrier();
 
   int rank() const { return rank_; }
-  int size() const { return int(peers_.size()); }
+  int size() const { return size_; }
   uint64_t world_version() const { return world_version_; }
   const CommConfig& config() const { return cfg_; }
   // How this rank's links run once formed: {"tcp"|"shm" to the next rank, from the previous one}.
@@ -80,6 +98,7 @@ class Communicator {
   void allreduce_hierarchical(char* buf, size_t count, DType dtype, ReduceOp op, const OpInfo& info);
   void shutdown_links_locked();  // err_mu_ held
   RingToForm ring_to_form(uint8_t channel, int ring_size, int next, int prev) const;
+  const std::string& address_of(int rank) const;
   // Forms `rings` (transport/link_setup.h), each into its member of `into`, under err_mu_ as
   // each comes up so abort() reaches it. Waits end early when `stop` fires (up to taking the
   // predecessors' connections) or `linking_stop` (the link set-up after): the communicator's
@@ -93,8 +112,10 @@ class Communicator {
   std::string job_id_, secret_;
   uint64_t world_version_;
   int rank_;
-  std::vector<std::string> peers_;
-  std::vector<std::string> hosts_;  // one host name per rank, or empty: every link over TCP
+  int size_;
+  std::map<int, std::string> peers_;  // the ring addresses this rank connects to, by rank
+  std::map<int, std::string> hosts_;  // host names by rank, or empty: every link over TCP
+  WorldDigest digest_;
   CommConfig cfg_;
   AbortSignal abort_;
   std::unique_ptr<Links> links_;         // the flat ring

@@ -9,51 +9,69 @@
 
 namespace ering {
 
-Hierarchy plan_hierarchy(const std::vector<std::string>& hosts, int rank, CommConfig::AlgorithmSetting algorithm) {
-  Hierarchy h;
+HostLayout host_layout(const std::vector<std::string>& hosts, int rank) {
+  HostLayout l;
   const int n = int(hosts.size());
-  if (algorithm == CommConfig::AlgorithmSetting::Ring) {
-    h.why_not = "algorithm is 'ring'";
-    return h;
-  }
-  if (hosts.empty()) {
-    h.why_not = "no host names given";
-    return h;
-  }
+  if (hosts.empty()) return l;
+  l.known = true;
   // Hosts in rank order; a host whose ranks are not contiguous disables the schedule.
   std::vector<int> first_of_host, size_of_host;
   std::vector<std::string> names;
-  int max_local = 0;
   for (int r = 0; r < n; ++r) {
     if (r == 0 || hosts[r] != hosts[r - 1]) {
       for (auto& nm : names)
         if (nm == hosts[r]) {
-          h.why_not = "the ranks of host '" + hosts[r] + "' are not contiguous in rank order";
-          return h;
+          l.not_contiguous = hosts[r];
+          return l;
         }
       names.push_back(hosts[r]);
       first_of_host.push_back(r);
       size_of_host.push_back(0);
     }
     if (r == rank) {
-      h.host = int(names.size()) - 1;
-      h.local_rank = size_of_host.back();
+      l.host = int(names.size()) - 1;
+      l.local_rank = size_of_host.back();
     }
-    max_local = std::max(max_local, ++size_of_host.back());
+    l.largest_host = std::max(l.largest_host, ++size_of_host.back());
   }
-  h.num_hosts = int(names.size());
-  if (h.num_hosts < 2) {
+  l.num_hosts = int(names.size());
+  l.local_size = size_of_host[l.host];
+  l.first = first_of_host[l.host];
+  l.prev_leader = first_of_host[(l.host + l.num_hosts - 1) % l.num_hosts];
+  l.next_leader = first_of_host[(l.host + 1) % l.num_hosts];
+  return l;
+}
+
+Hierarchy plan_hierarchy(const HostLayout& l, CommConfig::AlgorithmSetting algorithm) {
+  Hierarchy h;
+  if (algorithm == CommConfig::AlgorithmSetting::Ring) {
+    h.why_not = "algorithm is 'ring'";
+    return h;
+  }
+  if (!l.known) {
+    h.why_not = "no host names given";
+    return h;
+  }
+  if (!l.not_contiguous.empty()) {
+    h.why_not = "the ranks of host '" + l.not_contiguous + "' are not contiguous in rank order";
+    return h;
+  }
+  if (l.num_hosts < 2) {
     h.why_not = "every rank is on one host";
     return h;
   }
-  if (max_local < 2) {
+  if (l.largest_host < 2) {
     h.why_not = "every host has one rank";
     return h;
   }
   h.applies = true;
-  h.local_size = size_of_host[h.host];
-  h.first = first_of_host[h.host];
-  h.leaders = first_of_host;
+  h.num_hosts = l.num_hosts;
+  h.host = l.host;
+  h.local_rank = l.local_rank;
+  h.local_size = l.local_size;
+  h.first = l.first;
+  h.prev_leader = l.prev_leader;
+  h.next_leader = l.next_leader;
   return h;
 }
 

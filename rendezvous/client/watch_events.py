@@ -18,16 +18,28 @@ from rendezvous.wire.membership import Member
 
 @dataclasses.dataclass(frozen=True)
 class WorldInfo:
-    """A world this worker is a member of."""
+    """A world this worker is a member of, as its view: not every member, but the ones its rings
+    connect to (`peers`, itself included, in rank order), its host's place among the hosts, and
+    the digest naming the whole world (two views of one world have the same digest)."""
 
     world_version: int
-    members: tuple[Member, ...]
+    peers: tuple[Member, ...]
     rank: int
     size: int
     local_rank: int
     local_size: int
     cross_rank: int
     cross_size: int
+    digest: bytes = b""
+    num_hosts: int = 1
+    host_index: int = 0
+    largest_host: int = 1
+    prev_leader: int = 0
+    next_leader: int = 0
+
+    def peer(self, rank: int) -> Optional[Member]:
+        """The member of `rank` if this view names it (a ring neighbour), else None."""
+        return next((m for m in self.peers if m.rank == rank), None)
 
 
 @dataclasses.dataclass(frozen=True)

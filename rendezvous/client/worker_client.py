@@ -64,9 +64,10 @@ _MIN_RING_SECRET = 16   # bytes; a server that sends less is not one this client
 
 
 def _world(w: pb.World) -> WorldInfo:
-    members = tuple(wire.member_from_pb(m) for m in w.members)
-    return WorldInfo(w.world_version, members, w.rank, w.size, w.local_rank, w.local_size, w.cross_rank,
-                     w.cross_size)
+    peers = tuple(wire.member_from_pb(m) for m in w.peers)
+    return WorldInfo(w.world_version, peers, w.rank, w.size, w.local_rank, w.local_size, w.cross_rank,
+                     w.cross_size, bytes(w.digest), w.num_hosts, w.host_index, w.largest_host, w.prev_leader,
+                     w.next_leader)
 
 
 class RendezvousClient:
@@ -446,7 +447,7 @@ class RendezvousClient:
                 session_id=self.session_id, nonce=ev.probe.nonce), "answering a probe")
         elif kind == "world":
             world = _world(ev.world)
-            key = (world.world_version, world.members)
+            key = (world.world_version, world.digest)
             with self._join_lock:
                 if gen != self._gen:
                     return

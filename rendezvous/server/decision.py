@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import enum
 import hmac
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
+from rendezvous.server.derived import DERIVED, ack_counts, carry, eligible_count, replace
 # The values both sides share (a worker asks with a JobSpec and receives Members) live in
 # membership.py, so that a worker loads none of the decision; they are the decision's too.
 from rendezvous.wire.membership import DEFAULT_MAX_NP, JobSpec, Member  # noqa: F401
@@ -155,13 +156,23 @@ class JobState:
                                              # a session of an earlier run does not carry over
 
     def in_world(self, worker_id: str) -> bool:
-        return any(m.worker_id == worker_id for m in self.world)
+        return worker_id in self._world_index()
 
     def member(self, worker_id: str) -> Optional[Member]:
-        return next((m for m in self.world if m.worker_id == worker_id), None)
+        rank = self._world_index().get(worker_id)
+        return None if rank is None else self.world[rank]
 
     def world_ids(self) -> set[str]:
-        return {m.worker_id for m in self.world}
+        return set(self._world_index())
+
+    def _world_index(self) -> Mapping[str, int]:
+        """Rank by worker id of the world's members: built once per world (the states a decision
+        derives share it, see derived.carry), so a membership question costs O(1), not O(N)."""
+        cached = self.__dict__.get("_index")
+        if cached is None or cached[0] is not self.world:
+            cached = (self.world, {m.worker_id: i for i, m in enumerate(self.world)})
+            object.__setattr__(self, "_index", cached)
+        return cached[1]
 
     def standby(self) -> list[str]:
         in_world = self.world_ids()
@@ -362,6 +373,7 @@ def decide(state: JobState, event: Event, now: float,
            config: DecisionConfig) -> tuple[JobState, list[Action]]:
     """Apply one event at wall-clock time `now`; return the new state and what the server must do."""
     actions: list[Action] = []
+    before = state
     if state.phase in TERMINAL:
         if isinstance(event, Join):
             actions.append(Rejected(event.worker_id, f"job {state.job_id} already finished "
@@ -427,7 +439,14 @@ def decide(state: JobState, event: Event, now: float,
         return state, actions
     elif not isinstance(event, Tick):
         raise TypeError(f"unknown event {event!r}")
-    return _evaluate(state, now, config, actions)
+    worker_id = getattr(event, "worker_id", None)
+    if worker_id is not None and state is not before:
+        state = carry(before, state, worker_id)
+    result, actions = _evaluate(state, now, config, actions)
+    for name in DERIVED:   # each records what it was derived from: a stale one is never used
+        if name in state.__dict__ and name not in result.__dict__:
+            object.__setattr__(result, name, state.__dict__[name])
+    return result, actions
 
 
 def next_deadline(state: JobState, config: DecisionConfig) -> Optional[float]:
@@ -455,17 +474,8 @@ def abort_acknowledged(state: JobState) -> bool:
     nobody the next world could wait for is left, so it need not wait out the settle window."""
     if state.aborted_version != state.world_version or not state.world:
         return False
-    alive = [m.worker_id for m in state.world if m.worker_id in state.workers]
-    return bool(alive) and all(w in state.abort_acks for w in alive)
-
-
-def eligible_count(state: JobState, now: Optional[float] = None) -> int:
-    """len(eligible(state, now)) without sorting (the server asks after every event)."""
-    in_world = state.world_ids()
-    blocked = {h for h, r in state.hosts.items()
-               if r.blacklisted_until and (now is None or r.blacklisted_until > now)}
-    return sum(1 for w in state.workers.values()
-               if w.worker_id in in_world or (w.attached and w.host not in blocked))
+    alive, acked = ack_counts(state)
+    return alive > 0 and acked == alive
 
 
 def eligible(state: JobState, now: Optional[float] = None) -> list[str]:
@@ -656,9 +666,8 @@ def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
     if not chosen:
         return ()
     # Highest commit step first; max() keeps the earliest (lowest old rank) among ties.
-    best = max(chosen, key=lambda w: (state.workers[w].commit_step, -chosen.index(w)))
-    chosen.remove(best)
-    chosen.insert(0, best)
+    best = max(range(len(chosen)), key=lambda i: (state.workers[chosen[i]].commit_step, -i))
+    chosen.insert(0, chosen.pop(best))
     # Group by host in order of each host's first appearance; stable within a host.
     host_order: list[str] = []
     by_host: dict[str, list[str]] = {}
@@ -669,14 +678,21 @@ def compute_world(state: JobState, now: float) -> tuple[Member, ...]:
             by_host[h] = []
         by_host[h].append(w)
     # cross rank/size as Horovod defines them: among the hosts that have a worker with this local rank.
+    # Counted in one pass (O(N), not O(N x hosts)): hosts_with[lr] is how many hosts have a
+    # worker of local rank lr, and a host's cross rank is how many came before it.
+    hosts_with = [0] * max((len(ws) for ws in by_host.values()), default=0)
+    for h in host_order:
+        for local_rank in range(len(by_host[h])):
+            hosts_with[local_rank] += 1
+    seen_with = [0] * len(hosts_with)
     members = []
     for h in host_order:
         for local_rank, w in enumerate(by_host[h]):
-            hosts_with_lr = [x for x in host_order if len(by_host[x]) > local_rank]
             worker = state.workers[w]
             members.append(Member(worker_id=w, host=h, ring_address=worker.ring_address,
                                   rank=len(members), local_rank=local_rank,
                                   local_size=len(by_host[h]),
-                                  cross_rank=hosts_with_lr.index(h), cross_size=len(hosts_with_lr),
+                                  cross_rank=seen_with[local_rank], cross_size=hosts_with[local_rank],
                                   commit_step=worker.commit_step))
+            seen_with[local_rank] += 1
     return tuple(members)

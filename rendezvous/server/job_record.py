@@ -13,6 +13,7 @@ from typing import Optional
 from rendezvous.server import decision as d
 from rendezvous.server.liveness import Liveness
 from rendezvous.server.pace import StragglerBoard
+from rendezvous.server.world_views import WorldViews
 
 # Queued on a stream: end it without a status (the client reconnects, or the job is over).
 END = object()
@@ -54,3 +55,12 @@ class Job:
     # worker id -> (the newest world it completed a training step in, the step its last commit
     # holds): what its ReportProgress said, for Status. Soft state: resent, never stored.
     progress: dict = field(default_factory=dict)
+    _views: Optional[WorldViews] = None    # of the last world asked for (see views())
+
+    def views(self, world_version: int, members: tuple) -> WorldViews:
+        """The views of world `world_version` of `members`, worked out once per world (O(N)) and
+        kept, so that each member's announcement and each (re)attaching Watch costs O(1)."""
+        v = self._views
+        if v is None or v.world_version != world_version or v.members is not members:
+            v = self._views = WorldViews(world_version, members)
+        return v

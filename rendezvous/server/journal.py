@@ -1,9 +1,11 @@
 """Group commit of job states: a job's new state is in the store before anyone hears of its actions.
 
 Every change goes through `apply`: the decision's new state replaces the in-memory one, and its actions
-wait in the job's outbox. One flush per job runs at a time and writes the latest state (fenced by
-leadership, compare-and-swap on the revision last written), so a burst of 1,024 joins is a handful of
-writes; once a write lands, the actions it covers are delivered. Because every announced world is
+wait in the job's outbox. One flush per job runs at a time and writes what changed since the last
+write (job_keys.py: the job's head, compare-and-swap on the revision last written and fenced by
+leadership, with the changed workers' keys), so a burst of 1,024 joins is a handful of writes
+and a failure in a job of 16,384 writes a few keys; once a write lands, the actions it covers are
+delivered. Because every announced world is
 durable before anyone sees it, a restarted server or a new leader reloads the same worlds and changes
 nothing. Committed steps (Progress) are soft state: they change the in-memory state and ride along
 with the next real change that is written.
@@ -18,7 +20,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from rendezvous.server import decision as d
-from rendezvous.server import job_json
+from rendezvous.server import job_keys
 from rendezvous.server.job_record import Job
 from rendezvous.server.store import Fence, Store, StoreError
 from rendezvous.server.server_wire import RpcRefusal
@@ -53,14 +55,46 @@ class Journal:
         self._deliver = deliver
         self._clock = clock
         self._sleep = sleep
+        self._stored: dict[str, job_keys.StoredJob] = {}   # job id -> what the store holds of it
 
     def key(self, job_id: str) -> str:
-        return f"{self.prefix}/jobs/{job_id}"
+        """The job's head key: its revision is the job's (job_keys.py)."""
+        return job_keys.head_key(self.prefix, job_id)
 
     async def load(self) -> list[tuple[d.JobState, int]]:
         """Every stored job with its revision; raises StoreError."""
-        items = await self.store.get_prefix(f"{self.prefix}/jobs/")
-        return [(job_json.from_json(v.value), v.revision) for v in items.values()]
+        items = await self.store.get_prefix(job_keys.root(self.prefix))
+        jobs = job_keys.parse(self.prefix, items)
+        self._stored = {state.job_id: stored for state, stored in jobs}
+        return [(state, stored.revision or stored.legacy_revision) for state, stored in jobs]
+
+    def _stored_of(self, job: Job) -> job_keys.StoredJob:
+        stored = self._stored.setdefault(job.state.job_id, job_keys.StoredJob())
+        if stored.legacy_key:
+            stored.legacy_revision = job.revision
+        else:
+            stored.revision = job.revision
+        return stored
+
+    async def _commit_staged(self, plan: job_keys.Plan) -> bool:
+        """The plan's transactions before the head's (puts no reader sees yet). False: fenced."""
+        for batch in plan.staged:
+            if await self.store.commit(batch, fence=self._fence()) is None:
+                return False
+        return True
+
+    async def _clean_up(self, plan: job_keys.Plan) -> None:
+        """Deletes what the head just committed made unread; what fails is deleted by the next write."""
+        after = plan.after
+        for i in range(0, len(after), job_keys.WRITE_OPS):
+            batch = after[i:i + job_keys.WRITE_OPS]
+            try:
+                if await self.store.commit({}, batch, fence=self._fence()) is None:
+                    plan.stored.garbage += after[i:]
+                    return
+            except StoreError:
+                plan.stored.garbage += after[i:]
+                return
 
     def apply(self, job: Job, event: d.Event) -> tuple[int, list]:
         """Decide; queue the actions for after the next durable write. Returns (seq, actions)."""
@@ -91,27 +125,33 @@ class Journal:
         """Write the latest state, then deliver every action that state covers; repeat until caught up."""
         key = self.key(job.state.job_id)
         backoff = 0.05
-        unsure: list[bytes] = []   # writes whose outcome we did not learn (error, lost response)
+        unsure: dict[bytes, job_keys.Plan] = {}   # head writes whose outcome we did not learn
         try:
             while job.durable_seq < job.seq and self._is_leader():
                 seq, state = job.seq, job.state
-                data = job_json.to_json(state)
+                plan = job_keys.plan(self.prefix, state, self._stored_of(job))
                 try:
-                    rev = await self.store.put(key, data, expected_revision=job.revision,
-                                               fence=self._fence())
+                    rev = None
+                    if await self._commit_staged(plan):
+                        rev = await self.store.commit(plan.puts, plan.deletes, expected=plan.expected,
+                                                      fence=self._fence())
                     if rev is None and unsure:
-                        # CAS refused after an ambiguous write: if that write did land, the key
-                        # holds exactly our bytes and we are still the one writing this job.
+                        # CAS refused after an ambiguous write: if that write did land, the head
+                        # holds exactly its bytes and we are still the one writing this job.
                         cur = await self.store.get(key)
                         if cur is not None and cur.value in unsure:
                             log.info("job %s: an earlier write did land (revision %d); continuing",
                                      job.state.job_id, cur.revision)
+                            landed = unsure[cur.value]
+                            landed.stored.revision = cur.revision
+                            self._stored[job.state.job_id] = landed.stored
                             job.revision = cur.revision
-                            unsure = []
+                            unsure = {}
+                            await self._clean_up(landed)
                             continue
                 except StoreError as e:
                     log.warning("job %s: writing state failed: %s; retrying", job.state.job_id, e)
-                    unsure.append(data)
+                    unsure[plan.head] = plan
                     await self._sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
                     continue
@@ -119,7 +159,9 @@ class Journal:
                     self._on_fenced(f"fenced write of job {job.state.job_id} refused: "
                                     f"another replica leads or wrote it")
                     return
-                unsure = []
+                unsure = {}
+                plan.stored.revision = rev
+                self._stored[job.state.job_id] = plan.stored
                 job.revision = rev
                 job.durable_seq = seq
                 job.durable_state = state
@@ -129,6 +171,7 @@ class Journal:
                     self._deliver(job, action, before)
                 async with job.durable:
                     job.durable.notify_all()
+                await self._clean_up(plan)
         finally:
             job.flushing = False
 
@@ -153,20 +196,41 @@ class Journal:
         Returns its revision; None when the fenced write was refused; RpcRefusal UNAVAILABLE when
         the store failed and the write did not land."""
         key = self.key(state.job_id)
-        data = job_json.to_json(state)
         try:
-            return await self.store.put(key, data, expected_revision=expected_revision,
-                                        fence=self._fence())
+            if expected_revision and not await self._remove(state.job_id, expected_revision):
+                return None
+            plan = job_keys.first_write(self.prefix, state)
+            if not await self._commit_staged(plan):
+                return None
+            rev = await self.store.commit(plan.puts, plan.deletes, expected=plan.expected, fence=self._fence())
         except StoreError as e:
             # Ambiguous: it may have landed. Re-read once; otherwise the client retries the Join.
             try:
                 cur = await self.store.get(key)
             except StoreError:
                 cur = None
-            if cur is None or cur.value != data:
+            if cur is None or cur.value != plan.head:
                 raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, f"job {state.job_id}: cannot create "
                                                                f"it in the store ({e}); retry") from None
-            return cur.revision
+            rev = cur.revision
+        if rev is not None:
+            plan.stored.revision = rev
+            self._stored[state.job_id] = plan.stored
+        return rev
+
+    async def _remove(self, job_id: str, revision: int) -> bool:
+        """Deletes every key of the job if its head (or its value of an earlier layout) is still at
+        `revision`. False when refused."""
+        stored = self._stored.get(job_id, job_keys.StoredJob())
+        if stored.legacy_key:
+            expected, deletes = {stored.legacy_key: revision}, [stored.legacy_key]
+        else:
+            expected, deletes = {self.key(job_id): revision}, []
+        ok = await self.store.commit({}, deletes, expected=expected, fence=self._fence(),
+                                     delete_prefixes=[job_keys.job_prefix(self.prefix, job_id)])
+        if ok is not None:
+            self._stored.pop(job_id, None)
+        return ok is not None
 
     async def delete(self, job: Job) -> bool:
         """Remove the job once its pending changes are stored, conditional on the revision last
@@ -174,7 +238,7 @@ class Journal:
         raises StoreError/RpcRefusal when the store failed."""
         if job.seq > job.durable_seq:
             await self.wait_durable(job, job.seq)
-        key = self.key(job.state.job_id)
-        ok = await self.store.delete(key, expected_revision=job.revision, fence=self._fence())
+        job_id = job.state.job_id
+        ok = await self._remove(job_id, job.revision)
         # Refused: unless an earlier attempt (its answer lost) deleted it, someone else wrote.
-        return ok or await self.store.get(key) is None
+        return ok or await self.store.get(self.key(job_id)) is None

@@ -56,10 +56,11 @@ class ServerConfig:
     cooldown_max_s: float = 300.0           # up to this
     default_elastic_timeout_s: float = 600.0  # for a job whose first join leaves it 0
     leader_ttl_s: int = 2                   # etcd lease of the leader key: failover takes about this long
-    # The whole job state is one etcd value: ~430 B per worker with its session hash (0.43 MiB at
-    # 1,024, 1.7 MiB at 4,096, measured). etcd refuses requests over 1.5 MiB by default
-    # (--max-request-bytes), so cap at 2,048 (0.9 MiB).
-    max_workers_per_job: int = 2048
+    # Workers registered in one job (its world and its hot spares). The store no longer bounds it
+    # (job_keys.py spreads a job over keys, each write within etcd's request limits); what does is
+    # Status, which still answers a job in one message: ~150 B per member, and gRPC clients take
+    # 4 MiB by default, so 20,480 (a world of 16,384 and a quarter more spares) stays within it.
+    max_workers_per_job: int = 20480
     max_jobs: int = 1024                    # running jobs; finished ones do not count
     finished_job_retention_s: float = 3600.0  # then a finished job is forgotten (its id reusable)
     replica_id: str = dataclasses.field(

@@ -36,7 +36,7 @@ P = "elastic_rendezvous_"
 RECOVERY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-STORE_OPERATIONS = ("get", "get_prefix", "put", "delete", "claim", "refresh_claim", "release_claim")
+STORE_OPERATIONS = ("get", "get_prefix", "put", "delete", "commit", "claim", "refresh_claim", "release_claim")
 
 
 def job_counts(state: d.JobState) -> tuple[int, int, int]:
@@ -277,6 +277,10 @@ class MeteredStore(Store):
     async def delete(self, key, *, expected_revision=None, fence=None):
         return await self._timed("delete", self.inner.delete(key, expected_revision=expected_revision,
                                                              fence=fence))
+
+    async def commit(self, puts, deletes=(), *, expected={}, fence=None, delete_prefixes=()):  # noqa: B006
+        return await self._timed("commit", self.inner.commit(puts, deletes, expected=expected, fence=fence,
+                                                             delete_prefixes=delete_prefixes))
 
     async def claim(self, key, value, ttl_s):
         claim = await self._timed("claim", self.inner.claim(key, value, ttl_s))

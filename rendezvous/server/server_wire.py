@@ -1,17 +1,19 @@
 """What the service alone puts on the wire: the status of a refused RPC, the Watch events of the
 decision's actions, the snapshot a (re)opened Watch begins with, and a job as Status shows it.
+A world's events are each member's view (world_views.py).
 
 The shared forms (specs, members, the trailing metadata keys) are rendezvous/wire/messages.py's;
 this module is the server's, so a worker never loads it (nor the decision it reads).
 """
 from __future__ import annotations
 
-from typing import Container, Iterator, Mapping, Optional, Tuple, Union
+from typing import Container, Mapping, Optional, Tuple, Union
 
 import grpc
 
 from rendezvous.server import decision as d
 from rendezvous.wire.membership import StragglerReport
+from rendezvous.server.world_views import WorldViews
 from rendezvous.wire.messages import member_pb, pb, refusal_metadata, spec_pb, straggler_pb
 
 # What the decision's refusal kinds are on the wire. The server picks the code from the kind,
@@ -82,43 +84,6 @@ def job_event_pb(e) -> pb.JobEvent:
 
 
 # --------------------------------------------------------------------------------- events
-def world_event(world_version: int, members: tuple[d.Member, ...], member: d.Member) -> pb.WatchEvent:
-    """The world `members` as `member` receives it (its own rank fields filled in)."""
-    return pb.WatchEvent(world=pb.World(
-        world_version=world_version, size=len(members), members=[member_pb(m) for m in members],
-        rank=member.rank, local_rank=member.local_rank, local_size=member.local_size,
-        cross_rank=member.cross_rank, cross_size=member.cross_size))
-
-
-_WORLD_FIELD = bytes([(pb.WatchEvent.WORLD_FIELD_NUMBER << 3) | 2])  # tag: field 1, length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        if n:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
-def spliced_worlds(action: d.AnnounceWorld, recipients: Container[str]) -> Iterator[tuple[str, bytes]]:
-    """(worker_id, serialized WatchEvent) of the world for each member in `recipients`: the bytes
-    `world_event` would give, built by serializing the member list once and appending each
-    recipient's own rank fields (protobuf merges concatenated messages). At 1,024 workers this
-    turns 1,024 serializations of a ~100 KB message into memory copies."""
-    base = pb.World(world_version=action.world_version, size=len(action.members),
-                    members=[member_pb(m) for m in action.members]).SerializeToString()
-    for m in action.members:
-        if m.worker_id in recipients:
-            inner = base + pb.World(rank=m.rank, local_rank=m.local_rank, local_size=m.local_size,
-                                    cross_rank=m.cross_rank,
-                                    cross_size=m.cross_size).SerializeToString()
-            yield m.worker_id, _WORLD_FIELD + _varint(len(inner)) + inner
-
-
 def standby_event(world_version: int, reason: str) -> pb.WatchEvent:
     return pb.WatchEvent(standby=pb.Standby(world_version=world_version, reason=reason))
 
@@ -135,15 +100,16 @@ def finished_event(succeeded: bool, reason: str) -> pb.WatchEvent:
     return pb.WatchEvent(finished=pb.JobOutcome(succeeded=succeeded, reason=reason))
 
 
-def snapshot(state: d.JobState, worker_id: str, now: float) -> list[pb.WatchEvent]:
-    """What a worker opening (or reopening) its Watch is sent first, from the stored `state`: how the
-    job ended; or its world, followed by the abort if that world was aborted; or a Standby notice."""
+def snapshot(state: d.JobState, views: WorldViews, worker_id: str, now: float) -> list[pb.WatchEvent]:
+    """What a worker opening (or reopening) its Watch is sent first, from the stored `state` (whose
+    world `views` are): how the job ended; or its world, followed by the abort if that world was
+    aborted; or a Standby notice."""
     if state.phase in d.TERMINAL:
         return [finished_event(state.phase is d.Phase.SUCCEEDED, state.reason)]
-    member = state.member(worker_id)
+    member = views.member(worker_id)
     if member is None:
         return [standby_event(state.world_version, d.standby_reason(state, worker_id, now))]
-    events = [world_event(state.world_version, state.world, member)]
+    events = [views.event(member)]
     if state.aborted_version == state.world_version:
         events.append(pb.WatchEvent(abort=pb.AbortVersion(
             world_version=state.world_version, reason="a member of this world failed")))

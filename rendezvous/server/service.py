@@ -237,7 +237,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.metrics.delivered(what, recovery_s)
         self.history.delivered(job.state, what)
         if what.audience is Audience.NEW_WORLD:
-            for worker_id, event in server_wire.spliced_worlds(action, job.streams):
+            views = job.views(action.world_version, action.members)
+            for worker_id, event in views.serialized(job.streams):
                 self.send(job, worker_id, event)
             now = time.time()
             for w in action.standby:
@@ -504,7 +505,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         # The snapshot is the last *stored* state: what is only in memory may still be lost (if the
         # write fails and another replica takes over); later changes follow through the outbox.
         state = job.durable_state if job.durable_state is not None else job.state
-        for event in server_wire.snapshot(state, w.worker_id, time.time()):
+        views = job.views(state.world_version, state.world)
+        for event in server_wire.snapshot(state, views, w.worker_id, time.time()):
             await context.write(event)
         if state.phase in d.TERMINAL:
             job.streams.pop(w.worker_id, None)

@@ -15,6 +15,10 @@ and no more. Each member stays because something would break without it:
 * `delete(key, expected_revision=, fence=)`: a finished or abandoned job leaves the store, under
   the same conditions as a write; a tombstone put instead would be loaded by every new leader
   forever.
+* `commit(puts, deletes, expected=, fence=, delete_prefixes=)`: several keys in one transaction.
+  A job is spread over many keys (job_keys.py) and each write touches only what changed: the
+  job's head, compare-and-swap, with the changed workers' keys, atomically; and a job leaves
+  the store as a whole prefix.
 * `claim(key, value, ttl_s)` and the `Claim` it returns (`refresh()`, `release()`): leader
   election among replicas needs a key that disappears when its holder stops renewing it, timed
   by the store. In etcd that is a lease: its keep-alives write nothing (renewing by puts would
@@ -37,9 +41,12 @@ import asyncio
 import dataclasses
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import grpc
+
+
+GET_PAGE = 1000   # keys a page of get_prefix holds (each well under a MiB: a world chunk is ~40 KB)
 
 
 class StoreError(RuntimeError):
@@ -93,6 +100,15 @@ class Store(abc.ABC):
     async def delete(self, key: str, *, expected_revision: Optional[int] = None,
                      fence: Optional[Fence] = None) -> bool:
         """Delete; False if the key was absent or `expected_revision`/`fence` did not hold."""
+
+    @abc.abstractmethod
+    async def commit(self, puts: Mapping[str, bytes], deletes: Sequence[str] = (), *,
+                     expected: Mapping[str, int] = {}, fence: Optional[Fence] = None,   # noqa: B006 (read only)
+                     delete_prefixes: Sequence[str] = ()) -> Optional[int]:
+        """One transaction: every put, every delete and every key under each of `delete_prefixes`,
+        only if each key of `expected` is at that revision (0: absent) and the fence holds.
+        Returns the store's revision after it (0 when it changed nothing), None when refused.
+        A put must not fall under a deleted prefix (etcd refuses such a transaction)."""
 
     @abc.abstractmethod
     async def claim(self, key: str, value: bytes, ttl_s: int) -> Optional["Claim"]:
@@ -179,6 +195,26 @@ class MemoryStore(Store):
         del self._data[key]
         self._rev += 1
         return True
+
+    async def commit(self, puts, deletes=(), *, expected={}, fence=None, delete_prefixes=()):  # noqa: B006
+        self._expire()
+        for key, rev in expected.items():
+            cur = self._data.get(key)
+            if (cur.revision if cur else 0) != rev:
+                return None
+        if self._fenced_out(fence):
+            return None
+        gone = [k for k in self._data if k in deletes or any(k.startswith(p) for p in delete_prefixes)]
+        if not puts and not gone:
+            return 0
+        self._rev += 1
+        for k in gone:
+            self._held.pop(k, None)
+            del self._data[k]
+        for k, v in puts.items():
+            self._held.pop(k, None)
+            self._data[k] = Versioned(bytes(v), self._rev)
+        return self._rev
 
     async def claim(self, key, value, ttl_s):
         self._expire()
@@ -361,8 +397,22 @@ class EtcdStore(Store):
         return None if value is None else Versioned(value, meta.mod_revision)
 
     async def get_prefix(self, prefix):
-        items = await self._call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)))
-        return {meta.key.decode(): Versioned(value, meta.mod_revision) for value, meta in items}
+        # In pages, all at the first page's revision (one snapshot): a job of 16,384 workers is
+        # ~6 MB of keys, over the 4 MiB a gRPC client takes in one message.
+        import etcd3.utils
+        end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+        start, revision, out = etcd3.utils.to_bytes(prefix), None, {}
+        while True:
+            page = await self._call(
+                f"get prefix {prefix}",
+                lambda c: c.get_range_response(start, end, sort_order="ascend", sort_target="key",
+                                               limit=GET_PAGE, revision=revision))
+            revision = revision or page.header.revision
+            for kv in page.kvs:
+                out[kv.key.decode()] = Versioned(kv.value, kv.mod_revision)
+            if not page.more or not page.kvs:
+                return out
+            start = page.kvs[-1].key + b"\0"
 
     async def put(self, key, value, *, expected_revision=None, fence=None):
         compare = self._fence_compare(fence)
@@ -383,6 +433,24 @@ class EtcdStore(Store):
             f"delete {key}", lambda c: c.transaction(compare=compare, success=[self._tx.Delete(key)], failure=[]),
             retry=False)
         return bool(ok and responses[0].response_delete_range.deleted)
+
+    async def commit(self, puts, deletes=(), *, expected={}, fence=None, delete_prefixes=()):  # noqa: B006
+        import etcd3.utils
+        compare = self._fence_compare(fence)
+        compare += [self._tx.Mod(k) == rev for k, rev in expected.items()]
+        ops = [self._tx.Put(k, v) for k, v in puts.items()] + [self._tx.Delete(k) for k in deletes]
+        ops += [self._tx.Delete(p, range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p)))
+                for p in delete_prefixes]
+        ok, responses = await self._call(
+            f"commit of {len(ops)} operation(s)",
+            lambda c: c.transaction(compare=compare, success=ops, failure=[]), retry=False)
+        if not ok:
+            return None
+        for r in responses:
+            kind = r.WhichOneof("response")
+            if kind is not None:
+                return getattr(r, kind).header.revision
+        return 0
 
     async def claim(self, key, value, ttl_s):
         lease = (await self._call(f"claim {key}: grant lease ttl={ttl_s}", lambda c: c.lease(ttl_s))).id

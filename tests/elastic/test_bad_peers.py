@@ -80,7 +80,7 @@ def test_an_unusable_address_report_evicts_only_when_a_member_of_that_world_make
         for c in clients.values():
             c.join()
         world = clients["c0"].wait_world(timeout_s=30)
-        members = [m.worker_id for m in world.members]
+        members = [m.worker_id for m in world.peers]
         standby = next(w for w in clients if w not in members)
         reporter, suspect = members
         with pytest.raises(RendezvousRPCError) as refused:

@@ -13,12 +13,15 @@ from rendezvous.wire.membership import Member
 
 
 def world(version, *ids, me="w0"):
+    """World `version` of members `ids` as `me` is told it (small: every member is a ring neighbour)."""
+    import hashlib
     members = tuple(Member(worker_id=w, host="h", ring_address=f"127.0.0.1:{9000 + i}", rank=i,
                                local_rank=i, local_size=len(ids), cross_rank=0, cross_size=1, commit_step=-1)
                     for i, w in enumerate(ids))
     rank = ids.index(me)
-    return WorldInfo(world_version=version, members=members, rank=rank, size=len(ids), local_rank=rank,
-                     local_size=len(ids), cross_rank=0, cross_size=1)
+    return WorldInfo(world_version=version, peers=members, rank=rank, size=len(ids), local_rank=rank,
+                     local_size=len(ids), cross_rank=0, cross_size=1,
+                     digest=hashlib.sha256(",".join(ids).encode()).digest())
 
 
 def aborts(actions):

@@ -68,7 +68,8 @@ def hosts_for(transport: Union[str, Sequence[str]], n: int) -> Optional[List[str
 
 
 def _worker_main(rank: int, n: int, conn, fn: Callable, config: Optional[elastic.CommConfig], job_id: str,
-                 secret: bytes, world_version: int, hosts: Optional[List[str]]) -> None:
+                 secret: bytes, world_version: int, hosts: Optional[List[str]],
+                 view_of: Optional[Callable] = None) -> None:
     try:
         # A forked child cannot use the OpenMP thread pool of a parent that already ran a
         # parallel torch op (collecting the whole suite does): its first one would hang.
@@ -78,9 +79,14 @@ def _worker_main(rank: int, n: int, conn, fn: Callable, config: Optional[elastic
         if not conn.poll(60):
             return
         peers = conn.recv()
-        comm = elastic.Communicator.form(listener=listener, job_id=job_id, secret=secret,
-                                         world_version=world_version, rank=rank, peers=peers, config=config,
-                                         hosts=hosts)
+        if view_of is not None:   # only what this rank's view names, as a worker of a job gets it
+            comm = elastic.Communicator.form(listener=listener, job_id=job_id, secret=secret,
+                                             world_version=world_version, rank=rank, config=config,
+                                             view=view_of(rank, peers, hosts))
+        else:
+            comm = elastic.Communicator.form(listener=listener, job_id=job_id, secret=secret,
+                                             world_version=world_version, rank=rank, peers=peers, config=config,
+                                             hosts=hosts)
         comm.listener = listener  # for tests that inspect refusals
         comm.hosts = hosts  # for tests that re-form
         conn.send(("formed", time.monotonic()))
@@ -104,21 +110,23 @@ class World:
 
     def __init__(self, n: int, fn: Callable, *, config: Optional[elastic.CommConfig] = None,
                  job_id: str = "test-job", secret: bytes = b"test-secret", world_version: int = 1,
-                 transport: Union[str, Sequence[str]] = "tcp", start_method: str = "fork"):
+                 transport: Union[str, Sequence[str]] = "tcp", start_method: str = "fork",
+                 view_of: Optional[Callable] = None):
         # "forkserver" for tests that run late in a session: by then the test process may hold
         # gRPC and etcd client threads and has run torch's thread pools, and forking such a
         # process is not safe. Workers are forked from a server that only imported the modules
         # of _FORKSERVER_PRELOAD (once per session), so they start in a fraction of a second.
         # It needs `fn` to be importable (a module-level function), and workers see the
         # environment of when the server started: a test that sets a variable for its workers
-        # takes "spawn" (an import of torch each).
+        # takes "spawn" (an import of torch each). `view_of(rank, addresses, hosts)`, if given, is
+        # the RingView each rank forms from instead of the full list.
         ctx = _context(start_method)
         self.n = n
         self.hosts = hosts_for(transport, n)
         self.pipes = [ctx.Pipe() for _ in range(n)]
         self.procs = [ctx.Process(target=_worker_main,
                                    args=(r, n, self.pipes[r][1], fn, config, job_id, secret, world_version,
-                                         self.hosts),
+                                         self.hosts, view_of),
                                    daemon=True) for r in range(n)]
         self.addresses: List[str] = []
 

@@ -11,6 +11,8 @@ import pytest
 
 import elastic
 
+from elastic.ring.ring_view import RingView, list_digest
+
 from .harness import TRANSPORTS, World
 
 JOB, SECRET, VERSION = "live-job", b"live-secret", 5
@@ -50,10 +52,12 @@ def live_ring(request):
 
 
 def _serving_world(**world_kw):
-    """Three ranks that serve handshake probes while they keep allreducing; yields (world, addresses)."""
+    """Three ranks that serve handshake probes while they keep allreducing; yields (world, addresses).
+    `world.digest` is the digest of its list, which a connector must name to get past that check."""
     with World(3, _serve_then_allreduce, job_id=JOB, secret=SECRET, world_version=VERSION, **world_kw) as w:
         w.wait_formed()
         addresses = [w.expect(r, "ready")[1] for r in range(3)]
+        w.digest = list_digest(addresses, w.hosts)
         yield w, addresses
         for r in range(3):
             w.send(r, "stop")
@@ -68,14 +72,17 @@ def _ring_still_works(w):
         assert w.expect(r, "round")[1] == 6.0
 
 
-def _intrude(target, *, job=JOB, secret=SECRET, version=VERSION, size=3, rank=2, expect=elastic.HandshakeError):
-    """Connects to the ring's rank 0 posing as its predecessor (rank 2 of a 3-rank world)."""
+def _intrude(target, *, job=JOB, secret=SECRET, version=VERSION, size=3, rank=2, expect=elastic.HandshakeError,
+             digest=bytes(32)):
+    """Connects to the ring's rank 0 posing as its predecessor (rank 2 of a 3-rank world), with a
+    view naming `digest`."""
     listener = elastic.Listener("127.0.0.1", 0)
     peers = [target, "127.0.0.1:1", listener.address] if size == 3 else [target, listener.address]
+    view = RingView(rank, size, {r: (a, "") for r, a in enumerate(peers)}, None, digest)
     try:
         with pytest.raises(expect) as info:
             elastic.Communicator.form(listener=listener, job_id=job, secret=secret, world_version=version,
-                                      rank=rank, peers=peers, config=elastic.CommConfig(form_timeout=5))
+                                      rank=rank, view=view, config=elastic.CommConfig(form_timeout=5))
         return info.value
     finally:
         listener.close()
@@ -86,10 +93,14 @@ def _intrude(target, *, job=JOB, secret=SECRET, version=VERSION, size=3, rank=2,
     ("stale version", {"version": VERSION - 1}, "stale world version 4"),
     ("wrong world size", {"size": 2, "rank": 1}, "world size mismatch"),
     ("duplicate", {}, "duplicate connection"),
+    ("view of another world", {"digest": b"\x01" * 32}, "world digest mismatch at world version 5"),
 ])
 def test_refused_handshake_leaves_the_live_ring_working(live_ring, case, kwargs, connector_says):
+    # Every case but the last names the live world's digest: a connector told other members of
+    # the same version (a view of another world) is refused though job, version, size and
+    # rank all agree.
     w, addresses = live_ring
-    err = _intrude(addresses[0], **kwargs)
+    err = _intrude(addresses[0], **{"digest": w.digest, **kwargs})
     assert connector_says in str(err) and "refused" in str(err), err
     # The refusal is authenticated (the ring's rank 0 proved the secret): a verdict on this
     # connection, nobody to blame.
@@ -180,10 +191,11 @@ from . import wire  # noqa: E402
 from .harness import mixed_hosts  # noqa: E402
 
 
-def _raw_handshake(address, *, channel, from_rank, to_rank, size=3, job=JOB, secret=SECRET, version=VERSION):
-    """Speaks protocol 3 by hand; returns ("ok", None) or ("refused", reason), checking a refusal's MAC."""
+def _raw_handshake(address, *, channel, from_rank, to_rank, size=3, job=JOB, secret=SECRET, version=VERSION,
+                   digest=bytes(32)):
+    """Speaks protocol 4 by hand; returns ("ok", None) or ("refused", reason), checking a refusal's MAC."""
     host, port = address.rsplit(":", 1)
-    body = wire.hello_body(job, version, from_rank, to_rank, size, channel)
+    body = wire.hello_body(job, version, from_rank, to_rank, size, channel, digest)
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(wire.msg(wire.HELLO, body))
         mtype, status, nonce = wire.read_msg(s)
@@ -217,10 +229,12 @@ def hierarchical_ring():
     (0, {"channel": 9, "from_rank": 2, "to_rank": 0}, "unknown ring channel 9"),
     (0, {"channel": 2, "from_rank": 2, "to_rank": 0, "version": VERSION - 1}, "stale world version 4"),
     (0, {"channel": 1, "from_rank": 1, "to_rank": 0, "size": 4}, "world size mismatch"),
+    (0, {"channel": 1, "from_rank": 1, "to_rank": 0, "digest": bytes(32)}, "world digest mismatch"),
+    (1, {"channel": 0, "from_rank": 0, "to_rank": 1, "digest": b"\xff" * 32}, "world digest mismatch"),
 ])
 def test_every_ring_channel_is_fenced_and_refusals_name_it(hierarchical_ring, target, kwargs, reason):
     w, addresses = hierarchical_ring
-    outcome, text = _raw_handshake(addresses[target], **kwargs)
+    outcome, text = _raw_handshake(addresses[target], **{"digest": w.digest, **kwargs})
     assert outcome == "refused" and reason in text, text
     _ring_still_works(w)
 
@@ -246,7 +260,7 @@ def test_a_protocol_1_hello_is_closed_unanswered_and_logged():
         deadline = time.monotonic() + 5
         while not listener.refusals() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert any("unsupported ring protocol version 1 (this build speaks 3)" in r for r in listener.refusals())
+        assert any("unsupported ring protocol version 1 (this build speaks 4)" in r for r in listener.refusals())
     finally:
         listener.close()
 

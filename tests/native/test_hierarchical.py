@@ -27,7 +27,8 @@ def test_two_hosts_of_two_form_a_local_ring_and_a_leaders_ring():
     results = run_world(4, _shape, transport=mixed_hosts(2, 2), config=HIERARCHICAL)
     for rank, (h, (local, leaders), flat, algo) in enumerate(results):
         assert h["applies"] and algo == "hierarchical"
-        assert (h["host"], h["local_rank"], h["local_size"], h["leaders"]) == (rank // 2, rank % 2, 2, [0, 2])
+        assert (h["host"], h["local_rank"], h["local_size"], h["prev_leader"], h["next_leader"]) == \
+            (rank // 2, rank % 2, 2, 2 - rank // 2 * 2, 2 - rank // 2 * 2)
         assert local == ("shm", "shm")  # host mates: shared memory both ways
         assert leaders == (("tcp", "tcp") if rank % 2 == 0 else ())  # leaders only, across hosts
     # The flat ring is still there (small messages, other collectives), mixed as before.

@@ -1,4 +1,4 @@
-"""The ring handshake (protocol 3, native/README.md "Wire format") spoken by hand, for tests that
+"""The ring handshake (protocol 4, native/README.md "Wire format") spoken by hand, for tests that
 play a stranger, an impostor or a squatter at a ring port."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import struct
 import threading
 from typing import Callable, Optional
 
-MAGIC, PROTO = 0x45524E47, 3
+MAGIC, PROTO = 0x45524E47, 4
 HELLO, ACK, PROOF, RESULT = 1, 2, 3, 4
 OK, NOT_READY, REFUSED = 0, 1, 2
 NO_SUCH_RING = 6  # the refusal code of "this worker forms no such ring"
@@ -39,9 +39,11 @@ def read_msg(sock):
     return None if body is None else (mtype, status, body)
 
 
-def hello_body(job, version: int, from_rank: int, to_rank: int, size: int, channel: int = 0) -> bytes:
+def hello_body(job, version: int, from_rank: int, to_rank: int, size: int, channel: int = 0,
+               digest: bytes = bytes(32)) -> bytes:
+    """A HELLO body; `digest` names the world (elastic.ring.ring_view.list_digest of a ring formed by hand)."""
     job_b = job.encode() if isinstance(job, str) else job
-    return struct.pack(">QIIIB", version, from_rank, to_rank, size, channel) + bytes(16) + \
+    return struct.pack(">QIIIB", version, from_rank, to_rank, size, channel) + digest + bytes(16) + \
         struct.pack(">H", len(job_b)) + job_b
 
 

@@ -77,6 +77,23 @@ class FlakyStore(MemoryStore):
             raise StoreError(f"put {key}: deadline exceeded")
         return rev
 
+    async def commit(self, puts, deletes=(), *, expected={}, fence=None, delete_prefixes=()):  # noqa: B006
+        """Fails like put (a transaction with puts counts as one); logs each key it put."""
+        if not puts:
+            return await super().commit(puts, deletes, expected=expected, fence=fence,
+                                        delete_prefixes=delete_prefixes)
+        self.puts += 1
+        if self.fail_puts:
+            self.fail_puts -= 1
+            raise StoreError("commit: connection reset")
+        rev = await super().commit(puts, deletes, expected=expected, fence=fence, delete_prefixes=delete_prefixes)
+        if rev is not None:
+            self.log += [("put", k) for k in sorted(puts)]
+        if self.lose_answers:
+            self.lose_answers -= 1
+            raise StoreError("commit: deadline exceeded")
+        return rev
+
 
 def running(workers=("a", "b", "c"), min_np=2, max_np=4, now: float = 0.0) -> d.JobState:
     """A job whose first world holds `workers` (each on a host of its own), decided at `now`."""

@@ -150,12 +150,13 @@ def test_world_with_same_version_but_other_members_is_a_new_event(client):
     c = client("127.0.0.1:1", "a", job_id="j")
 
     def world(*members):
-        return pb.WatchEvent(world=pb.World(world_version=1, size=len(members), members=[
-            pb.Member(worker_id=w, rank=i) for i, w in enumerate(members)]))
+        # A world is named by its digest: the server's over every member (world_views.world_digest).
+        return pb.WatchEvent(world=pb.World(world_version=1, size=len(members), peers=[
+            pb.Member(worker_id=w, rank=i) for i, w in enumerate(members)], digest="".join(members).encode()))
     for ev in (world("a", "b"), world("a", "b"), world("a", "c")):
         c._handle(ev, "127.0.0.1:1", c._gen)
     got = [c.next_event(0), c.next_event(0), c.next_event(0)]
-    assert [[m.worker_id for m in w.members] for w in got[:2]] == [["a", "b"], ["a", "c"]]
+    assert [[m.worker_id for m in w.peers] for w in got[:2]] == [["a", "b"], ["a", "c"]]
     assert got[2] is None
 
 
@@ -172,15 +173,15 @@ def test_leave_whose_first_attempt_timed_out_but_took_effect_succeeds_and_closes
         b.join()
         wait_world_of([a, b], 2)
         store = s.server.store
-        real_put = store.put
+        real_commit = store.commit
 
-        async def slow_put(key, value, **kw):   # the Leave is applied, its answer comes too late
+        async def slow_put(puts, deletes=(), **kw):   # the Leave is applied, its answer comes too late
             await asyncio.sleep(0.8)
-            return await real_put(key, value, **kw)
-        store.put = slow_put
+            return await real_commit(puts, deletes, **kw)
+        store.commit = slow_put
         b.leave()
         assert not b._watch_thread.is_alive()
-        store.put = real_put
+        store.commit = real_commit
         assert [w for w, _ in _attached(s, job)] == ["a"]
         a.close()
     finally:
@@ -287,23 +288,23 @@ def test_join_whose_first_attempt_timed_out_but_landed_retries_until_its_ghost_i
         a.join()
         wait_world_of([a], 1)
         store = s.server.store
-        real_put = store.put
+        real_commit = store.commit
         armed = [True]
 
-        async def slow_once(key, value, **kw):   # b's first Join lands, its answer comes too late
-            if armed[0] and "/jobs/" in key:
+        async def slow_once(puts, deletes=(), **kw):   # b's first Join lands, its answer comes too late
+            if armed[0] and any("/jobs/" in key for key in puts):
                 armed[0] = False
                 await asyncio.sleep(0.8)
-            return await real_put(key, value, **kw)
-        store.put = slow_once
+            return await real_commit(puts, deletes, **kw)
+        store.commit = slow_once
         b = client(s.address, "b", job_id=job, rpc_timeout_s=0.5)
         try:
             b.join(timeout_s=15)
         finally:
-            store.put = real_put
+            store.commit = real_commit
         assert not armed[0] and len(b.ring_secret) == 32
         worlds = wait_world_of([a, b], 2, min_version=2)
-        assert sorted(m.worker_id for m in worlds[0].members) == ["a", "b"]
+        assert sorted(m.worker_id for m in worlds[0].peers) == ["a", "b"]
         a.close()
         b.close()
     finally:

@@ -604,3 +604,51 @@ def test_a_standby_worker_is_told_what_it_waits_for():
     assert standby_reason(job(), "a", 0.0) == "no world formed yet"
     cooling = replace(s, hosts={**s.hosts, "h2": HostRecord(blacklistings=1, blacklisted_until=32.0)})
     assert standby_reason(cooling, "c", 2.0) == "host h2 is blacklisted for 30 s more after repeated failures or a straggler"
+
+
+def test_the_counts_a_state_carries_are_those_counted_afresh():
+    # eligible_count and abort_acknowledged are carried from state to state (O(1) an event);
+    # after any mix of events they equal a count from scratch (a copy of the state caches nothing).
+    import dataclasses
+    import random
+
+    from rendezvous.server import decision as d
+    rnd = random.Random(7)
+    seen = set()
+    state = d.new_job("j", JobSpec(2, 12, 60.0), 0.0)
+    now = 0.0
+    for step in range(600):
+        now += rnd.choice([0.01, 0.3, 2.0])
+        wid = f"w{rnd.randrange(16)}"
+        kind = rnd.choice([0, 0, 1, 1, 1, 2, 3, 4, 5, 6, 6, 6, 7])
+        member = state.member(wid)
+        if kind == 0:
+            ev = d.Join(wid, f"h{rnd.randrange(8)}", f"10.0.0.1:{rnd.randrange(9000, 9100)}", attached=False,
+                        session_hash="s", proof="s")
+        elif kind == 1:
+            ev = d.Attach(wid)
+        elif kind == 2:
+            ev = d.Evict(wid, "gone", count_failure=rnd.random() < 0.1)
+        elif kind == 3:
+            ev = d.Leave(wid)
+        elif kind == 4:
+            ev = d.Progress(wid, step)
+        elif kind == 5 and member is not None:
+            ev = d.RingBroken(wid, state.world_version, "peer lost")
+        elif kind == 6 and member is not None:
+            ev = d.AbortAck(wid, state.world_version)
+            for m in state.world[:-1] if rnd.random() < 0.5 else ():   # most of the world acknowledges at once
+                state, acts = d.decide(state, d.AbortAck(m.worker_id, state.world_version), now, CFG)
+                assert d.abort_acknowledged(state) == d.abort_acknowledged(dataclasses.replace(state))
+                if any(isinstance(a, d.AnnounceWorld) for a in acts):
+                    seen.add("formed once every member acknowledged")
+        else:
+            ev = d.Tick()
+        state, acts = d.decide(state, ev, now, CFG)
+        if isinstance(ev, d.AbortAck) and any(isinstance(a, d.AnnounceWorld) for a in acts):
+            seen.add("formed once every member acknowledged")
+        fresh = dataclasses.replace(state)
+        assert d.eligible_count(state, now) == d.eligible_count(fresh, now), (step, ev)
+        assert d.abort_acknowledged(state) == d.abort_acknowledged(fresh), (step, ev)
+        seen.add(len(state.world) > 1)
+    assert seen == {False, True, "formed once every member acknowledged"}

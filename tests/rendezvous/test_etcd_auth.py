@@ -44,7 +44,7 @@ def test_a_job_forms_through_a_server_on_etcd_with_tls_and_auth(secure_etcd, tmp
         join_world(clients, timeout_s=20)
         # The job's state is in that etcd, under the prefix the server's user may write.
         keys = secure_etcd.etcdctl("get", "--prefix", "--keys-only", f"{prefix}/jobs/")
-        assert f"{prefix}/jobs/{job}" in keys.split()
+        assert f"{prefix}/jobs/{job}/head" in keys.split()
         for c in clients:
             c.close()
     finally:

@@ -7,7 +7,6 @@ import grpc
 import pytest
 
 from rendezvous.server import decision as d
-from rendezvous.server import job_json
 from rendezvous.server.journal import Journal
 from rendezvous.server.server_wire import RpcRefusal
 from rendezvous.server.store import Fence
@@ -50,8 +49,8 @@ class Harness:
         return job_of(state, revision=rev)
 
     async def stored(self, job):
-        got = await self.store.get(self.journal.key(job.state.job_id))
-        return job_json.from_json(got.value) if got else None
+        """The job's state as a new leader would load it."""
+        return next((state for state, _ in await self.journal.load() if state.job_id == job.state.job_id), None)
 
 
 def run(body):

@@ -173,13 +173,13 @@ def test_store_errors_and_rpc_codes_are_counted_by_operation_and_method():
     s = ServerThread(server_config(metrics_port=0, token="tok"), MemoryStore)
     try:
         store = s.server.store
-        real_put = store.put
+        real_commit = store.commit
 
-        async def failing_put(key, value, **kw):
-            if "/jobs/" in key:
+        async def failing_put(puts, deletes=(), **kw):
+            if any("/jobs/" in key for key in puts):
                 raise StoreError("etcd put failed (simulated)")
-            return await real_put(key, value, **kw)
-        store.put = failing_put
+            return await real_commit(puts, deletes, **kw)
+        store.commit = failing_put
         join = pb.JoinRequest(job_id=unique("job"), worker_id="w", host="h",
                               ring_address="127.0.0.1:5", commit_step=-1,
                               spec=pb.JobSpec(min_np=1, max_np=2))
@@ -191,9 +191,9 @@ def test_store_errors_and_rpc_codes_are_counted_by_operation_and_method():
             with pytest.raises(grpc.RpcError) as e:
                 stub.Status(pb.StatusRequest(), timeout=5, metadata=(("authorization", "Bearer no"),))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        store.put = real_put
+        store.commit = real_commit
         m = scrape(s.server.metrics_port)
-        assert value(m, "elastic_rendezvous_store_errors_total", operation="put") >= 1
+        assert value(m, "elastic_rendezvous_store_errors_total", operation="commit") >= 1
         assert value(m, "elastic_rendezvous_rpcs_total", method="Join", code="UNAVAILABLE") == 1
         assert value(m, "elastic_rendezvous_rpcs_total", method="Status",
                      code="UNAUTHENTICATED") == 1

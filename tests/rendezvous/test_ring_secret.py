@@ -63,7 +63,7 @@ def test_a_stranger_with_the_old_derived_secret_is_refused_by_a_real_workers_rin
     try:
         comms = _in_threads([lambda rt=rt: rt.form(rt.next_world(1)) for rt in rts])
         world = rts[0].world
-        target = next(m.ring_address for m in world.members if m.rank == 0)
+        target = next(m.ring_address for m in world.peers if m.rank == 0)
         # What anyone who knew the job id could compute before: HMAC(token or "", job id).
         derived = hmac.new(b"", f"elastic-ring ring secret:{job}".encode(),
                            hashlib.sha256).hexdigest().encode()

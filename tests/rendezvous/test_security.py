@@ -306,7 +306,7 @@ def test_a_join_naming_a_live_worker_without_its_session_is_refused_and_it_stays
     assert a.next_event(0.3) is None
     assert a.report_progress() == world.world_version
     a.join()   # the worker itself, with its session, may
-    assert a.wait_world(timeout_s=5.0, min_version=world.world_version + 1).members[0].worker_id == "a"
+    assert a.wait_world(timeout_s=5.0, min_version=world.world_version + 1).peers[0].worker_id == "a"
     a.close()
 
 

@@ -26,7 +26,7 @@ def test_joined_workers_get_one_world_with_ranks(serve, client):
         c.join()
     worlds = wait_world_of(cs, 4)
     assert worlds[0].world_version == 1
-    assert [m.host for m in worlds[0].members] == ["h0", "h0", "h1", "h1"]
+    assert [m.host for m in worlds[0].peers] == ["h0", "h0", "h1", "h1"]
     assert {(w.rank, w.local_rank, w.cross_rank) for w in worlds} == {(0, 0, 0), (1, 1, 0),
                                                                        (2, 0, 1), (3, 1, 1)}
 
@@ -42,7 +42,7 @@ def test_broken_stream_evicts_and_announces_next_world_promptly(serve, client):
     abort = next_of(cs[0], Abort, timeout_s=1.0)
     world = next_of(cs[0], WorldInfo, timeout_s=1.0)
     assert abort.world_version == v and "watch stream broken" in abort.reason
-    assert [m.worker_id for m in world.members] == ["w0", "w2"] and world.world_version == v + 1
+    assert [m.worker_id for m in world.peers] == ["w0", "w2"] and world.world_version == v + 1
 
 
 def test_clean_leave_is_pending_change_not_abort(serve, client):
@@ -77,7 +77,7 @@ def test_hot_spare_replaces_failed_member(serve, client):
                                               "that fails or leaves")
     cs[0].close()
     worlds = wait_world_of([cs[1], spare], 2, min_version=2)
-    assert [m.worker_id for m in worlds[0].members] == ["w1", "spare"]
+    assert [m.worker_id for m in worlds[0].peers] == ["w1", "spare"]
 
 
 def test_simultaneous_joins_become_one_world(serve, client):
@@ -99,7 +99,7 @@ def test_highest_commit_step_becomes_rank_zero_of_next_world(serve, client):
     cs[1].report_progress(commit_step=30)
     cs[0].close()
     worlds = wait_world_of(cs[1:], 2, min_version=v + 1)
-    assert [m.worker_id for m in worlds[0].members] == ["w2", "w1"]
+    assert [m.worker_id for m in worlds[0].peers] == ["w2", "w1"]
 
 
 def test_report_failure_evicts_suspect_without_stream_at_once(serve, client, stub):
@@ -180,7 +180,7 @@ def test_report_failure_of_live_peer_is_refuted_by_probe(serve, client):
     # b stays: the reporter's ring is broken all the same, so the world re-forms with both (as soon
     # as both acknowledged the abort), once.
     nxt = a.wait_world(timeout_s=5.0, min_version=w.world_version + 1)
-    assert nxt.world_version == w.world_version + 1 and sorted(m.worker_id for m in nxt.members) == ["a", "b"]
+    assert nxt.world_version == w.world_version + 1 and sorted(m.worker_id for m in nxt.peers) == ["a", "b"]
     assert set(s.service.jobs[job].state.workers) == {"a", "b"}
 
 
@@ -320,7 +320,7 @@ def test_worker_that_joins_but_never_watches_stays_out_of_worlds_and_is_evicted(
     stub(s).Join(pb.JoinRequest(job_id=job, worker_id="ghost", host="ghost-host",
                                 ring_address="127.0.0.1:5", commit_step=-1), timeout=5)
     world = a.wait_world(timeout_s=5.0)
-    assert [m.worker_id for m in world.members] == ["a"]
+    assert [m.worker_id for m in world.peers] == ["a"]
     joined = time.monotonic()
 
     def ghost_gone():
@@ -344,27 +344,27 @@ def test_watch_snapshot_shows_the_stored_world_not_a_pending_in_memory_one(serve
     v = join_world(cs)
     store = s.server.store
     gate = asyncio.Event()
-    real_put = store.put
+    real_commit = store.commit
 
-    async def held_put(key, value, **kw):   # job writes wait for the gate (a stalled etcd)
-        if "/jobs/" in key:
+    async def held_put(puts, deletes=(), **kw):   # job writes wait for the gate (a stalled etcd)
+        if any("/jobs/" in key for key in puts):
             await gate.wait()
-        return await real_put(key, value, **kw)
-    store.put = held_put
+        return await real_commit(puts, deletes, **kw)
+    store.commit = held_put
     try:
         cs[1].close()   # crash: Abort(v) and then world v + 1 are decided, but cannot be stored
         wait_until(lambda: s.service.jobs[job].state.world_version == v + 1, 5.0,
                    f"world {v + 1} decided in memory")
         call = stub(s).Watch(pb.WatchRequest(session_id=cs[0].session_id), timeout=5)
         first = next(iter(call))
-        stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}")).value)
+        stored = json.loads(s.call(store.get(f"{s.config.etcd_prefix}/jobs/{job}/head")).value)
         assert stored["world_version"] == v
-        assert first.world.world_version == v and [m.worker_id for m in first.world.members] == \
+        assert first.world.world_version == v and [m.worker_id for m in first.world.peers] == \
             ["a", "b", "c"]
         call.cancel()
     finally:
         s.loop.call_soon_threadsafe(gate.set)
-        store.put = real_put
+        store.commit = real_commit
 
 
 def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client):
@@ -374,13 +374,13 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
     v = join_world(cs)
     store = s.server.store
     writes = []
-    real_put = store.put
+    real_commit = store.commit
 
-    async def counting_put(key, value, **kw):
-        if "/jobs/" in key:
-            writes.append(len(value))
-        return await real_put(key, value, **kw)
-    store.put = counting_put
+    async def counting_put(puts, deletes=(), **kw):
+        if any("/jobs/" in key for key in puts):
+            writes.append(sum(map(len, puts.values())))
+        return await real_commit(puts, deletes, **kw)
+    store.commit = counting_put
     try:
         for step in range(1, 11):
             for c in cs:
@@ -388,10 +388,10 @@ def test_progress_reports_are_soft_state_and_cost_no_store_writes(serve, client)
         assert writes == []
         cs[0].close()   # the next real change stores the steps too, and ranks follow them
         worlds = wait_world_of(cs[1:], 3, min_version=v + 1)
-        assert [m.worker_id for m in worlds[0].members] == ["w3", "w1", "w2"]
+        assert [m.worker_id for m in worlds[0].peers] == ["w3", "w1", "w2"]
         assert len(writes) >= 1
     finally:
-        store.put = real_put
+        store.commit = real_commit
 
 
 def test_commit_step_is_resent_when_reattaching(serve, client):
@@ -405,7 +405,7 @@ def test_commit_step_is_resent_when_reattaching(serve, client):
     wait_until(lambda: "c" in s.service.jobs[job].streams, 5.0, "c to reattach")
     cs[0].close()
     worlds = wait_world_of(cs[1:], 2, min_version=v + 1)
-    assert [m.worker_id for m in worlds[0].members] == ["c", "b"]
+    assert [m.worker_id for m in worlds[0].peers] == ["c", "b"]
 
 
 async def _forget_steps(s, job):
@@ -425,23 +425,23 @@ def test_write_that_landed_but_reported_an_error_keeps_leadership(serve, client)
     cs = [client(s.address, f"w{i}", job_id=job) for i in range(3)]
     v = join_world(cs)
     store = s.server.store
-    real_put = store.put
+    real_commit = store.commit
     armed = [True]
 
-    async def lossy_put(key, value, **kw):
-        rev = await real_put(key, value, **kw)
-        if armed[0] and "/jobs/" in key:
+    async def lossy_put(puts, deletes=(), **kw):
+        rev = await real_commit(puts, deletes, **kw)
+        if armed[0] and any("/jobs/" in key for key in puts):
             armed[0] = False
             raise StoreError("put timed out (simulated: applied, response lost)")
         return rev
-    store.put = lossy_put
+    store.commit = lossy_put
     try:
         cs[2].leave()                   # a real change: Pending, then world v + 1
         worlds = wait_world_of(cs[:2], 2, min_version=v + 1)
         assert worlds[0].world_version == v + 1 and not armed[0]
         assert s.service.is_leader and s.service.leadership_losses == 0
     finally:
-        store.put = real_put
+        store.commit = real_commit
 
 
 def test_membership_events_are_logged_when_they_take_effect_not_when_decided(serve, client, caplog):
@@ -455,20 +455,20 @@ def test_membership_events_are_logged_when_they_take_effect_not_when_decided(ser
     v = join_world(cs)
     store = s.server.store
     gate = asyncio.Event()
-    real_put = store.put
+    real_commit = store.commit
 
-    async def held_put(key, value, **kw):
-        if "/jobs/" in key:
+    async def held_put(puts, deletes=(), **kw):
+        if any("/jobs/" in key for key in puts):
             await gate.wait()
-        return await real_put(key, value, **kw)
-    store.put = held_put
+        return await real_commit(puts, deletes, **kw)
+    store.commit = held_put
     try:
         cs[1].close()
         wait_until(lambda: s.service.jobs[job].state.world_version == v + 1, 5.0, f"world {v + 1} decided")
         assert f"job {job}: world {v + 1} announced" not in caplog.text
     finally:
         s.loop.call_soon_threadsafe(gate.set)
-        store.put = real_put
+        store.commit = real_commit
     wait_until(lambda: f"job {job}: world {v + 1} announced" in caplog.text, 5.0,
                "the announcement log")
     assert f"job {job}: abort world {v}" in caplog.text
@@ -479,13 +479,13 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
 
     s = serve()
     store = s.server.store
-    real_put = store.put
+    real_commit = store.commit
 
-    async def failing_put(key, value, **kw):
-        if "/jobs/" in key:
+    async def failing_put(puts, deletes=(), **kw):
+        if any("/jobs/" in key for key in puts):
             raise StoreError("etcd put failed (simulated)")
-        return await real_put(key, value, **kw)
-    store.put = failing_put
+        return await real_commit(puts, deletes, **kw)
+    store.commit = failing_put
     try:
         with pytest.raises(grpc.RpcError) as e:
             stub(s).Join(pb.JoinRequest(job_id=unique("job"), worker_id="w", host="h",
@@ -493,7 +493,7 @@ def test_store_error_while_creating_a_job_is_unavailable(serve, stub):
                                         spec=pb.JobSpec(min_np=1, max_np=2)), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot create" in e.value.details()
     finally:
-        store.put = real_put
+        store.commit = real_commit
 
 
 @pytest.mark.slow

@@ -75,7 +75,7 @@ def test_event_log_of_join_kill_reform_finish_has_exactly_those_events_in_order(
         lead.wait_world(timeout_s=10.0, min_version=2)
         procs[0].kill(signal.SIGKILL)
         w3 = lead.wait_world(timeout_s=10.0, min_version=3)
-        assert sorted(m.worker_id for m in w3.members) == ["w0", "w2"]
+        assert sorted(m.worker_id for m in w3.peers) == ["w0", "w2"]
         assert lead.report_success(w3.world_version, commit_step=5) is False   # w2 has not returned yet
         with grpc.insecure_channel(s.address) as ch:   # w2's report, with w2's session
             done = pb_grpc.RendezvousStub(ch).ReportSuccess(

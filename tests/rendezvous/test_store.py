@@ -147,3 +147,43 @@ def test_delete_applies_only_at_expected_revision(make_store, prefix):
         assert await store.delete(k, expected_revision=r2) is False   # already gone
         await store.close()
     run_async(body())
+
+
+def test_a_commit_writes_and_deletes_several_keys_at_once_or_not_at_all(make_store, prefix):
+    async def body():
+        store = make_store()
+        fence = Fence(prefix + "leader", b"me")
+        await store.put(prefix + "leader", b"me")
+        head = await store.commit({prefix + "j/head": b"h1", prefix + "j/w/a": b"a"}, expected={prefix + "j/head": 0},
+                                  fence=fence)
+        assert head is not None and (await store.get(prefix + "j/head")).revision == head
+        # A stale expectation changes nothing, not even the keys it did not compare.
+        assert await store.commit({prefix + "j/w/b": b"b"}, [prefix + "j/w/a"], expected={prefix + "j/head": 0},
+                                  fence=fence) is None
+        assert await store.get(prefix + "j/w/b") is None and await store.get(prefix + "j/w/a") is not None
+        rev = await store.commit({prefix + "j/head": b"h2", prefix + "j/w/b": b"b"}, [prefix + "j/w/a"],
+                                 expected={prefix + "j/head": head}, fence=fence)
+        assert rev > head and await store.get(prefix + "j/w/a") is None
+        await store.put(prefix + "leader", b"other")
+        assert await store.commit({prefix + "j/w/c": b"c"}, fence=fence) is None
+        await store.put(prefix + "leader", b"me")
+        assert await store.commit({}, expected={prefix + "j/head": rev}, fence=fence,
+                                  delete_prefixes=[prefix + "j/"]) is not None
+        assert await store.get_prefix(prefix + "j/") == {}
+        await store.close()
+    run_async(body())
+
+
+def test_get_prefix_returns_every_key_of_a_prefix_larger_than_a_page(make_store, prefix):
+    # A job of 16,384 workers is ~6 MB of keys: read in pages, never as one message.
+    from rendezvous.server.store import GET_PAGE
+
+    async def body():
+        store = make_store()
+        keys = {f"{prefix}big/{i:05d}": b"v" * 100 for i in range(GET_PAGE * 2 + 7)}
+        for i in range(0, len(keys), 100):
+            assert await store.commit(dict(list(keys.items())[i:i + 100])) is not None
+        got = await store.get_prefix(prefix + "big/")
+        assert {k: v.value for k, v in got.items()} == keys
+        await store.close()
+    run_async(body(), 120.0)

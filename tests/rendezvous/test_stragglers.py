@@ -59,7 +59,7 @@ def test_a_stragglers_report_is_shown_named_once_and_its_leave_cools_its_host_do
         pending = next_of(fast, (Pending, Abort), timeout_s=10.0)
         assert isinstance(pending, Pending)                          # a clean change, not an abort
         nxt = next_of(fast, WorldInfo, timeout_s=10.0)
-        assert [m.worker_id for m in nxt.members] == ["w0", "w2", "spare"]   # the spare took its place
+        assert [m.worker_id for m in nxt.peers] == ["w0", "w2", "spare"]   # the spare took its place
         view = status.job(job, events=50)
         assert view.blacklisted_hosts == ("ha",)
         assert ("straggler_left", "w1") in [(e.event, e.worker_id) for e in view.events]

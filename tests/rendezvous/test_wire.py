@@ -1,5 +1,5 @@
-"""Table tests of the wire forms: pure functions, no sockets. What a refusal's metadata says, what a
-(re)attaching worker is sent first, and that the spliced world is the world each member would get."""
+"""Table tests of the wire forms: pure functions, no sockets. What a refusal's metadata says and what a
+(re)attaching worker is sent first (each member's view of a world: tests/rendezvous/test_world_views.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +9,7 @@ import pytest
 
 from rendezvous.server import decision as d
 from rendezvous.server import server_wire
+from rendezvous.server.world_views import WorldViews
 from rendezvous.wire import messages as wire
 from rendezvous.wire.messages import pb
 
@@ -61,33 +62,6 @@ def test_every_refusal_kind_has_a_code():
     assert set(server_wire.REFUSAL_CODES) == set(d.Refusal)
 
 
-def _members(n, hosts=2, step=-1):
-    return tuple(d.Member(f"w{i}", f"h{i % hosts}", f"10.0.{i % hosts}.1:{4000 + i}", i, i // hosts,
-                          (n + hosts - 1 - i % hosts) // hosts, i % hosts, min(hosts, n), step)
-                 for i in range(n))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("members", [
-    _members(1, hosts=1),
-    _members(5, hosts=2, step=123456789012),
-    _members(600, hosts=8),       # over 16 KiB: a three-byte length prefix
-], ids=["one", "five", "six-hundred"])
-def test_the_spliced_world_is_the_world_each_member_would_be_sent(members):
-    action = d.AnnounceWorld(7, members, ())
-    got = dict(server_wire.spliced_worlds(action, {m.worker_id for m in members}))
-    assert set(got) == {m.worker_id for m in members}
-    for m in members:
-        event = pb.WatchEvent.FromString(got[m.worker_id])
-        assert event == server_wire.world_event(7, members, m)
-        assert event.world.rank == m.rank and event.world.size == len(members)
-
-
-def test_the_spliced_world_goes_only_to_members_with_a_stream():
-    members = _members(3)
-    assert [w for w, _ in server_wire.spliced_worlds(d.AnnounceWorld(1, members, ()), {"w2", "stranger"})] == ["w2"]
-
-
 @pytest.mark.parametrize("action, kind", [
     (d.AnnouncePending(3, "worker c joined"), "pending"),
     (d.AnnounceAbort(3, "worker b evicted"), "abort"),
@@ -101,6 +75,13 @@ def test_notices_go_out_as_their_own_event_kind(action, kind):
 def _state(**kw):
     base = d.new_job("j", d.JobSpec(1, 2, 60.0), 0.0)
     return dataclasses.replace(base, **kw)
+
+
+def _members(n, hosts=2, step=-1):
+    """n members on `hosts` hosts, each host's ranks contiguous (as decision.compute_world makes them)."""
+    per = -(-n // hosts)
+    return tuple(d.Member(f"w{i}", f"h{i // per}", f"10.0.{i // per}.1:{4000 + i}", i, i % per,
+                          min(per, n - i // per * per), i // per, -(-n // per), step) for i in range(n))
 
 
 WORLD = _members(2, hosts=1)
@@ -117,7 +98,7 @@ WORLD = _members(2, hosts=1)
      ["finished"], "worker w0 reported success"),
 ], ids=["no-world", "hot-spare", "member", "member-of-aborted-world", "finished"])
 def test_a_reattaching_worker_first_gets_what_the_stored_state_says_of_it(state, worker, kinds, reason):
-    events = server_wire.snapshot(state, worker, 0.0)
+    events = server_wire.snapshot(state, WorldViews(state.world_version, state.world), worker, 0.0)
     assert [e.WhichOneof("event") for e in events] == kinds
     first = getattr(events[0], kinds[0])
     if kinds[0] == "world":

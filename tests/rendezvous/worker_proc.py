@@ -41,7 +41,7 @@ def main():
         ev = client.next_event(60.0)
         if isinstance(ev, WorldInfo):
             emit(event="world", version=ev.world_version, rank=ev.rank, size=ev.size,
-                 members=[m.worker_id for m in ev.members])
+                 members=[m.worker_id for m in ev.peers])
             if hold and not held:
                 held = True
                 hold_gil(hold)

@@ -10,7 +10,7 @@
 namespace ering {
 namespace {
 
-constexpr size_t kHelloFixed = 8 + 4 + 4 + 4 + 1 + kNonceBytes + 2;
+constexpr size_t kHelloFixed = 8 + 4 + 4 + 4 + 1 + kWorldDigestBytes + kNonceBytes + 2;
 
 }  // namespace
 
@@ -43,6 +43,7 @@ std::vector<uint8_t> encode_hello_body(const Hello& h) {
   put_u32(b, h.to_rank);
   put_u32(b, h.world_size);
   b.push_back(h.channel);
+  b.insert(b.end(), h.world_digest.begin(), h.world_digest.end());
   b.insert(b.end(), h.nonce.begin(), h.nonce.end());
   put_u16(b, uint16_t(h.job_id.size()));
   b.insert(b.end(), h.job_id.begin(), h.job_id.end());
@@ -76,8 +77,9 @@ bool decode_hello_body(const uint8_t* p, size_t n, Hello* out, std::string* why)
   out->to_rank = get_u32(p + 12);
   out->world_size = get_u32(p + 16);
   out->channel = p[20];
-  std::memcpy(out->nonce.data(), p + 21, kNonceBytes);
-  size_t job_len = get_u16(p + 21 + kNonceBytes);
+  std::memcpy(out->world_digest.data(), p + 21, kWorldDigestBytes);
+  std::memcpy(out->nonce.data(), p + 21 + kWorldDigestBytes, kNonceBytes);
+  size_t job_len = get_u16(p + 21 + kWorldDigestBytes + kNonceBytes);
   if (job_len > kMaxJobIdBytes || kHelloFixed + job_len != n) { *why = "HELLO has an invalid job id length"; return false; }
   out->job_id.assign(reinterpret_cast<const char*>(p + kHelloFixed), job_len);
   return true;
@@ -102,6 +104,10 @@ Verdict judge_hello(const Hello& h, const Expectation& e, Refusal* code, std::st
     return refuse(Refusal::WorldSize, "world size mismatch at world version " + std::to_string(h.world_version) +
                                           ": peer says " + std::to_string(h.world_size) + ", this worker " +
                                           std::to_string(e.world_size));
+  if (h.world_digest != e.world_digest)
+    return refuse(Refusal::OtherWorld, "world digest mismatch at world version " + std::to_string(h.world_version) +
+                                           ": the peer was told other members of this world than this worker "
+                                           "(views of two different worlds under one version)");
   if (h.to_rank != e.rank)
     return refuse(Refusal::WrongRank, "connection meant for rank " + std::to_string(h.to_rank) + " reached rank " +
                                           std::to_string(e.rank));

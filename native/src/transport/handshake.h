@@ -1,6 +1,6 @@
 // The ring handshake: wire encoding of its four messages and the pure decision on a HELLO.
 //
-// Connector -> acceptor: HELLO  (job, world version, ranks, connector nonce)
+// Connector -> acceptor: HELLO  (job, world version, ranks, world digest, connector nonce)
 // Acceptor -> connector: ACK    (status; on OK: acceptor nonce)
 // Connector -> acceptor: PROOF  (MAC over HELLO and both nonces: the connector holds the secret)
 // Acceptor -> connector: RESULT (status; on OK: the acceptor's MAC; on REFUSED: a refusal
@@ -17,6 +17,15 @@
 // ring, and for the hierarchical allreduce a ring of the ranks of one host and a ring of
 // one leader per host), all through the same listener. The channel is inside the MAC,
 // and each channel of a world version has its own expected predecessor and slot.
+//
+// Protocol 4 adds the world digest to HELLO: 32 bytes that name the world's membership (the
+// rendezvous server hashes every member's rank, worker id, host and ring address; a ring
+// formed by hand from a full list hashes that list). A worker is told only its neighbours,
+// not every member, so two workers holding different views of one world version (a server
+// bug, a replica that answered from an older record) would otherwise agree on version, size
+// and ranks and form a ring of two worlds. judge_hello refuses a HELLO whose digest is not
+// the acceptor's (Refusal::OtherWorld) once version and size agree. The digest is inside the
+// MAC like the rest of HELLO.
 #pragma once
 
 #include <array>
@@ -29,11 +38,13 @@
 namespace ering {
 
 constexpr uint32_t kMagic = 0x45524E47;  // "ERNG"
-constexpr uint16_t kProtocolVersion = 3;
+constexpr uint16_t kProtocolVersion = 4;
 constexpr size_t kHeaderBytes = 12;
 constexpr size_t kMaxBodyBytes = 4096;
 constexpr size_t kMaxJobIdBytes = 255;
 constexpr size_t kNonceBytes = 16;
+constexpr size_t kWorldDigestBytes = 32;
+using WorldDigest = std::array<uint8_t, kWorldDigestBytes>;
 
 // The rings a communicator may form for one world version; a HELLO names one of them. The
 // reverse ring joins the flat ring's ranks the other way round (each rank connects to its
@@ -60,6 +71,7 @@ struct Hello {
   uint32_t to_rank = 0;
   uint32_t world_size = 0;
   uint8_t channel = kChannelFlat;
+  WorldDigest world_digest{};  // names the members of world_version (see the top of this file)
   std::array<uint8_t, kNonceBytes> nonce{};
 };
 
@@ -79,6 +91,7 @@ struct Expectation {
   uint64_t world_version = 0;
   uint32_t rank = 0;
   uint32_t world_size = 0;
+  WorldDigest world_digest{};
   // Per channel: the ring predecessor expected on it, or -1 when this rank forms no such ring.
   std::array<int64_t, kChannels> prev_rank{{-1, -1, -1, -1}};
   // Per channel: its predecessor of this world version is already connected.
@@ -99,8 +112,9 @@ enum class Refusal : uint8_t {
   UnknownChannel = 5,    // a channel this protocol does not have
   NoSuchRing = 6,        // a ring this worker does not form at this world version: settings differ
   Duplicate = 7,         // the ring of this world version is already connected
+  OtherWorld = 8,        // the same world version and size, another world digest: different views
 };
-constexpr uint8_t kMaxRefusal = uint8_t(Refusal::Duplicate);
+constexpr uint8_t kMaxRefusal = uint8_t(Refusal::OtherWorld);
 
 // Pure decision on an authenticated HELLO: Park (hold, unanswered) when this worker has
 // not yet reached the peer's world version, so a fast neighbour does not have to retry.

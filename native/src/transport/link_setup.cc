@@ -141,6 +141,7 @@ Hello hello_for(const RingToForm& ring, const Forming& how) {
   h.from_rank = uint32_t(how.rank);
   h.to_rank = uint32_t(ring.ctx.next_rank);
   h.world_size = uint32_t(how.world_size);
+  h.world_digest = how.world_digest;
   h.channel = ring.channel;
   random_bytes(h.nonce.data(), h.nonce.size());
   return h;

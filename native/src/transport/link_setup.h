@@ -42,6 +42,7 @@ struct Forming {
   std::string job_id, secret;
   uint64_t world_version = 0;
   int rank = 0, world_size = 0;
+  WorldDigest world_digest{};
   Clock::time_point deadline;
   double collective_timeout = 0;  // a neighbour that accepts no connection this long is unreachable (at most 30 s)
   double dead_link_timeout = 0;   // CommConfig::dead_link_timeout, for every ring connection

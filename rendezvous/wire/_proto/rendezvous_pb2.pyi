@@ -80,24 +80,36 @@ class Member(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., commit_step: _Optional[int] = ...) -> None: ...
 
 class World(_message.Message):
-    __slots__ = ("world_version", "members", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+    __slots__ = ("world_version", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "peers", "digest", "num_hosts", "host_index", "largest_host", "prev_leader", "next_leader")
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
-    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CROSS_RANK_FIELD_NUMBER: _ClassVar[int]
     CROSS_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_HOST_FIELD_NUMBER: _ClassVar[int]
+    PREV_LEADER_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LEADER_FIELD_NUMBER: _ClassVar[int]
     world_version: int
-    members: _containers.RepeatedCompositeFieldContainer[Member]
     rank: int
     size: int
     local_rank: int
     local_size: int
     cross_rank: int
     cross_size: int
-    def __init__(self, world_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[Member]
+    digest: bytes
+    num_hosts: int
+    host_index: int
+    largest_host: int
+    prev_leader: int
+    next_leader: int
+    def __init__(self, world_version: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., digest: _Optional[bytes] = ..., num_hosts: _Optional[int] = ..., host_index: _Optional[int] = ..., largest_host: _Optional[int] = ..., prev_leader: _Optional[int] = ..., next_leader: _Optional[int] = ...) -> None: ...
 
 class MembershipPending(_message.Message):
     __slots__ = ("world_version", "reason")

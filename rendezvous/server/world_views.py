@@ -1,0 +1,77 @@
+"""Each member's view of a world, what its World message carries, and the digest that names the world.
+
+A member is told what it needs to form its rings (semantics 15): its neighbours on the flat ring,
+on its host's ring and, on a host's leader, the neighbouring hosts' leaders, with its host's
+place among the hosts. `WorldViews` works out the hosts and the digest once per world (O(N)),
+after which each member's view costs O(1) to build, so announcing a world of N is O(N) in all,
+and every message to a worker has the same size whatever N is.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Iterator, Optional
+
+from rendezvous.wire.membership import Member
+from rendezvous.wire.messages import member_pb, pb
+
+_WORLD_FIELD = bytes([(pb.WatchEvent.WORLD_FIELD_NUMBER << 3) | 2])  # tag: field 1, length-delimited
+
+
+def world_digest(members: Iterable[Member]) -> bytes:
+    """SHA-256 over every member's rank, worker id, host and ring address, in rank order."""
+    h = hashlib.sha256(b"elastic-ring world v1\0")
+    for m in members:
+        h.update(f"{m.rank}\0{m.worker_id}\0{m.host}\0{m.ring_address}\n".encode())
+    return h.digest()
+
+
+class WorldViews:
+    """The views of the members of world `world_version` (`members` in rank order, each host's
+    ranks contiguous, as decision.compute_world makes them)."""
+
+    def __init__(self, world_version: int, members: tuple[Member, ...]):
+        self.world_version = world_version
+        self.members = members
+        self.digest = world_digest(members)
+        self._rank_of = {m.worker_id: m.rank for m in members}
+        self._leaders: list[int] = []          # each host's first rank, in host order
+        self._host_of: list[int] = []          # each rank's host index
+        for m in members:
+            if m.local_rank == 0:
+                self._leaders.append(m.rank)
+            self._host_of.append(len(self._leaders) - 1)
+        self._largest = max((m.local_size for m in members), default=0)
+
+    def member(self, worker_id: str) -> Optional[Member]:
+        rank = self._rank_of.get(worker_id)
+        return None if rank is None else self.members[rank]
+
+    def peer_ranks(self, m: Member) -> list[int]:
+        """The ranks `m`'s rings connect to, its own included, in rank order."""
+        n = len(self.members)
+        first = m.rank - m.local_rank
+        ranks = {m.rank, (m.rank + 1) % n, (m.rank - 1) % n,
+                 first + (m.local_rank + 1) % m.local_size, first + (m.local_rank - 1) % m.local_size}
+        if m.local_rank == 0:
+            h, hosts = self._host_of[m.rank], len(self._leaders)
+            ranks |= {self._leaders[(h - 1) % hosts], self._leaders[(h + 1) % hosts]}
+        return sorted(ranks)
+
+    def world(self, m: Member) -> pb.World:
+        """The World message `m` receives."""
+        h, hosts = self._host_of[m.rank], len(self._leaders)
+        return pb.World(
+            world_version=self.world_version, size=len(self.members), rank=m.rank, local_rank=m.local_rank,
+            local_size=m.local_size, cross_rank=m.cross_rank, cross_size=m.cross_size,
+            peers=[member_pb(self.members[r]) for r in self.peer_ranks(m)], digest=self.digest,
+            num_hosts=hosts, host_index=h, largest_host=self._largest,
+            prev_leader=self._leaders[(h - 1) % hosts], next_leader=self._leaders[(h + 1) % hosts])
+
+    def event(self, m: Member) -> pb.WatchEvent:
+        return pb.WatchEvent(world=self.world(m))
+
+    def serialized(self, recipients) -> Iterator[tuple[str, bytes]]:
+        """(worker_id, serialized WatchEvent) of the world for each member in `recipients`."""
+        for m in self.members:
+            if m.worker_id in recipients:
+                yield m.worker_id, self.event(m).SerializeToString()
