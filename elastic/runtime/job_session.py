@@ -234,9 +234,10 @@ class JobSession(Session):
         the rendezvous show ("" when it blames none)."""
         world, peer = self.world, getattr(err, "peer_rank", None)
         if world is None or peer is None or getattr(err, "world_version", -1) != world.world_version \
-                or not 0 <= peer < len(world.members):
+                or not 0 <= peer < world.size:
             return ""
-        return f"worker {world.members[peer].worker_id} (rank {peer}): "
+        member = world.peer(peer)   # its view names its rings' neighbours only
+        return f"worker {member.worker_id} (rank {peer}): " if member is not None else f"rank {peer}: "
 
     def _world_moved_on(self, world_version: int, grace_s: float) -> bool:
         """Whether the server announces, within ``grace_s``, that world ``world_version`` ends."""
@@ -376,9 +377,12 @@ class JobSession(Session):
         """Reports rank ``rank`` of world ``version`` to the server for ``blame``, once, from a
         thread of its own: the server waits for the majority's reports before it answers."""
         world = self.world
-        if world is None or world.world_version != version or not 0 <= rank < len(world.members):
+        if world is None or world.world_version != version or not 0 <= rank < world.size:
             return
-        suspect = world.members[rank].worker_id
+        # Named by rank: this worker's view of the world names only its rings' neighbours, the
+        # server maps the rank of `version` to its member.
+        member = world.peer(rank)
+        suspect = member.worker_id if member is not None else f"rank {rank}"
         if (version, suspect) in self._accused:
             return
         self._accused = {(v, w) for v, w in self._accused if v >= version} | {(version, suspect)}   # this world's only
@@ -386,7 +390,7 @@ class JobSession(Session):
 
         def accuse() -> None:
             try:
-                evicted = self.client.report_failure(suspect, version, reason=why[:1000], blame=blame)
+                evicted = self.client.report_failure("", version, reason=why[:1000], blame=blame, suspect_rank=rank)
                 log.info("reported %s (world %d): %s", suspect, version, "evicted" if evicted else "not evicted")
             except Exception as e:  # noqa: BLE001 (closed meanwhile, or the server unreachable: nothing to do)
                 log.debug("could not report %s: %s", suspect, e)

@@ -156,7 +156,7 @@ class DeviceWorlds(StepHooks):
         kind = device_backend.resolve_kind(self.kind, torch.cuda.is_available)
         hosted = None
         nonce = device_store.new_nonce()
-        host = device_store.split_host(world.members[0].ring_address)
+        host = device_store.split_host(world.peer(0).ring_address)   # every view names rank 0, the store's host
         timeout = _timedelta(self.form_timeout)
         try:
             if world.rank == 0 and kind != "off":

@@ -297,9 +297,10 @@ class RendezvousClient:
 
     def report_failure(self, suspect_worker_id: str, world_version: int, reason: str = "",
                        unusable_address: bool = False, timed_out: bool = False,
-                       blame: Blame = Blame.NONE) -> bool:
+                       blame: Blame = Blame.NONE, suspect_rank: Optional[int] = None) -> bool:
         """Tell the server a peer broke, or accuse it (``blame``); returns True if the server evicted
-        it. ``unusable_address`` (Blame UNUSABLE): its ring address leads to no member of this job,
+        it. The suspect is ``suspect_worker_id``, or (empty) the member of rank ``suspect_rank`` in
+        world ``world_version``: a worker's view names only its rings' neighbours. ``unusable_address`` (Blame UNUSABLE): its ring address leads to no member of this job,
         or what it sent cannot be received. An accusation evicts the suspect even if it is alive,
         once a majority of the world's other members made one (the server waits up to twice its
         heartbeat timeout for theirs). ``timed_out``: the collective timed out waiting on it (it
@@ -309,7 +310,7 @@ class RendezvousClient:
         return self._call("ReportFailure", pb.ReportFailureRequest(
             session_id=self._sid(), world_version=world_version,
             suspect_worker_id=suspect_worker_id, reason=reason, unusable_address=blame is Blame.UNUSABLE,
-            timed_out=timed_out, blame=wire.blame_pb(blame)),
+            timed_out=timed_out, blame=wire.blame_pb(blame), suspect_rank=suspect_rank),
             # The server may wait up to its heartbeat timeout for the suspect's stream to break.
             timeout_s=max(30.0, self.rpc_timeout_s), attempt_s=max(15.0, self.rpc_timeout_s)).evicted
 

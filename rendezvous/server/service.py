@@ -573,11 +573,20 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     async def ReportFailure(self, request, context):
         await self.require_leader()
-        request_checks.check_id("suspect_worker_id", request.suspect_worker_id)
+        by_rank = not request.suspect_worker_id and request.HasField("suspect_rank")
+        if not by_rank:
+            request_checks.check_id("suspect_worker_id", request.suspect_worker_id)
         if len(request.reason) > request_checks.MAX_REASON:
             raise request_checks.bad("reason", f"<{len(request.reason)} chars>",
                              f"at most {request_checks.MAX_REASON} chars")
         job, reporter = self._by_session(request.session_id)
+        if by_rank:   # the reporter's view named no worker for that rank: the world's member of it
+            world = job.state.world
+            if request.world_version != job.state.world_version or request.suspect_rank >= len(world):
+                return pb.ReportFailureResponse(evicted=False, detail=f"stale report: rank {request.suspect_rank} "
+                                                f"of world {request.world_version} is not in the current world "
+                                                f"{job.state.world_version}")
+            request.suspect_worker_id = world[request.suspect_rank].worker_id
         return await self.reports.judge(job, reporter, request)
 
     async def ReportSuccess(self, request, context):

@@ -47,10 +47,11 @@ class WorldViews:
         return None if rank is None else self.members[rank]
 
     def peer_ranks(self, m: Member) -> list[int]:
-        """The ranks `m`'s rings connect to, its own included, in rank order."""
+        """The ranks `m`'s rings connect to, its own and rank 0 included, in rank order."""
         n = len(self.members)
         first = m.rank - m.local_rank
-        ranks = {m.rank, (m.rank + 1) % n, (m.rank - 1) % n,
+        # Rank 0 too: it hosts the store of the world's device communicator (elastic/torchdist).
+        ranks = {0, m.rank, (m.rank + 1) % n, (m.rank - 1) % n,
                  first + (m.local_rank + 1) % m.local_size, first + (m.local_rank - 1) % m.local_size}
         if m.local_rank == 0:
             h, hosts = self._host_of[m.rank], len(self._leaders)

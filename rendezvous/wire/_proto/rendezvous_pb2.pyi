@@ -236,7 +236,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason", "unusable_address", "timed_out", "blame")
+    __slots__ = ("session_id", "world_version", "suspect_worker_id", "reason", "unusable_address", "timed_out", "blame", "suspect_rank")
     class Blame(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[ReportFailureRequest.Blame]
@@ -258,6 +258,7 @@ class ReportFailureRequest(_message.Message):
     UNUSABLE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     BLAME_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_RANK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     world_version: int
     suspect_worker_id: str
@@ -265,7 +266,8 @@ class ReportFailureRequest(_message.Message):
     unusable_address: bool
     timed_out: bool
     blame: ReportFailureRequest.Blame
-    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., unusable_address: _Optional[bool] = ..., timed_out: _Optional[bool] = ..., blame: _Optional[_Union[ReportFailureRequest.Blame, str]] = ...) -> None: ...
+    suspect_rank: int
+    def __init__(self, session_id: _Optional[str] = ..., world_version: _Optional[int] = ..., suspect_worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., unusable_address: _Optional[bool] = ..., timed_out: _Optional[bool] = ..., blame: _Optional[_Union[ReportFailureRequest.Blame, str]] = ..., suspect_rank: _Optional[int] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("evicted", "detail")
