@@ -21,7 +21,7 @@ import numpy as np
 
 from rendezvous.wire.membership import Blame
 
-from elastic.ring import _native, serialization
+from elastic.ring import _native, buffers, serialization
 from elastic.ring.comm_config import CommConfig
 from elastic.ring.errors import BadPeerError, ElasticError, ErrorKind, RingFailure, SettingsMismatchError, from_native
 from elastic.ring.majority import odd_ranks
@@ -40,55 +40,6 @@ MAX_ALLGATHER_BYTES = 1 << 36
 MAX_OBJECT_BYTES = 1 << 30
 # What a rank announces instead of a size when it cannot send its object (all ranks raise).
 CANNOT_CARRY, TOO_LARGE = -1, -2
-
-
-def _native_array(t: Any, what: str, *, read_only: bool = False):
-    """The object handed to the core: a CPU, contiguous torch tensor or numpy array."""
-    if isinstance(t, np.ndarray):
-        if not t.flags.c_contiguous:
-            raise ValueError(f"{what}: array must be C-contiguous (use np.ascontiguousarray)")
-        if not t.dtype.isnative:
-            raise ValueError(f"{what}: array has non-native byte order ({t.dtype}); use .astype(native dtype)")
-        if not t.flags.writeable:
-            if not read_only:
-                raise ValueError(f"{what}: array is read-only")
-            return t.copy()  # the core takes writable buffers; this one is only read
-        return t
-    torch = _torch()
-    if torch is not None and isinstance(t, torch.Tensor):
-        if t.device.type != "cpu":
-            raise ValueError(f"{what}: only CPU tensors are supported (got a tensor on {t.device})")
-        if not t.is_contiguous():
-            raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
-        if not read_only and t.requires_grad and torch.is_grad_enabled():
-            # Writing through .detach() would change a tensor autograd may still need, unseen.
-            raise ValueError(f"{what}: in-place collective on a tensor that requires grad; "
-                             "wrap it in torch.no_grad() or pass tensor.detach()")
-        return t.detach()
-    raise TypeError(f"{what}: expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
-
-
-def _numel(a: Any) -> int:
-    return int(a.size) if isinstance(a, np.ndarray) else a.numel()
-
-
-def _itemsize(a: Any) -> int:
-    return a.itemsize if isinstance(a, np.ndarray) else a.element_size()
-
-
-def _as_bytes(a: Any) -> Any:
-    """A flat uint8 view of a contiguous array or tensor (what a byte-moving collective takes)."""
-    if isinstance(a, np.ndarray):
-        return a.reshape(-1).view(np.uint8)
-    return a.reshape(-1).view(_torch().uint8)
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:  # numpy-only installs still work
-        return None
-    return torch
 
 
 class RingObserver(Protocol):
@@ -378,19 +329,20 @@ class Communicator:
     @_blocking
     def allreduce_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
         started = time.perf_counter()
-        self._native.allreduce_(_native_array(t, "allreduce_"), int(ReduceOp(op)))
+        self._native.allreduce_(buffers.native_array(t, "allreduce_"), int(ReduceOp(op)))
         if self.observer is not None:
             self.observer.allreduce_done(self, t, started)
         return t
 
     def allreduce(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Any:
-        out = t.copy() if isinstance(t, np.ndarray) else t.detach().clone(memory_format=_torch().contiguous_format)
+        torch = buffers.torch_module()
+        out = t.copy() if isinstance(t, np.ndarray) else t.detach().clone(memory_format=torch.contiguous_format)
         return self.allreduce_(out, op)
 
     @_translated
     def allreduce_async_(self, t: Any, op: ReduceOp = ReduceOp.Average) -> Handle:
         submitted = time.perf_counter()
-        work = self._native.allreduce_async_(_native_array(t, "allreduce_async_"), int(ReduceOp(op)))
+        work = self._native.allreduce_async_(buffers.native_array(t, "allreduce_async_"), int(ReduceOp(op)))
         handle = Handle(self, work, t, submitted)
         if self.observer is not None:
             self.observer.allreduce_started(self, t)
@@ -427,7 +379,7 @@ class Communicator:
 
     @_blocking
     def broadcast_(self, t: Any, root_rank: int = 0) -> Any:
-        self._native.broadcast_(_native_array(t, "broadcast_"), root_rank)
+        self._native.broadcast_(buffers.native_array(t, "broadcast_"), root_rank)
         return t
 
     @_blocking
@@ -441,16 +393,16 @@ class Communicator:
         ``counts`` gives each rank's number of elements (default: ``output`` holds ``size``
         equal blocks). ``input`` and ``output`` are contiguous, of one dtype (any dtype: the
         bytes are moved, never read). Returns ``output``."""
-        out = _native_array(output, "allgather_into_")
-        inp = _native_array(input, "allgather_into_", read_only=True)
-        esize = _itemsize(out)
-        if _itemsize(inp) != esize or str(inp.dtype) != str(out.dtype):
+        out = buffers.native_array(output, "allgather_into_")
+        inp = buffers.native_array(input, "allgather_into_", read_only=True)
+        esize = buffers.itemsize(out)
+        if buffers.itemsize(inp) != esize or str(inp.dtype) != str(out.dtype):
             raise ValueError(f"allgather_into_: input dtype {inp.dtype} differs from the output's {out.dtype}")
-        counts = self._counts("allgather_into_", counts, _numel(out))
-        if _numel(inp) != counts[self.rank]:
-            raise ValueError(f"allgather_into_: rank {self.rank}'s input has {_numel(inp)} elements, its block "
+        counts = self._counts("allgather_into_", counts, buffers.numel(out))
+        if buffers.numel(inp) != counts[self.rank]:
+            raise ValueError(f"allgather_into_: rank {self.rank}'s input has {buffers.numel(inp)} elements, its block "
                              f"{counts[self.rank]}")
-        self._native.allgather_(_as_bytes(inp), _as_bytes(out), [c * esize for c in counts])
+        self._native.allgather_(buffers.as_bytes(inp), buffers.as_bytes(out), [c * esize for c in counts])
         return output
 
     @_blocking
@@ -460,13 +412,13 @@ class Communicator:
         elements each; default ``size`` equal blocks); ``output`` gets this rank's block reduced
         over every rank. Each rank sends (size-1)/size of ``input``, the least any algorithm can.
         ``input`` is not changed. Returns ``output``."""
-        out = _native_array(output, "reduce_scatter_")
-        inp = _native_array(input, "reduce_scatter_", read_only=True)
+        out = buffers.native_array(output, "reduce_scatter_")
+        inp = buffers.native_array(input, "reduce_scatter_", read_only=True)
         if str(inp.dtype) != str(out.dtype):
             raise ValueError(f"reduce_scatter_: input dtype {inp.dtype} differs from the output's {out.dtype}")
-        counts = self._counts("reduce_scatter_", counts, _numel(inp))
-        if _numel(out) != counts[self.rank]:
-            raise ValueError(f"reduce_scatter_: rank {self.rank}'s output has {_numel(out)} elements, its block "
+        counts = self._counts("reduce_scatter_", counts, buffers.numel(inp))
+        if buffers.numel(out) != counts[self.rank]:
+            raise ValueError(f"reduce_scatter_: rank {self.rank}'s output has {buffers.numel(out)} elements, its block "
                              f"{counts[self.rank]}")
         self._native.reduce_scatter_(inp, out, counts, int(ReduceOp(op)))
         return output
@@ -480,8 +432,8 @@ class Communicator:
         exactly that, never more than ``max_bytes``. A sender announcing more (or a negative
         size) is that peer's failure: the ring is aborted, so no rank waits on it, and this rank
         raises ``BadPeerError`` naming it. Any dtype: bytes are moved, never read."""
-        inp = _as_bytes(_native_array(input, "shift", read_only=True))
-        mine = np.array([_numel(inp)], dtype=np.int64)
+        inp = buffers.as_bytes(buffers.native_array(input, "shift", read_only=True))
+        mine = np.array([buffers.numel(inp)], dtype=np.int64)
         theirs = np.empty(1, dtype=np.int64)
         self._native.shift_(mine, theirs, backward)
         n = int(theirs[0])
@@ -490,7 +442,8 @@ class Communicator:
             why = f"rank {sender} announced {n} bytes for a shift, more than the {max_bytes} this rank takes"
             self.abort(why)
             raise self._blame(why, "shift", sender)
-        out = np.empty(n, dtype=np.uint8) if isinstance(inp, np.ndarray) else _torch().empty(n, dtype=_torch().uint8)
+        torch = buffers.torch_module()
+        out = np.empty(n, dtype=np.uint8) if isinstance(inp, np.ndarray) else torch.empty(n, dtype=torch.uint8)
         self._native.shift_(inp, out, backward)
         return out
 
@@ -502,8 +455,8 @@ class Communicator:
         connection to each neighbour). An ``output`` of another size than its sender sends fails
         the receiver at the first segment (``CollectiveMismatchError`` naming the sender), and
         its neighbours at once after. Any dtypes; the two must not overlap. Returns ``output``."""
-        self._native.shift_(_as_bytes(_native_array(input, "shift_into_", read_only=True)),
-                            _as_bytes(_native_array(output, "shift_into_")), backward)
+        self._native.shift_(buffers.as_bytes(buffers.native_array(input, "shift_into_", read_only=True)),
+                            buffers.as_bytes(buffers.native_array(output, "shift_into_")), backward)
         return output
 
     def _counts(self, what: str, counts: Optional[Sequence[int]], total: int) -> list:
@@ -524,9 +477,9 @@ class Communicator:
         """Every rank's ``t`` stacked along a new first dimension. ``t`` has the same shape and
         dtype on every rank, so no size is taken from a peer: how the runtime exchanges its own
         small records (commit steps, verdicts, object sizes)."""
-        arr = _native_array(t, "allgather_equal", read_only=True)
+        arr = buffers.native_array(t, "allgather_equal", read_only=True)
         shape = (self.size,) + tuple(arr.shape)
-        out = np.empty(shape, dtype=arr.dtype) if isinstance(arr, np.ndarray) else _torch().empty(shape,
+        out = np.empty(shape, dtype=arr.dtype) if isinstance(arr, np.ndarray) else buffers.torch_module().empty(shape,
                                                                                                   dtype=arr.dtype)
         nbytes = arr.nbytes if isinstance(arr, np.ndarray) else arr.numel() * arr.element_size()
         self._native.allgather_(arr, out, [nbytes] * self.size)
@@ -545,7 +498,7 @@ class Communicator:
         or counts that would take more than ``MAX_ALLGATHER_BYTES`` in all, raise
         ``BadPeerError`` naming the rank (on that rank itself, ``ValueError``)."""
         is_np = isinstance(t, np.ndarray)
-        arr = _native_array(t, "allgather", read_only=True)
+        arr = buffers.native_array(t, "allgather", read_only=True)
         shape = tuple(arr.shape)
         if len(shape) == 0:
             raise ValueError("allgather: tensor needs at least one dimension")
@@ -577,7 +530,7 @@ class Communicator:
         if is_np:
             out = np.empty(out_shape, dtype=arr.dtype)
         else:
-            out = _torch().empty(out_shape, dtype=arr.dtype)
+            out = buffers.torch_module().empty(out_shape, dtype=arr.dtype)
         self._native.allgather_(arr, out, [c * row_bytes for c in counts])
         return out
 

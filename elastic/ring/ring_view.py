@@ -82,8 +82,13 @@ class RingView:
                                 local_size=world.local_size, first=world.rank - world.local_rank,
                                 prev_leader=world.prev_leader, next_leader=world.next_leader,
                                 largest_host=world.largest_host)
-        peers = {m.rank: (m.ring_address, m.host) for m in world.peers}
-        return cls(world.rank, world.size, peers, layout, bytes(world.digest))
+        # Only the ranks its rings connect to: a view may name others (rank 0, the device store's host).
+        rank, size = world.rank, world.size
+        ranks = {rank, (rank + 1) % size, (rank - 1) % size} if size else set()
+        if layout is not None:
+            ranks |= set(layout.neighbours(rank))
+        peers = {m.rank: (m.ring_address, m.host) for m in world.peers if m.rank in ranks}
+        return cls(rank, size, peers, layout, bytes(world.digest))
 
     @classmethod
     def of_full_list(cls, rank: int, addresses: Sequence[str], hosts: Optional[Sequence[str]] = None) -> "RingView":
