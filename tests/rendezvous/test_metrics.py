@@ -117,8 +117,8 @@ def test_sigkilled_worker_is_counted_by_cause_with_one_recovery_and_a_newer_worl
         assert value(after, "elastic_rendezvous_rpcs_total", method="Watch", code="CANCELLED") >= 1
         assert value(after, "elastic_rendezvous_rpc_seconds_count", method="Join") == 3
         # The store is etcd: every job write is timed there, none failed.
-        assert value(after, "elastic_rendezvous_store_operation_seconds_count", operation="put") >= 2
-        assert value(after, "elastic_rendezvous_store_errors_total", operation="put") == 0
+        assert value(after, "elastic_rendezvous_store_operation_seconds_count", operation="commit") >= 2
+        assert value(after, "elastic_rendezvous_store_errors_total", operation="commit") == 0
     finally:
         s.stop()
 
