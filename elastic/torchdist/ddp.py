@@ -21,7 +21,7 @@ import gc
 import hashlib
 import warnings
 import weakref
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,21 @@ def _live_ddps(group: ElasticProcessGroup) -> "List[DistributedDataParallel]":
         return [d for _, d in live if d is not None]
 
 
+def _completer(fut: torch.futures.Future, buf: torch.Tensor, session: Any, what: str) -> Callable:
+    """What completes a bucket's future: its averaged buffer, or the failure, noted with the
+    session (torch makes a RuntimeError of a failed future; elastic.run raises the noted failure)."""
+
+    def done(error: Optional[BaseException]) -> None:
+        if error is None:
+            fut.set_result(buf)
+            return
+        if isinstance(error, WorkerLostError) and session is not None:
+            session.note_failure(error)
+        fut.set_exception(RuntimeError(f"{what}: {error}"))
+
+    return done
+
+
 @_not_compiled
 def _allreduce_hook(session: Any, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's comm hook, its state the session (``None`` before the first sync: the current one):
@@ -55,15 +70,7 @@ def _allreduce_hook(session: Any, bucket: dist.GradBucket) -> torch.futures.Futu
     if (layer is not None and layer.device_type_now() == buf.device.type) or buf.device.type != "cpu":
         return _device_allreduce(session, layer, buf)
     fut: torch.futures.Future = torch.futures.Future()
-
-    def done(error: Optional[BaseException]) -> None:
-        if error is None:
-            fut.set_result(buf)
-            return
-        if isinstance(error, WorkerLostError) and session is not None:
-            session.note_failure(error)
-        # torch makes a RuntimeError of a failed future; elastic.run raises the noted failure instead.
-        fut.set_exception(RuntimeError(f"elastic ring: {error}"))
+    done = _completer(fut, buf, session, "elastic ring")
 
     try:
         if session is None:
@@ -89,14 +96,7 @@ def _device_allreduce(session: Any, layer: Any, buf: torch.Tensor) -> torch.futu
     not when it was queued: a peer lost in it fails ``backward()`` before the optimizer steps, so
     the live state is kept (nothing redone), as on the ring."""
     fut: torch.futures.Future = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
-
-    def done(error: Optional[BaseException]) -> None:
-        if error is None:
-            fut.set_result(buf)
-            return
-        if isinstance(error, WorkerLostError) and session is not None:
-            session.note_failure(error)
-        fut.set_exception(RuntimeError(f"elastic device communicator: {error}"))
+    done = _completer(fut, buf, session, "elastic device communicator")
 
     try:
         if session is None or layer is None:
