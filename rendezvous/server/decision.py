@@ -551,11 +551,15 @@ def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
 
 
 def all_returned(state: JobState) -> bool:
-    """Every member of the current world still registered reported that its function returned,
-    in this world and at the same commit step (the job's success)."""
+    """Every member of the world the reports name, still registered, reported that its function
+    returned in that world and at the same commit step (the job's success). That world is the
+    current one, or the one before a switch its members never made: joiners of a world whose
+    members trained on to the end without a commit never trained, and hold no part of the job."""
     members = [state.workers[m.worker_id] for m in state.world if m.worker_id in state.workers]
-    return bool(members) and all(w.returned_in == state.world_version for w in members) and \
-        len({w.returned_step for w in members}) == 1
+    version = max((w.returned_in for w in members), default=0)
+    held = [w for w in members if w.member_since <= version]
+    return version > 0 and bool(held) and all(w.returned_in == version for w in held) and \
+        len({w.returned_step for w in held}) == 1
 
 
 def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: list[Action], *,

@@ -347,6 +347,23 @@ def test_a_success_in_an_earlier_world_does_not_count_in_the_next():
     assert s.phase is Phase.SUCCEEDED
 
 
+def test_a_joiner_of_a_switch_the_members_never_made_does_not_hold_up_their_success():
+    # a and b train to the end in world 1 without a commit, so world 2 (c joining) never forms:
+    # their returns in world 1 complete the job; c never trained.
+    s = formed([("a", "h"), ("b", "h")], max_np=3)
+    s, _ = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick())])
+    assert s.world_version == 2 and s.workers["c"].member_since == 2
+    s, _ = run(s, [(4.0, Success("a", 1, 0))])
+    assert s.phase is Phase.RUNNING   # b still trains
+    s, acts = run(s, [(4.1, Success("b", 1, 0))])
+    assert s.phase is Phase.SUCCEEDED
+    # Once world 2 is what its old members report, every member of it must have returned.
+    s = formed([("a", "h"), ("b", "h")], max_np=3)
+    s, _ = run(s, [(2.0, Join("c", "h", "h:3")), (3.0, Tick()), (4.0, Success("a", 2, 5)),
+                   (4.1, Success("b", 1, 5))])
+    assert s.phase is Phase.RUNNING
+
+
 def test_rejoin_with_its_current_session_replaces_old_membership():
     s = formed([("a", "h"), ("b", "h")])
     s, acts = run(s, [(2.0, Join("b", "h", "h:99", proof="hash-b", session_hash="hash-b2")),
