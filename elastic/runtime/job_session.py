@@ -175,7 +175,10 @@ class JobSession(Session):
             if self.departed:
                 pass   # it told the server already
             elif ending is Ending.SUCCEEDED:
-                if not self.client.report_success(commit_step=max(self.commit_step, 0)):
+                # The world it returned in is its ring's: a world announced since (a joiner
+                # waiting for a commit that never came) is not one it trained in.
+                world = self.world.world_version if self.world is not None else None
+                if not self.client.report_success(world_version=world, commit_step=max(self.commit_step, 0)):
                     self._await_finished(FINISH_WAIT_S)
             elif ending is Ending.LEFT:
                 self.client.leave()
