@@ -44,10 +44,10 @@ def joiner_note_after(form_timeout: float) -> float:
 
 def joiner_waits(worker_id: str, waited: float, version: int, form_timeout: float) -> str:
     """Why the ring of world ``version`` has not formed for ``worker_id`` after ``waited`` seconds."""
-    return (f"worker {worker_id} has waited {waited:.0f} s for the ring of world {version} to form: its members "
-            f"still in the running world switch at their next state.commit(), which has not come. A job that "
-            f"commits rarely or never keeps joiners waiting; the form gives up after ELASTIC_FORM_TIMEOUT "
-            f"({form_timeout:g} s)")
+    return (f"worker {worker_id} has waited {waited:.0f} s for the ring of world {version} to form: members "
+            f"still in the running world switch at their next state.commit(), which has not come (a job that "
+            f"commits rarely or never keeps joiners waiting), or a member does not answer; the form gives up "
+            f"after ELASTIC_FORM_TIMEOUT ({form_timeout:g} s)")
 
 
 def overdue(steps: int, seconds: float, max_steps: int, max_seconds: float) -> Optional[str]:

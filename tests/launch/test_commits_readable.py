@@ -67,7 +67,7 @@ def test_a_joiner_waiting_on_a_commit_that_never_comes_says_why_and_the_job_stil
     # Another host joins the running job, which never commits.
     second = launch("--np", "1", "--host", "hB", "--rendezvous", f"127.0.0.1:{port}", "--job-id", "default",
                     "--token-file", token, command=[sys.executable, JOB, "never-commits"], LW_STEPS="700")
-    m = second.wait_for(r"^\[hB-0\] .*worker hB-0 has waited \d+ s for the ring of world 2 to form: its members "
+    m = second.wait_for(r"^\[hB-0\] .*worker hB-0 has waited \d+ s for the ring of world 2 to form: members "
                         r"still in the running world switch at their next state.commit\(\)", 90)
     assert "the form gives up after ELASTIC_FORM_TIMEOUT (60 s)" in m.string
     assert first.wait(120) == 0, first.text()
