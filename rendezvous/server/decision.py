@@ -31,12 +31,10 @@ Rules:
   counted against the host: they say more about the control plane than about the host.
 * A worker id belongs to its session: a join naming a registered worker must prove it is that
   worker (the hash of its current session matches); otherwise it is refused and the worker stays.
-* Success is the world's, not one member's: a member's success report says its function returned
-  at a commit step; the job completes when every member of the current world still registered
-  has reported returning in that world at the same commit step. Until then a report changes
-  nothing else (the worker that returned early leaves on its own, elastic/runtime/job_session.py,
-  and the others train on). Only a worker that is in the current world and was a member of the
-  world its report names may report.
+* Success is the world's, not one member's: the job completes when every registered member of the
+  world the reports name (the current one, or the one before a switch never made) reported its
+  function returned in it at one commit step. Until then a report changes nothing else (the early
+  worker leaves on its own); only a member of the world its report names may report.
 
 The job's credential (a hash of the token that created it), its ring secret and each worker's
 session hash ride along in the state, so every replica and every restart sees the same ones; the
@@ -551,10 +549,9 @@ def _pending(state: JobState, reason: str, actions: list[Action]) -> JobState:
 
 
 def all_returned(state: JobState) -> bool:
-    """Every member of the world the reports name, still registered, reported that its function
-    returned in that world and at the same commit step (the job's success). That world is the
-    current one, or the one before a switch its members never made: joiners of a world whose
-    members trained on to the end without a commit never trained, and hold no part of the job."""
+    """Every member of the world the reports name, still registered, returned in it at one commit
+    step (the job's success): the current world, or the one before a switch never made (its
+    joiners never trained, and hold no part of the job)."""
     members = [state.workers[m.worker_id] for m in state.world if m.worker_id in state.workers]
     version = max((w.returned_in for w in members), default=0)
     held = [w for w in members if w.member_since <= version]

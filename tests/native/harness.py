@@ -159,10 +159,14 @@ class World:
         return conn.recv()
 
     def wait_formed(self, timeout: float = 30) -> None:
-        for r in range(self.n):
-            msg = self._recv(r, timeout)
-            if msg[0] != "formed":
-                raise WorkerFailed(f"rank {r} failed to form: {msg[1]}: {msg[2]}\n{msg[3]}")
+        """Waits until every rank formed; fails naming every rank that did not (the rank that
+        failed first, whose reason explains the others', is often not rank 0)."""
+        deadline = time.monotonic() + timeout
+        msgs = [self._recv(r, max(1.0, deadline - time.monotonic())) for r in range(self.n)]
+        failed = [(r, m) for r, m in enumerate(msgs) if m[0] != "formed"]
+        if failed:
+            raise WorkerFailed("\n".join(f"rank {r} failed to form: {m[1]}: {m[2]}" for r, m in failed)
+                               + f"\n{failed[0][1][3]}")
 
     def message(self, rank: int, timeout: float = 60):
         """Next message from a worker: ("ok", result) or ("error", type, text, tb, attrs, t)."""
