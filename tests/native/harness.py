@@ -161,12 +161,7 @@ class World:
     def wait_formed(self, timeout: float = 30) -> None:
         """Waits until every rank formed; fails naming every rank that did not (the rank that
         failed first, whose reason explains the others', is often not rank 0)."""
-        deadline = time.monotonic() + timeout
-        msgs = [self._recv(r, max(1.0, deadline - time.monotonic())) for r in range(self.n)]
-        failed = [(r, m) for r, m in enumerate(msgs) if m[0] != "formed"]
-        if failed:
-            raise WorkerFailed("\n".join(f"rank {r} failed to form: {m[1]}: {m[2]}" for r, m in failed)
-                               + f"\n{failed[0][1][3]}")
+        self._every_rank("formed", "failed to form:", timeout)
 
     def message(self, rank: int, timeout: float = 60):
         """Next message from a worker: ("ok", result) or ("error", type, text, tb, attrs, t)."""
@@ -186,15 +181,18 @@ class World:
     def results(self, timeout: float = 120) -> List[Any]:
         """Waits for every worker and returns their results; fails on any worker error."""
         self.wait_formed(timeout)
-        out = []
+        return [m[1] for m in self._every_rank("ok", "raised", timeout)]
+
+    def _every_rank(self, kind: str, failing: str, timeout: float) -> List[Any]:
+        """Each rank's next message, all of ``kind``; else fails naming every rank that sent
+        another, not only the first: the rank that failed first is often not rank 0."""
         deadline = time.monotonic() + timeout
         msgs = [self._recv(r, max(1.0, deadline - time.monotonic())) for r in range(self.n)]
-        failed = [(r, m) for r, m in enumerate(msgs) if m[0] != "ok"]
+        failed = [(r, m) for r, m in enumerate(msgs) if m[0] != kind]
         if failed:
-            # Every failing rank, not only the first: the rank that failed first is often not rank 0.
-            raise WorkerFailed("\n".join(f"rank {r} raised {m[1]}: {m[2]}" for r, m in failed)
+            raise WorkerFailed("\n".join(f"rank {r} {failing} {m[1]}: {m[2]}" for r, m in failed)
                                + f"\n{failed[0][1][3]}")
-        return [m[1] for m in msgs]
+        return msgs
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> float:
         os.kill(self.procs[rank].pid, sig)
