@@ -28,6 +28,13 @@ def position(state: Any) -> str:
     return ", ".join(parts)
 
 
+def training_step(state: Any) -> int:
+    """The state's own step counter (its ``step``), or -1 when it has none: what status and
+    metrics show beside a commit's number."""
+    step = getattr(state, "step", None)
+    return step if type(step) is int and step >= 0 else -1
+
+
 def describe_commit(commit_step: int, state: Any) -> str:
     """``commit 7 (step 70)``; ``commit -1 (none made yet)`` before the first."""
     if commit_step < 0:

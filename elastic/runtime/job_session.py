@@ -29,7 +29,7 @@ from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, ElasticE
                                  SettingsMismatchError, WorkerLostError)
 from elastic.ring.ring_view import RingView
 from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
-from elastic.runtime.commit_watch import describe_commit, joiner_note_after, joiner_waits
+from elastic.runtime.commit_watch import describe_commit, joiner_note_after, joiner_waits, training_step
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
                                     Preempted, RendezvousError)
 from elastic.runtime.hooks import WorldChange
@@ -310,9 +310,8 @@ class JobSession(Session):
             if (commit_step != reported or verdict is not told or stepped != stepped_told) and \
                     (named or stepped != stepped_told or time.monotonic() - last_report >= 1.0):
                 try:
-                    held = getattr(self.state, "step", None)
                     self.client.report_progress(commit_step=commit_step, straggler=verdict, stepped_world=stepped,
-                                                step=held if type(held) is int and held >= 0 else -1)
+                                                step=training_step(self.state))
                     reported, told, stepped_told = commit_step, verdict, stepped
                     self.straggler_detector.told(verdict)
                 except _ClientError as e:

@@ -40,6 +40,8 @@ import threading
 import time
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from elastic.runtime import commit_watch
+
 log = logging.getLogger("elastic.runtime.worker_metrics")
 
 ENV_SOCKET = "ELASTIC_METRICS_SOCKET"
@@ -237,8 +239,7 @@ class _Timed:
 
     def __exit__(self, kind, value, tb) -> None:
         step = self.state.commit_step
-        held = getattr(self.state, "step", None)   # the training step it holds, as the state counts it
-        self.rec.training_step = held if type(held) is int and held >= 0 else -1
+        self.rec.training_step = commit_watch.training_step(self.state)
         if self.what == "commit":
             # Counted even when the membership check ends it with an exception: the copy was taken.
             self.rec.commit_done(step, step != self.step, self.started, kind is None)
