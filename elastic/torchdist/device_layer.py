@@ -69,7 +69,7 @@ class DeviceWorlds(StepHooks):
         self._lock = threading.Lock()
         self._current: Optional[WorldDevice] = None
         self.made = 0   # communicators made in this session (one per world that had one)
-        self._releasing: List[threading.Thread] = []   # backends of ended worlds still being dropped
+        self._releasing: List[threading.Thread] = []   # threads of ended worlds still running (see WorldDevice.close)
 
     @classmethod
     def for_session(cls, session: Any) -> "DeviceWorlds":
@@ -145,9 +145,8 @@ class DeviceWorlds(StepHooks):
         with self._lock:
             device, self._current = self._current, None
         if device is not None:
-            release = device.close(reason)
-            if release is not None:
-                self._releasing = [t for t in self._releasing if t.is_alive()] + [release]
+            running = device.close(reason)
+            self._releasing = [t for t in self._releasing if t.is_alive()] + running
 
     def _meet(self, change: WorldChange) -> Optional[WorldDevice]:
         """Agrees with the new world's ranks on the backend and rank 0's store; makes this rank's

@@ -216,49 +216,63 @@ class WorldDevice:
                 t.start()
                 self._threads.append(t)
 
+    # Each loop calls a step that holds the collective it looks at only while it runs: a thread
+    # idle between collectives holds no torch ``Work``. Dropping one releases the GIL in its
+    # destructor, and a daemon thread that takes the GIL back while the interpreter finalizes is
+    # ended inside that destructor: the process aborts (std::terminate). ``close`` joins both.
     def _watch_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopped:
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                entry = self._pending[0]
-            error: Optional[BaseException] = None
-            try:
-                self.backend.finish(entry.work)
-            except Exception as e:  # noqa: BLE001 (a failed collective fails the world, below)
-                error = e
-            with self._cond:
-                if self._stopped:   # aborted meanwhile: abort() failed what waited
-                    return
-                if error is None:
-                    self._pending.popleft()
-            if error is not None:
-                self._fail(self._lost(f"{entry.what} failed: {error}", kind=ErrorKind.PeerLost, op=entry.what),
-                           blame=False)
-                return
-            with self.backend.completion():
-                self._finish(entry, None)
+        while self._watch_next():
+            pass
+
+    def _watch_next(self) -> bool:
+        """Waits for the oldest collective and hands it on; False once the watcher is done."""
+        with self._cond:
+            while not self._pending and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return False
+            entry = self._pending[0]
+        error: Optional[BaseException] = None
+        try:
+            self.backend.finish(entry.work)
+        except Exception as e:  # noqa: BLE001 (a failed collective fails the world, below)
+            error = e
+        with self._cond:
+            if self._stopped:   # aborted meanwhile: abort() failed what waited
+                return False
+            if error is None:
+                self._pending.popleft()
+        if error is not None:
+            self._fail(self._lost(f"{entry.what} failed: {error}", kind=ErrorKind.PeerLost, op=entry.what),
+                       blame=False)
+            return False
+        with self.backend.completion():
+            self._finish(entry, None)
+        return True
 
     def _deadline_loop(self) -> None:
-        while True:
-            with self._cond:
-                if self._stopped:
-                    return
-                if not self._pending:
-                    self._cond.wait()
-                    continue
-                entry = self._pending[0]
-                left = entry.deadline - self._clock()
-                if left > 0:
-                    self._cond.wait(min(left, 1.0))
-                    continue
-            peer = (self.backend.rank + 1) % self.backend.size if self.backend.size > 1 else -1
-            self._fail(self._lost(f"{entry.what} did not finish within {self.collective_timeout:g} s "
-                                  f"(ELASTIC_COLLECTIVE_TIMEOUT) waiting on rank {peer}", kind=ErrorKind.Timeout,
-                                  peer=peer, op=entry.what), blame=True)
-            return
+        while self._deadline_next():
+            pass
+
+    def _deadline_next(self) -> bool:
+        """Waits until the oldest collective is due (or a while); False once the world failed or stopped."""
+        with self._cond:
+            if self._stopped:
+                return False
+            if not self._pending:
+                self._cond.wait()
+                return True
+            entry = self._pending[0]
+            left = entry.deadline - self._clock()
+            if left > 0:
+                del entry   # not held while it waits
+                self._cond.wait(min(left, 1.0))
+                return True
+        peer = (self.backend.rank + 1) % self.backend.size if self.backend.size > 1 else -1
+        self._fail(self._lost(f"{entry.what} did not finish within {self.collective_timeout:g} s "
+                              f"(ELASTIC_COLLECTIVE_TIMEOUT) waiting on rank {peer}", kind=ErrorKind.Timeout,
+                              peer=peer, op=entry.what), blame=True)
+        return False
 
     def _fail(self, error: WorkerLostError, blame: bool) -> None:
         """A collective failed or timed out: the world is lost. The device is aborted first (so
@@ -295,14 +309,21 @@ class WorldDevice:
         self.abort_thread = abort_within(run, self.abort_timeout, what, self._exit_now)
         return self.abort_thread
 
-    def close(self, reason: str) -> Optional[threading.Thread]:
+    def close(self, reason: str) -> List[threading.Thread]:
         """The world is over (a new one formed, or the ring closed): aborted (every world change
         aborts its communicator, so nothing of it outlives the world), then dropped; returns the
-        thread still releasing the backend, if any (``DeviceBackend.close``)."""
+        threads still running: the one releasing the backend (``DeviceBackend.close``), and the
+        watcher when a collective it waits on cannot be cut short (gloo). The process must not
+        exit while they run (see ``_watch_loop``)."""
         thread = self.abort(reason)
         if thread is not None:
             thread.join(self.abort_timeout)   # past the bound the guard ends the process
-        return self.backend.close()
+        deadline = time.monotonic() + self.abort_timeout
+        for t in self._threads:   # they return once stopped, dropping what they held
+            t.join(max(0.0, deadline - time.monotonic()))
+        running = [t for t in self._threads if t.is_alive()]
+        release = self.backend.close()
+        return running + ([release] if release is not None else [])
 
 
 __all__ = ["Pending", "WorldDevice", "abort_within"]

@@ -4,8 +4,10 @@ process with its own status, nothing runs on an aborted communicator."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -134,6 +136,40 @@ def test_a_finished_collective_is_handed_on_in_order():
     assert order == [(i, None) for i in range(5)]
     device.close("the ring was closed")
     assert rec.exits == [] and rec.failures == []
+
+
+def test_closing_a_world_leaves_no_thread_of_it_running_or_holding_a_collective():
+    # A daemon thread that drops torch's Work while the interpreter finalizes is ended inside
+    # its destructor (which releases the GIL) and the process aborts: close() must return only
+    # once the watcher and the deadline thread have let go of every collective.
+    backend, rec = HangingBackend(complete=True), Recorder()
+    device = make(backend, rec, collective_timeout=60)
+    entries = [device.run(f"c{i}", "allreduce", []) for i in range(3)]
+    for entry in entries:
+        device.wait(entry)
+    works = [weakref.ref(work) for _, work in backend.started]
+    del entries, entry
+    backend.started.clear()
+    assert device.close("the ring was closed") == []
+    gc.collect()
+    assert [w for w in works if w() is not None] == []
+    assert not [t for t in threading.enumerate() if t.name in ("elastic-device-watch", "elastic-device-deadline")
+                and t in device._threads]
+
+
+def test_closing_a_world_whose_collective_cannot_be_cut_short_returns_the_watcher_still_in_it():
+    backend, rec = HangingBackend(), Recorder()
+    backend.abort = lambda: None   # gloo: its abort() ends nothing in flight
+    waiting, finish = threading.Event(), backend.finish
+    backend.finish = lambda work: (waiting.set(), finish(work))
+    device = make(backend, rec, collective_timeout=60, abort_timeout=0.2)
+    device.run("all_reduce", "allreduce", [])
+    assert waiting.wait(5), "the watcher never waited on the collective"
+    running = device.close("the ring was closed")
+    assert [t.name for t in running] == ["elastic-device-watch"]
+    backend.started[0][1].released.set()   # the collective ends (gloo's own timeout)
+    running[0].join(5)
+    assert not running[0].is_alive()
 
 
 def test_an_abort_that_never_returns_ends_the_process_with_its_own_status_within_the_bound(capfd):
