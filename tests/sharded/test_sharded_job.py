@@ -260,7 +260,10 @@ def test_a_hostile_member_cannot_take_over_or_end_a_reshard_it_is_evicted_and_th
     assert len(evil) == 1, evil
     evil = evil[0]
     honest = [w for w in members if w != evil] + ["n"]
-    assert job.wait(honest, timeout=180) == {w: 0 for w in honest}, "".join(job.log(w) for w in honest)
+    # (The open "bytes" case fails here: the world keeps re-forming with the sender. Half a minute
+    # shows it; the others finish in well under that.)
+    assert job.wait(honest, timeout=30 if mode == "bytes" else 180) == {w: 0 for w in honest}, \
+        "".join(job.log(w) for w in honest)
     # The honest workers blamed it (BadPeerError, reported), the rendezvous evicted it, and they
     # resumed without it: the last world is the three of them, and they end with the same state.
     last = worlds(job, honest)[-1]
