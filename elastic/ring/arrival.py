@@ -39,7 +39,8 @@ def failure_message(op: str, kind: ErrorKind, *, missed_arrival: bool, peer: str
                 "is closed and every other member's collective fails too")
     if kind == ErrorKind.Propagated and peer:
         return (f"{op} on the ring kept after the run failed: {peer} gave up on it because of a failure "
-                f"further round the ring (a member that did not arrive within {bound}, or one that exited); "
+                f"further round the ring (a member that did not arrive within {bound_s:g} s, {SETTING}, or one "
+                "that exited); "
                 f"the rank after that member names it. {original}")
     if kind == ErrorKind.PeerLost and peer:
         return (f"{op} on the ring kept after the run failed: {peer} closed its ring (it exited, or "
