@@ -69,6 +69,7 @@ def _sum():
     return elastic.Sum
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, missing", [(3, 2), (3, 0), (4, 1)])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_a_member_that_skips_a_collective_is_named_and_the_others_are_released_within_the_bound(n, missing,
@@ -90,6 +91,7 @@ def test_a_member_that_skips_a_collective_is_named_and_the_others_are_released_w
             assert result["peer_rank"] is None and "kept after the run" in result["text"], (r, got)
 
 
+@pytest.mark.slow
 def test_every_member_arriving_within_the_bound_runs_the_collectives_as_usual():
     # Rank 1 comes 0.3 s late, within the 1 s bound: the barrier waits for it and the sum is right.
     with World(3, _kept(1, late_s=0.3)) as w:
