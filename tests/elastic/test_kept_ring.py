@@ -4,6 +4,7 @@ processes over loopback (tests/native/harness.py); the messages as a table."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -97,3 +98,17 @@ def test_every_member_arriving_within_the_bound_runs_the_collectives_as_usual():
     with World(3, _kept(1, late_s=0.3)) as w:
         results = w.results(timeout=30)
     assert [r.get("sum") for r in results] == [6.0, 6.0, 6.0], results
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("0", f"{SETTING}=0 must be positive"),
+    ("nan", f"{SETTING}=nan must be positive"),
+    ("-1", f"{SETTING}='-1' must not be negative"),
+    ("soon", f"{SETTING}='soon' is not a valid float"),
+])
+def test_a_bad_after_run_timeout_is_refused_naming_the_variable(raw, message):
+    from elastic.runtime.worker_config import WorkerConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        WorkerConfig.from_env({"ELASTIC_RENDEZVOUS": "127.0.0.1:1", SETTING: raw})
+    assert WorkerConfig.from_env({"ELASTIC_RENDEZVOUS": "127.0.0.1:1"}).after_run_timeout == 300.0
