@@ -52,7 +52,7 @@ hosts, or to add a host to a running job. Dead workers (killed by a signal) are 
 backoff, at most --max-restarts times per slot; a worker that exits with an error ends the job.
 Exit status: 0 when the job completed and every worker this launcher started exited 0 (a worker
 killed by a signal while the job ran counts as a recovered failure); 1 with a one-line reason
-when the job failed or a worker failed after it completed (the first such worker is named);
+when the job failed or a worker failed after it completed (each such worker is named);
 2 for bad flags; 3 when the job failed because its world stayed below --min-np for
 --elastic-timeout (a batch script may requeue it); 128+N when stopped by signal N. A worker that
 exits 0 while the job runs has left it (preempted: SIGTERM, elastic.request_leave()): it is

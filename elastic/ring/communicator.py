@@ -22,6 +22,7 @@ import numpy as np
 from rendezvous.wire.membership import Blame
 
 from elastic.ring import _native, buffers, serialization
+from elastic.ring.arrival import Arrival
 from elastic.ring.comm_config import CommConfig
 from elastic.ring.errors import BadPeerError, ElasticError, ErrorKind, RingFailure, SettingsMismatchError, from_native
 from elastic.ring.majority import odd_ranks
@@ -69,6 +70,9 @@ def _blocking(method: Callable) -> Callable:
     def call(self: "Communicator", *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
+            if self.arrival is not None:   # a ring kept after the run (elastic.ring.arrival)
+                return self.arrival.run(self, self._native, method.__name__,
+                                        lambda: method(self, *args, **kwargs), RingFailure)
             return method(self, *args, **kwargs)
         except RingFailure as failure:
             raise from_native(failure) from None
@@ -105,6 +109,7 @@ class Communicator:
         self.config = config
         self.wait_clock = wait_clock if wait_clock is not None else WaitClock()
         self.observer = observer
+        self.arrival: Optional[Arrival] = None   # set on a ring kept after the run: every member must enter
         # Who this ring is stays readable after close() (a failed connect() closes it while
         # the event thread may still compare versions with it).
         self._rank, self._size, self._world_version = native.rank, native.size, native.world_version

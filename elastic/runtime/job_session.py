@@ -24,6 +24,7 @@ from rendezvous.common.channel import RendezvousCallAbandoned
 from rendezvous.common.channel import RendezvousRPCError as _ClientError
 from rendezvous.wire.membership import Blame, JobSpec
 
+from elastic.ring.arrival import Arrival
 from elastic.ring.communicator import Communicator, Listener
 from elastic.ring.errors import (BadPeerError, CollectiveMismatchError, ElasticError, ErrorKind, HandshakeError,
                                  SettingsMismatchError, WorkerLostError)
@@ -195,7 +196,12 @@ class JobSession(Session):
         if comm is not None and not (keep_ring and not comm.failed):
             self.close_ring()
         elif comm is not None:
-            atexit.register(self.close_ring)   # kept for collectives after the run, at most until the exit
+            # Kept for collectives after the run, at most until the exit. Nobody watches its
+            # members from here (the session ends), so a member that never enters a collective
+            # would hold the others for the collective timeout: each collective on it waits at most
+            # ELASTIC_AFTER_RUN_TIMEOUT for every member, and names one that did not come.
+            comm.arrival = Arrival(min(self.config.after_run_timeout, comm.config.timeout), self._who)
+            atexit.register(self.close_ring)
         self.end()
         self.client.close()
         self._pump.join(timeout=5)
@@ -231,6 +237,14 @@ class JobSession(Session):
         if comm is not None:
             comm.close()
         self.departed = True
+
+    def _who(self, rank: int) -> str:
+        """``worker W (rank R)`` for rank ``rank`` of this worker's last world, by the id the
+        launchers and the rendezvous show; ``rank R`` for a rank outside its view (which names
+        its rings' neighbours only)."""
+        world = self.world
+        member = world.peer(rank) if world is not None and 0 <= rank < world.size else None
+        return f"worker {member.worker_id} (rank {rank})" if member is not None else f"rank {rank}"
 
     def _named(self, err: BaseException) -> str:
         """``worker W (rank R): `` for the peer a ring error blames, by the id the launchers and

@@ -19,6 +19,7 @@ This is the one table of a worker's environment (docs/reference/environment.md i
 | ``ELASTIC_WORLD_TIMEOUT`` | seconds to wait for a world that includes this worker | 600 | inherited |
 | ``ELASTIC_FORM_TIMEOUT`` | seconds a ring may take to form (the rendezvous aborts it sooner when a peer fails) | ``ELASTIC_WORLD_TIMEOUT`` | inherited |
 | ``ELASTIC_COLLECTIVE_TIMEOUT`` | seconds a worker may stay in one collective before it fails and the world re-forms (docs: "The collective timeout") | 1800 | ``--collective-timeout`` |
+| ``ELASTIC_AFTER_RUN_TIMEOUT`` | seconds each member of the ring kept after the run (``dist.barrier()``, a last allreduce after ``elastic.run`` returned) may take to enter a collective its ring neighbour entered; one that does not is named and every member's collective fails (``elastic.ring.arrival``). Set it above the longest work one rank does alone after the run (rank 0 saving the model before a barrier) | 300, at most ``ELASTIC_COLLECTIVE_TIMEOUT`` | inherited |
 | ``ELASTIC_RESET_LIMIT`` | re-forms after which ``elastic.run`` gives up (0: no limit) | 0 | inherited |
 | ``ELASTIC_DEFAULT_GROUP`` | ``0`` (``false``, ``no``, ``off``): ``elastic.run`` leaves torch.distributed's default group unset (``elastic.process_group()`` still works) | ``1`` | inherited |
 | ``ELASTIC_COMMIT_WARN_STEPS`` / ``ELASTIC_COMMIT_WARN_SECONDS`` | warn once (rank 0) when training goes this many steps or seconds without a ``state.commit()``; 0: never (``elastic.runtime.commit_watch``) | 1000 / 600 | inherited |
@@ -96,6 +97,7 @@ class WorkerConfig:
     default_group: bool = True              # ELASTIC_DEFAULT_GROUP: elastic.run makes the elastic group torch's default
     device_backend: str = "auto"            # ELASTIC_DEVICE_BACKEND: each world's communicator for device tensors
     device_abort_timeout: float = 10.0      # ELASTIC_DEVICE_ABORT_TIMEOUT: past it, exit DEVICE_ABORT_STUCK_EXIT
+    after_run_timeout: float = 300.0       # ELASTIC_AFTER_RUN_TIMEOUT: each collective's arrival bound on the kept ring
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
     stragglers: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
 
@@ -156,6 +158,7 @@ class WorkerConfig:
             default_group=default_group_from_env(env),
             device_backend=_device_backend(env.get("ELASTIC_DEVICE_BACKEND", "")),
             device_abort_timeout=number("ELASTIC_DEVICE_ABORT_TIMEOUT", float, 10.0),
+            after_run_timeout=number("ELASTIC_AFTER_RUN_TIMEOUT", float, 300.0),
             comm=CommConfig.from_env(env),
             stragglers=StragglerConfig.from_env(env),
         )
@@ -166,6 +169,8 @@ class WorkerConfig:
             cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, form_timeout=cfg.world_timeout))
         if not cfg.device_abort_timeout > 0:
             raise ValueError(f"ELASTIC_DEVICE_ABORT_TIMEOUT={cfg.device_abort_timeout:g} must be positive (seconds)")
+        if not cfg.after_run_timeout > 0:
+            raise ValueError(f"ELASTIC_AFTER_RUN_TIMEOUT={cfg.after_run_timeout:g} must be positive (seconds)")
         if not cfg.preempt_grace > 0:
             raise ValueError(f"ELASTIC_PREEMPT_GRACE={cfg.preempt_grace:g} must be positive (seconds)")
         check_limits(cfg)

@@ -41,6 +41,9 @@ proves the sample accounting. Knobs (environment):
                  numbered STEP or later (it may join a world already past STEP), as a
                  DataLoader forks its workers, which sleeps 60 s holding every descriptor it
                  inherited (its pid in a "forked" event)
+  JOB_FINAL_BARRIER "WORKER:SECONDS": after the run every worker calls dist.barrier() on the ring
+                 kept after it, as a torchrun script ends, but that worker, which sleeps
+                 SECONDS instead and exits 0 (a member that skips the final barrier)
   JOB_SEEN_AFTER_STEP 1: the per-sample count is allreduced after opt.step() rather than before
                  it (a collective between a step and its sampler record: a failure there cannot
                  keep the live state)
@@ -431,3 +434,13 @@ result = {"worker": WORKER, "loss": final_loss, "initial_loss": initial_loss, "h
 with open(os.path.join(OUT, f"result-{WORKER}.json"), "w") as f:
     json.dump(result, f)
 print(f"worker {WORKER} done at step {state.step}", flush=True)
+
+FINAL_BARRIER = os.environ.get("JOB_FINAL_BARRIER", "")
+if FINAL_BARRIER:
+    skipper, seconds = FINAL_BARRIER.split(":")
+    if WORKER == skipper:
+        time.sleep(float(seconds))
+    else:
+        event("final_barrier")
+        torch.distributed.barrier()   # raises when a member never comes, as torch's does on its timeout
+        event("final_barrier_passed")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
+from elastic.state import checkpoint
 from tests.chaos.checks import EPOCHS, check_accounting, check_identical
 from tests.rendezvous.rdzv_helpers import ServerProc
 
@@ -157,3 +159,40 @@ def test_a_joiner_with_other_ring_settings_in_a_world_of_three_is_evicted_by_the
         job.close()
     assert evictions(events_server, "odd") and not evictions(events_server, "w0") \
         and not evictions(events_server, "w1"), server_events(events_server)
+
+
+def test_a_member_that_skips_the_final_barrier_is_named_and_the_others_are_released_within_the_bound(tmp_path,
+                                                                                                   events_server):
+    # After the run nobody watches the members: each collective on the kept ring waits at most
+    # ELASTIC_AFTER_RUN_TIMEOUT (2 s here; the collective timeout is 20 s) for every member.
+    # The honest workers' dist.barrier() raises, as torch's does on its timeout, naming the
+    # member; the job had completed, and its last commit is on disk.
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path, events_server.address, min_np=3, max_np=3, JOB_CHECKPOINT=str(ckpt),
+              JOB_FINAL_BARRIER="skipper:60", ELASTIC_AFTER_RUN_TIMEOUT="2")
+    try:
+        for w in HONEST + ["skipper"]:
+            job.start(w)
+        codes = job.wait(HONEST, timeout=180)
+        exited = time.time()
+        logs = {w: job.log(w) for w in HONEST}
+        assert codes == {"w0": 1, "w1": 1}, logs
+        assert job.procs["skipper"].poll() is None, "the member that skipped the barrier still sleeps"
+        entered = max(next(e["t"] for e in job.events(w) if e["ev"] == "final_barrier") for w in HONEST)
+        assert exited - entered < 12, f"released {exited - entered:.1f} s after the barrier, not within the bound"
+        assert not any(e["ev"] == "final_barrier_passed" for w in HONEST for e in job.events(w))
+        rank = next(r for r in range(3) if f"worker skipper (rank {r})" in logs["w0"] + logs["w1"])
+        named = [w for w in HONEST
+                 if f"worker skipper (rank {rank}) did not arrive at barrier within 2 s (ELASTIC_AFTER_RUN_TIMEOUT)"
+                 in logs[w]]
+        # The rank after it waited on it and names it; the other was told of a failure further on.
+        assert len(named) == 1, logs
+        (other,) = set(HONEST) - set(named)
+        assert "gave up on it because of a failure further round the ring" in logs[other], logs[other]
+        results = [job.result(w) for w in HONEST + ["skipper"]]
+        check_identical(results)
+    finally:
+        job.close()
+    assert checkpoint.read_latest(str(ckpt))[0] == results[0]["commit_step"], "the last commit is on disk"
+    (finished,) = [e for e in server_events(events_server) if e.get("event") == "job_finished"]
+    assert finished["outcome"] == "succeeded", finished

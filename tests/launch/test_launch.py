@@ -332,6 +332,22 @@ def test_a_worker_failing_after_the_job_completed_fails_the_launcher_naming_it(l
     p.wait_no_leftovers()
 
 
+def test_a_member_that_skips_the_final_barrier_is_named_in_the_launcher_s_last_line(launch):
+    # hA-2 sleeps through the barrier the others entered: they are released after
+    # ELASTIC_AFTER_RUN_TIMEOUT (not the collective timeout), their barrier raises, and the
+    # error of the worker after hA-2 on the ring, which names it, is in the launcher's line.
+    p = launch("--np", "3", "--host", "hA", LW_STEPS="6", LW_SKIP_BARRIER="hA-2:6", ELASTIC_AFTER_RUN_TIMEOUT="2")
+    assert p.wait(90) == 1, p.text()
+    line = last_line(p)
+    assert re.search(r"worker hA-2 \(rank \d\) did not arrive at barrier within 2 s \(ELASTIC_AFTER_RUN_TIMEOUT\)",
+                     line), p.text()
+    assert line.startswith("elastic-run: error: worker hA-") and "exited with status 1 after job default completed" \
+        in line, p.text()
+    # It comes late, after the others' barrier failed: its own collective fails too, never runs.
+    assert re.search(r"\[hA-2\] collective after run: \w+Error", p.text()), p.text()
+    p.wait_no_leftovers()
+
+
 def test_after_run_returns_every_worker_has_its_result_its_last_world_and_ring_until_shutdown(launch):
     p = launch("--np", "2", "--host", "hA", LW_STEPS="6")
     assert p.wait(60) == 0, p.text()

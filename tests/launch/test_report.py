@@ -241,9 +241,27 @@ def test_a_worker_exiting_non_zero_after_the_job_completed_fails_the_launcher_na
     assert ended(WorkerEnd("a", 0, 0), WorkerEnd("b", 1, 3)) == "worker b (rank 1) exited with status 3 after job job completed"
 
 
-def test_the_first_worker_that_failed_is_named_with_its_error_line():
+def test_the_first_worker_that_failed_is_named_with_its_error_line_then_the_others():
     assert ended(WorkerEnd("a", None, 1, error="RuntimeError: boom"), WorkerEnd("b", 1, 3)) == (
-        "worker a exited with status 1 after job job completed: RuntimeError: boom")
+        "worker a exited with status 1 after job job completed: RuntimeError: boom; "
+        "also worker b (rank 1) exited with status 3 after job job completed")
+
+
+def test_after_a_skipped_final_barrier_the_line_carries_the_error_that_names_the_member():
+    # The honest worker that exited first was told of a failure further on; the one after the
+    # member on the ring names it; the member itself slept past the launcher's wait.
+    line = ended(WorkerEnd("w0", 1, 1, error="WorkerLostError: barrier on the ring kept after the run failed: ..."),
+                 WorkerEnd("w1", 0, 1, error="WorkerLostError: worker s (rank 2) did not arrive at barrier"),
+                 WorkerEnd("s", 2, None))
+    assert line == ("worker w0 (rank 1) exited with status 1 after job job completed: WorkerLostError: barrier on "
+                    "the ring kept after the run failed: ...; also worker w1 (rank 0) exited with status 1 after "
+                    "job job completed: WorkerLostError: worker s (rank 2) did not arrive at barrier; also worker s "
+                    "(rank 2) was still running 30 s after job job completed (stopped)")
+
+
+def test_past_the_workers_shown_the_others_are_counted():
+    line = ended(*(WorkerEnd(f"w{i}", i, 1) for i in range(6)))
+    assert line.count("; also ") == 3 and line.endswith("; and 2 more") and "w4" not in line, line
 
 
 def test_a_signal_after_the_job_completed_is_a_failure_too():

@@ -8,6 +8,8 @@ Knobs (environment): LW_OUT directory for pid-<worker>.txt; LW_STEPS steps (defa
 LW_SLEEP seconds per step (0.05); LW_RAISE_AT raise ValueError at this step on every rank;
 LW_RAISE_AFTER_RUN=WORKER that worker raises RuntimeError after the job completed;
 LW_EXIT_AFTER_RUN=WORKER:CODE that worker exits with CODE after the job completed;
+LW_SKIP_BARRIER=WORKER:SECONDS after the run every worker calls elastic.barrier() on the kept ring
+but that worker, which sleeps SECONDS instead (a member that skips the script's final barrier);
 LW_RAISE_ON=WORKER:SIZE that worker raises ValueError at its first step in a world of SIZE;
 LW_PAUSE=RANK:STEP:SECONDS the worker of that rank works alone for SECONDS after STEP (once);
 LW_PRINT_ENV=1 prints torchrun's variables at start ("env ...") and at the first step of each
@@ -111,6 +113,11 @@ result = train(state)
 print("done", flush=True)
 print(f"result {result}", flush=True)
 print(f"after rank {elastic.rank()} size {elastic.size()} version {elastic.world_version()}", flush=True)
+skipper, _, skip_s = os.environ.get("LW_SKIP_BARRIER", "").partition(":")
+if skipper == WORKER:
+    time.sleep(float(skip_s))
+elif skipper:
+    elastic.barrier()   # raises when a member never comes, as torch's barrier does on its timeout
 try:
     total = elastic.allreduce(np.ones(1, dtype=np.float32), op=elastic.Sum)   # on the last world's ring
     print(f"collective after run: {float(total[0]):g}", flush=True)
