@@ -7,7 +7,9 @@ its text: messages may quote what a peer sent, and a peer must not steer a worke
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Optional
 
 from rendezvous.wire.membership import Blame
 
@@ -31,10 +33,23 @@ def _locate(err: Exception, kind: ErrorKind, op: str, world_version: int, rank: 
     err.peer_rank = peer if kind in _BLAMES_PEER and peer >= 0 else None
 
 
+@dataclasses.dataclass(frozen=True)
+class FailedCall:
+    """The collective a ring error came from, as this rank called it: its sequence number on
+    the communicator, ``tag`` (what it is: kind, dtype, op, size; equal on every rank that called
+    the same collective) and its description ("allreduce #7 (float32, 1000 elements, sum)")."""
+
+    seq: int
+    tag: int
+    describe: str
+
+
 class ElasticError(Exception):
-    """Base class of every elastic-ring error."""
+    """Base class of every elastic-ring error. ``call``: the collective it came from
+    (``FailedCall``), when the core raised it in one; None otherwise."""
 
     __module__ = "elastic"   # its public name, whatever module defines it
+    call: Optional[FailedCall] = None
 
 
 class WorkerLostError(ElasticError):
@@ -112,19 +127,35 @@ class SettingsMismatchError(ElasticError):
 
 
 class CollectiveMismatchError(ElasticError):
-    """Ranks called different collectives (or with different sizes): a bug in the program."""
+    """Ranks called different collectives (or with different sizes).
+
+    Raised first by a collective (``peer``: the rank whose segment did not match); ``elastic.run``
+    then forms the world again and its members compare what they called
+    (``elastic.runtime.divergence``). Raised again with ``decided`` True, it ends the worker:
+    ``outvoted``, this rank called another collective than the majority of its world (which goes
+    on without it); otherwise no call was the majority's (a bug in the program)."""
 
     __module__ = "elastic"   # its public name, whatever module defines it
 
-    def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1, peer: int = -1):
+    def __init__(self, message: str, *, op: str = "", world_version: int = -1, rank: int = -1, peer: int = -1,
+                 decided: bool = False, outvoted: bool = False):
         super().__init__(message)
         _locate(self, ErrorKind.Mismatch, op, world_version, rank, peer)
+        self.decided = decided
+        self.outvoted = outvoted
 
 
 def from_native(failure: RingFailure) -> Exception:
     """The exception a caller sees for the core's ``RingFailure``, chosen by its kind alone."""
-    kind, message, op, world_version, rank, peer = failure.args
-    where = dict(world_version=world_version, rank=rank, peer=peer)
+    kind, message, op, world_version, rank, peer = failure.args[:6]
+    call = failure.args[6] if len(failure.args) > 6 else None
+    err = _of_kind(kind, message, op, dict(world_version=world_version, rank=rank, peer=peer))
+    if call is not None and isinstance(err, ElasticError):
+        err.call = FailedCall(int(call[0]), int(call[1]), str(call[2]))
+    return err
+
+
+def _of_kind(kind: ErrorKind, message: str, op: str, where: dict) -> Exception:
     if kind in (ErrorKind.Unreachable, ErrorKind.BadPeer):
         return BadPeerError(message, op=op, kind=kind, **where)
     if kind in (ErrorKind.PeerLost, ErrorKind.Timeout, ErrorKind.Aborted, ErrorKind.Propagated):
@@ -139,5 +170,5 @@ def from_native(failure: RingFailure) -> Exception:
         return ValueError(message)
     # A kind this module does not know yet: still an ElasticError, never a crash in the translator.
     err = ElasticError(message)
-    _locate(err, kind, op, world_version, rank, peer)
+    _locate(err, kind, op, where["world_version"], where["rank"], where["peer"])
     return err

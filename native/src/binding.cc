@@ -155,12 +155,13 @@ NB_MODULE(_native, m) {
 #undef ERING_KIND_BINDING
 
   // A failed ring operation reaches Python as RingFailure(kind, message, op, world_version,
-  // rank, peer); elastic.ring.errors makes the exception the caller sees of it. The core imports
+  // rank, peer, call), call being (seq, tag, description) of the collective that failed or
+  // None; elastic.ring.errors makes the exception the caller sees of it. The core imports
   // no Python module: what a failure means to the runtime is decided there, on its kind.
   // A plain pointer, never released: a static nb::object would be destroyed after the interpreter.
   static PyObject* ring_failure = PyErr_NewExceptionWithDoc(
       "elastic.ring._native.RingFailure",
-      "A ring operation failed: args are (kind, message, op, world_version, rank, peer).", nullptr, nullptr);
+      "A ring operation failed: args are (kind, message, op, world_version, rank, peer, call).", nullptr, nullptr);
   m.attr("RingFailure") = nb::borrow(ring_failure);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -171,8 +172,10 @@ NB_MODULE(_native, m) {
         return;
       }
       try {
+        nb::object call = e.call_seq < 0 ? nb::none()
+                                         : nb::object(nb::make_tuple(e.call_seq, e.call_tag, nb::str(e.call.c_str())));
         nb::object failure = nb::handle(ring_failure)(nb::cast(e.kind), nb::str(e.what()), nb::str(e.op.c_str()),
-                                                      e.world_version, e.rank, e.peer);
+                                                      e.world_version, e.rank, e.peer, call);
         PyErr_SetObject(ring_failure, failure.ptr());
       } catch (nb::python_error& pe) {
         pe.restore();

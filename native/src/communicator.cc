@@ -262,8 +262,10 @@ void Communicator::check_usable(const char* name) {
 
 OpInfo Communicator::make_op(const char* name, uint32_t tag, std::string describe) {
   uint32_t seq = seq_++;
-  return OpInfo{name, seq, tag, std::string(name) + " #" + std::to_string(seq) + " (" + describe + ")",
-                Clock::now() + seconds(cfg_.timeout), cfg_.timeout};
+  OpInfo info{name, seq, tag, std::string(name) + " #" + std::to_string(seq) + " (" + describe + ")",
+              Clock::now() + seconds(cfg_.timeout), cfg_.timeout};
+  info.call_tag = tag;
+  return info;
 }
 
 template <class F>
@@ -284,9 +286,14 @@ void Communicator::guarded(const char* name, F&& body) {
     failed_.store(true);
     std::lock_guard<std::mutex> g(err_mu_);
     shutdown_links_locked();  // every ring: a neighbour blocked in any phase wakes at once
-    if (err.kind == ErrorKind::Aborted && !abort_reason_.empty())
-      err = CommError(err.kind, std::string(err.what()) + " (" + abort_reason_ + ")", err.op, err.world_version,
-                      err.rank, err.peer);
+    if (err.kind == ErrorKind::Aborted && !abort_reason_.empty()) {
+      CommError with_reason(err.kind, std::string(err.what()) + " (" + abort_reason_ + ")", err.op,
+                            err.world_version, err.rank, err.peer);
+      with_reason.call_seq = err.call_seq;
+      with_reason.call_tag = err.call_tag;
+      with_reason.call = err.call;
+      err = with_reason;
+    }
     if (!first_error_) first_error_ = std::make_unique<CommError>(err);
     throw err;
   }
@@ -470,6 +477,7 @@ void Communicator::shift(const void* send, size_t send_bytes, void* recv, size_t
                                                                 std::to_string(recv_bytes) + " from rank " +
                                                                 std::to_string((rank_ + size() - 1) % size()));
     info.recv_tag = op_tag({7, recv_bytes});
+    info.call_tag = op_tag({7});   // each link has its own size: the call is "a shift"
     ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
                    cfg_.segment_bytes);
     links_->run(plan, info);
@@ -488,6 +496,7 @@ void Communicator::shift_back(const void* send, size_t send_bytes, void* recv, s
                                                                      ", " + std::to_string(recv_bytes) + " from rank " +
                                                                      std::to_string((rank_ + 1) % size()));
     info.recv_tag = op_tag({8, recv_bytes});
+    info.call_tag = op_tag({8});
     Links& ring = reverse_ring(info);
     ShiftPlan plan(static_cast<const char*>(send), send_bytes, static_cast<char*>(recv), recv_bytes,
                    cfg_.segment_bytes);

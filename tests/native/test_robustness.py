@@ -269,3 +269,27 @@ def _allgather_sizes_that_wrap(comm):
 def test_allgather_sizes_that_add_up_past_2_64_are_refused_before_any_copy():
     with World(2, _allgather_sizes_that_wrap) as w:
         assert w.results(timeout=30) == ["refused", None]
+
+
+def _mismatched_calls(comm):
+    """Ranks 0 and 2 allreduce 2000 floats, rank 1 1000 (after a barrier); each returns
+    what its error says it called."""
+    comm.barrier()
+    n = 1000 if comm.rank == 1 else 2000
+    try:
+        comm.allreduce_(np.ones(n, dtype=np.float32), elastic.Sum)
+    except elastic.ElasticError as e:
+        return type(e).__name__, None if e.call is None else (e.call.seq, e.call.tag, e.call.describe)
+    return "ok", None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_rank_of_a_mismatch_says_which_collective_it_called(transport):
+    # What the world compares after a mismatch (elastic.runtime.divergence): the same sequence
+    # number everywhere, the same tag where the same collective was called, another where not.
+    results = run(3, _mismatched_calls, config=elastic.CommConfig(small_bytes=0), transport=transport)
+    assert "CollectiveMismatchError" in [kind for kind, _ in results], results
+    calls = [call for _, call in results]
+    assert None not in calls and len({call[0] for call in calls}) == 1, results
+    assert calls[0][1] == calls[2][1] != calls[1][1], results
+    assert "2000 elements" in calls[0][2] and "1000 elements" in calls[1][2], results

@@ -66,6 +66,11 @@ class CommError : public std::runtime_error {
   int64_t world_version;
   int rank;
   int peer;
+  // The collective that failed, when the failure came from one: its sequence number on this
+  // communicator, what it is (OpInfo::call_tag) and its description; call_seq -1: none.
+  int64_t call_seq = -1;
+  uint32_t call_tag = 0;
+  std::string call;
 };
 
 // The error of a failed form() of world version `world_version` on `rank`, blaming `peer`

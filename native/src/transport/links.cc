@@ -103,7 +103,11 @@ bool take_poison_at_mark(int fd) {
 void link_failure(const LinkContext& ctx, ErrorKind kind, const OpInfo& op, int peer, const std::string& what) {
   std::string msg = op.describe + " failed at world version " + std::to_string(ctx.world_version) + " on rank " +
                     std::to_string(ctx.rank) + ": " + what;
-  throw CommError(kind, msg, op.name, int64_t(ctx.world_version), ctx.rank, peer);
+  CommError err(kind, msg, op.name, int64_t(ctx.world_version), ctx.rank, peer);
+  err.call_seq = int64_t(op.seq);
+  err.call_tag = op.call_tag;
+  err.call = op.describe;
+  throw err;
 }
 
 std::string segment_mismatch(uint32_t seq, uint32_t tag, uint64_t index, uint64_t bytes, const OpInfo& op,

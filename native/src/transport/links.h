@@ -67,6 +67,10 @@ struct OpInfo {
   // sends (a shift names each link's size in its tags, so a receiver expecting another size
   // fails at the first segment instead of taking a prefix); -1: `tag`.
   int64_t recv_tag = -1;
+  // What the collective is, the same on every rank that called the same one: `tag` of the
+  // call, before a phase or a link's size changes it (a shift's sizes differ by rank). A rank
+  // reports it when the collective failed, so the world can tell who called another one.
+  uint32_t call_tag = 0;
 };
 
 struct LinkContext {
