@@ -16,7 +16,7 @@ import enum
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 from rendezvous.client.watch_events import Ended, WorldInfo
 from rendezvous.client.worker_client import RendezvousClient
@@ -45,9 +45,6 @@ log = logging.getLogger("elastic")
 CLAIM_GRACE_S = 5.0
 # A rank that said it leaves has called the rendezvous Leave within this long, or it is reported.
 LEAVE_GRACE_S = 5.0
-# A collective mismatch waits this long for the server to say a member left the world (its
-# function returned while this one trained on); without that, it is a bug and ends the worker.
-MISMATCH_GRACE_S = 5.0
 # After the world's return check, how long a worker waits for the server to say the job
 # completed (every member reported) before it ends anyway.
 FINISH_WAIT_S = 30.0
@@ -255,11 +252,6 @@ class JobSession(Session):
             return ""
         member = world.peer(peer)   # its view names its rings' neighbours only
         return f"worker {member.worker_id} (rank {peer}): " if member is not None else f"rank {peer}: "
-
-    def _world_moved_on(self, world_version: int, grace_s: float) -> bool:
-        """Whether the server announces, within ``grace_s``, that world ``world_version`` ends."""
-        with self._cond:
-            return self._cond.wait_for(lambda: reaction.world_moved_on(self._view, world_version), grace_s)
 
     def depart(self) -> LeftJob:
         """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
@@ -491,24 +483,30 @@ class JobSession(Session):
         world_env.publish(world.rank, world.size)
         return comm
 
-    def report_failure(self, err: WorkerLostError) -> None:
+    def report_failure(self, err: Union[WorkerLostError, CollectiveMismatchError]) -> None:
         """Tells the server which peer broke, so it checks that peer at once instead of at its timeout.
 
         A ``BadPeerError`` is an accusation (its ``blame``: an unusable address, an impossible
         row, a divergence): the server evicts that peer even though it is alive once the
-        majority of the world accused it too, since such a member can never be in a ring."""
+        majority of the world accused it too, since such a member can never be in a ring. A
+        collective mismatch reports its sender as failed: the probe finds it alive and the
+        world is formed again, where its members compare what they called."""
         world = self.world
         # No peer to blame: aborted (the server already knows) or propagated (the neighbour is
         # alive, the failed rank is further on and its own neighbour reports it).
-        peer = None if world is None or err.peer_rank is None else world.peer(err.peer_rank)
-        # A rank outside its view (no neighbour of its rings) or itself: nobody for it to name.
-        if peer is None or err.world_version != world.world_version or err.peer_rank == world.rank:
+        rank = err.peer if isinstance(err, CollectiveMismatchError) and err.peer >= 0 else err.peer_rank
+        if world is None or rank is None or err.world_version != world.world_version or rank == world.rank \
+                or not 0 <= rank < world.size:
             return
-        suspect = peer.worker_id
+        # A rank outside this worker's view (no neighbour of its rings) is named by its rank:
+        # the server maps the rank of that world to its member.
+        peer = world.peer(rank)
+        suspect = peer.worker_id if peer is not None else f"rank {rank}"
         try:
-            evicted = self.client.report_failure(suspect, world.world_version, reason=str(err)[:1000],
-                                                 timed_out=err.kind == ErrorKind.Timeout,
-                                                 blame=err.blame if isinstance(err, BadPeerError) else Blame.NONE)
+            evicted = self.client.report_failure(peer.worker_id if peer is not None else "", world.world_version,
+                                                 reason=str(err)[:1000], timed_out=err.kind == ErrorKind.Timeout,
+                                                 blame=err.blame if isinstance(err, BadPeerError) else Blame.NONE,
+                                                 suspect_rank=None if peer is not None else rank)
             # Not evicted by this report: gone already (its stream broke first: a SIGKILL), or alive.
             log.info("reported %s (world %d): %s", suspect, world.world_version,
                      "evicted" if evicted else "not evicted by this report (gone already, or it proved alive)")
@@ -554,13 +552,16 @@ class JobSession(Session):
                     return result
                 except (WorkerLostError, HandshakeError, MembershipChanged, CollectiveMismatchError) as e:
                     ring_world_version = self.world.world_version if self.world is not None else 0
+                    self.record_failure(e, ring_world_version)
                     if isinstance(e, CollectiveMismatchError):
-                        plan = reaction.after_mismatch(e, ring_world_version, state.live_state_usable(),
-                                                       self._world_moved_on(e.world_version, MISMATCH_GRACE_S))
+                        with self._cond:
+                            moved_on = reaction.world_moved_on(self._view, e.world_version)
+                        plan = reaction.after_mismatch(e, ring_world_version, state.live_state_usable(), moved_on)
                         if plan is None:
                             raise
-                        log.warning("%s; world version %d ended meanwhile (a member left): re-forming without it",
-                                    e, e.world_version)
+                        log.warning("%s; %s", e, f"world version {e.world_version} ended meanwhile (a member left): "
+                                    "re-forming without it" if moved_on else "the world is formed again and its "
+                                    "members compare what they called")
                     else:
                         plan = reaction.after_error(e, ring_world_version, state.live_state_usable())
                     min_version, restored = plan.min_version, self.recover(e, plan, state)
@@ -577,7 +578,7 @@ class JobSession(Session):
         except LeftJob:
             ending = Ending.CLOSED   # left: depart() told the server
             raise
-        except SettingsMismatchError as e:
+        except (SettingsMismatchError, CollectiveMismatchError) as e:
             if e.outvoted:   # no graceful leave: the majority's reports evict it, and that counts against its host
                 ending = Ending.CLOSED
             raise
@@ -593,6 +594,7 @@ class JobSession(Session):
     def _form_next(self, min_version: int, restored: bool) -> None:
         started, previous = time.monotonic(), self.world
         self.form(self.next_world(min_version))
+        self.check_divergence(self.ring("the comparison of the last ring's failure"))
         log.info("worker %s is rank %d of %d in world version %d (formed in %.3f s)", self.config.worker_id,
                  self.world.rank, self.world.size, self.world.world_version, time.monotonic() - started)
         change = WorldChange(previous, self.world, restored)

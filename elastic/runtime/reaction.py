@@ -27,11 +27,13 @@ And what the session's loop does after an error (``after_error``), when it forms
 * A neighbour at another world version (``HandshakeError``): ours is stale; restore (or keep the
   live state), and take a world newer than the one held. Nothing to report: the neighbour is alive.
 * A clean join or leave (``MembershipChanged``): keep the state, take a world newer than the one held.
-* Ranks calling different collectives (``CollectiveMismatchError``) is a bug in the program, and
-  ends the worker (``after_mismatch`` gives None), unless the server announced meanwhile that the
-  world ends (``world_moved_on``): a member left it, its function having returned while this one
-  trained on, and its last collective (the return check) met this rank's. Then the world
-  re-forms without it as after a failure; nothing to report: the server knows.
+* Ranks calling different collectives (``CollectiveMismatchError``): restore (or keep the live
+  state) as after a failure, and report the rank whose segment did not match as failed, so the
+  world is formed again; its members then compare what they called first
+  (``elastic.runtime.divergence``). Nothing to report when the server announced meanwhile that the
+  world ends (``world_moved_on``: a member left it, its function having returned while this one
+  trained on, and its return check met this rank's collective). The comparison's own verdict
+  (``decided``: this rank is outvoted, or no call is the majority's) ends the worker (None).
 """
 
 from __future__ import annotations
@@ -203,9 +205,10 @@ def world_moved_on(view: View, world_version: int) -> bool:
 
 def after_mismatch(error: CollectiveMismatchError, ring_world_version: int, live_state_usable: bool,
                    moved_on: bool) -> Optional[Recovery]:
-    """The plan for a collective mismatch in world ``error.world_version``: None (a bug in the
-    program: it ends the worker) unless the server announced that world ends (``moved_on``)."""
-    if not moved_on:
+    """The plan for a collective mismatch in world ``error.world_version``: None for the world's
+    verdict on it (``error.decided``: it ends the worker); else re-form as after a failure,
+    reporting the sender unless the server announced that world ends (``moved_on``)."""
+    if error.decided:
         return None
     failed = StateAction.KEEP_LIVE if live_state_usable else StateAction.RESTORE
-    return Recovery(max(error.world_version, ring_world_version) + 1, failed, report=False, stale=False)
+    return Recovery(max(error.world_version, ring_world_version) + 1, failed, report=not moved_on, stale=False)

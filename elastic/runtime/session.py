@@ -9,7 +9,8 @@ here.
 
 The step protocol (``JobSession.run``, what ``elastic.run`` runs)::
 
-    join -> form the ring of the next world -> [world_changed] -> reset callbacks -> sync -> func(state)
+    join -> form the ring of the next world -> compare what the last ring failed in (``elastic.runtime.
+    divergence``) -> [world_changed] -> reset callbacks -> sync -> func(state)
     func calls state.commit(): snapshot (+ durable write, rank 0, every n-th) -> [committed]
                                -> membership check (one collective every rank agrees on)
     an error ends func, a form or a sync; ``reaction.after_error`` plans what comes next and
@@ -18,6 +19,9 @@ The step protocol (``JobSession.run``, what ``elastic.run`` runs)::
       a stale neighbour (HandshakeError)     : restore, next world
         (both keep the live state instead where the State can: ``State.live_state_usable``; the sync
         then takes the most advanced rank's, so survivors that stood at different steps agree)
+      different collectives (CollectiveMismatchError): restore, report the sender, next world, whose
+        first collective compares what every rank called: the majority blames the odd rank (none:
+        every rank ends)
       a clean join/leave (MembershipChanged) : keep the state, next world (at a commit every rank agrees on)
       asked to leave (SIGTERM, SIGINT, request_leave): leave at the next commit, raise LeftJob
     sync: [before_sync] -> the most advanced rank's state to everyone (``elastic.state.sync``)
@@ -63,9 +67,9 @@ from rendezvous.client.watch_events import WorldInfo
 from rendezvous.wire.membership import Blame
 
 from elastic.ring.communicator import Communicator
-from elastic.ring.errors import BadPeerError, ErrorKind, WorkerLostError
+from elastic.ring.errors import BadPeerError, CollectiveMismatchError, ErrorKind, WorkerLostError
 from elastic.ring.wait_clock import WaitClock
-from elastic.runtime import boundary, straggler_detector
+from elastic.runtime import boundary, divergence, straggler_detector
 from elastic.runtime.completions import Completions
 from elastic.runtime.errors import LeftJob, MembershipChanged, RendezvousError
 from elastic.runtime.commit_watch import CommitWatch
@@ -97,6 +101,8 @@ class Session:
         # Warns (rank 0) when training goes long without a commit; JobSession sets its limits.
         self.commit_watch = CommitWatch(warn=self._warn_on_rank_0)
         self.stepped_world = 0                      # the newest world it trained in (note_progress)
+        # What this rank's last ring failed in, compared in the next world (record_failure).
+        self.failed_record: Optional[divergence.Record] = None
 
     # ------------------------------------------------------------------ where this worker is
     def ring(self, what: str = "") -> Communicator:
@@ -245,6 +251,36 @@ class Session:
             raise _impossible_row(comm, check.blamed)
         _farewell(comm)
         return False
+
+    def record_failure(self, error: BaseException, ring_world_version: int) -> None:
+        """Keeps what the ring of ``ring_world_version`` failed in on this rank (the collective,
+        or none: it was computing), for the next world's comparison (``elastic.runtime.divergence``).
+        A failure to form, or of the comparison itself, keeps the record there is."""
+        if isinstance(error, (WorkerLostError, CollectiveMismatchError)) and ring_world_version > 0 \
+                and error.world_version == ring_world_version and error.op not in ("form", divergence.OP) \
+                and not getattr(error, "decided", False):
+            self.failed_record = divergence.Record(ring_world_version, isinstance(error, CollectiveMismatchError),
+                                                   error.call)
+
+    def name_rank(self, rank: int) -> str:
+        """``worker W (rank R)`` for rank ``rank`` of this worker's world; ``rank R`` outside its view."""
+        member = self.world.peer(rank) if self.world is not None else None
+        return f"worker {member.worker_id} (rank {rank})" if member is not None else f"rank {rank}"
+
+    def check_divergence(self, comm: Communicator) -> None:
+        """The first collective of every world ``elastic.run`` forms, before its layers see it:
+        every rank's record of what its last ring failed in, compared (``elastic.runtime.
+        divergence``). Raises the verdict's error when a rank diverged or no call is the
+        majority's; the records stay until a comparison finds nothing."""
+        record, self.failed_record = self.failed_record, None
+        if comm.size == 1:
+            return
+        rows = comm.allgather_equal(divergence.encode(record))
+        verdict = divergence.judge([divergence.decode(row) for row in rows])
+        if isinstance(verdict, divergence.Nothing):
+            return
+        self.failed_record = record
+        raise divergence.verdict_error(verdict, comm.rank, comm.world_version, self.name_rank)
 
     def sync(self, state: Any) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""

@@ -44,6 +44,9 @@ proves the sample accounting. Knobs (environment):
   JOB_FINAL_BARRIER "WORKER:SECONDS": after the run every worker calls dist.barrier() on the ring
                  kept after it, as a torchrun script ends, but that worker, which sleeps
                  SECONDS instead and exits 0 (a member that skips the final barrier)
+  JOB_DIVERGE    "WORKER[,WORKER...]:STEP": those workers, once, at their first step numbered STEP
+                 or later, allreduce their per-sample count one element longer than the others
+                 (a rank with a data-dependent branch calling another collective)
   JOB_SEEN_AFTER_STEP 1: the per-sample count is allreduced after opt.step() rather than before
                  it (a collective between a step and its sampler record: a failure there cannot
                  keep the live state)
@@ -91,6 +94,8 @@ LR = 0.1  # with momentum 0.5 the job converges (loss ~1e-5) at every world size
 STALL = os.environ.get("JOB_STALL", "::").split(":")
 KILL_AT = os.environ.get("JOB_KILL_AT", "::").split(":")
 SEEN_AFTER_STEP = os.environ.get("JOB_SEEN_AFTER_STEP") == "1"
+DIVERGE = os.environ.get("JOB_DIVERGE", ":").split(":")
+diverged = {"done": False}
 LEAVE_AT = os.environ.get("JOB_LEAVE_AT", ":").split(":")
 RETURN_AT = os.environ.get("JOB_RETURN_AT", ":").split(":")
 FORK_CHILD = os.environ.get("JOB_FORK_CHILD", ":").split(":")
@@ -375,6 +380,10 @@ def train(state):
             torch.nn.functional.mse_loss(model(x), y).backward()
             onehot = torch.zeros(SAMPLES, dtype=torch.float64)
             onehot[idx] = 1
+            if WORKER in DIVERGE[0].split(",") and state.step >= int(DIVERGE[1]) and not diverged["done"]:
+                diverged["done"] = True
+                event("diverge", step=state.step, v=elastic.world_version())
+                elastic.allreduce(torch.cat([onehot, onehot[:1]]), elastic.Sum)   # fails: the others call 240
             if not SEEN_AFTER_STEP:
                 model.seen += elastic.allreduce(onehot, elastic.Sum)
             opt.step()

@@ -196,3 +196,53 @@ def test_a_member_that_skips_the_final_barrier_is_named_and_the_others_are_relea
     assert checkpoint.read_latest(str(ckpt))[0] == results[0]["commit_step"], "the last commit is on disk"
     (finished,) = [e for e in server_events(events_server) if e.get("event") == "job_finished"]
     assert finished["outcome"] == "succeeded", finished
+
+
+def test_a_member_calling_another_collective_once_in_a_world_of_three_is_evicted_by_the_majority(tmp_path,
+                                                                                                 events_server):
+    # "odd" allreduces one element more than the others, once (a data-dependent branch). The ring
+    # fails on every rank; the world forms again and its sync compares what each rank called: w0
+    # and w1 called the same and blame it (DIVERGED), it ends outvoted, they train on as two.
+    job = Job(tmp_path, events_server.address, min_np=2, max_np=3, JOB_STEP_SLEEP="0.1", JOB_SAMPLES="480",
+              JOB_DIVERGE="odd:20")
+    try:
+        for w in HONEST:
+            job.start(w)
+        job.wait_step(3, HONEST)
+        job.start("odd", ELASTIC_HOST="oddhost")
+        codes = job.wait(HONEST + ["odd"], timeout=240)
+        assert codes["w0"] == codes["w1"] == 0 and codes["odd"] != 0, codes
+        results = [job.result(w) for w in HONEST]
+        check_identical(results)
+        check_accounting(results, max_repartitions=2 * (EPOCHS + 2))
+        assert all(r["final_size"] == 2 and r["epochs"] == EPOCHS for r in results)
+        logs = job.log("w0") + job.log("w1")
+        assert "the world is formed again and its members compare what they called" in logs, logs
+        assert "called allreduce #" in logs and "(float64, 481 elements, sum) where the majority of the world " \
+               "called allreduce #" in logs, logs
+        odd = job.log("odd")
+        assert "it differs from the majority of the world and leaves it" in odd, odd
+        assert "Traceback" not in logs and "ElasticTimeout" not in logs, logs
+    finally:
+        job.close()
+    # Evicted by the majority's reports, or, as it ends at once, for its stream (both count against its host).
+    evicted = evictions(events_server, "odd")
+    assert evicted and evicted[0]["cause"] in ("diverged", "stream_broken"), server_events(events_server)
+    assert not evictions(events_server, "w0") and not evictions(events_server, "w1")
+
+
+def test_two_members_calling_different_collectives_have_no_majority_and_both_stop_naming_each_call(
+        tmp_path, events_server):
+    job = Job(tmp_path, events_server.address, min_np=2, max_np=2, JOB_STEP_SLEEP="0.05", JOB_DIVERGE="w1:6")
+    try:
+        for w in HONEST:
+            job.start(w)
+        codes = job.wait(HONEST, timeout=120)
+        assert codes["w0"] != 0 and codes["w1"] != 0, codes
+        for w in HONEST:
+            said = [line for line in job.log(w).splitlines() if "no call is the majority's" in line]
+            assert said, job.log(w)
+            assert "(float64, 240 elements, sum)" in said[-1] and "(float64, 241 elements, sum)" in said[-1], said
+            assert "rank 0" in said[-1] and "rank 1" in said[-1], said
+    finally:
+        job.close()

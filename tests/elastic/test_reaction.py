@@ -213,5 +213,15 @@ def test_a_mismatch_the_server_explains_re_forms_the_world_like_a_failure_withou
     assert after_mismatch(MISMATCH, 4, usable, moved_on=True) == Recovery(5, action, report=False, stale=False)
 
 
-def test_a_mismatch_nobody_left_over_is_a_bug_that_ends_the_worker():
-    assert after_mismatch(MISMATCH, 4, True, moved_on=False) is None
+@pytest.mark.parametrize("usable, action", [(True, StateAction.KEEP_LIVE), (False, StateAction.RESTORE)])
+def test_a_mismatch_nobody_left_over_re_forms_the_world_and_reports_the_sender(usable, action):
+    # Its members compare what they called at the next sync (elastic.runtime.divergence).
+    assert after_mismatch(MISMATCH, 4, usable, moved_on=False) == Recovery(5, action, report=True, stale=False)
+
+
+@pytest.mark.parametrize("outvoted", [True, False])
+def test_the_worlds_verdict_on_a_mismatch_ends_the_worker(outvoted):
+    decided = CollectiveMismatchError("verdict", op="check_divergence", world_version=5, decided=True,
+                                      outvoted=outvoted)
+    assert after_mismatch(decided, 5, True, moved_on=False) is None
+    assert after_mismatch(decided, 5, True, moved_on=True) is None
