@@ -1,10 +1,9 @@
 """The membership decision of one job: a pure function `decide(state, event, now) -> (state, actions)`.
 
-No sockets, threads, clocks or I/O live here: the server feeds events (joins, leaves, evictions, ticks)
-with the current wall-clock time and carries out the returned actions (persist, then announce). That
-keeps every membership rule testable as a table (tests/rendezvous/test_decision.py) and makes the state
-a plain value that round-trips through etcd as JSON (job_json.py), so a restarted server or another replica continues
-exactly where the last one stopped.
+No sockets, threads, clocks or I/O here: the server feeds events (joins, leaves, evictions, ticks) with
+the wall-clock time and carries out the actions returned (persist, then announce). Every rule is a table
+test (tests/rendezvous/test_decision.py); the state round-trips through etcd as JSON (job_json.py), so
+a restarted server or another replica continues exactly where the last one stopped.
 
 Rules:
 * A world forms once at least `min_np` workers are registered and no change arrived for `settle_s`
@@ -22,8 +21,8 @@ Rules:
 * Hosts failing `blacklist_after` times are refused for a cooldown that doubles on each blacklisting,
   capped at `cooldown_max_s` (like horovodrun's --blacklist-cooldown-range). A worker already waiting
   on such a host is promoted when the cooldown ends (the deadline includes the expiry).
-* A straggler's leave (a clean leave, `Leave.straggler`) puts its host in that cooldown at once: the
-  host is slow, and nothing of it should take the straggler's place (`blacklist_after` 0: never).
+* A straggler's leave (`Leave.straggler`, clean) puts its host in that cooldown at once: the host
+  is slow, nothing of it should take the straggler's place (`blacklist_after` 0: never).
 * Only eligible workers count towards `min_np` and enter a new world: survivors of the current world,
   and newcomers that opened their Watch stream (`attached`) on a host that is not blacklisted.
 * Below `min_np` the job waits up to its elastic timeout, then fails with a reason.
@@ -227,6 +226,7 @@ class Departure(str, enum.Enum):
     UNUSABLE_ADDRESS = "UNUSABLE_ADDRESS"  # a majority found its ring address leads nowhere (or what it sent unusable)
     BLAMED = "BLAMED"                      # a majority found what it said impossible or false
     DIVERGED = "DIVERGED"                  # a majority found it ran other collectives or ring settings
+    DISPUTED = "DISPUTED"                  # it and one other member accused across their link alone
     REJOINED = "REJOINED"                  # it joined again: the old session is replaced
     FAILED = "FAILED"                      # any other failure
 
@@ -247,6 +247,7 @@ _EVICTION_LABELS: dict[Departure, Optional[str]] = {
     Departure.UNUSABLE_ADDRESS: "unusable_address",  # the majority's reports: its ring address is dead
     Departure.BLAMED: "blamed",                     # the majority's reports: it said impossible things
     Departure.DIVERGED: "diverged",                 # the majority's reports: it diverged from them
+    Departure.DISPUTED: "dispute",                  # a link's two ends disagree; nobody else can tell
     Departure.REJOINED: "session_replaced",         # joined again: its old session ended
     Departure.FAILED: "other",
 }

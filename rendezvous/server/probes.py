@@ -81,6 +81,9 @@ class FailureReports:
                 if isinstance(verdict, v.Evict):
                     seq = self._evict(job, suspect, verdict.reason, count_failure=verdict.count_failure,
                                       cause=verdict.cause)
+                    if verdict.reporter_too:
+                        seq = self._evict(job, report.reporter, verdict.reason, count_failure=verdict.count_failure,
+                                          cause=verdict.cause)
                     await self._wait_durable(job, seq)
                     return pb.ReportFailureResponse(evicted=True, detail=verdict.detail)
                 if isinstance(verdict, v.RingBroken):

@@ -24,9 +24,14 @@ alive: an accusation needs a majority. The rules, in the order they apply:
   since leadership began to reattach. Its silence says nothing before that.
 * A suspect without a stream is evicted. It counts against its host unless it never reattached
   after a leader change (the server's doing as much as the host's).
-* An accusation no majority joins within twice the heartbeat timeout evicts nobody. A claim the
-  server could not see (a false pending change or leave) is then dismissed: the accuser goes on
-  training; any other leaves the accuser's ring broken, so the world is aborted and formed again.
+* An accusation no majority joins within twice the heartbeat timeout evicts nobody alone. A claim
+  the server could not see (a false pending change or leave) is then dismissed: the accuser goes
+  on training. What one link carried (Blame UNUSABLE: an address that leads nowhere, bytes that
+  cannot be received) is seen by the link's two ends only: in a world of three or more nobody
+  else can tell which of them is wrong, and a ring cannot hold both, so both are evicted (each
+  may join again; each counts against its host, so a member in every dispute is the first
+  blacklisted) and the others go on. Any other leaves the accuser's ring broken, so the world is
+  aborted and formed again.
 * A suspect with a stream is probed, and its answer awaited for the heartbeat timeout. Losing its
   stream meanwhile evicts it. Answering, or keeping its connection alive to the end (keepalive is
   answered by gRPC's C core even while training code holds the GIL), keeps it: nobody is evicted,
@@ -151,6 +156,7 @@ class Evict:
     cause: d.Departure
     count_failure: bool
     detail: str
+    reporter_too: bool = False       # a dispute only the two of them can see: the reporter goes too
 
 
 @dataclass(frozen=True)
@@ -255,6 +261,10 @@ def _accusation(state: d.JobState, stream: SuspectStream, report: Report, inquir
              f"of world {report.world_version}")
     if report.blame in _CLAIMS:
         return inquiry, Dismiss(f"{alone}: not evicted")
+    if report.blame is Blame.UNUSABLE and len(state.world) >= 3:
+        return inquiry, Evict(f"{alone}, over their link only: a dispute nobody else can settle, both evicted; {why}",
+                              d.Departure.DISPUTED, True, f"{alone}: both evicted (a dispute over their link)",
+                              reporter_too=True)
     return inquiry, _ring_broken(state, report, why, f"{alone}: not evicted; world {report.world_version} "
                                                      f"re-formed")
 

@@ -153,6 +153,25 @@ def test_an_accusation_left_alone_re_forms_the_world_and_evicts_nobody():
     assert v.record_detail == "a alone accused rank 1 (b) (impossible_row), every member alive"
 
 
+@pytest.mark.parametrize("blame", [Blame.IMPOSSIBLE_ROW, Blame.DIVERGED])
+def test_an_accusation_of_what_the_whole_world_saw_left_alone_re_forms_the_world(blame):
+    v = verdict(rep=report(blame=blame), inquiry=admitted(corroboration_deadline=NOW))
+    assert isinstance(v, RingBroken) and v.cause == "uncorroborated_accusation"
+
+
+def test_a_dispute_over_one_link_left_alone_evicts_both_ends_and_counts_against_both():
+    # Only the link's two ends saw what it carried: nobody else can tell which is wrong.
+    v = verdict(rep=report(blame=Blame.UNUSABLE), inquiry=admitted(corroboration_deadline=NOW))
+    assert isinstance(v, Evict) and v.reporter_too and v.count_failure and v.cause is d.Departure.DISPUTED
+    assert "accused (unusable) by a alone" in v.reason and "both evicted" in v.reason
+    assert v.cause.eviction == "dispute"
+
+
+def test_a_dispute_waits_for_the_others_first():
+    v = verdict(rep=report(blame=Blame.UNUSABLE), inquiry=admitted(corroboration_deadline=NOW + 1))
+    assert isinstance(v, AwaitCorroboration)
+
+
 @pytest.mark.parametrize("blame", [Blame.FALSE_PENDING, Blame.FALSE_LEAVE])
 def test_a_claim_only_the_server_sees_left_alone_is_dismissed_and_breaks_no_ring(blame):
     v = verdict(rep=report(blame=blame), inquiry=admitted(corroboration_deadline=NOW))
