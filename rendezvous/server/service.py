@@ -622,13 +622,11 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             jobs = {state.job_id: (state, set(), {}, {}) for state, _ in stored}
         # Only the caller's own jobs: another token's jobs are not even named.
         caller = auth.caller()
-        jobs = {j: v for j, v in jobs.items() if auth.owns(v[0], caller)}
         out = pb.StatusResponse(leader_id=self.config.replica_id if self.is_leader else "")
-        for job_id in sorted(jobs):
-            if request.job_id and job_id != request.job_id:
-                continue
+        for job_id in sorted(j for j, v in jobs.items() if auth.owns(v[0], caller) and request.job_id in ("", j)):
             state, attached, stragglers, progress = jobs[job_id]
-            js = server_wire.job_status(state, attached, now, stragglers, progress)
+            js = server_wire.job_status(state, attached, now, stragglers, progress, request.members_from,
+                                        request.max_members)
             js.events.extend(server_wire.job_event_pb(e) for e in
                              self.history.recent(job_id, state.credential, n_events))
             out.jobs.append(js)
