@@ -208,7 +208,7 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     join_times = await asyncio.gather(*(join(w) for w in workers))
     last_join = max(join_times)
     deadline = time.monotonic() + TIMEOUT_S
-    got = await asyncio.gather(*(w.until_world(n, deadline) for w in workers))
+    got = await _all_hold(workers, n, deadline, 0, "the full world")
     versions = {v for v, _ in got}
     assert len(versions) == 1, f"workers disagree on the full world: {versions}"
     form_s = max(t for _, t in got) - last_join
@@ -226,7 +226,7 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     await asyncio.gather(*(v.crash() for v in victims))
     deadline = time.monotonic() + TIMEOUT_S
     formed = max(versions)
-    got = await asyncio.gather(*(w.until_world(len(survivors), deadline, formed) for w in survivors))
+    got = await _all_hold(survivors, len(survivors), deadline, formed, "the next world")
     versions = {v for v, _ in got}
     assert len(versions) == 1, "survivors disagree on the next world"
     result["recover_s"] = max(t for _, t in got) - killed_at
@@ -242,6 +242,21 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     for c in channels:
         await c.close(grace=None)
     return result
+
+
+async def _all_hold(workers: list, size: int, deadline: float, after: int, what: str) -> list:
+    """Each worker's (version, time) of its first world of `size` after `after`; on a timeout, an
+    error that says which worlds the workers did hold (the last each heard of)."""
+    try:
+        return await asyncio.gather(*(w.until_world(size, deadline, after) for w in workers))
+    except asyncio.TimeoutError:
+        held: dict = {}
+        for w in workers:
+            last = max(w.worlds.items(), default=None)
+            key = "no world" if last is None else f"world {last[0]} of {last[1][1]}"
+            held[key] = held.get(key, 0) + 1
+        raise TimeoutError(f"{what} of {size} not held by every worker within {TIMEOUT_S:g} s; "
+                           f"the last world each holds: {held}") from None
 
 
 async def idle_cost(server: Server, workers: list, seconds: float = 5.0) -> dict:

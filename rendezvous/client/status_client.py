@@ -2,7 +2,9 @@
 (`elastic-run` follows its job's worlds, ranks and end) and `elastic-rendezvous status`.
 
 Answers are plain dataclasses; nothing outside this package sees the generated messages. Any
-replica answers (a follower reads the store), so the configured servers are tried in turn.
+replica answers (a follower reads the store), so the configured servers are tried in turn. A
+server lists a job's members in pages (4,096 a page): the rest of a job is read page after page,
+from the same server, and read again from the start if its world changed in between.
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from rendezvous.wire.messages import pb, pb_grpc, straggler_from_pb
 
 # Codes a server answers a caller it refuses with: retrying with the same credentials is pointless.
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+READS_PER_JOB = 5   # a job whose world changes under every read of its pages is given up on
+
+
+class _Changing(Exception):
+    """A job's world changed under each of READS_PER_JOB reads of its member pages."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +133,10 @@ def _member_status(m: pb.MemberStatus) -> MemberStatusInfo:
                             m.stepped_world, m.step)
 
 
-def _job_status(j: pb.JobStatus) -> JobStatusInfo:
+def _job_status(j: pb.JobStatus, members: Sequence[pb.MemberStatus]) -> JobStatusInfo:
     return JobStatusInfo(j.job_id, j.phase, j.reason, j.world_version, j.spec.min_np,
                          j.spec.max_np, j.spec.elastic_timeout_s,
-                         tuple(_member_status(m) for m in j.members), tuple(j.blacklisted_hosts),
+                         tuple(_member_status(m) for m in members), tuple(j.blacklisted_hosts),
                          tuple(JobEventInfo(e.time, e.event, e.world_version, e.worker_id, e.detail,
                                             dict(e.numbers)) for e in j.events))
 
@@ -145,10 +152,11 @@ class StatusClient:
     """
 
     def __init__(self, addresses: Sequence[str], token: Optional[str] = None,
-                 credentials: Optional[grpc.ChannelCredentials] = None):
+                 credentials: Optional[grpc.ChannelCredentials] = None, page: int = 0):
         if not addresses:
             raise ValueError("StatusClient needs at least one HOST:PORT server address")
         self.addresses = list(addresses)
+        self.page = page   # members asked for a page at most (0: the server's page, 4,096)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channels = {a: open_channel(a, credentials) for a in self.addresses}
         self._stubs = {a: pb_grpc.RendezvousStub(ch) for a, ch in self._channels.items()}
@@ -160,15 +168,53 @@ class StatusClient:
         failures = []
         for address in self.addresses:
             try:
-                resp = self._stubs[address].Status(pb.StatusRequest(job_id=job_id, events=events),
-                                                   timeout=timeout_s, metadata=self._metadata)
+                return self._status_from(address, job_id, timeout_s, events)
             except grpc.RpcError as e:
                 failures.append(StatusFailure(address, e.code(), e.details() or ""))
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     break   # an answer: every replica reads the same store
-                continue
-            return StatusInfo(resp.leader_id, tuple(_job_status(j) for j in resp.jobs))
+            except _Changing as e:
+                failures.append(StatusFailure(address, grpc.StatusCode.ABORTED, str(e)))
         raise StatusError(failures)
+
+    def _status_from(self, address: str, job_id: str, timeout_s: float, events: int) -> StatusInfo:
+        """One server's answer, each job's members read to the end (raises grpc.RpcError)."""
+        def call(**request) -> pb.StatusResponse:
+            return self._stubs[address].Status(pb.StatusRequest(max_members=self.page, **request),
+                                               timeout=timeout_s, metadata=self._metadata)
+        resp = call(job_id=job_id, events=events)
+        jobs = []
+        for j in resp.jobs:
+            for _ in range(READS_PER_JOB):
+                try:
+                    members = self._rest_of(call, j)
+                    if members is not None:
+                        jobs.append(_job_status(j, members))
+                        break
+                    # Its world changed between pages: read it again from the start.
+                    (j,) = call(job_id=j.job_id, events=events).jobs
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    break   # removed meanwhile
+            else:
+                raise _Changing(f"job {j.job_id}: its world changed under each of "
+                                f"{READS_PER_JOB} reads of its {j.members_total} members; try again")
+        return StatusInfo(resp.leader_id, tuple(jobs))
+
+    @staticmethod
+    def _rest_of(call, j: pb.JobStatus) -> Optional[list]:
+        """Every member of job `j`, the pages after its first read from the same world; None when
+        the world (or the number of members) changed in between. A server that does not page
+        (members_total 0) listed them all."""
+        members = list(j.members)
+        while len(members) < j.members_total:
+            (page,) = call(job_id=j.job_id, members_from=len(members)).jobs
+            if (page.world_version != j.world_version or page.members_total != j.members_total
+                    or page.members_from != len(members) or not page.members):
+                return None
+            members.extend(page.members)
+        return members
 
     def job(self, job_id: str, timeout_s: float = 2.0, events: int = 0) -> Optional[JobStatusInfo]:
         """The job's status (with up to ``events`` recent events); None if the servers do not

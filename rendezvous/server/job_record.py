@@ -21,8 +21,9 @@ END = object()
 
 @dataclass
 class Stream:
-    """One open Watch: the handler writes what is queued (WatchEvents, serialized ones, END, or a
-    server_wire.RpcRefusal to fail the call with)."""
+    """One open Watch: the handler writes what is queued (WatchEvents, serialized ones, a
+    world_views.PendingView to build and serialize, END, or a server_wire.RpcRefusal to fail the
+    call with)."""
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     closed_by_server: bool = False

@@ -11,11 +11,17 @@ replica takes over. Each refresh has a deadline below ttl/3, and leadership is v
 send time of the last acknowledged refresh plus 0.6 x ttl — well before etcd (which measures the TTL
 from when it received that refresh) can expire the lease. `valid()` says so at any instant, and a
 watchdog calls `on_lost` when that time passes even if the refresh is still stuck.
+
+Where the store can refresh from any thread (etcd), the refreshes run on a thread of their own,
+not on the event loop: the loop may be busy for a while with a large job (deciding and announcing
+a world of 16,384 took ~0.5 s on the benchmark machine), and a refresh that waited for it could
+come too late for a lease of 2 s. Leadership itself is still judged on the loop, by the same clock.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Awaitable, Callable, Optional
 
@@ -43,6 +49,8 @@ class Leadership:
         self._keepalive: Optional[asyncio.Task] = None
         self._watchdog: Optional[asyncio.Task] = None
         self._valid_until = 0.0          # monotonic: leadership may be acted on until then
+        self._stop_refreshing: Optional[threading.Event] = None   # the refresh thread's, if any
+        self._lock = threading.Lock()    # the refresh thread's checks and writes against drop()
 
     @property
     def step_down_after_s(self) -> float:
@@ -76,7 +84,14 @@ class Leadership:
                     self._claim = claim
                     self._valid_until = sent + self.step_down_after_s
                     loop = asyncio.get_running_loop()
-                    self._keepalive = loop.create_task(self._keep_alive(claim))
+                    refresh = claim.blocking_refresh()
+                    if refresh is not None:
+                        self._stop_refreshing = threading.Event()
+                        threading.Thread(target=self._keep_alive_here, name="rdzv-lease",
+                                         args=(claim, refresh, loop, self._stop_refreshing),
+                                         daemon=True).start()
+                    else:
+                        self._keepalive = loop.create_task(self._keep_alive(claim))
                     self._watchdog = loop.create_task(self._watch_validity(claim))
                     return
                 # Held: read (not claim) until it is gone. A read costs etcd no lease and no write.
@@ -113,6 +128,30 @@ class Leadership:
                 return
             self._valid_until = max(self._valid_until, sent + self.step_down_after_s)
 
+    def _keep_alive_here(self, claim: Claim, refresh: Callable[[], bool],
+                         loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+        """`_keep_alive` on a thread of its own, with blocking refreshes (the store's own timeout
+        bounds a hung one; the watchdog steps down meanwhile if it must)."""
+        period = self.ttl_s / 3
+        pause = period
+        while not stop.wait(pause):
+            sent = self._clock()
+            try:
+                alive = refresh()
+            except StoreError as e:
+                log.warning("leader lease refresh failed: %s", e)
+                pause = min(0.05, period)   # as _keep_alive: another member may answer now
+                continue
+            pause = period
+            with self._lock:
+                if self._claim is not claim:
+                    return
+                if alive:
+                    self._valid_until = max(self._valid_until, sent + self.step_down_after_s)
+            if not alive:
+                loop.call_soon_threadsafe(self._lose, claim, "leader lease expired")
+                return
+
     async def _watch_validity(self, claim: Claim) -> None:
         while self._claim is claim:
             left = self._valid_until - self._clock()
@@ -140,8 +179,12 @@ class Leadership:
 
     def drop(self) -> None:
         """Forget leadership locally (after a fenced write was refused, or on stepping down)."""
-        self._claim = None
-        self._valid_until = 0.0
+        with self._lock:
+            self._claim = None
+            self._valid_until = 0.0
+        if self._stop_refreshing is not None:
+            self._stop_refreshing.set()
+            self._stop_refreshing = None
         current = asyncio.current_task()
         for task in (self._keepalive, self._watchdog):
             if task is not None and task is not current:

@@ -11,12 +11,14 @@ nobody watches is dropped, and since when a failure has been waiting for the nex
   elastic_rendezvous_failure_to_world_seconds histogram measures that span.
 
 The Watch and idle deadlines are wall-clock seconds (they are compared with the decision's, which
-are); the recovery clock is monotonic. Every method takes the time it acts at, so the rules are
+are); the recovery clock is monotonic. The Watch deadlines are also kept in a heap, so that the
+job's timer, which looks at them after every event, costs O(log workers) there, not O(workers). Every method takes the time it acts at, so the rules are
 table-tested without clocks (tests/rendezvous/test_liveness.py).
 """
 from __future__ import annotations
 
 import enum
+import heapq
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -37,6 +39,8 @@ class Liveness:
     # worker id -> (wall time by which it must open its Watch, why it is evicted if it has not)
     watch_by: dict[str, tuple[float, str]] = field(default_factory=dict)
     idle_at: Optional[float] = None        # wall time the job is dropped at if nobody watches it
+    # (deadline, worker id) of every deadline set; an entry watch_by no longer holds is stale
+    _due: list = field(default_factory=list)
     failure_at: Optional[float] = None     # monotonic: the first failure since the last world
 
     @classmethod
@@ -51,15 +55,21 @@ class Liveness:
         so every registered worker has the reattach window `window_s` to open one."""
         why = f"did not reattach within {window_s:g} s of a leader change"
         until = now + window_s
-        return cls(heartbeat_timeout_s, watch_by={w: (until, why) for w in workers}, idle_at=until)
+        live = cls(heartbeat_timeout_s, watch_by={w: (until, why) for w in workers}, idle_at=until)
+        live._due = [(until, w) for w in live.watch_by]   # one deadline: already a heap
+        return live
 
     # ------------------------------------------------------------------------- Watch deadlines
     def joined(self, worker_id: str, now: float) -> None:
         """`worker_id` joined (again): it must open its Watch within the heartbeat timeout. (A stale
         deadline of an earlier session is replaced; one left after a drop finds nobody to evict.)"""
-        self.watch_by[worker_id] = (now + self.heartbeat_timeout_s,
-                                    f"did not open its watch stream within "
-                                    f"{self.heartbeat_timeout_s:g} s of joining")
+        until = now + self.heartbeat_timeout_s
+        self.watch_by[worker_id] = (until, f"did not open its watch stream within "
+                                           f"{self.heartbeat_timeout_s:g} s of joining")
+        heapq.heappush(self._due, (until, worker_id))
+        if len(self._due) > 2 * len(self.watch_by) + 64:   # mostly stale: rebuild
+            self._due = [(t, w) for w, (t, _) in self.watch_by.items()]
+            heapq.heapify(self._due)
 
     def watch_opened(self, worker_id: str) -> None:
         """`worker_id` opened its Watch: its deadline is met, and the job is watched."""
@@ -72,10 +82,21 @@ class Liveness:
 
     def missed_watches(self, now: float) -> list[tuple[str, str]]:
         """(worker id, why) of every deadline passed at `now`, forgotten as they are returned."""
-        missed = [(w, why) for w, (t, why) in self.watch_by.items() if t <= now]
-        for w, _ in missed:
-            del self.watch_by[w]
+        missed = []
+        while self._first_due() is not None and self._due[0][0] <= now:
+            _, w = heapq.heappop(self._due)
+            missed.append((w, self.watch_by.pop(w)[1]))
         return missed
+
+    def _first_due(self) -> Optional[float]:
+        """The earliest Watch deadline still set (stale heap entries dropped on the way)."""
+        while self._due:
+            t, w = self._due[0]
+            current = self.watch_by.get(w)
+            if current is not None and current[0] == t:
+                return t
+            heapq.heappop(self._due)
+        return None
 
     # ------------------------------------------------------------------------------ idle clock
     def streams_gone(self, now: float) -> bool:
@@ -102,7 +123,8 @@ class Liveness:
 
     def next_deadline(self) -> Optional[float]:
         """The earliest wall time at which `missed_watches` or `idle` may have news; None: none."""
-        times = [t for t, _ in self.watch_by.values()]
+        first = self._first_due()
+        times = [first] if first is not None else []
         if self.idle_at is not None:
             times.append(self.idle_at)
         return min(times) if times else None

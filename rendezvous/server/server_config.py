@@ -56,10 +56,11 @@ class ServerConfig:
     cooldown_max_s: float = 300.0           # up to this
     default_elastic_timeout_s: float = 600.0  # for a job whose first join leaves it 0
     leader_ttl_s: int = 2                   # etcd lease of the leader key: failover takes about this long
-    # Workers registered in one job (its world and its hot spares). The store no longer bounds it
-    # (job_keys.py spreads a job over keys, each write within etcd's request limits); what does is
-    # Status, which still answers a job in one message: ~150 B per member, and gRPC clients take
-    # 4 MiB by default, so 20,480 (a world of 16,384 and a quarter more spares) stays within it.
+    # Workers registered in one job (its world and its hot spares). Neither the store (job_keys.py
+    # spreads a job over keys, each write within etcd's request limits) nor Status (it lists members
+    # in pages) bounds it any more; 20,480 (a world of 16,384 and a quarter more spares) is the size
+    # measured (docs/benchmarks.md): the server's memory (~60 KiB a worker) and the work of each
+    # world change, O(N) on one event loop, have not been measured beyond it.
     max_workers_per_job: int = 20480
     max_jobs: int = 1024                    # running jobs; finished ones do not count
     finished_job_retention_s: float = 3600.0  # then a finished job is forgotten (its id reusable)

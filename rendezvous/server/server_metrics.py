@@ -299,5 +299,22 @@ class _MeteredClaim(Claim):
     async def refresh(self):
         return await self._store._timed("refresh_claim", self.inner.refresh())
 
+    def blocking_refresh(self):
+        inner = self.inner.blocking_refresh()
+        if inner is None:
+            return None
+        seconds, errors = self._store._ops["refresh_claim"]
+
+        def timed() -> bool:
+            start = time.perf_counter()
+            try:
+                return inner()
+            except StoreError:
+                errors.inc()
+                raise
+            finally:
+                seconds.observe(time.perf_counter() - start)
+        return timed
+
     async def release(self):
         return await self._store._timed("release_claim", self.inner.release())

@@ -54,22 +54,31 @@ def refusal(rejected: d.Rejected, message: str, phase: d.Phase) -> RpcRefusal:
     return RpcRefusal(REFUSAL_CODES[rejected.kind], message, finished=finished)
 
 
+STATUS_PAGE = 4096   # members a Status answer lists per job at most (~150 B each)
+
+
 def job_status(state: d.JobState, attached: Container[str], now: float,
                stragglers: Mapping[str, StragglerReport] = {},   # noqa: B006 (read only)
-               progress: Mapping[str, Tuple[int, int]] = {}) -> pb.JobStatus:   # noqa: B006 (read only)
+               progress: Mapping[str, Tuple[int, int]] = {},     # noqa: B006 (read only)
+               members_from: int = 0, max_members: int = 0) -> pb.JobStatus:
     """One job as Status shows it: its world's members in rank order, with their straggler
     reports (`stragglers`, by worker id) and progress (`progress`: the newest world each stepped
-    in, the training step its last commit holds), then the standby workers."""
+    in, the training step its last commit holds), then the standby workers; of those, the page
+    of at most `max_members` (0 or more than STATUS_PAGE: STATUS_PAGE) from `members_from` on."""
     js = pb.JobStatus(job_id=state.job_id, world_version=state.world_version, phase=state.phase.value,
                       reason=state.reason, spec=spec_pb(state.spec),
                       blacklisted_hosts=state.blacklisted_hosts(now))
-    for m in state.world:
-        if m.worker_id in state.workers:
-            stepped, step = progress.get(m.worker_id, (0, -1))
-            js.members.add(member=member_pb(m), in_world=True, attached=m.worker_id in attached,
-                           age_s=now - state.workers[m.worker_id].joined_at,
-                           straggler=straggler_pb(stragglers.get(m.worker_id)), stepped_world=stepped, step=step)
-    for wid in state.standby():
+    listed = [m for m in state.world if m.worker_id in state.workers]
+    standby = state.standby()
+    limit = min(max_members or STATUS_PAGE, STATUS_PAGE)
+    js.members_from, js.members_total = members_from, len(listed) + len(standby)
+    for m in listed[members_from:members_from + limit]:
+        stepped, step = progress.get(m.worker_id, (0, -1))
+        js.members.add(member=member_pb(m), in_world=True, attached=m.worker_id in attached,
+                       age_s=now - state.workers[m.worker_id].joined_at,
+                       straggler=straggler_pb(stragglers.get(m.worker_id)), stepped_world=stepped, step=step)
+    first = max(0, members_from - len(listed))
+    for wid in list(standby)[first:first + limit - len(js.members)]:
         w = state.workers[wid]
         js.members.add(member=pb.Member(worker_id=wid, host=w.host, ring_address=w.ring_address,
                                         commit_step=w.commit_step),

@@ -57,6 +57,7 @@ from rendezvous.server import auth, request_checks, server_wire
 from rendezvous.wire import messages as wire
 from rendezvous.server import decision as d
 from rendezvous.server.server_config import ServerConfig
+from rendezvous.server.collector import Collector
 from rendezvous.server.description import Audience, describe
 from rendezvous.common.event_log import EventLog
 from rendezvous.server.history import RECENT_PER_JOB, History
@@ -69,6 +70,7 @@ from rendezvous.server.server_metrics import ServerMetrics
 from rendezvous.server.probes import FailureReports
 from rendezvous.server.server_wire import RpcRefusal
 from rendezvous.server.store import MemoryStore, Store, StoreError
+from rendezvous.server.world_views import PendingView
 from rendezvous.wire.messages import pb, pb_grpc
 
 log = logging.getLogger("rendezvous.server.service")
@@ -111,6 +113,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         # Name lookups of ring addresses get threads of their own: a slow resolver must not hold
         # the default executor, where the store's calls (and the leader's lease refresh) run.
         self._resolver = request_checks.Resolver()
+        self.collector = Collector(lambda: sum(len(j.state.workers) for j in self.jobs.values()))
 
     # ----------------------------------------------------------------------------- leadership
     @property
@@ -125,6 +128,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     def start(self) -> None:
         self._campaign = asyncio.get_running_loop().create_task(self._become_leader())
+        self.collector.start()
 
     async def _become_leader(self) -> None:
         await self.leadership.campaign()
@@ -203,6 +207,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self._leading = False
         await self.leadership.resign()
         self._resolver.shutdown()
+        self.collector.stop()
 
     async def _leader_hint(self) -> str:
         try:
@@ -238,8 +243,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.history.delivered(job.state, what)
         if what.audience is Audience.NEW_WORLD:
             views = job.views(action.world_version, action.members)
-            for worker_id, event in views.serialized(job.streams):
-                self.send(job, worker_id, event)
+            for worker_id, view in views.pending(job.streams):
+                self.send(job, worker_id, view)
             now = time.time()
             for w in action.standby:
                 self.send(job, w, server_wire.standby_event(
@@ -518,6 +523,8 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                     return
                 if isinstance(item, RpcRefusal):
                     await auth.abort(context, item)
+                if isinstance(item, PendingView):
+                    item = item.serialized()
                 await context.write(item)
         finally:
             # Reached on a broken stream (client crashed, keepalive failed: the handler is
@@ -615,13 +622,11 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             jobs = {state.job_id: (state, set(), {}, {}) for state, _ in stored}
         # Only the caller's own jobs: another token's jobs are not even named.
         caller = auth.caller()
-        jobs = {j: v for j, v in jobs.items() if auth.owns(v[0], caller)}
         out = pb.StatusResponse(leader_id=self.config.replica_id if self.is_leader else "")
-        for job_id in sorted(jobs):
-            if request.job_id and job_id != request.job_id:
-                continue
+        for job_id in sorted(j for j, v in jobs.items() if auth.owns(v[0], caller) and request.job_id in ("", j)):
             state, attached, stragglers, progress = jobs[job_id]
-            js = server_wire.job_status(state, attached, now, stragglers, progress)
+            js = server_wire.job_status(state, attached, now, stragglers, progress, request.members_from,
+                                        request.max_members)
             js.events.extend(server_wire.job_event_pb(e) for e in
                              self.history.recent(job_id, state.credential, n_events))
             out.jobs.append(js)

@@ -130,6 +130,11 @@ class Claim(abc.ABC):
     async def release(self) -> None:
         """Give the key up now."""
 
+    def blocking_refresh(self) -> Optional[Callable[[], bool]]:
+        """`refresh` as a blocking call any thread may make, or None where there is none (the
+        in-memory store lives on the event loop)."""
+        return None
+
 
 # ------------------------------------------------------------------------------------------ memory
 class MemoryStore(Store):
@@ -330,7 +335,11 @@ class EtcdStore(Store):
                 self._current = (i + 1) % len(self._clients)
 
     async def _call(self, what: str, fn, *, retry: bool = True):
-        """Runs `fn(client)` in a worker thread. When a member answers UNAVAILABLE (it is down,
+        """`_call_here` in a worker thread."""
+        return await asyncio.to_thread(self._call_here, what, fn, retry=retry)
+
+    def _call_here(self, what: str, fn, *, retry: bool = True):
+        """Runs `fn(client)` here, blocking. When a member answers UNAVAILABLE (it is down,
         or etcd is between leaders) the next call goes to the next member; a read or an
         idempotent call (`retry`) is also tried again there, each member once. A write is not:
         UNAVAILABLE does not prove it was not applied, so it raises (StoreError: outcome
@@ -374,7 +383,7 @@ class EtcdStore(Store):
                     raise
 
         try:
-            return await asyncio.to_thread(attempt)
+            return attempt()
         except _NotReached as e:
             raise StoreError(f"etcd {what} failed: no member of {','.join(self.endpoints)} "
                              f"reached; last: {e}") from e
@@ -489,9 +498,15 @@ class _EtcdClaim(Claim):
         self._store, self.key, self._lease = store, key, lease
 
     async def refresh(self):
-        responses = await self._store._call(f"refresh the lease of {self.key} ({self._lease:x})",
-                                            lambda c: list(c.refresh_lease(self._lease)))
+        return await asyncio.to_thread(self._refresh_here)
+
+    def _refresh_here(self) -> bool:
+        responses = self._store._call_here(f"refresh the lease of {self.key} ({self._lease:x})",
+                                           lambda c: list(c.refresh_lease(self._lease)))
         return bool(responses) and responses[0].TTL > 0
+
+    def blocking_refresh(self):
+        return self._refresh_here
 
     async def release(self):
         await self._store._call(f"revoke the lease of {self.key} ({self._lease:x})",

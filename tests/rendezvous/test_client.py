@@ -319,3 +319,23 @@ def test_rejoin_sends_the_previous_session_and_keeps_the_ring_secret(server, cli
     secret = c.ring_secret
     second = c.join()
     assert second != first and c.ring_secret == secret
+
+
+def test_status_reads_a_jobs_pages_again_when_its_world_changes_between_them():
+    from rendezvous.client.status_client import StatusClient
+    from rendezvous.wire.messages import pb
+
+    def job(version: int, first: int, ranks: range) -> pb.StatusResponse:
+        j = pb.JobStatus(job_id="j", world_version=version, members_from=first, members_total=4)
+        for r in ranks:
+            j.members.add(member=pb.Member(worker_id=f"w{r}", rank=r), in_world=True)
+        return pb.StatusResponse(jobs=[j])
+    answers = iter([job(1, 0, range(0, 2)), job(2, 2, range(2, 4)),    # world 2 arrived between pages
+                    job(2, 0, range(0, 2)), job(2, 2, range(2, 4))])
+
+    def call(**request) -> pb.StatusResponse:
+        return next(answers)
+    first = call()
+    assert StatusClient._rest_of(call, first.jobs[0]) is None
+    again = call()
+    assert [m.member.rank for m in StatusClient._rest_of(call, again.jobs[0])] == [0, 1, 2, 3]

@@ -104,3 +104,28 @@ def test_the_recovery_clock_keeps_its_first_failure_and_stops_at_the_next_world(
     assert live.world_announced(51.25) == pytest.approx(1.25)
     assert live.failure_at is None
     assert live.world_announced(60.0) is None           # a world after no failure measures nothing
+
+
+def test_watch_deadlines_are_told_in_the_order_they_fall_due_whatever_the_order_set():
+    live = Liveness(T)
+    live.joined("late", now=10.0)
+    live.joined("early", now=5.0)        # the wall clock stepped back
+    live.joined("rejoined", now=1.0)
+    live.joined("rejoined", now=20.0)    # its first deadline (3.0) is no longer its own
+    live.joined("opened", now=2.0)
+    live.watch_opened("opened")
+    assert live.next_deadline() == 7.0
+    assert [w for w, _ in live.missed_watches(now=12.0)] == ["early", "late"]
+    assert live.next_deadline() == 22.0
+    assert [w for w, _ in live.missed_watches(now=22.0)] == ["rejoined"]
+    assert live.next_deadline() is None
+
+
+def test_many_joins_and_opened_watches_leave_only_the_deadlines_still_set():
+    live = Liveness(T)
+    for i in range(1000):
+        live.joined(f"w{i}", now=float(i))
+        if i % 10:
+            live.watch_opened(f"w{i}")
+    assert len(live._due) <= 2 * len(live.watch_by) + 64 + 1   # stale entries are dropped
+    assert [w for w, _ in live.missed_watches(now=2000.0)] == [f"w{i}" for i in range(0, 1000, 10)]

@@ -275,6 +275,25 @@ def test_status_lists_jobs_members_and_ranks(serve, client, stub):
     assert f"job {job}  phase RUNNING  world {v}" in table and "w1" in table
 
 
+def test_status_lists_a_jobs_members_in_pages_and_the_client_reads_them_all(serve, client, stub):
+    from rendezvous.client.status_client import StatusClient
+
+    s = serve()
+    job = unique("job")
+    cs = [client(s.address, f"w{i}", job_id=job, host=f"node{i // 2}") for i in range(7)]
+    v = join_world(cs)
+    (j,) = stub(s).Status(pb.StatusRequest(job_id=job, members_from=3, max_members=3), timeout=5).jobs
+    assert (j.members_from, j.members_total, j.world_version) == (3, 7, v)
+    assert [m.member.rank for m in j.members] == [3, 4, 5]
+    (last,) = stub(s).Status(pb.StatusRequest(job_id=job, members_from=6, max_members=3), timeout=5).jobs
+    assert [m.member.rank for m in last.members] == [6]
+    (whole,) = stub(s).Status(pb.StatusRequest(job_id=job), timeout=5).jobs   # under one page
+    with StatusClient([s.address], page=3) as status:
+        answer = status.status(job)
+    assert [m.rank for m in answer.jobs[0].members] == list(range(7))
+    assert [m.worker_id for m in answer.jobs[0].members] == [m.member.worker_id for m in whole.members]
+
+
 @pytest.mark.slow
 def test_64_concurrent_clients_agree_on_one_world(serve, client):
     s = serve(settle_s=0.2)

@@ -58,9 +58,9 @@ def test_every_view_of_one_world_has_its_digest_and_another_world_another():
 
 def test_views_go_only_to_members_with_a_stream():
     views = WorldViews(1, LAYOUTS["flat"])
-    assert [w for w, _ in views.serialized({"w00002", "stranger"})] == ["w00002"]
-    (_, data), = views.serialized({"w00002"})
-    assert pb.WatchEvent.FromString(data) == views.event(views.member("w00002"))
+    assert [w for w, _ in views.pending({"w00002", "stranger"})] == ["w00002"]
+    (_, pending), = views.pending({"w00002"})
+    assert pb.WatchEvent.FromString(pending.serialized()) == views.event(views.member("w00002"))
 
 
 def _largest_event(members: tuple[d.Member, ...]) -> int:

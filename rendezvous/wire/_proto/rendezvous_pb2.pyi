@@ -294,12 +294,16 @@ class ReportSuccessResponse(_message.Message):
     def __init__(self, finished: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job_id", "events")
+    __slots__ = ("job_id", "events", "members_from", "max_members")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FROM_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     events: int
-    def __init__(self, job_id: _Optional[str] = ..., events: _Optional[int] = ...) -> None: ...
+    members_from: int
+    max_members: int
+    def __init__(self, job_id: _Optional[str] = ..., events: _Optional[int] = ..., members_from: _Optional[int] = ..., max_members: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("time", "event", "world_version", "worker_id", "detail", "numbers")
@@ -343,7 +347,7 @@ class MemberStatus(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., in_world: _Optional[bool] = ..., attached: _Optional[bool] = ..., age_s: _Optional[float] = ..., straggler: _Optional[_Union[StragglerReport, _Mapping]] = ..., stepped_world: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "spec", "world_version", "phase", "reason", "members", "blacklisted_hosts", "events")
+    __slots__ = ("job_id", "spec", "world_version", "phase", "reason", "members", "blacklisted_hosts", "events", "members_from", "members_total")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +356,8 @@ class JobStatus(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLACKLISTED_HOSTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FROM_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     world_version: int
@@ -360,7 +366,9 @@ class JobStatus(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     blacklisted_hosts: _containers.RepeatedScalarFieldContainer[str]
     events: _containers.RepeatedCompositeFieldContainer[JobEvent]
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., world_version: _Optional[int] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., blacklisted_hosts: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ...) -> None: ...
+    members_from: int
+    members_total: int
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., world_version: _Optional[int] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., blacklisted_hosts: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., members_from: _Optional[int] = ..., members_total: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("leader_id", "jobs")
