@@ -19,7 +19,7 @@ from elastic.run import run
 from elastic.runtime.collectives import (allgather, allreduce, allreduce_, allreduce_async_, barrier, broadcast_,
                                          broadcast_object, synchronize)
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
-                                    Preempted, RendezvousError)
+                                    Outvoted, Preempted, RendezvousError)
 from elastic.runtime.lifecycle import init, request_leave, shutdown
 from elastic.runtime.world import cross_rank, cross_size, local_rank, local_size, rank, size, world_version
 from elastic.state.errors import SyncRefusedError
@@ -58,7 +58,8 @@ __all__ = [
     "allgather", "allreduce", "allreduce_", "allreduce_async_", "barrier", "broadcast_", "broadcast_object",
     "synchronize", "CommConfig", "Communicator", "ErrorKind", "Handle", "Listener", "BadPeerError",
     "CollectiveMismatchError", "ElasticError", "ElasticTimeout", "HandshakeError", "MembershipChanged",
-    "LeftJob", "Preempted", "LeaveRequested", "EvictedAsStraggler", "RendezvousError", "SettingsMismatchError",
+    "LeftJob", "Preempted", "LeaveRequested", "EvictedAsStraggler", "Outvoted", "RendezvousError",
+    "SettingsMismatchError",
     "StaleMeshError", "SyncRefusedError", "WorkerLostError", "Average", "Max", "Min", "ReduceOp", "Sum", "run",
     "init", "request_leave", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "world_version", "ElasticSampler", "State", "ObjectState", "TorchState", "DistributedOptimizer",

@@ -45,12 +45,13 @@ from elastic.launch.environment import fork_server_env, spawn_env
 from elastic.launch.forkserver import ForkServer, ForkServerError
 from elastic.launch.host_metrics import WorkerMetrics
 from elastic.launch.outcome import WorkerEnd, completion_failure
-from elastic.launch.procs import (Output, Worker, describe_exit, raise_open_files_limit, respawnable, signal_of,
+from elastic.launch.procs import (Output, Worker, describe_exit, plan_exit, raise_open_files_limit, signal_of,
                                   stdout_streams, stop_all, with_parent_death_signal)
 from elastic.launch.report import Reporter
 from elastic.launch.signals import StopSignals
 from elastic.launch.slurm import TOKEN_FILE, Announcement, server_answers, wait_for_announcement
 from elastic.launch.straggler_watch import StragglerWatch, host_cooling
+from elastic.runtime.errors import DIVERGED_EXIT
 
 POLL_S = 0.05            # reap workers / check signals
 STATUS_EVERY_S = 0.2     # ask the rendezvous for the job's status
@@ -86,6 +87,7 @@ class Launcher:
         self.all_workers: List[Worker] = []
         self.spawns: Dict[int, int] = {}            # slot -> incarnations started
         self.failures: Dict[int, int] = {}          # slot -> respawns used
+        self.outvoted: Dict[int, int] = {}          # slot -> times its worker was outvoted (DIVERGED_EXIT)
         self.respawn_at: Dict[int, float] = {}      # slot -> when to start it again
         self.succeeded: set = set()                 # slots whose worker exited 0 (or left)
         self.ends: List[WorkerEnd] = []             # how each incarnation ended, in that order
@@ -490,22 +492,17 @@ class Launcher:
             return
         self.ends.append(WorkerEnd(w.worker_id, rank, code, during_job=True))
         label = self._label(w)
-        if respawnable(code):
-            self.last_failure = f"{label} {what}"
-            self.reporter.note_failure(f"{w.worker_id} {what}", now, frozenset({w.worker_id}))
-            used = self.failures.get(slot, 0)
-            if used < cfg.max_restarts:
-                delay = min(0.5 * 2 ** used, 10.0)
-                self.failures[slot] = used + 1
-                self.respawn_at[slot] = now + delay
-                self.out.note(f"{label} {what}; respawning it in {delay:.1f} s "
-                              f"(restart {used + 1} of {cfg.max_restarts})")
-            else:
-                self.out.note(f"{label} {what}; not respawned (--max-restarts {cfg.max_restarts}"
-                              + (" used up)" if cfg.max_restarts else ")"))
-            return
-        err = w.last_error_line()
-        raise LaunchFailed(f"{label} {what}" + (f": {err}" if err else "") + "; " + self._giving_up())
+        plan = plan_exit(code, self.failures.get(slot, 0), cfg.max_restarts, self.outvoted.get(slot, 0))
+        if plan.fail:
+            err = w.last_error_line()
+            raise LaunchFailed(f"{label} {what}" + (f": {err}" if err else "") + "; " + self._giving_up())
+        self.last_failure = f"{label} {what}"
+        self.reporter.note_failure(f"{w.worker_id} {what}", now, frozenset({w.worker_id}))
+        self.outvoted[slot] = self.outvoted.get(slot, 0) + (code == DIVERGED_EXIT)
+        if plan.respawn:
+            self.failures[slot] = self.failures.get(slot, 0) + 1
+            self.respawn_at[slot] = now + plan.delay
+        self.out.note(f"{label} {what}; {plan.note}")
 
     def _giving_up(self) -> str:
         """What ending this launcher on a worker's error means for the job: with the embedded

@@ -13,6 +13,7 @@ status; its last stderr lines are kept only to quote its error in the launcher's
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from elastic.runtime.errors import DIVERGED_EXIT
 from elastic.runtime.worker_config import DEVICE_ABORT_STUCK_EXIT
 
 if TYPE_CHECKING:
@@ -122,14 +124,52 @@ def describe_exit(code: int) -> str:
             return f"killed by signal {sig}"
     if code == DEVICE_ABORT_STUCK_EXIT:
         return f"exited with status {code} (the abort of its device communicator did not return)"
+    if code == DIVERGED_EXIT:
+        return (f"exited with status {code} (outvoted: it called other collectives, or formed its ring with other "
+                "settings, than the majority of its world)")
     return f"exited with status {code}"
 
 
 def respawnable(code: int) -> bool:
-    """A worker that ended this way while its job ran is replaced: killed by a signal, or
-    wedged in an abort of its device communicator (``DEVICE_ABORT_STUCK_EXIT``). Any other
-    status is the worker's own error, which ends the job."""
-    return signal_of(code) is not None or code == DEVICE_ABORT_STUCK_EXIT
+    """A worker that ended this way while its job ran is replaced: killed by a signal, wedged
+    in an abort of its device communicator (``DEVICE_ABORT_STUCK_EXIT``), or outvoted by its
+    world (``DIVERGED_EXIT``, see ``plan_exit``). Any other status is the worker's own error,
+    which ends the job."""
+    return signal_of(code) is not None or code in (DEVICE_ABORT_STUCK_EXIT, DIVERGED_EXIT)
+
+
+# A slot whose worker was outvoted this many times is respawned no more: a data-dependent branch
+# may not diverge again, but a stale image or other ring settings diverge every time.
+DIVERGED_LIMIT = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitPlan:
+    """What elastic-run does about a worker that exited while its job ran: respawn its slot
+    after ``delay`` seconds, retire it (the job goes on without it), or (``fail``) end with it.
+    ``note`` is what it says after "worker W (rank R) exited ...; "."""
+
+    respawn: bool
+    delay: float = 0.0
+    note: str = ""
+    fail: bool = False
+
+
+def plan_exit(code: int, restarts: int, max_restarts: int, outvoted: int) -> ExitPlan:
+    """The plan for a worker of a slot respawned ``restarts`` times so far (``--max-restarts``
+    ``max_restarts``), outvoted ``outvoted`` times before, that exited with ``code``."""
+    if not respawnable(code):
+        return ExitPlan(False, fail=True)
+    if code == DIVERGED_EXIT and outvoted + 1 >= DIVERGED_LIMIT:
+        return ExitPlan(False, note=f"not respawned: outvoted {outvoted + 1} times (check that every host runs the "
+                                    "same program and image with the same ELASTIC_* ring settings); the job goes on "
+                                    "without it")
+    if restarts >= max_restarts:
+        return ExitPlan(False, note=f"not respawned (--max-restarts {max_restarts}"
+                                    + (" used up)" if max_restarts else ")"))
+    delay = min(0.5 * 2 ** restarts, 10.0)
+    times = f", outvoted {outvoted + 1} of {DIVERGED_LIMIT} times" if code == DIVERGED_EXIT else ""
+    return ExitPlan(True, delay, f"respawning it in {delay:.1f} s (restart {restarts + 1} of {max_restarts}{times})")
 
 
 def signal_of(code: int) -> Optional[int]:

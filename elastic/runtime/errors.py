@@ -29,6 +29,33 @@ class ElasticTimeout(ElasticError):
     __module__ = "elastic"   # its public name, whatever module defines it
 
 
+# The status a worker exits with when the majority of its world outvoted it (``Outvoted``):
+# elastic-run respawns its slot until it was outvoted DIVERGED_LIMIT times (elastic.launch.procs).
+DIVERGED_EXIT = 76
+
+
+class Outvoted(SystemExit):
+    """``elastic.run`` ended because this worker differed from the majority of its world: it
+    called another collective than they did, or formed its ring with other ring settings
+    (``error``, also the ``__cause__``: a ``CollectiveMismatchError`` or ``SettingsMismatchError``).
+    The others blamed it and go on without it.
+
+    A ``SystemExit`` with code ``DIVERGED_EXIT`` (76): uncaught, the process exits 76 without
+    running the code after the training function's call, which elastic-run reads as outvoted:
+    it respawns the slot (a data-dependent branch may not diverge again) until the slot was
+    outvoted 3 times, then says why and respawns it no more (a stale image or other settings
+    diverge every time); the job goes on. ``except Exception`` does not catch it."""
+
+    __module__ = "elastic"   # its public name, whatever module defines it
+
+    def __init__(self, error: BaseException):
+        super().__init__(DIVERGED_EXIT)
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"outvoted by the majority of its world: {self.error}"
+
+
 class LeftJob(SystemExit):
     """``elastic.run`` ended because this worker left the job gracefully, at a commit boundary
     every rank agreed on; the subclass says what asked it to: ``Preempted`` (SIGTERM, SIGINT),

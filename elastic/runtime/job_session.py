@@ -32,7 +32,7 @@ from elastic.ring.ring_view import RingView
 from elastic.runtime import fork_guard, preemption, reaction, straggler_detector, world_env, worker_metrics
 from elastic.runtime.commit_watch import describe_commit, joiner_note_after, joiner_waits, training_step
 from elastic.runtime.errors import (ElasticTimeout, EvictedAsStraggler, LeaveRequested, LeftJob, MembershipChanged,
-                                    Preempted, RendezvousError)
+                                    Outvoted, Preempted, RendezvousError)
 from elastic.runtime.hooks import WorldChange
 from elastic.runtime.preemption import LeaveCause
 from elastic.runtime.session import Session
@@ -579,9 +579,11 @@ class JobSession(Session):
             ending = Ending.CLOSED   # left: depart() told the server
             raise
         except (SettingsMismatchError, CollectiveMismatchError) as e:
-            if e.outvoted:   # no graceful leave: the majority's reports evict it, and that counts against its host
-                ending = Ending.CLOSED
-            raise
+            if not e.outvoted:
+                raise
+            ending = Ending.CLOSED   # no graceful leave: the majority's reports evict it, counted against its host
+            log.error("worker %s: %s", self.config.worker_id, e)
+            raise Outvoted(e) from e
         finally:
             self.release_leave_signals()
             # The last durable commit may still be on the writer thread: on disk before success

@@ -85,6 +85,28 @@ def test_worker_killed_without_respawn_leaves_a_smaller_world_that_finishes(laun
     assert not os.path.exists(os.path.join(p.out_dir, "pid-hA-2-r1.txt"))
 
 
+def test_a_worker_outvoted_every_time_is_respawned_until_its_third_divergence_and_the_job_goes_on(launch):
+    # Slot 2 runs a "stale image": in a world of three it allreduces one element more than the
+    # others. The world compares what each rank called, the two others outvote it, it exits 76
+    # (elastic.Outvoted); elastic-run respawns it twice, then says why it stops, and the other
+    # two finish the job.
+    p = launch("--np", "3", "--min-np", "2", "--host", "hA", "--max-restarts", "5", LW_STEPS="120",
+               LW_DIVERGE="2:4")
+    for n, label in enumerate(["hA-2", "hA-2-r1", "hA-2-r2"], start=1):
+        line = p.wait_for(rf"worker {label} \(rank \d\) exited with status 76 \(outvoted: it called other collectives, "
+                          r"or formed its ring with other settings, than the majority of its world\); (.*)$", 90)
+        if n < 3:
+            assert line.group(1).startswith(f"respawning it in ") and f"outvoted {n} of 3 times" in line.group(1)
+        else:
+            assert line.group(1).startswith("not respawned: outvoted 3 times"), line.group(0)
+    assert p.wait(120) == 0, p.text()
+    assert sorted(l for l in p.stdout if l.endswith("] done")) == ["[hA-0] done", "[hA-1] done"]
+    outvoted = [l for l in p.stderr if l.startswith("[hA-2") and "differs from the majority of the world" in l]
+    assert len(outvoted) == 3, p.text()
+    assert not os.path.exists(os.path.join(p.out_dir, "pid-hA-2-r3.txt"))
+    p.wait_no_leftovers()
+
+
 def test_below_min_np_fails_within_the_elastic_timeout_and_leaves_nothing(launch):
     p = launch("--np", "2", "--min-np", "2", "--max-restarts", "0", "--elastic-timeout", "3", "--host", "hA",
                LW_STEPS="100000")

@@ -4,7 +4,7 @@ import pytest
 
 from elastic.launch.discovery import DiscoveryError, local_slots, parse_hosts
 from elastic.launch.outcome import WorkerEnd, completion_failure
-from elastic.launch.procs import describe_exit, exception_line, signal_of
+from elastic.launch.procs import DIVERGED_LIMIT, ExitPlan, describe_exit, exception_line, plan_exit, signal_of
 from elastic.launch.report import Reporter
 import dataclasses
 
@@ -204,10 +204,35 @@ def test_local_slots_count_every_name_of_this_host():
 @pytest.mark.parametrize("code, text, sig", [
     (-9, "killed by SIGKILL", 9), (137, "killed by SIGKILL", 9), (1, "exited with status 1", None),
     (0, "exited with status 0", None),
+    (76, "exited with status 76 (outvoted: it called other collectives, or formed its ring with other settings, "
+         "than the majority of its world)", None),
 ])
 def test_exit_statuses_are_described_and_signals_recognised(code, text, sig):
     assert describe_exit(code) == text
     assert signal_of(code) == sig
+
+
+@pytest.mark.parametrize("code, restarts, max_restarts, outvoted, plan", [
+    # its own error ends the launcher
+    (1, 0, 3, 0, ExitPlan(False, fail=True)),
+    (0, 0, 3, 0, ExitPlan(False, fail=True)),
+    # killed by a signal, or wedged in a device abort: respawned while restarts are left
+    (-9, 0, 3, 0, ExitPlan(True, 0.5, "respawning it in 0.5 s (restart 1 of 3)")),
+    (75, 2, 3, 0, ExitPlan(True, 2.0, "respawning it in 2.0 s (restart 3 of 3)")),
+    (137, 3, 3, 0, ExitPlan(False, note="not respawned (--max-restarts 3 used up)")),
+    (-9, 0, 0, 0, ExitPlan(False, note="not respawned (--max-restarts 0)")),
+    # outvoted: respawned (a branch may not diverge again) until the slot was outvoted 3 times
+    (76, 0, 3, 0, ExitPlan(True, 0.5, "respawning it in 0.5 s (restart 1 of 3, outvoted 1 of 3 times)")),
+    (76, 1, 3, 1, ExitPlan(True, 1.0, "respawning it in 1.0 s (restart 2 of 3, outvoted 2 of 3 times)")),
+    (76, 2, 9, 2, ExitPlan(False, note="not respawned: outvoted 3 times (check that every host runs the same "
+                                       "program and image with the same ELASTIC_* ring settings); the job goes on "
+                                       "without it")),
+    (76, 1, 1, 1, ExitPlan(False, note="not respawned (--max-restarts 1 used up)")),
+])
+def test_what_elastic_run_does_about_a_worker_that_exited_while_the_job_ran(code, restarts, max_restarts, outvoted,
+                                                                            plan):
+    assert DIVERGED_LIMIT == 3
+    assert plan_exit(code, restarts, max_restarts, outvoted) == plan
 
 
 def test_the_reason_of_a_failed_worker_is_its_exception_line_even_with_noise_after_it():

@@ -11,6 +11,8 @@ LW_EXIT_AFTER_RUN=WORKER:CODE that worker exits with CODE after the job complete
 LW_SKIP_BARRIER=WORKER:SECONDS after the run every worker calls elastic.barrier() on the kept ring
 but that worker, which sleeps SECONDS instead (a member that skips the script's final barrier);
 LW_RAISE_ON=WORKER:SIZE that worker raises ValueError at its first step in a world of SIZE;
+LW_DIVERGE=SLOT:STEP the workers of that slot (every incarnation: a stale image) allreduce one
+element more than the others at their first step numbered STEP or later in a world of 3 or more;
 LW_PAUSE=RANK:STEP:SECONDS the worker of that rank works alone for SECONDS after STEP (once);
 LW_PRINT_ENV=1 prints torchrun's variables at start ("env ...") and at the first step of each
 world ("world env ...");
@@ -61,6 +63,8 @@ RAISE_AT = int(os.environ.get("LW_RAISE_AT", "-1"))
 RAISE_ON, _, RAISE_SIZE = os.environ.get("LW_RAISE_ON", "").partition(":")
 FINISH_AT = os.environ.get("LW_FINISH_AT", "")
 PAUSE = [float(x) for x in os.environ["LW_PAUSE"].split(":")] if os.environ.get("LW_PAUSE") else None
+DIVERGE_SLOT, _, DIVERGE_STEP = os.environ.get("LW_DIVERGE", "").partition(":")
+SLOT = WORKER.split("-")[1] if WORKER.count("-") >= 1 else ""   # hA-2 and hA-2-r1: slot 2
 paused = False   # this process paused already (not state: a restore must not pause it again)
 
 with open(os.path.join(OUT, f"pid-{WORKER}.txt"), "w") as f:
@@ -91,7 +95,10 @@ def train(state):
             raise ValueError(f"deterministic user error at step {state.step}")
         # The finish flag rides on the step's allreduce: every rank ends after the same step.
         finish = 1.0 if FINISH_AT and os.path.exists(FINISH_AT) else 0.0
-        summed = elastic.allreduce(np.array([1, 1, 1, 1, finish], dtype=np.float32), elastic.Sum)
+        ones = [1, 1, 1, 1]
+        if SLOT == DIVERGE_SLOT and state.step >= int(DIVERGE_STEP) and elastic.size() >= 3:
+            ones.append(1)   # one element more: another collective than the others'
+        summed = elastic.allreduce(np.array([*ones, finish], dtype=np.float32), elastic.Sum)
         state.total += float(summed[0])
         state.step += 1
         print(f"step {state.step} size {elastic.size()}", flush=True)
