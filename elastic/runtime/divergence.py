@@ -11,7 +11,9 @@ allgather of every rank's ``Record`` (``encode``/``decode``, a fixed row: nothin
 sizes anything). ``judge`` decides on
 every rank alike:
 
-* No record of the newest failed world says a mismatch: nothing to judge (a failure, not a divergence).
+* The failed world is the one most ranks recorded (ties: the newest), older than the world that
+  compares (a record of that world or a later one is forged: no record). No record of it says a
+  mismatch: nothing to judge (a failure, not a divergence).
 * The participants are the ranks that recorded that world. They are compared at one sequence
   number, the one most of those in a collective failed at (ties: the lowest): a rank that failed
   in another collective (a member died while the others were one collective apart), or in none
@@ -23,14 +25,18 @@ every rank alike:
   it ends with ``CollectiveMismatchError`` (outvoted), and the others go on.
 * Every participant in a collective at one sequence number, at least two of them, and no call
   more than half of them recorded: no majority explains it (a world of two, a three-way split, every rank calling its
-  own size: a bug in the program). Every rank stops with one line naming each rank's call (``NoMajority``).
+  own size: a bug in the program). Every participant stops with one line naming each rank's call
+  (``NoMajority``); the others (newcomers, which took no part in that world) go on without them.
 * Anything else (every participant recorded the same call): nothing to judge.
 
 A member that lies in its record can only make itself the odd one or escape judgement: the honest
-ranks' calls at one sequence number are the same, and they are the majority in a world of three or
-more. (One that escapes by claiming another call diverges again, and the world re-forms again: the
-receiver alone sees what it sent.) Descriptions are shown, never compared: the decision is on
-numbers only.
+ranks' calls at one sequence number are the same (a call is what the rank itself asked for: sizes
+a peer announced, an allgather's or a broadcast_object's, are not part of it, so a relay cannot
+make honest calls differ), and they are the majority in a world of three or more. (One that
+escapes by claiming another call diverges again, and the world re-forms again: the receiver alone
+sees what it sent.) A newcomer that forges a record can only stop itself and the participants
+with no majority, never a world with one. Descriptions are shown, never compared: the decision
+is on numbers only.
 """
 
 from __future__ import annotations
@@ -116,12 +122,13 @@ class NoMajority:
 Verdict = Union[Nothing, Diverged, NoMajority]
 
 
-def judge(records: Sequence[Optional[Record]]) -> Verdict:
-    """The verdict on every rank's record (index: rank), as the module doc says."""
-    held = [(r, rec) for r, rec in enumerate(records) if rec is not None]
+def judge(records: Sequence[Optional[Record]], world_version: int) -> Verdict:
+    """The verdict on every rank's record (index: rank) in world ``world_version``, as the module doc says."""
+    held = [(r, rec) for r, rec in enumerate(records) if rec is not None and rec.world_version < world_version]
     if not held:
         return Nothing()
-    newest = max(rec.world_version for _, rec in held)
+    versions = collections.Counter(rec.world_version for _, rec in held)
+    newest = max(versions, key=lambda v: (versions[v], v))
     part = [(r, rec) for r, rec in held if rec.world_version == newest]
     called = [(r, rec) for r, rec in part if rec.call is not None]
     if not called or not any(rec.mismatch for _, rec in part):
@@ -142,12 +149,14 @@ def judge(records: Sequence[Optional[Record]]) -> Verdict:
 
 
 def verdict_error(verdict: Union[Diverged, NoMajority], rank: int, world_version: int,
-                  name: Callable[[int], str]) -> ElasticError:
+                  name: Callable[[int], str]) -> Optional[ElasticError]:
     """What rank ``rank`` of world ``world_version`` (the world that compared) raises for
     ``verdict``: outvoted, it ends (``CollectiveMismatchError``); one of the others blames the
-    first odd rank (``BadPeerError``, blame ``DIVERGED``); without a majority every rank ends.
-    ``name(r)`` says who rank ``r`` is ("worker W (rank R)")."""
+    first odd rank (``BadPeerError``, blame ``DIVERGED``); without a majority every participant
+    ends, and the others raise nothing (None). ``name(r)`` says who rank ``r`` is ("worker W (rank R)")."""
     where = f"collective mismatch in world version {verdict.world_version}"
+    if isinstance(verdict, NoMajority) and rank not in dict(verdict.calls):
+        return None
     if isinstance(verdict, NoMajority):
         calls = "; ".join(f"{name(r)} called {shown(c.describe)}" for r, c in verdict.calls)
         return CollectiveMismatchError(

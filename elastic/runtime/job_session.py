@@ -478,6 +478,7 @@ class JobSession(Session):
             self._view = reaction.holding(self._view, world.world_version, formed=True)
             if reaction.aborted_while_forming(self._view, world.world_version):
                 self.abort_ring(f"world version {world.world_version} was aborted while forming", comm)
+        self.check_divergence(comm)   # the first collective of every ring, whoever formed it (elastic.init too)
         if self.metrics is not None:
             self.metrics.world_formed(world.world_version, world.rank, world.size)
         world_env.publish(world.rank, world.size)
@@ -596,7 +597,6 @@ class JobSession(Session):
     def _form_next(self, min_version: int, restored: bool) -> None:
         started, previous = time.monotonic(), self.world
         self.form(self.next_world(min_version))
-        self.check_divergence(self.ring("the comparison of the last ring's failure"))
         log.info("worker %s is rank %d of %d in world version %d (formed in %.3f s)", self.config.worker_id,
                  self.world.rank, self.world.size, self.world.world_version, time.monotonic() - started)
         change = WorldChange(previous, self.world, restored)
@@ -638,7 +638,7 @@ class JobSession(Session):
         a RuntimeError when its comm hook's allreduce fails) becomes that ring's WorkerLostError."""
         try:
             return func(state, *args, **kwargs)
-        except (WorkerLostError, MembershipChanged, HandshakeError, RendezvousError):
+        except (WorkerLostError, CollectiveMismatchError, MembershipChanged, HandshakeError, RendezvousError):
             raise
         except Exception as e:
             lost = self.noted_failure()

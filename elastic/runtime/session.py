@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 from rendezvous.client.watch_events import WorldInfo
 
@@ -96,13 +96,15 @@ class Session:
         self.state: Any = None                      # the State elastic.run runs in this session
         self.completions = Completions()            # async allreduces completed in order (DDP's buckets)
         self._lock = threading.Lock()
-        self._failure: Optional[WorkerLostError] = None
+        self._failure: Optional[Union[WorkerLostError, CollectiveMismatchError]] = None
         self._sync_clock: Optional[Tuple[Communicator, Any]] = None   # opened by start_sync_clock
         # Warns (rank 0) when training goes long without a commit; JobSession sets its limits.
         self.commit_watch = CommitWatch(warn=self._warn_on_rank_0)
         self.stepped_world = 0                      # the newest world it trained in (note_progress)
-        # What this rank's last ring failed in, compared in the next world (record_failure).
+        # What this rank's last ring failed in, compared in the next world (record_failure), and
+        # the world whose comparison passed last: only a failure of a world it trained in counts.
         self.failed_record: Optional[divergence.Record] = None
+        self.compared_world = 0
 
     # ------------------------------------------------------------------ where this worker is
     def ring(self, what: str = "") -> Communicator:
@@ -255,9 +257,10 @@ class Session:
     def record_failure(self, error: BaseException, ring_world_version: int) -> None:
         """Keeps what the ring of ``ring_world_version`` failed in on this rank (the collective,
         or none: it was computing), for the next world's comparison (``elastic.runtime.divergence``).
-        A failure to form, or of the comparison itself, keeps the record there is."""
+        Only a world whose comparison passed (it trained there) counts: a failure to form, to
+        check the ring's settings, or of the comparison itself keeps the record there is."""
         if isinstance(error, (WorkerLostError, CollectiveMismatchError)) and ring_world_version > 0 \
-                and error.world_version == ring_world_version and error.op not in ("form", divergence.OP) \
+                and error.world_version == ring_world_version == self.compared_world \
                 and not getattr(error, "decided", False):
             self.failed_record = divergence.Record(ring_world_version, isinstance(error, CollectiveMismatchError),
                                                    error.call)
@@ -268,19 +271,19 @@ class Session:
         return f"worker {member.worker_id} (rank {rank})" if member is not None else f"rank {rank}"
 
     def check_divergence(self, comm: Communicator) -> None:
-        """The first collective of every world ``elastic.run`` forms, before its layers see it:
-        every rank's record of what its last ring failed in, compared (``elastic.runtime.
-        divergence``). Raises the verdict's error when a rank diverged or no call is the
-        majority's; the records stay until a comparison finds nothing."""
-        record, self.failed_record = self.failed_record, None
-        if comm.size == 1:
-            return
-        rows = comm.allgather_equal(divergence.encode(record))
-        verdict = divergence.judge([divergence.decode(row) for row in rows])
-        if isinstance(verdict, divergence.Nothing):
-            return
-        self.failed_record = record
-        raise divergence.verdict_error(verdict, comm.rank, comm.world_version, self.name_rank)
+        """The first collective on every ring a job session forms, after its settings check and
+        before any layer sees the world: every rank's record of what its last ring failed in,
+        compared (``elastic.runtime.divergence``). Raises the verdict's error when a rank
+        diverged or no call is the majority's; the record stays until a comparison passes."""
+        if comm.size > 1:
+            rows = comm.allgather_equal(divergence.encode(self.failed_record))
+            verdict = divergence.judge([divergence.decode(row) for row in rows], comm.world_version)
+            if not isinstance(verdict, divergence.Nothing):
+                error = divergence.verdict_error(verdict, comm.rank, comm.world_version, self.name_rank)
+                if error is not None:
+                    raise error
+        self.failed_record = None
+        self.compared_world = comm.world_version
 
     def sync(self, state: Any) -> None:
         """Makes every rank hold the most advanced rank's commit (or rank 0's state before any)."""
@@ -328,14 +331,14 @@ class Session:
                 log.exception("a layer failed to abort its work behind the ring: %s", reason)
 
     # ------------------------------------------------------------------ failures a layer above caught
-    def note_failure(self, err: WorkerLostError) -> None:
-        """A ring failure that a layer above turned into another error (torch makes a
-        ``RuntimeError`` of a failed DDP comm hook): ``noted_failure`` gives it back."""
+    def note_failure(self, err: Union[WorkerLostError, CollectiveMismatchError]) -> None:
+        """A ring failure (or mismatch) that a layer above turned into another error (torch makes
+        a ``RuntimeError`` of a failed DDP comm hook): ``noted_failure`` gives it back."""
         with self._lock:
             if self._failure is None or err.world_version >= self._failure.world_version:
                 self._failure = err
 
-    def noted_failure(self) -> Optional[WorkerLostError]:
+    def noted_failure(self) -> Optional[Union[WorkerLostError, CollectiveMismatchError]]:
         """The ring failure noted for the ring held now (or for none): what the loop raises in
         place of the error that escaped the training function."""
         with self._lock:

@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from elastic.ring.errors import WorkerLostError
+from elastic.ring.errors import CollectiveMismatchError, WorkerLostError
 from elastic.ring.ops import Average
 from elastic.runtime import current
 from elastic.state.states import training_forward_begins
@@ -51,7 +51,8 @@ def _completer(fut: torch.futures.Future, buf: torch.Tensor, session: Any, what:
         if error is None:
             fut.set_result(buf)
             return
-        if isinstance(error, WorkerLostError) and session is not None:
+        # A mismatch too: the world compares what each rank called (a stale image's buckets differ).
+        if isinstance(error, (WorkerLostError, CollectiveMismatchError)) and session is not None:
             session.note_failure(error)
         fut.set_exception(RuntimeError(f"{what}: {error}"))
 

@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from elastic.ring.errors import WorkerLostError
+from elastic.ring.errors import CollectiveMismatchError, WorkerLostError
 from elastic.runtime import current, world
 from elastic.runtime.errors import RendezvousError
 from elastic.runtime.worker_config import default_group_from_env
@@ -223,7 +223,7 @@ class ElasticProcessGroup(dist.ProcessGroup, objects.RingGroup):
         """``fn(*args)``, the ring failure it raises noted by the session."""
         try:
             return fn(*args)
-        except WorkerLostError as e:
+        except (WorkerLostError, CollectiveMismatchError) as e:   # a mismatch: the world compares the calls
             self._note(e)
             raise
 

@@ -371,6 +371,9 @@ void Communicator::broadcast(void* buf, size_t bytes, int root) {
     if (size() == 1 || bytes == 0) return;
     OpInfo info = make_op("broadcast", op_tag({2, bytes, uint64_t(root)}),
                           std::to_string(bytes) + " bytes from rank " + std::to_string(root));
+    // The size may be what the root announced (broadcast_object): a relay could make it differ
+    // on one rank, so the call a rank reports is the broadcast and its root only.
+    info.call_tag = op_tag({2, uint64_t(root)});
     BroadcastPlan plan(static_cast<char*>(buf), bytes, rank_, size(), root, cfg_.segment_bytes);
     links_->run(plan, info);
   });
@@ -398,6 +401,7 @@ void Communicator::allgather(const void* in, void* out, const std::vector<uint64
     if (dst != in && b.len[rank_]) std::memmove(dst, in, b.len[rank_]);
     if (n == 1) return;
     OpInfo info = make_op("allgather", h, std::to_string(at) + " bytes in all");
+    info.call_tag = op_tag({3});   // the sizes came from the peers: the call a rank reports is "an allgather"
     AllgatherPlan plan(static_cast<char*>(out), b, rank_, n, cfg_.segment_bytes);
     links_->run(plan, info);
   });

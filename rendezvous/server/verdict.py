@@ -4,7 +4,8 @@ A peer's ReportFailure is evidence, not a verdict. It either says the suspect fa
 silent, slow: a failure report) or accuses it (`Blame`: its address is unusable or what it sent
 cannot be received, its row of a commit's membership check was impossible, it claimed a change or
 a leave that did not happen, it diverged from the majority). One member's word evicts nobody
-alive: an accusation needs a majority. The rules, in the order they apply:
+alive but itself: an accusation needs a majority, or (a dispute over one link) costs the accuser
+its place too. The rules, in the order they apply:
 
 * A report about another world than the current one is stale: it is dismissed.
 * Only a member of the world may report; anyone else is refused.
@@ -28,9 +29,10 @@ alive: an accusation needs a majority. The rules, in the order they apply:
   the server could not see (a false pending change or leave) is then dismissed: the accuser goes
   on training. What one link carried (Blame UNUSABLE: an address that leads nowhere, bytes that
   cannot be received) is seen by the link's two ends only: in a world of three or more nobody
-  else can tell which of them is wrong, and a ring cannot hold both, so both are evicted (each
-  may join again; each counts against its host, so a member in every dispute is the first
-  blacklisted) and the others go on. Any other leaves the accuser's ring broken, so the world is
+  else can tell which of them is wrong, and a ring cannot hold both, so when they hold a link
+  (ring neighbours, one host, two leaders) both are evicted and the others go on. Each may join
+  again; neither counts against its host (a host is what a worker says it is); one accuser has
+  one dispute, as it leaves with it. Any other leaves the accuser's ring broken, so the world is
   aborted and formed again.
 * A suspect with a stream is probed, and its answer awaited for the heartbeat timeout. Losing its
   stream meanwhile evicts it. Answering, or keeping its connection alive to the end (keepalive is
@@ -101,6 +103,7 @@ class Inquiry:
     reattach_until: float            # when leadership began + the heartbeat timeout
     heartbeat_timeout_s: float
     suspect_seq: Optional[int] = None       # the suspect's join_seq once the report is admitted
+    reporter_seq: Optional[int] = None      # and the reporter's: a dispute needs the same reporter still there
     probe_deadline: Optional[float] = None  # once the suspect is probed: how long its answer counts
     corroboration_deadline: Optional[float] = None   # an accusation: how long the others' are awaited
 
@@ -150,7 +153,8 @@ class AwaitCorroboration:
 
 @dataclass(frozen=True)
 class Evict:
-    """Evict the suspect for `reason`; answer `evicted=True` once that is stored."""
+    """Evict the suspect for `reason` (and the reporter with it: `reporter_too`); answer
+    `evicted=True` once that is stored."""
 
     reason: str
     cause: d.Departure
@@ -200,7 +204,8 @@ def judge_report(state: d.JobState, stream: SuspectStream, report: Report, heard
         if report.blame is Blame.FALSE_PENDING and announced_change(state, report.world_version):
             return inquiry, Dismiss(f"the server did announce a change of world {report.world_version}: "
                                     f"{suspect}'s claim was true")
-        inquiry = replace(inquiry, suspect_seq=state.workers[suspect].join_seq)
+        inquiry = replace(inquiry, suspect_seq=state.workers[suspect].join_seq,
+                          reporter_seq=state.workers[report.reporter].join_seq)
     current = state.workers.get(suspect)
     if current is None or current.join_seq != inquiry.suspect_seq:
         probed = inquiry.probe_deadline is not None
@@ -261,12 +266,29 @@ def _accusation(state: d.JobState, stream: SuspectStream, report: Report, inquir
              f"of world {report.world_version}")
     if report.blame in _CLAIMS:
         return inquiry, Dismiss(f"{alone}: not evicted")
-    if report.blame is Blame.UNUSABLE and len(state.world) >= 3:
+    if report.blame is Blame.UNUSABLE and len(state.world) >= 3 and linked(state, report.reporter, report.suspect):
+        reporter = state.workers.get(report.reporter)
+        if reporter is None or reporter.join_seq != inquiry.reporter_seq or not state.in_world(report.reporter):
+            return inquiry, Dismiss(f"{alone}: the accuser is gone (one dispute per accuser); not evicted")
+        # Neither counts against its host: a host is what a worker says it is, and nothing tells
+        # which of the two was wrong.
         return inquiry, Evict(f"{alone}, over their link only: a dispute nobody else can settle, both evicted; {why}",
-                              d.Departure.DISPUTED, True, f"{alone}: both evicted (a dispute over their link)",
+                              d.Departure.DISPUTED, False, f"{alone}: both evicted (a dispute over their link)",
                               reporter_too=True)
     return inquiry, _ring_broken(state, report, why, f"{alone}: not evicted; world {report.world_version} "
                                                      f"re-formed")
+
+
+def linked(state: d.JobState, a: str, b: str) -> bool:
+    """Whether members `a` and `b` of `state`'s world hold a ring link: neighbours on the flat
+    ring, ranks of one host (its local ring), or neighbouring hosts' leaders (the leaders' ring)."""
+    ma, mb = state.member(a), state.member(b)
+    if ma is None or mb is None:
+        return False
+    n = len(state.world)
+    leaders = ma.local_rank == 0 == mb.local_rank and ma.cross_size > 1 \
+        and (ma.cross_rank - mb.cross_rank) % ma.cross_size in (1, ma.cross_size - 1)
+    return (ma.rank - mb.rank) % n in (1, n - 1) or ma.host == mb.host or leaders
 
 
 def corroborated(state: d.JobState, suspect: str, heard: Heard) -> bool:

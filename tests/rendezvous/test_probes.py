@@ -130,7 +130,7 @@ def test_a_dispute_over_one_link_no_other_member_joins_evicts_both_ends():
     svc = Service(with_streams(), step=10 * HEARTBEAT_TIMEOUT_S)
     answer = judge(svc, *report(unusable=True))
     assert answer.evicted and "both evicted" in answer.detail
-    assert svc.evicted == [("b", d.Departure.DISPUTED, True), ("a", d.Departure.DISPUTED, True)]
+    assert svc.evicted == [("b", d.Departure.DISPUTED, False), ("a", d.Departure.DISPUTED, False)]
 
 
 def test_a_suspect_that_lost_its_stream_under_this_leader_is_evicted_and_counted():

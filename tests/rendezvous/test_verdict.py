@@ -32,7 +32,7 @@ def fresh(reattach_until: float = NOW - 1.0) -> Inquiry:
 
 
 def admitted(state=WORLD, **kw) -> Inquiry:
-    return replace(fresh(), suspect_seq=state.workers["b"].join_seq, **kw)
+    return replace(fresh(), suspect_seq=state.workers["b"].join_seq, reporter_seq=state.workers["a"].join_seq, **kw)
 
 
 def probed(deadline: float = NOW + 1.0, state=WORLD) -> Inquiry:
@@ -159,12 +159,39 @@ def test_an_accusation_of_what_the_whole_world_saw_left_alone_re_forms_the_world
     assert isinstance(v, RingBroken) and v.cause == "uncorroborated_accusation"
 
 
-def test_a_dispute_over_one_link_left_alone_evicts_both_ends_and_counts_against_both():
+def test_a_dispute_over_one_link_left_alone_evicts_both_ends_and_counts_against_neither():
     # Only the link's two ends saw what it carried: nobody else can tell which is wrong.
     v = verdict(rep=report(blame=Blame.UNUSABLE), inquiry=admitted(corroboration_deadline=NOW))
-    assert isinstance(v, Evict) and v.reporter_too and v.count_failure and v.cause is d.Departure.DISPUTED
+    assert isinstance(v, Evict) and v.reporter_too and not v.count_failure and v.cause is d.Departure.DISPUTED
     assert "accused (unusable) by a alone" in v.reason and "both evicted" in v.reason
     assert v.cause.eviction == "dispute"
+
+
+def test_an_accuser_gone_by_the_deadline_has_no_dispute_left():
+    # One accuser, many accusations at once: the first dispute takes it out; the others are dismissed.
+    gone = replace(WORLD, workers={w: rec for w, rec in WORLD.workers.items() if w != "a"})
+    v = verdict(rep=report(blame=Blame.UNUSABLE), state=gone, inquiry=admitted(corroboration_deadline=NOW))
+    assert isinstance(v, Dismiss) and "the accuser is gone" in v.detail
+
+
+def test_no_dispute_between_members_without_a_link():
+    # In a world of five on five hosts, a rank two places away holds no link with the accuser:
+    # the world re-forms and nobody is evicted; its ring neighbour (the ring wraps) does.
+    five = running(["a", "b", "c", "d", "e"], max_np=5)
+    by_rank = {m.rank: m.worker_id for m in five.world}
+    accuser = by_rank[0]
+
+    def dispute(suspect):
+        inquiry = replace(fresh(), suspect_seq=five.workers[suspect].join_seq,
+                          reporter_seq=five.workers[accuser].join_seq, corroboration_deadline=NOW)
+        return verdict(rep=report(reporter=accuser, suspect=suspect, blame=Blame.UNUSABLE), state=five,
+                       inquiry=inquiry)
+
+    assert isinstance(dispute(by_rank[2]), RingBroken)
+    assert isinstance(dispute(by_rank[3]), RingBroken)
+    for neighbour in (by_rank[1], by_rank[4]):
+        v = dispute(neighbour)
+        assert isinstance(v, Evict) and v.reporter_too
 
 
 def test_a_dispute_waits_for_the_others_first():
