@@ -23,8 +23,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from elastic.sharded import reshard
+from rendezvous.wire.membership import Blame
+
 from elastic.ring.errors import BadPeerError, CollectiveMismatchError, ErrorKind
+from elastic.sharded import reshard
 
 
 def dtensor_types():
@@ -335,7 +337,7 @@ def move(comm, decision: reshard.Resume, table: List[list], own, buddy, new: Dic
             raise BadPeerError(f"ShardedState reshard in world version {comm.world_version}: rank {sender} sent "
                                f"other than the {got.numel()} bytes every rank planned for this shift ({e})",
                                op="sync", world_version=comm.world_version, rank=me, peer=sender,
-                               kind=ErrorKind.BadPeer) from None
+                               kind=ErrorKind.BadPeer, blame=Blame.UNRECEIVABLE) from None
         received += got.numel()
         at = 0
         for i in into:

@@ -28,12 +28,14 @@ its place too. The rules, in the order they apply:
 * An accusation no majority joins within twice the heartbeat timeout evicts nobody alone. A claim
   the server could not see (a false pending change or leave) is then dismissed: the accuser goes
   on training. What one link carried (Blame UNUSABLE: an address that leads nowhere, bytes that
-  cannot be received) is seen by the link's two ends only: in a world of three or more nobody
-  else can tell which of them is wrong, and a ring cannot hold both, so when they hold a link
-  (ring neighbours, one host, two leaders) both are evicted and the others go on. Each may join
-  again; neither counts against its host (a host is what a worker says it is); one accuser has
-  one dispute, as it leaves with it. Any other leaves the accuser's ring broken, so the world is
-  aborted and formed again.
+  cannot be received) is seen by the link's two ends only. Bytes that cannot be received (Blame
+  UNRECEIVABLE: more than a shift planned) no other member will ever see, so in a world of three
+  or more, between two members that hold a link (ring neighbours, one host, neighbouring
+  leaders), it is a dispute: nobody else can tell which of them is wrong and a ring cannot hold
+  both, so both are evicted and the others go on. An address that leads nowhere (UNUSABLE) is
+  seen by the other neighbour too, at its form timeout, so its report joins a later majority. Each may join again; neither counts against its host (a host is
+  what a worker says it is); one accuser has one dispute, as it leaves with it. Any other leaves
+  the accuser's ring broken, so the world is aborted and formed again.
 * A suspect with a stream is probed, and its answer awaited for the heartbeat timeout. Losing its
   stream meanwhile evicts it. Answering, or keeping its connection alive to the end (keepalive is
   answered by gRPC's C core even while training code holds the GIL), keeps it: nobody is evicted,
@@ -214,7 +216,7 @@ def judge_report(state: d.JobState, stream: SuspectStream, report: Report, heard
     if corroborated(state, suspect, heard):
         blames = heard.blames()
         cause = (d.Departure.DIVERGED if Blame.DIVERGED in blames else
-                 d.Departure.UNUSABLE_ADDRESS if blames == {Blame.UNUSABLE} else d.Departure.BLAMED)
+                 d.Departure.UNUSABLE_ADDRESS if blames <= {Blame.UNUSABLE, Blame.UNRECEIVABLE} else d.Departure.BLAMED)
         accusers = sorted(heard.reporters(suspect))
         # The count first: the reporter's words may be cut short where the reason is shown.
         return inquiry, Evict(f"{_ACCUSED[cause]} (reported by {len(accusers)} of the {len(state.world) - 1} "
@@ -266,7 +268,9 @@ def _accusation(state: d.JobState, stream: SuspectStream, report: Report, inquir
              f"of world {report.world_version}")
     if report.blame in _CLAIMS:
         return inquiry, Dismiss(f"{alone}: not evicted")
-    if report.blame is Blame.UNUSABLE and len(state.world) >= 3 and linked(state, report.reporter, report.suspect):
+    # Bytes one link carried are seen by its receiver alone. (An address that leads nowhere is
+    # seen by the other neighbour too, at its form timeout: its report joins a later majority.)
+    if report.blame is Blame.UNRECEIVABLE and len(state.world) >= 3 and linked(state, report.reporter, report.suspect):
         reporter = state.workers.get(report.reporter)
         if reporter is None or reporter.join_seq != inquiry.reporter_seq or not state.in_world(report.reporter):
             return inquiry, Dismiss(f"{alone}: the accuser is gone (one dispute per accuser); not evicted")

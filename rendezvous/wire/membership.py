@@ -70,3 +70,4 @@ class Blame(str, enum.Enum):
     FALSE_PENDING = "FALSE_PENDING"    # it claimed a membership change the server never announced
     FALSE_LEAVE = "FALSE_LEAVE"        # it said at a commit that it leaves, and did not
     DIVERGED = "DIVERGED"              # it ran another collective, or other ring settings, than the majority
+    UNRECEIVABLE = "UNRECEIVABLE"      # it sent the reporter, over their link only, what cannot be received

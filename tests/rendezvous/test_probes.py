@@ -126,9 +126,9 @@ def test_an_accusation_no_other_member_joins_evicts_nobody_and_the_world_is_form
     assert svc.recorded[0][1]["cause"] == "uncorroborated_accusation"
 
 
-def test_a_dispute_over_one_link_no_other_member_joins_evicts_both_ends():
+def test_bytes_only_the_receiver_saw_no_other_member_joins_evicts_both_ends():
     svc = Service(with_streams(), step=10 * HEARTBEAT_TIMEOUT_S)
-    answer = judge(svc, *report(unusable=True))
+    answer = judge(svc, *report(blame=Blame.UNRECEIVABLE))
     assert answer.evicted and "both evicted" in answer.detail
     assert svc.evicted == [("b", d.Departure.DISPUTED, False), ("a", d.Departure.DISPUTED, False)]
 

@@ -159,18 +159,24 @@ def test_an_accusation_of_what_the_whole_world_saw_left_alone_re_forms_the_world
     assert isinstance(v, RingBroken) and v.cause == "uncorroborated_accusation"
 
 
-def test_a_dispute_over_one_link_left_alone_evicts_both_ends_and_counts_against_neither():
-    # Only the link's two ends saw what it carried: nobody else can tell which is wrong.
+def test_an_unusable_address_left_alone_re_forms_the_world():
+    # The other neighbour's report may come only at its form timeout: a later world's majority.
     v = verdict(rep=report(blame=Blame.UNUSABLE), inquiry=admitted(corroboration_deadline=NOW))
+    assert isinstance(v, RingBroken) and v.cause == "uncorroborated_accusation"
+
+
+def test_a_dispute_over_one_link_left_alone_evicts_both_ends_and_counts_against_neither():
+    # Bytes only the receiver saw: nobody else can tell which is wrong, and a ring cannot hold both.
+    v = verdict(rep=report(blame=Blame.UNRECEIVABLE), inquiry=admitted(corroboration_deadline=NOW))
     assert isinstance(v, Evict) and v.reporter_too and not v.count_failure and v.cause is d.Departure.DISPUTED
-    assert "accused (unusable) by a alone" in v.reason and "both evicted" in v.reason
+    assert "accused (unreceivable) by a alone" in v.reason and "both evicted" in v.reason
     assert v.cause.eviction == "dispute"
 
 
 def test_an_accuser_gone_by_the_deadline_has_no_dispute_left():
     # One accuser, many accusations at once: the first dispute takes it out; the others are dismissed.
     gone = replace(WORLD, workers={w: rec for w, rec in WORLD.workers.items() if w != "a"})
-    v = verdict(rep=report(blame=Blame.UNUSABLE), state=gone, inquiry=admitted(corroboration_deadline=NOW))
+    v = verdict(rep=report(blame=Blame.UNRECEIVABLE), state=gone, inquiry=admitted(corroboration_deadline=NOW))
     assert isinstance(v, Dismiss) and "the accuser is gone" in v.detail
 
 
@@ -184,7 +190,7 @@ def test_no_dispute_between_members_without_a_link():
     def dispute(suspect):
         inquiry = replace(fresh(), suspect_seq=five.workers[suspect].join_seq,
                           reporter_seq=five.workers[accuser].join_seq, corroboration_deadline=NOW)
-        return verdict(rep=report(reporter=accuser, suspect=suspect, blame=Blame.UNUSABLE), state=five,
+        return verdict(rep=report(reporter=accuser, suspect=suspect, blame=Blame.UNRECEIVABLE), state=five,
                        inquiry=inquiry)
 
     assert isinstance(dispute(by_rank[2]), RingBroken)

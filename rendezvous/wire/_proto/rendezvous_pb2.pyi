@@ -245,12 +245,14 @@ class ReportFailureRequest(_message.Message):
         FALSE_PENDING: _ClassVar[ReportFailureRequest.Blame]
         FALSE_LEAVE: _ClassVar[ReportFailureRequest.Blame]
         DIVERGED: _ClassVar[ReportFailureRequest.Blame]
+        UNRECEIVABLE: _ClassVar[ReportFailureRequest.Blame]
     NONE: ReportFailureRequest.Blame
     UNUSABLE: ReportFailureRequest.Blame
     IMPOSSIBLE_ROW: ReportFailureRequest.Blame
     FALSE_PENDING: ReportFailureRequest.Blame
     FALSE_LEAVE: ReportFailureRequest.Blame
     DIVERGED: ReportFailureRequest.Blame
+    UNRECEIVABLE: ReportFailureRequest.Blame
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
