@@ -127,7 +127,7 @@ class Worker:
         self.job, self.n = job, n
         self.worlds: dict[int, tuple[float, int]] = {}   # version -> (time received, size)
         self.world_bytes: dict[int, int] = {}            # version -> bytes of its World message
-        self.changed = asyncio.Event()
+        self.awaited = None   # the Awaited this worker's next worlds are counted for
         self.task = None
         self.session = ""
 
@@ -156,18 +156,17 @@ class Worker:
                 if ev.WhichOneof("event") == "world":
                     self.worlds[ev.world.world_version] = (time.monotonic(), ev.world.size)
                     self.world_bytes[ev.world.world_version] = len(data)
-                    self.changed.set()
+                    if self.awaited is not None:
+                        self.awaited.check(self)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
 
-    async def until_world(self, size: int, deadline: float, after: int = 0) -> tuple[int, float]:
-        """(version, time received) of the first world of `size` members after version `after`."""
-        while True:
-            for v, (t, s) in sorted(self.worlds.items()):
-                if s == size and v > after:
-                    return v, t
-            self.changed.clear()
-            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
+    def first_world(self, size: int, after: int):
+        """(version, time received) of its first world of `size` members after version `after`, or None."""
+        for v, (t, s) in sorted(self.worlds.items()):
+            if s == size and v > after:
+                return v, t
+        return None
 
     async def crash(self) -> None:
         """Drop the connection without leaving, as a killed process would (a victim has its own)."""
@@ -222,6 +221,7 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     survivors = workers[victims_n:]
     cpu1 = server.cpu_s()
     etcd1 = etcd_received_bytes(etcd_url)
+    spies = _spy_on([server.proc.pid, os.getpid()], "reform")
     killed_at = time.monotonic()
     await asyncio.gather(*(v.crash() for v in victims))
     deadline = time.monotonic() + TIMEOUT_S
@@ -230,6 +230,7 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     versions = {v for v, _ in got}
     assert len(versions) == 1, "survivors disagree on the next world"
     result["recover_s"] = max(t for _, t in got) - killed_at
+    _stop_spies(spies)
     await asyncio.sleep(0.5)   # the server's last writes of this change (acknowledgements ride along)
     result["cpu_recover_s"] = server.cpu_s() - cpu1
     result["etcd_bytes"] = etcd_received_bytes(etcd_url) - etcd1
@@ -244,11 +245,59 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     return result
 
 
+def _spy_on(pids: list, phase: str) -> list:
+    """With BENCH_PYSPY=<folder>, py-spy samples the server and this process during `phase`
+    (flame-graph input, one file per process); otherwise nothing."""
+    folder = os.environ.get("BENCH_PYSPY")
+    if not folder:
+        return []
+    procs = [subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "--format", "raw",
+                               "-o", os.path.join(folder, f"{phase}-{'server' if i == 0 else 'client'}.txt")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, pid in enumerate(pids)]
+    time.sleep(1.0)   # py-spy attaches
+    return procs
+
+
+def _stop_spies(procs: list) -> None:
+    for p in procs:
+        p.send_signal(2)   # py-spy writes its samples on SIGINT
+    for p in procs:
+        p.wait(30)
+
+
+class Awaited:
+    """Each of `workers`' first world of `size` members after version `after`, noted by the worker's
+    own stream reader as the World arrives (one counter for all, rather than a waiting task per
+    worker: at 16,384 workers those tasks and their timers cost this process as much as reading
+    the messages did)."""
+
+    def __init__(self, workers: list, size: int, after: int):
+        self.size, self.after = size, after
+        self.got: dict = {}
+        self.done = asyncio.get_running_loop().create_future()
+        self.waiting = len(workers)
+        for w in workers:
+            w.awaited = self
+            self.check(w)
+
+    def check(self, w) -> None:
+        if id(w) in self.got:
+            return
+        first = w.first_world(self.size, self.after)
+        if first is not None:
+            self.got[id(w)] = first
+            self.waiting -= 1
+            if self.waiting == 0 and not self.done.done():
+                self.done.set_result(None)
+
+
 async def _all_hold(workers: list, size: int, deadline: float, after: int, what: str) -> list:
     """Each worker's (version, time) of its first world of `size` after `after`; on a timeout, an
     error that says which worlds the workers did hold (the last each heard of)."""
+    awaited = Awaited(workers, size, after)
     try:
-        return await asyncio.gather(*(w.until_world(size, deadline, after) for w in workers))
+        await asyncio.wait_for(asyncio.shield(awaited.done), max(0.01, deadline - time.monotonic()))
+        return [awaited.got[id(w)] for w in workers]
     except asyncio.TimeoutError:
         held: dict = {}
         for w in workers:
@@ -257,6 +306,9 @@ async def _all_hold(workers: list, size: int, deadline: float, after: int, what:
             held[key] = held.get(key, 0) + 1
         raise TimeoutError(f"{what} of {size} not held by every worker within {TIMEOUT_S:g} s; "
                            f"the last world each holds: {held}") from None
+    finally:
+        for w in workers:
+            w.awaited = None
 
 
 async def idle_cost(server: Server, workers: list, seconds: float = 5.0) -> dict:
