@@ -127,7 +127,7 @@ class Worker:
         self.job, self.n = job, n
         self.worlds: dict[int, tuple[float, int]] = {}   # version -> (time received, size)
         self.world_bytes: dict[int, int] = {}            # version -> bytes of its World message
-        self.awaited = None   # the Awaited this worker's next worlds are counted for
+        self.changed = asyncio.Event()
         self.task = None
         self.session = ""
 
@@ -156,17 +156,18 @@ class Worker:
                 if ev.WhichOneof("event") == "world":
                     self.worlds[ev.world.world_version] = (time.monotonic(), ev.world.size)
                     self.world_bytes[ev.world.world_version] = len(data)
-                    if self.awaited is not None:
-                        self.awaited.check(self)
+                    self.changed.set()
         except (grpc.RpcError, asyncio.CancelledError):
             pass
 
-    def first_world(self, size: int, after: int):
-        """(version, time received) of its first world of `size` members after version `after`, or None."""
-        for v, (t, s) in sorted(self.worlds.items()):
-            if s == size and v > after:
-                return v, t
-        return None
+    async def until_world(self, size: int, deadline: float, after: int = 0) -> tuple[int, float]:
+        """(version, time received) of the first world of `size` members after version `after`."""
+        while True:
+            for v, (t, s) in sorted(self.worlds.items()):
+                if s == size and v > after:
+                    return v, t
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
 
     async def crash(self) -> None:
         """Drop the connection without leaving, as a killed process would (a victim has its own)."""
@@ -246,8 +247,8 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
 
 
 def _spy_on(pids: list, phase: str) -> list:
-    """With BENCH_PYSPY=<folder>, py-spy samples the server and this process during `phase`
-    (flame-graph input, one file per process); otherwise nothing."""
+    """With BENCH_PYSPY=<folder>, py-spy (on PATH) samples the server and this process during
+    `phase`, one file of collapsed stacks per process; otherwise nothing."""
     folder = os.environ.get("BENCH_PYSPY")
     if not folder:
         return []
@@ -265,39 +266,11 @@ def _stop_spies(procs: list) -> None:
         p.wait(30)
 
 
-class Awaited:
-    """Each of `workers`' first world of `size` members after version `after`, noted by the worker's
-    own stream reader as the World arrives (one counter for all, rather than a waiting task per
-    worker: at 16,384 workers those tasks and their timers cost this process as much as reading
-    the messages did)."""
-
-    def __init__(self, workers: list, size: int, after: int):
-        self.size, self.after = size, after
-        self.got: dict = {}
-        self.done = asyncio.get_running_loop().create_future()
-        self.waiting = len(workers)
-        for w in workers:
-            w.awaited = self
-            self.check(w)
-
-    def check(self, w) -> None:
-        if id(w) in self.got:
-            return
-        first = w.first_world(self.size, self.after)
-        if first is not None:
-            self.got[id(w)] = first
-            self.waiting -= 1
-            if self.waiting == 0 and not self.done.done():
-                self.done.set_result(None)
-
-
 async def _all_hold(workers: list, size: int, deadline: float, after: int, what: str) -> list:
     """Each worker's (version, time) of its first world of `size` after `after`; on a timeout, an
     error that says which worlds the workers did hold (the last each heard of)."""
-    awaited = Awaited(workers, size, after)
     try:
-        await asyncio.wait_for(asyncio.shield(awaited.done), max(0.01, deadline - time.monotonic()))
-        return [awaited.got[id(w)] for w in workers]
+        return await asyncio.gather(*(w.until_world(size, deadline, after) for w in workers))
     except asyncio.TimeoutError:
         held: dict = {}
         for w in workers:
@@ -306,9 +279,6 @@ async def _all_hold(workers: list, size: int, deadline: float, after: int, what:
             held[key] = held.get(key, 0) + 1
         raise TimeoutError(f"{what} of {size} not held by every worker within {TIMEOUT_S:g} s; "
                            f"the last world each holds: {held}") from None
-    finally:
-        for w in workers:
-            w.awaited = None
 
 
 async def idle_cost(server: Server, workers: list, seconds: float = 5.0) -> dict:
