@@ -13,6 +13,8 @@ be (the alternative; ReportProgress stands in for one).
     python bench/rendezvous_scale.py                    # N = 1024, 4096, 16384
     python bench/rendezvous_scale.py --sizes 64,128 --liveness
     python bench/rendezvous_scale.py --sizes 1024 --repo ../main   # another checkout's server
+    BENCH_PYSPY=/tmp/spy python bench/rendezvous_scale.py --sizes 16384   # py-spy samples of the re-form
+    python bench/rendezvous_stream_share.py /tmp/spy/reform-server.txt    # ... split per stream / the rest
 
 How the simulation differs from real workers: every worker is a grpc.aio client in this one
 process (no ring, no training); up to 1,024 workers each get their own channel (TCP connection),
