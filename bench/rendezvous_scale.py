@@ -13,6 +13,8 @@ be (the alternative; ReportProgress stands in for one).
     python bench/rendezvous_scale.py                    # N = 1024, 4096, 16384
     python bench/rendezvous_scale.py --sizes 64,128 --liveness
     python bench/rendezvous_scale.py --sizes 1024 --repo ../main   # another checkout's server
+    BENCH_PYSPY=/tmp/spy python bench/rendezvous_scale.py --sizes 16384   # py-spy samples of the re-form
+    python bench/rendezvous_stream_share.py /tmp/spy/reform-server.txt    # ... split per stream / the rest
 
 How the simulation differs from real workers: every worker is a grpc.aio client in this one
 process (no ring, no training); up to 1,024 workers each get their own channel (TCP connection),
@@ -222,6 +224,7 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     survivors = workers[victims_n:]
     cpu1 = server.cpu_s()
     etcd1 = etcd_received_bytes(etcd_url)
+    spies = _spy_on([server.proc.pid, os.getpid()], "reform")
     killed_at = time.monotonic()
     await asyncio.gather(*(v.crash() for v in victims))
     deadline = time.monotonic() + TIMEOUT_S
@@ -230,6 +233,7 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     versions = {v for v, _ in got}
     assert len(versions) == 1, "survivors disagree on the next world"
     result["recover_s"] = max(t for _, t in got) - killed_at
+    _stop_spies(spies)
     await asyncio.sleep(0.5)   # the server's last writes of this change (acknowledgements ride along)
     result["cpu_recover_s"] = server.cpu_s() - cpu1
     result["etcd_bytes"] = etcd_received_bytes(etcd_url) - etcd1
@@ -242,6 +246,26 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
     for c in channels:
         await c.close(grace=None)
     return result
+
+
+def _spy_on(pids: list, phase: str) -> list:
+    """With BENCH_PYSPY=<folder>, py-spy (on PATH) samples the server and this process during
+    `phase`, one file of collapsed stacks per process; otherwise nothing."""
+    folder = os.environ.get("BENCH_PYSPY")
+    if not folder:
+        return []
+    procs = [subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "--format", "raw",
+                               "-o", os.path.join(folder, f"{phase}-{'server' if i == 0 else 'client'}.txt")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, pid in enumerate(pids)]
+    time.sleep(1.0)   # py-spy attaches
+    return procs
+
+
+def _stop_spies(procs: list) -> None:
+    for p in procs:
+        p.send_signal(2)   # py-spy writes its samples on SIGINT
+    for p in procs:
+        p.wait(30)
 
 
 async def _all_hold(workers: list, size: int, deadline: float, after: int, what: str) -> list:

@@ -46,7 +46,7 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
-from rendezvous.server.derived import DERIVED, ack_counts, carry, eligible_count, replace
+from rendezvous.server.derived import DERIVED, ack_counts, carry, eligible_count, replace, updated, without
 # The values both sides share (a worker asks with a JobSpec and receives Members) live in
 # membership.py, so that a worker loads none of the decision; they are the decision's too.
 from rendezvous.wire.membership import DEFAULT_MAX_NP, JobSpec, Member  # noqa: F401
@@ -401,7 +401,7 @@ def decide(state: JobState, event: Event, now: float,
     elif isinstance(event, Attach):
         w = state.workers.get(event.worker_id)
         if w is not None and not w.attached:
-            state = replace(state, workers={**state.workers, w.worker_id: replace(w, attached=True)})
+            state = replace(state, workers=updated(state.workers, {w.worker_id: replace(w, attached=True)}))
             if not state.in_world(w.worker_id):
                 state = _mark_change(state, now)
     elif isinstance(event, AbortAck):
@@ -412,8 +412,8 @@ def decide(state: JobState, event: Event, now: float,
     elif isinstance(event, Progress):
         w = state.workers.get(event.worker_id)
         if w is not None and event.commit_step > w.commit_step:
-            state = replace(state, workers={**state.workers, w.worker_id:
-                                            replace(w, commit_step=event.commit_step)})
+            state = replace(state, workers=updated(state.workers, {w.worker_id:
+                                                                   replace(w, commit_step=event.commit_step)}))
     elif isinstance(event, Success):
         w = state.workers.get(event.worker_id)
         # Members stay in every world from their first one until they are removed, so "in the
@@ -426,7 +426,7 @@ def decide(state: JobState, event: Event, now: float,
                                                      f"can end the job", Refusal.NOT_MEMBER))
             return state, actions
         w = replace(w, returned_in=event.world_version, returned_step=event.commit_step)
-        state = replace(state, workers={**state.workers, w.worker_id: w})
+        state = replace(state, workers=updated(state.workers, {w.worker_id: w}))
         if not all_returned(state):
             return state, actions   # the others train on, or are about to return too
         members = sorted(m.worker_id for m in state.world if m.worker_id in state.workers)
@@ -521,7 +521,7 @@ def _on_join(state: JobState, ev: Join, now: float, config: DecisionConfig,
                         config=config, count_failure=False, cause=Departure.REJOINED)
     worker = Worker(ev.worker_id, ev.host, ev.ring_address, ev.commit_step, state.next_seq, now,
                     attached=ev.attached, session_hash=ev.session_hash)
-    state = replace(state, workers={**state.workers, ev.worker_id: worker},
+    state = replace(state, workers=updated(state.workers, {ev.worker_id: worker}),
                     next_seq=state.next_seq + 1)
     if state.world and len(state.world) < state.spec.max_np:
         state = _pending(state, f"worker {ev.worker_id} on {ev.host} joined", actions)
@@ -566,8 +566,7 @@ def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: l
     worker = state.workers.get(worker_id)
     if worker is None:
         return state
-    workers = {k: v for k, v in state.workers.items() if k != worker_id}
-    state = replace(state, workers=workers)
+    state = replace(state, workers=without(state.workers, worker_id))
     actions.append(Dropped(worker_id, reason, cause))
     if failure and count_failure:
         state = _count_host_failure(state, worker.host, now, config)
@@ -641,25 +640,9 @@ def _evaluate(state: JobState, now: float, config: DecisionConfig,
     newcomers = {m.worker_id: replace(state.workers[m.worker_id], member_since=version)
                  for m in members if not state.workers[m.worker_id].member_since}
     state = replace(state, world_version=version, world=members, phase=Phase.RUNNING, reason="",
-                    workers={**state.workers, **newcomers} if newcomers else state.workers)
+                    workers=updated(state.workers, newcomers) if newcomers else state.workers)
     actions.append(AnnounceWorld(version, members, tuple(state.standby())))
     return state, actions
-
-
-def standby_reason(state: JobState, worker_id: str, now: float) -> str:
-    """Why a registered worker is not in the world, and what it waits for (its Standby notice)."""
-    if not state.world:
-        return "no world formed yet"
-    worker = state.workers.get(worker_id)
-    record = state.hosts.get(worker.host) if worker is not None else None
-    if record is not None and record.blacklisted_until > now:
-        return (f"host {worker.host} is blacklisted for {record.blacklisted_until - now:.0f} s more after "
-                f"repeated failures or a straggler")
-    if len(state.world) >= state.spec.max_np:
-        return (f"beyond max_np={state.spec.max_np}: a hot spare, it takes the place of the next member that "
-                f"fails or leaves")
-    return (f"joins world {state.world_version + 1} at the next commit of world {state.world_version} "
-            f"({len(state.world)} of max_np={state.spec.max_np} in it)")
 
 
 def compute_world(state: JobState, now: float) -> tuple[Member, ...]:

@@ -11,7 +11,7 @@ worker. tests/rendezvous/test_decision.py checks them against fresh counts after
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 # decision.JobState and decision.Worker: named, not imported (the decision imports this module).
 JobState = Worker = Any
@@ -48,9 +48,31 @@ def eligible_count(state: JobState, now: Optional[float] = None) -> int:
     cached = state.__dict__.get("_eligible")
     if cached is not None and cached[0] is state.workers and cached[1] is state.world and cached[2] == blocked:
         return cached[3]
-    count = sum(counts(state, w, blocked) for w in state.workers.values())
+    # The same sum as counts() over every worker, with the O(N) part in C: the registered members
+    # count whatever their host; only the rest (the standby, a few) are looked at one by one. A
+    # host's blacklisting starting or ending recounts: 0.8 ms at 16,384 workers, not 3.7.
+    workers, members = state.workers, state._world_index()
+    standby = workers.keys() - members.keys()
+    count = (len(workers) - len(standby)
+             + sum(1 for wid in standby if workers[wid].attached and workers[wid].host not in blocked))
     object.__setattr__(state, "_eligible", (state.workers, state.world, blocked, count))
     return count
+
+
+def updated(table: Mapping, changes: Mapping) -> dict:
+    """A copy of `table` (the workers' table) with `changes` put in. dict.copy() clones the hash
+    table in C; `{**table, ...}` and dict(table) rebuild it entry by entry once any key was ever
+    deleted from it, as after the first failure (at 16,384 workers: 0.09 ms against 0.5 ms)."""
+    new = table.copy() if isinstance(table, dict) else dict(table)
+    new.update(changes)
+    return new
+
+
+def without(table: Mapping, key: str) -> dict:
+    """A copy of `table` without `key` (see updated)."""
+    new = table.copy() if isinstance(table, dict) else dict(table)
+    del new[key]
+    return new
 
 
 DERIVED = ("_index", "_eligible", "_acks")   # what a state caches of itself (see carry)
@@ -67,6 +89,20 @@ def replace(obj, **changes):
     return new
 
 
+def _same_blacklist(before: JobState, after: JobState, worker_id: str) -> bool:
+    """No host's blacklisting differs between the states. An event about one worker changes at
+    most that worker's host's record (a failure counted, a cooldown), so only that host is
+    compared: a failure that leaves its host's cooldown as it was keeps the count carried,
+    rather than recounting every worker (an O(N) recount per failure, ~2 ms each at 16,384)."""
+    if after.hosts is before.hosts:
+        return True
+    w = before.workers.get(worker_id) or after.workers.get(worker_id)
+    if w is None or len(after.hosts) != len(before.hosts) + (w.host not in before.hosts):
+        return False
+    old, new = before.hosts.get(w.host), after.hosts.get(w.host)
+    return (old.blacklisted_until if old is not None else 0.0) == (new.blacklisted_until if new is not None else 0.0)
+
+
 def carry(before: JobState, after: JobState, worker_id: str) -> JobState:
     """Carries `before`'s derived values (the world's index, the eligible count) over to `after`,
     a state that differs from it at most in worker `worker_id` and in fields neither depends on."""
@@ -75,7 +111,7 @@ def carry(before: JobState, after: JobState, worker_id: str) -> JobState:
         object.__setattr__(after, "_index", index)
     cached = before.__dict__.get("_eligible")
     if (cached is not None and cached[0] is before.workers and cached[1] is before.world is after.world
-            and after.hosts is before.hosts):
+            and _same_blacklist(before, after, worker_id)):
         blocked = cached[2]
         count = (cached[3] - counts(before, before.workers.get(worker_id), blocked)
                  + counts(after, after.workers.get(worker_id), blocked))

@@ -119,7 +119,7 @@ def plan(prefix: str, state: JobState, stored: StoredJob) -> Plan:
     base = job_prefix(prefix, state.job_id)
     gen = stored.gen + 1
     new_stored = StoredJob(gen=gen, world_gen=stored.world_gen, world=stored.world,
-                           world_keys=list(stored.world_keys), workers=dict(stored.workers))
+                           world_keys=list(stored.world_keys), workers=stored.workers.copy())
     puts: dict[str, bytes] = {}
     superseded: list[str] = list(stored.garbage)
     removed: list[str] = []

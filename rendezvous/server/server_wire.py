@@ -24,7 +24,24 @@ REFUSAL_CODES = {
     d.Refusal.WORKER_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     d.Refusal.NOT_MEMBER: grpc.StatusCode.PERMISSION_DENIED,
 }
-NO_WORLD_YET = "no world formed yet"   # d.standby_reason's before the job's first world
+NO_WORLD_YET = "no world formed yet"   # standby_reason's before the job's first world
+
+
+def standby_reason(state: d.JobState, worker_id: str, now: float) -> str:
+    """Why a registered worker is not in the world, and what it waits for (its Standby notice)."""
+    if not state.world:
+        return NO_WORLD_YET
+    worker = state.workers.get(worker_id)
+    record = state.hosts.get(worker.host) if worker is not None else None
+    if record is not None and record.blacklisted_until > now:
+        return (f"host {worker.host} is blacklisted for {record.blacklisted_until - now:.0f} s more after "
+                f"repeated failures or a straggler")
+    if len(state.world) >= state.spec.max_np:
+        return (f"beyond max_np={state.spec.max_np}: a hot spare, it takes the place of the next member that "
+                f"fails or leaves")
+    return (f"joins world {state.world_version + 1} at the next commit of world {state.world_version} "
+            f"({len(state.world)} of max_np={state.spec.max_np} in it)")
+
 
 
 class RpcRefusal(Exception):
@@ -117,7 +134,7 @@ def snapshot(state: d.JobState, views: WorldViews, worker_id: str, now: float) -
         return [finished_event(state.phase is d.Phase.SUCCEEDED, state.reason)]
     member = views.member(worker_id)
     if member is None:
-        return [standby_event(state.world_version, d.standby_reason(state, worker_id, now))]
+        return [standby_event(state.world_version, standby_reason(state, worker_id, now))]
     events = [views.event(member)]
     if state.aborted_version == state.world_version:
         events.append(pb.WatchEvent(abort=pb.AbortVersion(

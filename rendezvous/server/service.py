@@ -248,7 +248,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
             now = time.time()
             for w in action.standby:
                 self.send(job, w, server_wire.standby_event(
-                    action.world_version, d.standby_reason(job.state, w, now)))
+                    action.world_version, server_wire.standby_reason(job.state, w, now)))
         elif what.audience is Audience.WORLD_BEFORE:
             event = server_wire.notice_event(action)
             for m in before.world:

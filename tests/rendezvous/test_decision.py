@@ -9,8 +9,9 @@ import pytest
 from rendezvous.server.decision import (AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld,
                                         Attach, DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave,
                                         Phase, Progress, Refusal, Rejected, RingBroken, SpecConflict, Success, Tick,
-                                        decide, join_spec, new_job, next_deadline, standby_reason)
+                                        decide, join_spec, new_job, next_deadline)
 from rendezvous.server.job_json import from_json, to_json
+from rendezvous.server.server_wire import standby_reason
 
 CFG = DecisionConfig(settle_s=0.2, settle_max_s=2.0, blacklist_after=2, cooldown_min_s=10.0,
                      cooldown_max_s=35.0)
@@ -645,9 +646,9 @@ def test_the_counts_a_state_carries_are_those_counted_afresh():
         elif kind == 1:
             ev = d.Attach(wid)
         elif kind == 2:
-            ev = d.Evict(wid, "gone", count_failure=rnd.random() < 0.1)
+            ev = d.Evict(wid, "gone", count_failure=rnd.random() < 0.5)   # counted: host records change
         elif kind == 3:
-            ev = d.Leave(wid)
+            ev = d.Leave(wid, straggler=rnd.random() < 0.2)   # a straggler cools its host down
         elif kind == 4:
             ev = d.Progress(wid, step)
         elif kind == 5 and member is not None:

@@ -71,7 +71,7 @@ def _largest_event(members: tuple[d.Member, ...]) -> int:
     sizes = [views.event(m).ByteSize() for m in members]
     sizes += [e.ByteSize() for e in server_wire.snapshot(state, views, members[-1].worker_id, 0.0)]
     sizes += [server_wire.notice_event(d.AnnounceAbort(7, "worker w00001 on host host-0000 evicted")).ByteSize(),
-              server_wire.standby_event(7, d.standby_reason(state, "spare", 0.0)).ByteSize()]
+              server_wire.standby_event(7, server_wire.standby_reason(state, "spare", 0.0)).ByteSize()]
     return max(sizes)
 
 
