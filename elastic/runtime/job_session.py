@@ -250,8 +250,7 @@ class JobSession(Session):
         if world is None or peer is None or getattr(err, "world_version", -1) != world.world_version \
                 or not 0 <= peer < world.size:
             return ""
-        member = world.peer(peer)   # its view names its rings' neighbours only
-        return f"worker {member.worker_id} (rank {peer}): " if member is not None else f"rank {peer}: "
+        return f"{self.name_rank(peer)}: "
 
     def depart(self) -> LeftJob:
         """Leaves the job gracefully: the rendezvous Leave, then the ring closed; returns the
