@@ -133,11 +133,10 @@ def judge(records: Sequence[Optional[Record]], world_version: int) -> Verdict:
     called = [(r, rec) for r, rec in part if rec.call is not None]
     if not called or not any(rec.mismatch for _, rec in part):
         return Nothing()
-    seq = _most_common([rec.call.seq for _, rec in called])
+    seq, _ = _most_common([rec.call.seq for _, rec in called])
     at_seq = [(r, rec) for r, rec in called if rec.call.seq == seq]
-    tags = collections.Counter(rec.call.tag for _, rec in at_seq)
-    tag = _most_common([rec.call.tag for _, rec in at_seq])
-    if 2 * tags[tag] > len(part):
+    tag, held_by = _most_common([rec.call.tag for _, rec in at_seq])
+    if 2 * held_by > len(part):
         odd = tuple((r, rec.call) for r, rec in at_seq if rec.call.tag != tag)
         if not odd:
             return Nothing()
@@ -177,10 +176,11 @@ def verdict_error(verdict: Union[Diverged, NoMajority], rank: int, world_version
                         kind=ErrorKind.BadPeer, blame=Blame.DIVERGED)
 
 
-def _most_common(values: Sequence[int]) -> int:
-    """The value held most often; among equals, the lowest (every rank picks the same)."""
+def _most_common(values: Sequence[int]) -> Tuple[int, int]:
+    """The value held most often, and how often; among equals, the lowest (every rank picks the same)."""
     counts = collections.Counter(values)
-    return min(counts, key=lambda v: (-counts[v], v))
+    value = min(counts, key=lambda v: (-counts[v], v))
+    return value, counts[value]
 
 
 __all__ = ["DESCRIBE_BYTES", "Diverged", "NoMajority", "Nothing", "OP", "Record", "Verdict", "decode", "encode",
