@@ -17,14 +17,18 @@ be (the alternative; ReportProgress stands in for one).
     python bench/rendezvous_stream_share.py /tmp/spy/reform-server.txt    # ... split per stream / the rest
 
 How the simulation differs from real workers: every worker is a grpc.aio client in this one
-process (no ring, no training); up to 1,024 workers each get their own channel (TCP connection),
+process (no ring, no training) that acknowledges an abort where it asks (worlds of up to 512), as
+a RendezvousClient does (--no-abort-acks: never); up to 1,024 workers each get their own channel (TCP connection),
 beyond that workers share channels (N/1,024 Watch streams per HTTP/2 connection), because one
 process on this 2-core machine cannot hold 16,384 connections and their keepalive pings. The
 server sees the same RPCs and streams per worker, but fewer connections and pings than N real
-processes would give it. That one process opens a worker's Watch later after its Join than a
-real worker would, and shares the 2 cores with the server and etcd, so the server runs with a
-heartbeat timeout of 30 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
-worker is still seen at once, by its stream breaking. Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of
+processes would give it. That one process joins 128 workers at a time, each joined once its
+Watch got its first event, and it shares the 2 cores with the server and etcd, so the server runs
+with a heartbeat timeout of 30 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
+worker is still seen at once, by its stream breaking. The joins take this process ~35 s at
+16,384, so the server's --settle-max is 60 s: the first world forms once the joins stop, as for
+workers started together (with the default 2 s it forms at min_np and then grows as the last
+ones trickle in, each late one a world more, which measures this one process, not the server). Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of
 framing to each, HTTP/2 a few more). Targets at N = 16,384: form <= 3 s, re-form <= 2 s,
 <= 4 KiB per worker per world change, CPU exponent <= 1.1. Only our server runs here: no peer.
 """
@@ -71,7 +75,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", start, repo, "serve", "--host", "127.0.0.1", "--port", "0",
              "--port-file", port_file, "--etcd", etcd, "--etcd-prefix", prefix, "--insecure",
-             "--leader-ttl", "10", "--heartbeat-timeout", "30",
+             "--leader-ttl", "10", "--heartbeat-timeout", "30", "--settle-max", "60",
              "--log-level", os.environ.get("BENCH_SERVER_LOG", "WARNING")], cwd=repo, env=env)
         deadline = time.monotonic() + 30
         while not os.path.exists(port_file):
@@ -130,8 +134,11 @@ class Worker:
         self.worlds: dict[int, tuple[float, int]] = {}   # version -> (time received, size)
         self.world_bytes: dict[int, int] = {}            # version -> bytes of its World message
         self.changed = asyncio.Event()
+        self.opened = asyncio.Event()
         self.task = None
         self.session = ""
+        self.ack_aborts = True
+        self.acks: set = set()
 
     async def join(self) -> float:
         request = pb.JoinRequest(job_id=self.job, worker_id=f"w{self.i:05d}", host=f"host{self.i // 8}",
@@ -149,18 +156,36 @@ class Worker:
                 await asyncio.sleep(0.5)
         self.session = resp.session_id
         self.task = asyncio.get_running_loop().create_task(self._watch())
+        # Joined means watching, as for a worker process, which opens its Watch at once.
+        await asyncio.wait_for(self.opened.wait(), TIMEOUT_S)
         return time.monotonic()
 
     async def _watch(self) -> None:
         try:
             async for data in self.raw_watch(pb.WatchRequest(session_id=self.session)):
                 ev = pb.WatchEvent.FromString(data)
-                if ev.WhichOneof("event") == "world":
+                self.opened.set()   # the first event: its snapshot (a Standby notice or the world)
+                kind = ev.WhichOneof("event")
+                if kind == "world":
                     self.worlds[ev.world.world_version] = (time.monotonic(), ev.world.size)
                     self.world_bytes[ev.world.world_version] = len(data)
                     self.changed.set()
+                abort = ev.abort if kind == "abort" else ev.world.aborted if kind == "world" else None
+                if abort is not None and abort.acknowledge and self.ack_aborts:
+                    # As a RendezvousClient does: acknowledged at once when the abort asks (a small
+                    # world), so the next world need not wait out the server's settle window.
+                    task = asyncio.get_running_loop().create_task(self._ack(abort.world_version))
+                    self.acks.add(task)
+                    task.add_done_callback(self.acks.discard)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
+
+    async def _ack(self, world_version: int) -> None:
+        try:
+            await self.stub.AcknowledgeAbort(pb.AcknowledgeAbortRequest(
+                session_id=self.session, world_version=world_version), timeout=TIMEOUT_S)
+        except grpc.RpcError:
+            pass   # as a worker: a lost acknowledgement costs the settle window, nothing more
 
     async def until_world(self, size: int, deadline: float, after: int = 0) -> tuple[int, float]:
         """(version, time received) of the first world of `size` members after version `after`."""
@@ -184,7 +209,7 @@ class Worker:
 
 
 async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_percent: float,
-                   min_np_all: bool) -> dict:
+                   min_np_all: bool, abort_acks: bool = True) -> dict:
     job = f"bench-{n}"
     victims_n = max(1, round(n * kill_percent / 100))
     min_np = n - victims_n if min_np_all else 1   # the survivors are enough to go on
@@ -201,14 +226,15 @@ async def run_size(server: Server, etcd_url: str, n: int, liveness: bool, kill_p
         if (i - victims_n) % per_channel == 0:
             shared = channel()
         workers.append(Worker(shared, job, i, n, min_np))
+    for w in workers:
+        w.ack_aborts = abort_acks
     cpu0 = server.cpu_s()
     sem = asyncio.Semaphore(128)  # bound in-flight joins, like a launcher ramping up
 
     async def join(w):
         async with sem:
             return await w.join()
-    join_times = await asyncio.gather(*(join(w) for w in workers))
-    last_join = max(join_times)
+    last_join = max(await asyncio.gather(*(join(w) for w in workers)))
     deadline = time.monotonic() + TIMEOUT_S
     got = await _all_hold(workers, n, deadline, 0, "the full world")
     versions = {v for v, _ in got}
@@ -316,6 +342,8 @@ def main() -> int:
                    help="the job's min_np: the number that survive the kill (the world forms once nearly "
                         "all joined; default) or 1 (a world forms, and grows, while workers join)")
     p.add_argument("--repo", default=REPO, help="the checkout whose server runs (default: this one)")
+    p.add_argument("--no-abort-acks", action="store_true",
+                   help="simulated workers do not acknowledge aborts, even where asked (as real ones do)")
     p.add_argument("--liveness", action="store_true",
                    help="also measure the idle CPU cost of keepalive vs 1 Hz heartbeats")
     a = p.parse_args()
@@ -333,7 +361,7 @@ def main() -> int:
                 server = Server(tmp, etcd.endpoint, f"/bench-{n}-{os.getpid()}", os.path.abspath(a.repo))
                 try:
                     r = asyncio.run(run_size(server, etcd.client_url, n, a.liveness, a.kill_percent,
-                                             a.min_np == "survivors"))
+                                             a.min_np == "survivors", not a.no_abort_acks))
                     r["peak_mib"] = server.peak_rss_mib()
                     r["cpu_total_s"] = server.cpu_s()
                 finally:

@@ -26,7 +26,8 @@ from the server's `elastic-job-outcome` trailing metadata. None means "not becau
 
 Liveness needs nothing from the caller: the open Watch stream plus gRPC keepalive (answered by gRPC's
 C core, without the GIL) tell the server this process is alive. The Watch thread answers the
-server's probes (AnswerProbe) and acknowledges aborts (AcknowledgeAbort) by itself, at once.
+server's probes (AnswerProbe) and acknowledges aborts (AcknowledgeAbort, where the abort asks) by
+itself, at once.
 
 Sessions are numbered: `join()` starts a new one, empties the event queue, and events still arriving
 from the replaced session (its stream being closed, a stale `Ended`) are dropped, under the same lock
@@ -440,6 +441,21 @@ class RendezvousClient:
         except grpc.RpcError as e:
             log.warning("worker %s: %s failed: %s", self.worker_id, what, e.details())
 
+    def _on_abort(self, abort: pb.AbortVersion, address: str, gen: int) -> None:
+        world_version = abort.world_version
+        with self._join_lock:
+            if gen != self._gen or self._last_abort == world_version:
+                return
+            self._last_abort = world_version
+            self._last = ev = Abort(world_version, abort.reason)
+            self._events.put(ev)
+        # Acknowledge at once, from this thread, as a probe is answered, when asked (a small
+        # world): the next world forms as soon as every live member has, instead of after the
+        # server's settle window.
+        if abort.acknowledge:
+            self._answer(address, "AcknowledgeAbort", pb.AcknowledgeAbortRequest(
+                session_id=self.session_id, world_version=world_version), "acknowledging the abort")
+
     def _handle(self, ev: pb.WatchEvent, address: str, gen: int) -> None:
         kind = ev.WhichOneof("event")
         if kind == "probe":
@@ -447,6 +463,8 @@ class RendezvousClient:
             self._answer(address, "AnswerProbe", pb.AnswerProbeRequest(
                 session_id=self.session_id, nonce=ev.probe.nonce), "answering a probe")
         elif kind == "world":
+            if ev.world.HasField("aborted"):   # the abort of the world before rode with it
+                self._on_abort(ev.world.aborted, address, gen)
             world = _world(ev.world)
             key = (world.world_version, world.digest)
             with self._join_lock:
@@ -462,17 +480,7 @@ class RendezvousClient:
         elif kind == "pending":
             self._push(Pending(ev.pending.world_version, ev.pending.reason), gen)
         elif kind == "abort":
-            world_version = ev.abort.world_version
-            with self._join_lock:
-                if gen != self._gen or self._last_abort == world_version:
-                    return
-                self._last_abort = world_version
-                self._last = ev = Abort(world_version, ev.abort.reason)
-                self._events.put(ev)
-            # Acknowledge at once, from this thread, as a probe is answered: the next world forms
-            # as soon as every live member has, instead of after the server's settle window.
-            self._answer(address, "AcknowledgeAbort", pb.AcknowledgeAbortRequest(
-                session_id=self.session_id, world_version=world_version), "acknowledging the abort")
+            self._on_abort(ev.abort, address, gen)
         elif kind == "standby":
             self._push(Standby(ev.standby.world_version, ev.standby.reason), gen)
         elif kind == "finished":

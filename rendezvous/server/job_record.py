@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rendezvous.server import decision as d
+from rendezvous.server.fanout import FanOut
 from rendezvous.server.liveness import Liveness
 from rendezvous.server.pace import StragglerBoard
 from rendezvous.server.world_views import WorldViews
@@ -57,6 +58,10 @@ class Job:
     # holds): what its ReportProgress said, for Status. Soft state: resent, never stored.
     progress: dict = field(default_factory=dict)
     _views: Optional[WorldViews] = None    # of the last world asked for (see views())
+    fanout: FanOut = field(init=False)     # how everything sent to the streams is put on them
+
+    def __post_init__(self):
+        self.fanout = FanOut(self.streams)
 
     def views(self, world_version: int, members: tuple) -> WorldViews:
         """The views of world `world_version` of `members`, worked out once per world (O(N)) and

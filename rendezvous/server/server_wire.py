@@ -119,7 +119,8 @@ def notice_event(action: Union[d.AnnouncePending, d.AnnounceAbort]) -> pb.WatchE
     if isinstance(action, d.AnnouncePending):
         return pb.WatchEvent(pending=pb.MembershipPending(world_version=action.world_version,
                                                           reason=action.reason))
-    return pb.WatchEvent(abort=pb.AbortVersion(world_version=action.world_version, reason=action.reason))
+    return pb.WatchEvent(abort=pb.AbortVersion(world_version=action.world_version, reason=action.reason,
+                                               acknowledge=action.acknowledge))
 
 
 def finished_event(succeeded: bool, reason: str) -> pb.WatchEvent:
@@ -138,5 +139,6 @@ def snapshot(state: d.JobState, views: WorldViews, worker_id: str, now: float) -
     events = [views.event(member)]
     if state.aborted_version == state.world_version:
         events.append(pb.WatchEvent(abort=pb.AbortVersion(
-            world_version=state.world_version, reason="a member of this world failed")))
+            world_version=state.world_version, reason="a member of this world failed",
+            acknowledge=d.abort_acks_wanted(len(state.world)))))
     return events

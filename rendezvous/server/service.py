@@ -59,6 +59,7 @@ from rendezvous.server import decision as d
 from rendezvous.server.server_config import ServerConfig
 from rendezvous.server.collector import Collector
 from rendezvous.server.description import Audience, describe
+from rendezvous.server.fanout import AbortNotice
 from rendezvous.common.event_log import EventLog
 from rendezvous.server.history import RECENT_PER_JOB, History
 from rendezvous.server.job_record import END, Job, Stream
@@ -229,9 +230,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
 
     # -------------------------------------------------------------------------- state changes
     def send(self, job: Job, worker_id: str, event) -> None:
-        stream = job.streams.get(worker_id)
-        if stream is not None:
-            stream.queue.put_nowait(event)
+        job.fanout.send(((worker_id, event),))
 
     def _deliver(self, job: Job, action: d.Action, before: d.JobState) -> None:
         """Carry out a durable action (the journal calls it): logged, counted and recorded when it
@@ -242,17 +241,14 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         self.metrics.delivered(what, recovery_s)
         self.history.delivered(job.state, what)
         if what.audience is Audience.NEW_WORLD:
-            views = job.views(action.world_version, action.members)
-            for worker_id, view in views.pending(job.streams):
-                self.send(job, worker_id, view)
+            job.fanout.send(job.views(action.world_version, action.members).pending(job.streams))
             now = time.time()
-            for w in action.standby:
-                self.send(job, w, server_wire.standby_event(
-                    action.world_version, server_wire.standby_reason(job.state, w, now)))
-        elif what.audience is Audience.WORLD_BEFORE:
+            job.fanout.send((w, server_wire.standby_event(action.world_version, server_wire.standby_reason(
+                job.state, w, now))) for w in action.standby)
+        elif what.audience is Audience.WORLD_BEFORE:   # one notice, serialized once
             event = server_wire.notice_event(action)
-            for m in before.world:
-                self.send(job, m.worker_id, event)
+            notice = AbortNotice(event.abort) if event.HasField("abort") else event.SerializeToString()
+            job.fanout.send(((m.worker_id, notice) for m in before.world), paced=True)
         elif what.audience is Audience.DROPPED:
             # (Its Watch deadline stays: after a rejoin it is the new session's; a stale one finds
             # nobody to evict.)
@@ -523,9 +519,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
                     return
                 if isinstance(item, RpcRefusal):
                     await auth.abort(context, item)
-                if isinstance(item, PendingView):
-                    item = item.serialized()
-                await context.write(item)
+                await context.write(item.serialized() if isinstance(item, (PendingView, AbortNotice)) else item)
         finally:
             # Reached on a broken stream (client crashed, keepalive failed: the handler is
             # cancelled) and on server-side closes; only the former is the worker's failure.

@@ -62,18 +62,20 @@ class WorldViews:
             ranks |= {self._leaders[(h - 1) % hosts], self._leaders[(h + 1) % hosts]}
         return sorted(ranks)
 
-    def world(self, m: Member) -> pb.World:
-        """The World message `m` receives."""
+    def world(self, m: Member, aborted: Optional[pb.AbortVersion] = None) -> pb.World:
+        """The World message `m` receives (carrying the abort of the world before, `aborted`, where
+        that notice rides with it: fanout.merged)."""
         h, hosts = self._host_of[m.rank], len(self._leaders)
         return pb.World(
             world_version=self.world_version, size=len(self.members), rank=m.rank, local_rank=m.local_rank,
             local_size=m.local_size, cross_rank=m.cross_rank, cross_size=m.cross_size,
             peers=[member_pb(self.members[r]) for r in self.peer_ranks(m)], digest=self.digest,
             num_hosts=hosts, host_index=h, largest_host=self._largest,
-            prev_leader=self._leaders[(h - 1) % hosts], next_leader=self._leaders[(h + 1) % hosts])
+            prev_leader=self._leaders[(h - 1) % hosts], next_leader=self._leaders[(h + 1) % hosts],
+            aborted=aborted)
 
-    def event(self, m: Member) -> pb.WatchEvent:
-        return pb.WatchEvent(world=self.world(m))
+    def event(self, m: Member, aborted: Optional[pb.AbortVersion] = None) -> pb.WatchEvent:
+        return pb.WatchEvent(world=self.world(m, aborted))
 
     def pending(self, recipients) -> Iterator[tuple[str, "PendingView"]]:
         """(worker_id, its view still to be built) for each member in `recipients`."""
@@ -83,12 +85,13 @@ class WorldViews:
 
 
 class PendingView:
-    """One member's World message, built and serialized when its stream writes it."""
+    """One member's World message (carrying the abort `aborted`, if one rides with it), built and
+    serialized when its stream writes it."""
 
-    __slots__ = ("views", "member")
+    __slots__ = ("views", "member", "aborted")
 
-    def __init__(self, views: WorldViews, member: Member):
-        self.views, self.member = views, member
+    def __init__(self, views: WorldViews, member: Member, aborted: Optional[pb.AbortVersion] = None):
+        self.views, self.member, self.aborted = views, member, aborted
 
     def serialized(self) -> bytes:
-        return self.views.event(self.member).SerializeToString()
+        return self.views.event(self.member, self.aborted).SerializeToString()

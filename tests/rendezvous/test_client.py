@@ -34,6 +34,25 @@ def test_dead_address_is_skipped_for_the_next_one(server, client):
     assert c.report_progress(commit_step=3) == 1
 
 
+def test_a_world_carrying_the_abort_of_the_one_before_is_told_as_that_abort_then_the_world(client):
+    from rendezvous.client.watch_events import Abort, WorldInfo
+    from rendezvous.wire.messages import pb
+
+    c = client("127.0.0.1:1", "a", job_id="j")
+    aborted = pb.AbortVersion(world_version=1, reason="worker b on host h evicted: watch stream broken")
+    world = pb.WatchEvent(world=pb.World(world_version=2, size=1, peers=[pb.Member(worker_id="a")],
+                                         digest=b"d2", aborted=aborted))
+    c._handle(pb.WatchEvent(abort=aborted), "127.0.0.1:1", c._gen)   # already told on its own: once
+    c._handle(world, "127.0.0.1:1", c._gen)
+    got = [c.next_event(0), c.next_event(0), c.next_event(0)]
+    assert isinstance(got[0], Abort) and (got[0].world_version, got[0].reason) == (1, aborted.reason)
+    assert isinstance(got[1], WorldInfo) and got[1].world_version == 2 and got[2] is None
+    c2 = client("127.0.0.1:1", "a2", job_id="j")
+    c2._handle(world, "127.0.0.1:1", c2._gen)   # only with the world: the abort first
+    got = [c2.next_event(0), c2.next_event(0)]
+    assert [type(e) for e in got] == [Abort, WorldInfo] and got[0].world_version == 1
+
+
 @pytest.mark.slow
 def test_no_reachable_server_fails_within_the_deadline_naming_addresses(client):
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from rendezvous.server.decision import (AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld,
+from rendezvous.server.decision import (ABORT_ACKS_MAX_WORLD, AbortAck, AnnounceAbort, AnnounceFinished, AnnouncePending, AnnounceWorld,
                                         Attach, DecisionConfig, Dropped, Evict, HostRecord, Join, JobSpec, Leave,
                                         Phase, Progress, Refusal, Rejected, RingBroken, SpecConflict, Success, Tick,
-                                        decide, join_spec, new_job, next_deadline)
+                                        abort_acks_wanted, decide, join_spec, new_job, next_deadline)
 from rendezvous.server.job_json import from_json, to_json
 from rendezvous.server.server_wire import standby_reason
 
@@ -156,6 +156,22 @@ def first_world_after_abort(acks, *, evictions=(("b", 5.0),), members="abcd", ti
 ])
 def test_a_world_after_an_abort_forms_once_every_live_member_acknowledged_it(acks, evictions, expected):
     assert first_world_after_abort(acks, evictions=evictions) == expected
+
+
+@pytest.mark.parametrize("world_size, asked", [(1, True), (2, True), (512, True), (513, False), (4096, False),
+                                               (16384, False)])
+def test_only_small_worlds_are_asked_to_acknowledge_an_abort(world_size, asked):
+    assert abort_acks_wanted(world_size) is asked
+
+
+def test_the_abort_says_whether_to_acknowledge_it():
+    small = formed([(w, "h") for w in "abc"])
+    _, acts = run(small, [(5.0, Evict("b", "x"))])
+    assert [a.acknowledge for _, a in acts if isinstance(a, AnnounceAbort)] == [True]
+    large = formed([(f"w{i}", f"h{i // 8}") for i in range(ABORT_ACKS_MAX_WORLD + 1)],
+                   max_np=ABORT_ACKS_MAX_WORLD + 1)
+    _, acts = run(large, [(5.0, RingBroken("w0", 1, "timed out"))])
+    assert [a.acknowledge for _, a in acts if isinstance(a, AnnounceAbort)] == [False]
 
 
 def test_without_every_acknowledgement_the_settle_window_still_forms_the_world():

@@ -184,6 +184,24 @@ def test_report_failure_of_live_peer_is_refuted_by_probe(serve, client):
     assert set(s.service.jobs[job].state.workers) == {"a", "b"}
 
 
+def test_a_small_worlds_survivors_acknowledge_an_abort_and_the_next_world_forms_without_the_window(
+        serve, client):
+    import dataclasses
+    s = serve()
+    job = unique("job")
+    a, b, c = (client(s.address, w, job_id=job) for w in "abc")
+    for x in (a, b, c):
+        x.join()
+    w = wait_world_of([a, b, c], 3)[0]
+    # From here on only the survivors' acknowledgements can form the next world within a minute.
+    slow = dataclasses.replace(s.service.journal.config, settle_s=60.0, settle_max_s=60.0)
+    s.service.journal.config = s.service.timers.decision = slow
+    c.close()   # its stream breaks: evicted, the world of 3 aborted
+    assert next_of(a, Abort).world_version == w.world_version
+    nxt = wait_world_of([a, b], 2, timeout_s=20.0, min_version=w.world_version + 1)[0]
+    assert nxt.world_version == w.world_version + 1
+
+
 def test_repeatedly_failing_host_is_blacklisted(serve, client, stub):
     s = serve(blacklist_after=1, cooldown_min_s=30.0)
     job = unique("job")

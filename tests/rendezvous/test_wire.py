@@ -72,6 +72,12 @@ def test_notices_go_out_as_their_own_event_kind(action, kind):
     assert (getattr(event, kind).world_version, getattr(event, kind).reason) == (3, action.reason)
 
 
+@pytest.mark.parametrize("acknowledge", [True, False])
+def test_an_abort_says_whether_to_acknowledge_it(acknowledge):
+    event = server_wire.notice_event(d.AnnounceAbort(3, "worker b evicted", acknowledge))
+    assert event.abort.acknowledge is acknowledge
+
+
 def _state(**kw):
     base = d.new_job("j", d.JobSpec(1, 2, 60.0), 0.0)
     return dataclasses.replace(base, **kw)
@@ -107,6 +113,16 @@ def test_a_reattaching_worker_first_gets_what_the_stored_state_says_of_it(state,
         assert first.reason == reason
     if kinds == ["finished"]:
         assert first.succeeded is True
+    if "abort" in kinds:   # a world of 2 is asked to acknowledge, as its live abort did
+        assert events[-1].abort.acknowledge is True and events[-1].abort.world_version == 1
+
+
+@pytest.mark.parametrize("size", [d.ABORT_ACKS_MAX_WORLD, d.ABORT_ACKS_MAX_WORLD + 1])
+def test_a_reattaching_member_of_an_aborted_world_is_asked_to_acknowledge_as_the_world_was(size):
+    world = _members(size, hosts=size // 8)
+    state = _state(world_version=1, world=world, phase=d.Phase.RUNNING, aborted_version=1)
+    events = server_wire.snapshot(state, WorldViews(1, world), "w1", 0.0)
+    assert events[-1].abort.acknowledge is d.abort_acks_wanted(size) is (size <= d.ABORT_ACKS_MAX_WORLD)
 
 
 def test_specs_and_members_cross_the_wire_unchanged():

@@ -80,7 +80,7 @@ class Member(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., ring_address: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., commit_step: _Optional[int] = ...) -> None: ...
 
 class World(_message.Message):
-    __slots__ = ("world_version", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "peers", "digest", "num_hosts", "host_index", "largest_host", "prev_leader", "next_leader")
+    __slots__ = ("world_version", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "peers", "digest", "num_hosts", "host_index", "largest_host", "prev_leader", "next_leader", "aborted")
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class World(_message.Message):
     LARGEST_HOST_FIELD_NUMBER: _ClassVar[int]
     PREV_LEADER_FIELD_NUMBER: _ClassVar[int]
     NEXT_LEADER_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
     world_version: int
     rank: int
     size: int
@@ -109,7 +110,8 @@ class World(_message.Message):
     largest_host: int
     prev_leader: int
     next_leader: int
-    def __init__(self, world_version: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., digest: _Optional[bytes] = ..., num_hosts: _Optional[int] = ..., host_index: _Optional[int] = ..., largest_host: _Optional[int] = ..., prev_leader: _Optional[int] = ..., next_leader: _Optional[int] = ...) -> None: ...
+    aborted: AbortVersion
+    def __init__(self, world_version: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., digest: _Optional[bytes] = ..., num_hosts: _Optional[int] = ..., host_index: _Optional[int] = ..., largest_host: _Optional[int] = ..., prev_leader: _Optional[int] = ..., next_leader: _Optional[int] = ..., aborted: _Optional[_Union[AbortVersion, _Mapping]] = ...) -> None: ...
 
 class MembershipPending(_message.Message):
     __slots__ = ("world_version", "reason")
@@ -120,12 +122,14 @@ class MembershipPending(_message.Message):
     def __init__(self, world_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AbortVersion(_message.Message):
-    __slots__ = ("world_version", "reason")
+    __slots__ = ("world_version", "reason", "acknowledge")
     WORLD_VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
     world_version: int
     reason: str
-    def __init__(self, world_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    acknowledge: bool
+    def __init__(self, world_version: _Optional[int] = ..., reason: _Optional[str] = ..., acknowledge: _Optional[bool] = ...) -> None: ...
 
 class Standby(_message.Message):
     __slots__ = ("world_version", "reason")

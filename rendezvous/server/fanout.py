@@ -1,0 +1,94 @@
+"""How the leader puts what it sends on a job's Watch streams: each stream's items in order, aborts paced.
+
+An abort of a world of N puts a notice on N stream queues, and each put wakes that stream's
+handler. Put all at once, the next turn of the event loop runs N handlers (at 16,384, ~0.4 s) and
+then their writes' completions before anything else: the journal's next write, the evictions of
+workers that died with the first, the settle window's tick all waited behind them, so a re-form
+paid for every abort's write before its world could even be decided. `FanOut` paces an abort,
+CHUNK streams per turn of the loop, and every send of a job goes through it, so that each stream
+still gets its items in the order they were sent.
+
+A world announced while the abort is still on its way is sent at once, and the streams the abort
+has not reached yet get one World carrying it (`merged`): one write instead of two (the worker is
+told both, in that order), where a worker killed with the first one would otherwise cost every
+survivor a second write.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Iterable, Optional
+
+from rendezvous.server.world_views import PendingView
+from rendezvous.wire.messages import pb
+
+CHUNK = 512   # streams an abort is put on per turn of the event loop (~15 ms of handlers)
+
+
+class AbortNotice:
+    """The abort of a world (an AbortVersion), serialized once for every member's stream."""
+
+    __slots__ = ("message", "_serialized")
+
+    def __init__(self, message: pb.AbortVersion):
+        self.message = message
+        self._serialized = pb.WatchEvent(abort=message).SerializeToString()
+
+    def serialized(self) -> bytes:
+        return self._serialized
+
+
+class FanOut:
+    """Puts (worker id, item) pairs on the queues of `streams` (worker id -> job_record.Stream: the
+    job's open streams, looked up as each item is put): a paced send CHUNK streams per turn of the
+    loop, any other at once, after what still waits for the same streams."""
+
+    def __init__(self, streams: dict):
+        self._streams = streams
+        self._backlog: collections.OrderedDict = collections.OrderedDict()   # worker id -> [items]
+        self._task: Optional[asyncio.Task] = None
+
+    def send(self, items: Iterable[tuple[str, object]], paced: bool = False) -> None:
+        backlog = self._backlog
+        if not paced:
+            for worker_id, item in items:
+                waiting = backlog.pop(worker_id, None)
+                if waiting is None:
+                    self._put(worker_id, (item,))
+                else:
+                    waiting.append(item)
+                    self._put(worker_id, merged(waiting))
+            return
+        for worker_id, item in items:
+            backlog.setdefault(worker_id, []).append(item)
+        if self._task is None or self._task.done():   # nothing was waiting: a chunk at once
+            self._put_chunk()
+            if backlog:
+                self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    def _put(self, worker_id: str, items) -> None:
+        stream = self._streams.get(worker_id)
+        if stream is not None:
+            for item in items:
+                stream.queue.put_nowait(item)
+
+    def _put_chunk(self) -> None:
+        for _ in range(min(CHUNK, len(self._backlog))):
+            self._put(*self._backlog.popitem(last=False))
+
+    async def _drain(self) -> None:
+        while self._backlog:
+            await asyncio.sleep(0)   # one turn of the loop: the handlers woken, journal, timers
+            self._put_chunk()
+
+
+def merged(items: list) -> list:
+    """`items` (one stream's, in order) with each abort notice that is followed at once by the view
+    of a newer world folded into that view: what it writes, one World carrying the abort."""
+    out: list = []
+    for item in items:
+        if (isinstance(item, PendingView) and out and isinstance(out[-1], AbortNotice)
+                and item.views.world_version > out[-1].message.world_version):
+            item = PendingView(item.views, item.member, aborted=out.pop().message)
+        out.append(item)
+    return out

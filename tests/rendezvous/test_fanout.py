@@ -1,0 +1,117 @@
+"""What the leader puts on a job's Watch streams: each stream's items in order, an abort paced a
+chunk of streams per turn of the event loop, and an abort still waiting folded into the next world."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rendezvous.server import fanout
+from rendezvous.server.fanout import AbortNotice, FanOut, merged
+from rendezvous.server.job_record import Stream
+from rendezvous.server.world_views import PendingView, WorldViews
+from rendezvous.wire.membership import Member
+from rendezvous.wire.messages import pb
+
+
+def members(n):
+    return tuple(Member(f"w{i}", f"h{i // 8}", f"10.0.{i // 8}.1:{4000 + i}", i, i % 8, min(8, n - i // 8 * 8),
+                        i // 8, -(-n // 8), -1) for i in range(n))
+
+
+def abort(version):
+    return AbortNotice(pb.AbortVersion(world_version=version, reason=f"world {version}: worker x evicted"))
+
+
+WORLD2, WORLD3 = WorldViews(2, members(4)), WorldViews(3, members(4))
+
+
+def view(views, rank=1):
+    return PendingView(views, views.members[rank])
+
+
+def shape(items):
+    """Each item as ("abort", V), ("world", V, aborted V or None) or the item itself."""
+    out = []
+    for item in items:
+        if isinstance(item, AbortNotice):
+            out.append(("abort", item.message.world_version))
+        elif isinstance(item, PendingView):
+            out.append(("world", item.views.world_version, item.aborted.world_version if item.aborted else None))
+        else:
+            out.append(item)
+    return out
+
+
+@pytest.mark.parametrize("items, expected", [
+    ([], []),
+    ([abort(1)], [("abort", 1)]),
+    ([view(WORLD2)], [("world", 2, None)]),
+    # the abort still waiting when the next world is sent: one World carrying it
+    ([abort(1), view(WORLD2)], [("world", 2, 1)]),
+    # a world sent before the abort, or not right after it, or not newer, stays as it was
+    ([view(WORLD2), abort(2)], [("world", 2, None), ("abort", 2)]),
+    ([abort(1), b"pending", view(WORLD2)], [("abort", 1), b"pending", ("world", 2, None)]),
+    ([abort(2), view(WORLD2)], [("abort", 2), ("world", 2, None)]),
+    # two changes in a row: each abort rides with the world after it
+    ([abort(1), view(WORLD2), abort(2), view(WORLD3)], [("world", 2, 1), ("world", 3, 2)]),
+])
+def test_an_abort_followed_by_a_newer_world_is_written_as_one_world_carrying_it(items, expected):
+    assert shape(merged(items)) == expected
+
+
+def test_the_merged_world_serializes_with_its_abort_and_the_notice_once_for_everyone():
+    notice = abort(1)
+    (item,) = merged([notice, view(WORLD2)])
+    ev = pb.WatchEvent.FromString(item.serialized())
+    assert ev.world.world_version == 2 and ev.world.rank == 1
+    assert ev.world.aborted.world_version == 1 and ev.world.aborted.reason == notice.message.reason
+    assert notice.serialized() is notice.serialized()
+    assert pb.WatchEvent.FromString(notice.serialized()).abort.world_version == 1
+
+
+def queued(stream):
+    out = []
+    while not stream.queue.empty():
+        out.append(stream.queue.get_nowait())
+    return shape(out)
+
+
+def test_an_abort_is_paced_and_a_world_sent_meanwhile_reaches_every_stream_after_its_abort():
+    n = fanout.CHUNK * 3 + 5
+    views = WorldViews(2, members(n))
+
+    async def body():
+        streams = {m.worker_id: Stream() for m in views.members}
+        out = FanOut(streams)
+        notice = abort(1)
+        out.send(((w, notice) for w in streams), paced=True)
+        reached_at_once = sum(not s.queue.empty() for s in streams.values())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        reached_after_a_turn = sum(not s.queue.empty() for s in streams.values())
+        out.send(views.pending(streams))          # the next world: at once, to every stream
+        out.send([("w5", b"probe")])              # a later send comes after both
+        got = {w: queued(s) for w, s in streams.items()}
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return reached_at_once, reached_after_a_turn, got, {w: queued(s) for w, s in streams.items()}
+    at_once, after_turn, got, later = asyncio.run(body())
+    assert at_once == fanout.CHUNK and fanout.CHUNK < after_turn < n   # a chunk at once, more each turn
+    order = [m.worker_id for m in views.members]
+    # Those the abort reached get it, then the world; the rest one World carrying it; w5 (in the
+    # first chunk) its probe last.
+    assert all(got[w] == [("abort", 1), ("world", 2, None)] for w in order[:after_turn] if w != "w5")
+    assert all(got[w] == [("world", 2, 1)] for w in order[after_turn:])
+    assert got["w5"] == [("abort", 1), ("world", 2, None), b"probe"]
+    assert all(v == [] for v in later.values())   # nothing left over, nothing sent twice
+
+
+def test_a_send_to_a_stream_that_closed_meanwhile_is_dropped_and_small_sends_go_at_once():
+    async def body():
+        streams = {"a": Stream(), "b": Stream()}
+        out = FanOut(streams)
+        out.send([("a", b"x"), ("gone", b"y")], paced=True)
+        out.send([("b", b"z")])
+        return queued(streams["a"]), queued(streams["b"])
+    assert asyncio.run(body()) == ([b"x"], [b"z"])
