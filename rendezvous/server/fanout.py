@@ -40,41 +40,60 @@ class AbortNotice:
 
 class FanOut:
     """Puts (worker id, item) pairs on the queues of `streams` (worker id -> job_record.Stream: the
-    job's open streams, looked up as each item is put): a paced send CHUNK streams per turn of the
-    loop, any other at once, after what still waits for the same streams."""
+    job's open streams): a paced send CHUNK streams per turn of the loop, any other at once, after
+    what still waits for the same stream. An item waits for the stream that was open when it was
+    sent: if that stream closed or was replaced meanwhile (a reattach, whose snapshot says what is
+    current), the item is dropped rather than handed to another."""
 
     def __init__(self, streams: dict):
         self._streams = streams
-        self._backlog: collections.OrderedDict = collections.OrderedDict()   # worker id -> [items]
+        # worker id -> (the stream its items were sent to, [items]), oldest first
+        self._backlog: collections.OrderedDict = collections.OrderedDict()
         self._task: Optional[asyncio.Task] = None
 
     def send(self, items: Iterable[tuple[str, object]], paced: bool = False) -> None:
-        backlog = self._backlog
+        streams, backlog = self._streams, self._backlog
         if not paced:
             for worker_id, item in items:
+                stream = streams.get(worker_id)
                 waiting = backlog.pop(worker_id, None)
-                if waiting is None:
-                    self._put(worker_id, (item,))
+                if stream is None:
+                    continue
+                if waiting is not None and waiting[0] is stream:
+                    waiting[1].append(item)
+                    self._put(worker_id, stream, merged(waiting[1]))
                 else:
-                    waiting.append(item)
-                    self._put(worker_id, merged(waiting))
+                    self._put(worker_id, stream, (item,))
             return
         for worker_id, item in items:
-            backlog.setdefault(worker_id, []).append(item)
+            stream = streams.get(worker_id)
+            if stream is None:
+                continue
+            waiting = backlog.get(worker_id)
+            if waiting is not None and waiting[0] is stream:
+                waiting[1].append(item)
+            else:
+                backlog[worker_id] = (stream, [item])
         if self._task is None or self._task.done():   # nothing was waiting: a chunk at once
             self._put_chunk()
             if backlog:
                 self._task = asyncio.get_running_loop().create_task(self._drain())
 
-    def _put(self, worker_id: str, items) -> None:
-        stream = self._streams.get(worker_id)
-        if stream is not None:
+    def close(self) -> None:
+        """Drops what waits (the streams are being ended: leadership lost, the server stopping)."""
+        self._backlog.clear()
+        if self._task is not None:
+            self._task.cancel()
+
+    def _put(self, worker_id: str, stream, items) -> None:
+        if self._streams.get(worker_id) is stream:
             for item in items:
                 stream.queue.put_nowait(item)
 
     def _put_chunk(self) -> None:
         for _ in range(min(CHUNK, len(self._backlog))):
-            self._put(*self._backlog.popitem(last=False))
+            worker_id, (stream, items) = self._backlog.popitem(last=False)
+            self._put(worker_id, stream, items)
 
     async def _drain(self) -> None:
         while self._backlog:

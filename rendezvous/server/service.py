@@ -177,6 +177,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         for job in self.jobs.values():
             if job.timer:
                 job.timer.cancel()
+            job.fanout.close()
             for stream in job.streams.values():
                 stream.closed_by_server = True   # the client reconnects to the new leader
                 stream.queue.put_nowait(END)
@@ -195,6 +196,7 @@ class RendezvousService(pb_grpc.RendezvousServicer):
         for job in self.jobs.values():
             if job.timer:
                 job.timer.cancel()
+            job.fanout.close()
             for stream in job.streams.values():
                 stream.closed_by_server = True
                 stream.queue.put_nowait(END)

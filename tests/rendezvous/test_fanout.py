@@ -115,3 +115,55 @@ def test_a_send_to_a_stream_that_closed_meanwhile_is_dropped_and_small_sends_go_
         out.send([("b", b"z")])
         return queued(streams["a"]), queued(streams["b"])
     assert asyncio.run(body()) == ([b"x"], [b"z"])
+
+
+def test_what_waits_for_a_stream_that_was_replaced_or_closed_meanwhile_is_dropped_not_handed_on():
+    n = fanout.CHUNK * 2
+    views = WorldViews(2, members(n))
+
+    async def body():
+        streams = {m.worker_id: Stream() for m in views.members}
+        out = FanOut(streams)
+        out.send(((w, abort(1)) for w in list(streams)), paced=True)
+        last = views.members[-1].worker_id
+        old = streams[last]
+        streams[last] = Stream()            # it reattached: its snapshot says what is current
+        del streams[views.members[-2].worker_id]   # it is gone
+        out.send(views.pending(streams))    # the next world: the new stream gets it, alone
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return queued(old), queued(streams[last]), queued(streams[views.members[-3].worker_id])
+    old, new, other = asyncio.run(body())
+    assert old == [] and new == [("world", 2, None)] and other == [("world", 2, 1)]
+
+
+@pytest.mark.parametrize("n, drains", [(fanout.CHUNK, False), (fanout.CHUNK + 1, True)])
+def test_an_abort_to_at_most_a_chunk_of_streams_goes_at_once(n, drains):
+    async def body():
+        streams = {f"w{i}": Stream() for i in range(n)}
+        out = FanOut(streams)
+        out.send(((w, abort(1)) for w in streams), paced=True)
+        return out._task is not None, sum(not s.queue.empty() for s in streams.values())
+    assert asyncio.run(body()) == (drains, min(n, fanout.CHUNK))
+
+
+def test_a_second_paced_send_during_a_drain_keeps_each_streams_order_and_close_drops_the_rest():
+    n = fanout.CHUNK * 3
+
+    async def body():
+        streams = {f"w{i}": Stream() for i in range(n)}
+        out = FanOut(streams)
+        out.send(((w, abort(1)) for w in streams), paced=True)
+        out.send(((w, b"pending 1") for w in streams), paced=True)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        got = {w: queued(s) for w, s in streams.items()}
+        out.send(((w, abort(2)) for w in streams), paced=True)
+        out.close()                            # leadership lost: nothing more is put
+        for _ in range(10):
+            await asyncio.sleep(0)
+        after = [queued(s) for s in streams.values()]
+        return got, after, out._task.cancelled() or out._task.done()
+    got, after, ended = asyncio.run(body())
+    assert all(v == [("abort", 1), b"pending 1"] for v in got.values())
+    assert sum(len(v) for v in after) == fanout.CHUNK and ended   # the one chunk put at once
