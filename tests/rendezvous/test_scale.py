@@ -92,10 +92,10 @@ def test_a_job_of_4096_workers_forms_loses_40_and_re_forms_within_a_minute(etcd,
             assert took < 60, took
             # Every worker's World is its view: a few hundred bytes in a job of 4,096.
             assert max(formed + re_formed) <= 1024, max(formed + re_formed)
-            # The abort reached every survivor once (on its own or with the next world), and a world
-            # this large is not asked to answer it: 4,056 acknowledgements would cost the leader
-            # more than the settle window.
-            assert {tuple(s.asked_to_ack) for s in survivors} == {(False,)}
+            # The abort reached every survivor (on its own or with the next world; twice, should the
+            # 40 failures have been split over two settle windows), and a world this large is not
+            # asked to answer it: 4,056 acknowledgements would cost the leader more than the window.
+            assert all(s.asked_to_ack and not any(s.asked_to_ack) for s in survivors)
         finally:
             for s in sims:
                 if s.task is not None:
