@@ -396,11 +396,7 @@ def decide(state: JobState, event: Event, now: float,
                         config=config, count_failure=event.count_failure, cause=event.cause)
     elif isinstance(event, RingBroken):
         if event.world_version == state.world_version and state.in_world(event.reporter_id):
-            if state.aborted_version != state.world_version:
-                actions.append(AnnounceAbort(state.world_version, event.reason,
-                                             abort_acks_wanted(len(state.world))))
-                state = replace(state, aborted_version=state.world_version)
-            state = _mark_change(state, now)
+            state = _mark_change(_abort(state, event.reason, actions), now)
     elif isinstance(event, Attach):
         w = state.workers.get(event.worker_id)
         if w is not None and not w.attached:
@@ -481,6 +477,14 @@ def abort_acks_wanted(world_size: int) -> bool:
     """Whether the members of an aborted world of `world_size` are asked to acknowledge the abort
     (so the next world need not wait out the settle window), or the window is cheaper."""
     return world_size <= ABORT_ACKS_MAX_WORLD
+
+
+def _abort(state: JobState, reason: str, actions: list[Action]) -> JobState:
+    """A member of the current world failed: its survivors are told once (abort_acks_wanted)."""
+    if state.aborted_version == state.world_version:
+        return state
+    actions.append(AnnounceAbort(state.world_version, reason, abort_acks_wanted(len(state.world))))
+    return replace(state, aborted_version=state.world_version)
 
 
 def abort_acknowledged(state: JobState) -> bool:
@@ -587,9 +591,7 @@ def _remove(state: JobState, worker_id: str, reason: str, now: float, actions: l
         state = _count_host_failure(state, worker.host, now, config)
     if state.in_world(worker_id):
         if failure:
-            if state.aborted_version != state.world_version:
-                actions.append(AnnounceAbort(state.world_version, reason, abort_acks_wanted(len(state.world))))
-                state = replace(state, aborted_version=state.world_version)
+            state = _abort(state, reason, actions)
         else:
             state = _pending(state, reason, actions)
         state = _mark_change(state, now)
