@@ -10,7 +10,7 @@ from elastic.ring.ring_view import RingView
 from rendezvous.client.worker_client import _world
 from rendezvous.server import decision as d
 from rendezvous.server import server_wire
-from rendezvous.server.world_views import WorldViews, world_digest
+from rendezvous.server.world_views import WorldViews, _varint, world_digest
 from rendezvous.wire.messages import pb
 
 
@@ -63,12 +63,31 @@ def test_views_go_only_to_members_with_a_stream():
     assert pb.WatchEvent.FromString(pending.serialized()) == views.event(views.member("w00002"))
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_view_serialized_field_by_field_is_the_view(name):
+    views = WorldViews(2**40 + 3, LAYOUTS[name])   # a version whose varint takes six bytes
+    aborted = pb.AbortVersion(world_version=2**40 + 2, reason="worker w00001 evicted: " + "x" * 200,
+                              acknowledge=True)
+    for m in views.members:
+        for abort in (None, aborted):
+            sent = views.serialized_event(m, abort)
+            assert pb.WatchEvent.FromString(sent) == views.event(m, abort), (m, abort)
+            assert len(sent) == views.event(m, abort).ByteSize()
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 300, 16_383, 16_384, 2**32 - 1, 2**63])
+def test_varint_is_protobufs(n):
+    # A uint64 field of number 1 is its tag (0x08) and then the value as a varint.
+    assert _varint(n) == pb.World(world_version=n).SerializeToString()[1:] or n == 0
+    assert pb.World.FromString(b"\x08" + _varint(n)).world_version == n
+
+
 def _largest_event(members: tuple[d.Member, ...]) -> int:
     """The largest message the server sends any worker of this world, of every kind it sends one."""
     views = WorldViews(7, members)
     state = dataclasses.replace(d.new_job("j", d.JobSpec(1, len(members), 60.0), 0.0), world_version=7,
                                 world=members, phase=d.Phase.RUNNING, aborted_version=7)
-    sizes = [views.event(m).ByteSize() for m in members]
+    sizes = [len(views.serialized_event(m)) for m in members]
     sizes += [e.ByteSize() for e in server_wire.snapshot(state, views, members[-1].worker_id, 0.0)]
     sizes += [server_wire.notice_event(d.AnnounceAbort(7, "worker w00001 on host host-0000 evicted")).ByteSize(),
               server_wire.standby_event(7, server_wire.standby_reason(state, "spare", 0.0)).ByteSize()]
