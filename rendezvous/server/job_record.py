@@ -61,7 +61,7 @@ class Job:
     fanout: FanOut = field(init=False)     # how everything sent to the streams is put on them
 
     def __post_init__(self):
-        self.fanout = FanOut(self.streams)
+        self.fanout = FanOut(self.streams, lambda: self.state.world_version)
 
     def views(self, world_version: int, members: tuple) -> WorldViews:
         """The views of world `world_version` of `members`, worked out once per world (O(N)) and

@@ -167,3 +167,61 @@ def test_a_second_paced_send_during_a_drain_keeps_each_streams_order_and_close_d
     got, after, ended = asyncio.run(body())
     assert all(v == [("abort", 1), b"pending 1"] for v in got.values())
     assert sum(len(v) for v in after) == fanout.CHUNK and ended   # the one chunk put at once
+
+
+def test_an_abort_waits_for_the_world_decided_after_it_and_rides_with_it():
+    n = fanout.CHUNK * 4
+    views = WorldViews(2, members(n))
+    decided = [1]
+
+    async def body():
+        streams = {m.worker_id: Stream() for m in views.members}
+        out = FanOut(streams, lambda: decided[0])
+        out.send(((w, abort(1)) for w in streams), paced=True)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        before = sum(not s.queue.empty() for s in streams.values())
+        decided[0] = 2                     # the next world is decided; its store write is under way
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await asyncio.sleep(fanout.HOLD_POLL_S * 3)
+        held = sum(not s.queue.empty() for s in streams.values())
+        out.send(views.pending(streams))   # ... and announced
+        return before, held, {w: queued(s) for w, s in streams.items()}, out
+    before, held, got, out = asyncio.run(body())
+    assert fanout.CHUNK <= before < n and held == before   # nothing more was paced out meanwhile
+    order = [m.worker_id for m in views.members]
+    assert all(got[w] == [("abort", 1), ("world", 2, None)] for w in order[:held])
+    assert all(got[w] == [("world", 2, 1)] for w in order[held:])
+    assert not out._backlog
+
+
+def test_an_abort_held_for_a_world_that_is_not_announced_goes_out_after_the_hold(monkeypatch):
+    monkeypatch.setattr(fanout, "HOLD_MAX_S", 0.1)
+    n = fanout.CHUNK * 3
+
+    async def body():
+        streams = {f"w{i}": Stream() for i in range(n)}
+        out = FanOut(streams, lambda: 2)   # decided, but its write keeps failing: never announced
+        out.send(((w, abort(1)) for w in streams), paced=True)
+        await asyncio.wait_for(out._task, 5)
+        return [queued(s) for s in streams.values()]
+    assert all(v == [("abort", 1)] for v in asyncio.run(body()))
+
+
+def test_what_is_left_of_an_abort_after_its_world_is_announced_is_paced_out():
+    n = fanout.CHUNK * 3
+    views = WorldViews(2, members(n // 2))   # half the old world is in the next one
+
+    async def body():
+        streams = {f"w{i}": Stream() for i in range(n)}
+        out = FanOut(streams, lambda: 2)
+        out.send(((w, abort(1)) for w in streams), paced=True)
+        out.send(views.pending(streams))
+        await asyncio.wait_for(out._task, 5)
+        return {w: queued(s) for w, s in streams.items()}
+    got = asyncio.run(body())
+    first = [f"w{i}" for i in range(fanout.CHUNK)]
+    assert all(got[w] == [("abort", 1), ("world", 2, None)] for w in first)
+    assert all(got[m.worker_id] == [("world", 2, 1)] for m in views.members if m.worker_id not in first)
+    assert all(got[f"w{i}"] == [("abort", 1)] for i in range(n // 2, n))
