@@ -22,7 +22,8 @@ a RendezvousClient does (--no-abort-acks: never); up to 1,024 workers each get t
 beyond that workers share channels (N/1,024 Watch streams per HTTP/2 connection), because one
 process on this 2-core machine cannot hold 16,384 connections and their keepalive pings. The
 server sees the same RPCs and streams per worker, but fewer connections and pings than N real
-processes would give it. That one process joins 128 workers at a time, each joined once its
+processes would give it. A worker's time is when its own message was read; the bench waits for
+them all through one tally, not a task per worker (see Tally). That one process joins 128 workers at a time, each joined once its
 Watch got its first event, and it shares the 2 cores with the server and etcd, so the server runs
 with a heartbeat timeout of 30 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
 worker is still seen at once, by its stream breaking. The joins take this process ~35 s at
