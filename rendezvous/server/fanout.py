@@ -107,20 +107,23 @@ class FanOut:
             worker_id, (stream, items) = self._backlog.popitem(last=False)
             self._put(worker_id, stream, items)
 
-    def _held(self) -> bool:
-        """The oldest waiting item is an abort of a world whose successor is decided, not yet sent."""
+    def _held(self) -> Optional[int]:
+        """The world version of the oldest waiting item, if it is an abort of a world whose successor
+        is decided, not yet sent (held for it); None otherwise."""
         _, items = next(iter(self._backlog.values()))
         version = items[0].message.world_version if isinstance(items[0], AbortNotice) else None
-        return version is not None and self._announced <= version < self._decided()
+        return version if version is not None and self._announced <= version < self._decided() else None
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
-        held_since = None
+        hold = None   # (the version held, since)
         while self._backlog:
             await asyncio.sleep(0)   # one turn of the loop: the handlers woken, journal, timers
-            if self._backlog and self._held():
-                held_since = loop.time() if held_since is None else held_since
-                if loop.time() - held_since < HOLD_MAX_S:
+            version = self._held() if self._backlog else None
+            if version is not None:
+                if hold is None or hold[0] != version:   # each world's abort gets its own HOLD_MAX_S
+                    hold = (version, loop.time())
+                if loop.time() - hold[1] < HOLD_MAX_S:
                     await asyncio.sleep(HOLD_POLL_S)
                     continue
             self._put_chunk()

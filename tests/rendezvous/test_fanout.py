@@ -225,3 +225,25 @@ def test_what_is_left_of_an_abort_after_its_world_is_announced_is_paced_out():
     assert all(got[w] == [("abort", 1), ("world", 2, None)] for w in first)
     assert all(got[m.worker_id] == [("world", 2, 1)] for m in views.members if m.worker_id not in first)
     assert all(got[f"w{i}"] == [("abort", 1)] for i in range(n // 2, n))
+
+
+def test_the_abort_of_the_next_world_gets_a_hold_of_its_own(monkeypatch):
+    # A member of the world announced after a hold died already: its abort, sent while the drain
+    # of the first still runs, is held for the world after it as long as the first was.
+    monkeypatch.setattr(fanout, "HOLD_MAX_S", 0.3)
+    n = fanout.CHUNK * 4
+    views = WorldViews(2, members(n))
+    decided = [1]
+
+    async def body():
+        streams = {m.worker_id: Stream() for m in views.members}
+        out = FanOut(streams, lambda: decided[0])
+        out.send(((w, abort(1)) for w in streams), paced=True)
+        decided[0] = 2
+        await asyncio.sleep(0.25)                                  # most of the first hold
+        out.send(views.pending(streams))                           # world 2 announced ...
+        out.send(((w, abort(2)) for w in streams), paced=True)     # ... and aborted
+        decided[0] = 3
+        await asyncio.sleep(0.15)                                  # well inside a hold of its own
+        return sum(("abort", 2) in queued(s) for s in streams.values())
+    assert asyncio.run(body()) == 0
