@@ -18,11 +18,6 @@ from typing import Iterable, Iterator, Optional
 from rendezvous.wire.membership import Member
 from rendezvous.wire.messages import member_pb, pb
 
-_LENGTH_DELIMITED = 2   # the wire type of a message field
-_WORLD_TAG = bytes([(pb.WatchEvent.WORLD_FIELD_NUMBER << 3) | _LENGTH_DELIMITED])
-_PEER_TAG = bytes([(pb.World.PEERS_FIELD_NUMBER << 3) | _LENGTH_DELIMITED])
-
-
 def _varint(n: int) -> bytes:
     """`n` (>= 0) as a protobuf base-128 varint."""
     out = bytearray()
@@ -31,6 +26,11 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_LENGTH_DELIMITED = 2   # the wire type of a message field
+_WORLD_TAG = _varint((pb.WatchEvent.WORLD_FIELD_NUMBER << 3) | _LENGTH_DELIMITED)
+_PEER_TAG = _varint((pb.World.PEERS_FIELD_NUMBER << 3) | _LENGTH_DELIMITED)
 
 
 def world_digest(members: Iterable[Member]) -> bytes:
@@ -78,14 +78,16 @@ class WorldViews:
     def world(self, m: Member, aborted: Optional[pb.AbortVersion] = None) -> pb.World:
         """The World message `m` receives (carrying the abort of the world before, `aborted`, where
         that notice rides with it: fanout.merged)."""
+        return pb.World(peers=[member_pb(self.members[r]) for r in self.peer_ranks(m)], **self._fields(m, aborted))
+
+    def _fields(self, m: Member, aborted: Optional[pb.AbortVersion]) -> dict:
+        """Every field of `m`'s World but its peers."""
         h, hosts = self._host_of[m.rank], len(self._leaders)
-        return pb.World(
-            world_version=self.world_version, size=len(self.members), rank=m.rank, local_rank=m.local_rank,
-            local_size=m.local_size, cross_rank=m.cross_rank, cross_size=m.cross_size,
-            peers=[member_pb(self.members[r]) for r in self.peer_ranks(m)], digest=self.digest,
-            num_hosts=hosts, host_index=h, largest_host=self._largest,
-            prev_leader=self._leaders[(h - 1) % hosts], next_leader=self._leaders[(h + 1) % hosts],
-            aborted=aborted)
+        return dict(world_version=self.world_version, size=len(self.members), rank=m.rank,
+                    local_rank=m.local_rank, local_size=m.local_size, cross_rank=m.cross_rank,
+                    cross_size=m.cross_size, digest=self.digest, num_hosts=hosts, host_index=h,
+                    largest_host=self._largest, prev_leader=self._leaders[(h - 1) % hosts],
+                    next_leader=self._leaders[(h + 1) % hosts], aborted=aborted)
 
     def event(self, m: Member, aborted: Optional[pb.AbortVersion] = None) -> pb.WatchEvent:
         return pb.WatchEvent(world=self.world(m, aborted))
@@ -96,13 +98,7 @@ class WorldViews:
         the cost of a view. A message's fields may come in any order and a repeated one's elements
         are appended as they come, so the World is its other fields, then the peers' (parsed, it
         equals `event`: a table test)."""
-        h, hosts = self._host_of[m.rank], len(self._leaders)
-        head = pb.World(
-            world_version=self.world_version, size=len(self.members), rank=m.rank, local_rank=m.local_rank,
-            local_size=m.local_size, cross_rank=m.cross_rank, cross_size=m.cross_size, digest=self.digest,
-            num_hosts=hosts, host_index=h, largest_host=self._largest,
-            prev_leader=self._leaders[(h - 1) % hosts], next_leader=self._leaders[(h + 1) % hosts],
-            aborted=aborted).SerializeToString()
+        head = pb.World(**self._fields(m, aborted)).SerializeToString()
         world = b"".join([head, *map(self._peer, self.peer_ranks(m))])
         return b"".join((_WORLD_TAG, _varint(len(world)), world))
 
