@@ -195,6 +195,11 @@ class Reporter:
             self.recoveries.append(held.formed_at - held.since)
             self._held = None
             return Line(f"{held.formed_line()}; no training step reported in {STEP_WAIT_S:g} s", True)
+        if view.phase in ("SUCCEEDED", "FAILED"):   # no later answer will say more: said now, as formed
+            self.recoveries.append(held.formed_at - held.since)
+            self._held = None
+            return Line(f"{held.formed_line()}; the job ended before every member reported a training "
+                        f"step in it", True)
         return None
 
     def _waiting(self, view: JobStatusInfo, now: float) -> Optional[Line]:

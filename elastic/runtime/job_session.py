@@ -103,6 +103,7 @@ class JobSession(Session):
         self._claims: Tuple[int, Dict[int, Tuple[float, int]]] = (0, {})   # world version, rank -> (since, commits)
         self._leaving: Optional[Tuple[int, Tuple[int, ...], float]] = None  # (version, leavers, since)
         self._accused: Set[Tuple[int, str]] = set()   # (version, worker id) reported for a claim
+        self._stepped_told = 0   # the newest world the server was told this worker trained in
         self.straggler_detector = straggler_detector.Detector(
             config.stragglers, config.worker_id,
             leave=lambda why: self.leave_request.request(why, LeaveCause.STRAGGLER),
@@ -176,6 +177,7 @@ class JobSession(Session):
                 # The world it returned in is its ring's: a world announced since (a joiner
                 # waiting for a commit that never came) is not one it trained in.
                 world = self.world.world_version if self.world is not None else None
+                self._tell_stepped()
                 if not self.client.report_success(world_version=world, commit_step=max(self.commit_step, 0)):
                     self._await_finished(FINISH_WAIT_S)
             elif ending is Ending.LEFT:
@@ -273,6 +275,19 @@ class JobSession(Session):
                     self.config.job_id, self.leave_request.why, describe_commit(commit_step, self.state), version)
         return self._left(world_version=version, commit_step=commit_step)
 
+    def _tell_stepped(self) -> None:
+        """Tells the server the newest world this worker trained in, if the pump has not yet: a
+        job that ends within the pump's turn of its first step in a world would otherwise end
+        with Status saying nobody trained in it, and its launchers never count the recovery."""
+        stepped = self.stepped_world
+        if stepped > self._stepped_told:
+            try:
+                self.client.report_progress(commit_step=self.commit_step, stepped_world=stepped,
+                                            step=training_step(self.state))
+                self._stepped_told = stepped
+            except _ClientError as e:   # the success report still goes: this is only what Status says
+                log.debug("progress report failed: %s", e)
+
     def _left(self, world_version: int, commit_step: int) -> LeftJob:
         """The exception that says why this worker left: preempted, asked to, or evicted as a straggler."""
         kind = _LEFT_BY_CAUSE[self.leave_request.cause]
@@ -286,7 +301,7 @@ class JobSession(Session):
 
     # ------------------------------------------------------------------ events
     def _pump_loop(self) -> None:
-        reported, last_report, told, noted, stepped_told = -1, 0.0, None, 0, 0
+        reported, last_report, told, noted = -1, 0.0, None, 0
         while not self._stop.is_set():
             # A ring that takes long to form waits for members still in the running world: they
             # switch at their next commit. Say so once per world, not only when the form times out.
@@ -312,12 +327,13 @@ class JobSession(Session):
             named = verdict is not None and verdict.named and not (told is not None and told.named and
                                                                    told.world_version == verdict.world_version)
             # The first step in a new world goes at once: the launchers count a recovery to it.
+            stepped_told = self._stepped_told
             if (commit_step != reported or verdict is not told or stepped != stepped_told) and \
                     (named or stepped != stepped_told or time.monotonic() - last_report >= 1.0):
                 try:
                     self.client.report_progress(commit_step=commit_step, straggler=verdict, stepped_world=stepped,
                                                 step=training_step(self.state))
-                    reported, told, stepped_told = commit_step, verdict, stepped
+                    reported, told, self._stepped_told = commit_step, verdict, max(stepped, self._stepped_told)
                     self.straggler_detector.told(verdict)
                 except _ClientError as e:
                     log.debug("progress report failed: %s", e)

@@ -89,3 +89,21 @@ def test_an_allreduce_algorithm_differing_in_a_mixed_world_ends_the_job_naming_i
     assert all(c != 0 for c in codes.values()), codes
     logs = "".join(job.log(w) for w in ("w0", "w1", "w2"))
     assert "is ELASTIC_ALLREDUCE_ALGORITHM the same on every worker?" in logs, logs
+
+
+
+def test_a_job_that_ends_right_after_its_first_step_tells_status_it_trained_in_its_world(job_factory, server):
+    # One worker, one step, no pause: its success ends the job well within the event thread's
+    # turn of 0.2 s that reports progress, so the report goes with the success, or a launcher
+    # never learns the world trained (it counts a recovery to that).
+    from rendezvous.client.status_client import StatusClient
+    job = job_factory(min_np=1, max_np=1, JOB_EPOCHS="1", JOB_SAMPLES="8", JOB_STEP_SLEEP="0")
+    job.start("w0")
+    assert job.wait(["w0"]) == {"w0": 0}, job.log("w0")
+    status = StatusClient([server.address])
+    try:
+        view = status.job("job", timeout_s=5.0)
+    finally:
+        status.close()
+    assert view is not None and view.phase == "SUCCEEDED", view
+    assert [(m.worker_id, m.stepped_world) for m in view.members] == [("w0", view.world_version)], view

@@ -59,6 +59,20 @@ def test_a_world_that_reports_no_step_is_said_formed_after_a_while():
     assert r.recoveries == [pytest.approx(0.3)]
 
 
+@pytest.mark.parametrize("stepped, line", [
+    (True, "world 2: 1 worker(s); left: b; recovered 0.50 s after b killed by SIGKILL"),
+    (False, "world 2: 1 worker(s); left: b; formed 0.20 s after b killed by SIGKILL; the job ended before "
+            "every member reported a training step in it"),
+])
+def test_a_world_held_for_its_first_step_is_said_when_the_job_ends(stepped, line):
+    r = Reporter(now=0.0)
+    r.update(view(1, ["a", "b"]), 1.0)
+    r.note_failure("b killed by SIGKILL", 10.0)
+    assert r.update(view(2, ["a"], stepped=False), 10.2) == []
+    assert r.update(view(2, ["a"], phase="SUCCEEDED", stepped=stepped), 10.5) == [line]
+    assert len(r.recoveries) == 1
+
+
 def test_a_newer_world_before_the_first_step_carries_the_recovery_on():
     r = Reporter(now=0.0)
     r.update(view(1, ["a", "b", "c"]), 1.0)
