@@ -460,10 +460,9 @@ def next_deadline(state: JobState, config: DecisionConfig) -> Optional[float]:
     # A worker waiting on a blacklisted host becomes eligible when the cooldown ends. (Expired
     # records are reset by the next decide(), so no deadline here is ever left in the past.)
     blacklisted = {h: r.blacklisted_until for h, r in state.hosts.items() if r.blacklisted_until}
-    if blacklisted:
-        in_world = state.world_ids()
-        times += [blacklisted[w.host] for w in state.workers.values()
-                  if w.host in blacklisted and w.attached and w.worker_id not in in_world]
+    if blacklisted:   # only the standby can wait on one (set difference in C: not one look per member)
+        waiting = (state.workers[w] for w in state.workers.keys() - state._world_index().keys())
+        times += [blacklisted[w.host] for w in waiting if w.host in blacklisted and w.attached]
     return min(times) if times else None
 
 

@@ -552,6 +552,21 @@ def test_spare_is_promoted_when_its_hosts_cooldown_ends():
     assert next_deadline(s, cfg) is None
 
 
+@pytest.mark.parametrize("c_attached, expected", [
+    (True, 12.0),    # c, on standby, waits on h1's cooldown; a, a member on h1, waits on nothing
+    (False, None),   # c has no stream yet: nothing waits on the cooldown
+])
+def test_the_cooldown_deadline_is_that_of_a_standby_on_a_blacklisted_host(c_attached, expected):
+    cfg = replace(CFG, blacklist_after=1, cooldown_min_s=10.0, cooldown_max_s=35.0)
+    s, _ = run(job(min_np=1, max_np=3, timeout=30.0),
+               [(0.0, Join("a", "h1", "h1:1")), (0.0, Join("y", "h1", "h1:2")), (0.0, Join("b", "h2", "h2:1")),
+                (0.0, Join("c", "h1", "h1:3", attached=c_attached)), (1.0, Tick()),
+                (2.0, Evict("y", "crash")), (2.5, Tick())], cfg)   # h1 blacklisted until 12
+    assert [m.worker_id for m in s.world] == ["a", "b"] and s.standby() == ["c"]
+    assert next_deadline(s, cfg) == (pytest.approx(expected) if expected else None)
+    assert next_deadline(s, cfg) == _deadline_looking_at_every_worker(s, cfg)
+
+
 def test_blacklisted_standby_lets_the_elastic_timeout_fire():
     cfg = replace(CFG, blacklist_after=1, cooldown_min_s=100.0, cooldown_max_s=300.0)
     s, _ = run(job(min_np=2, max_np=2, timeout=30.0),
@@ -684,5 +699,22 @@ def test_the_counts_a_state_carries_are_those_counted_afresh():
         fresh = dataclasses.replace(state)
         assert d.eligible_count(state, now) == d.eligible_count(fresh, now), (step, ev)
         assert d.abort_acknowledged(state) == d.abort_acknowledged(fresh), (step, ev)
+        assert d.next_deadline(state, CFG) == _deadline_looking_at_every_worker(state, CFG), (step, ev)
         seen.add(len(state.world) > 1)
     assert seen == {False, True, "formed once every member acknowledged"}
+
+
+def _deadline_looking_at_every_worker(state, cfg):
+    """next_deadline as its definition says it, every registered worker looked at."""
+    from rendezvous.server import decision as d
+    if state.phase in d.TERMINAL:
+        return None
+    times = []
+    if state.change_last is not None and d.eligible_count(state) >= state.spec.min_np:
+        times.append(min(state.change_last + cfg.settle_s, state.change_first + cfg.settle_max_s))
+    if state.below_min_since is not None:
+        times.append(state.below_min_since + state.spec.elastic_timeout_s)
+    times += [state.hosts[w.host].blacklisted_until for w in state.workers.values()
+              if w.host in state.hosts and state.hosts[w.host].blacklisted_until and w.attached
+              and not state.in_world(w.worker_id)]
+    return min(times) if times else None
