@@ -169,15 +169,22 @@ def test_a_second_paced_send_during_a_drain_keeps_each_streams_order_and_close_d
     assert sum(len(v) for v in after) == fanout.CHUNK and ended   # the one chunk put at once
 
 
+def _paced_abort_of_world_1(views, decided: list):
+    """Every member of `views` with a stream, and the abort of world 1 on its way to them, paced;
+    `decided[0]` is the newest world decided."""
+    streams = {m.worker_id: Stream() for m in views.members}
+    out = FanOut(streams, lambda: decided[0])
+    out.send(((w, abort(1)) for w in streams), paced=True)
+    return streams, out
+
+
 def test_an_abort_waits_for_the_world_decided_after_it_and_rides_with_it():
     n = fanout.CHUNK * 4
     views = WorldViews(2, members(n))
     decided = [1]
 
     async def body():
-        streams = {m.worker_id: Stream() for m in views.members}
-        out = FanOut(streams, lambda: decided[0])
-        out.send(((w, abort(1)) for w in streams), paced=True)
+        streams, out = _paced_abort_of_world_1(views, decided)
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         before = sum(not s.queue.empty() for s in streams.values())
@@ -236,9 +243,7 @@ def test_the_abort_of_the_next_world_gets_a_hold_of_its_own(monkeypatch):
     decided = [1]
 
     async def body():
-        streams = {m.worker_id: Stream() for m in views.members}
-        out = FanOut(streams, lambda: decided[0])
-        out.send(((w, abort(1)) for w in streams), paced=True)
+        streams, out = _paced_abort_of_world_1(views, decided)
         decided[0] = 2
         await asyncio.sleep(0.25)                                  # most of the first hold
         out.send(views.pending(streams))                           # world 2 announced ...
