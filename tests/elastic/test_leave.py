@@ -230,6 +230,10 @@ def test_a_repeated_sigterm_within_the_window_is_the_same_request(signum, after,
 # ``last`` runs after every other atexit function, elastic's included (registered before its import).
 PROLOGUE = """
 import atexit, os, signal, sys, time
+# Python's own SIGINT handler, as a program started from a terminal has it: one started where
+# SIGINT is ignored (a background job of a script, as a CI runner may start the suite) inherits
+# SIG_IGN, and Python then installs none.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 last = []
 atexit.register(lambda: [f() for f in last])
 from elastic.runtime import preemption
