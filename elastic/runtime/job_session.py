@@ -279,14 +279,20 @@ class JobSession(Session):
         """Tells the server the newest world this worker trained in, if the pump has not yet: a
         job that ends within the pump's turn of its first step in a world would otherwise end
         with Status saying nobody trained in it, and its launchers never count the recovery."""
-        stepped = self.stepped_world
-        if stepped > self._stepped_told:
-            try:
-                self.client.report_progress(commit_step=self.commit_step, stepped_world=stepped,
-                                            step=training_step(self.state))
-                self._stepped_told = stepped
-            except _ClientError as e:   # the success report still goes: this is only what Status says
-                log.debug("progress report failed: %s", e)
+        if self.stepped_world > self._stepped_told:
+            self._report_progress(self.commit_step, None, self.stepped_world)
+
+    def _report_progress(self, commit_step: int, verdict, stepped: int) -> bool:
+        """One ReportProgress; False when it failed (logged only: what it says is resent, and
+        nothing waits on it)."""
+        try:
+            self.client.report_progress(commit_step=commit_step, straggler=verdict, stepped_world=stepped,
+                                        step=training_step(self.state))
+        except _ClientError as e:
+            log.debug("progress report failed: %s", e)
+            return False
+        self._stepped_told = max(stepped, self._stepped_told)
+        return True
 
     def _left(self, world_version: int, commit_step: int) -> LeftJob:
         """The exception that says why this worker left: preempted, asked to, or evicted as a straggler."""
@@ -331,12 +337,9 @@ class JobSession(Session):
             if (commit_step != reported or verdict is not told or stepped != stepped_told) and \
                     (named or stepped != stepped_told or time.monotonic() - last_report >= 1.0):
                 try:
-                    self.client.report_progress(commit_step=commit_step, straggler=verdict, stepped_world=stepped,
-                                                step=training_step(self.state))
-                    reported, told, self._stepped_told = commit_step, verdict, max(stepped, self._stepped_told)
-                    self.straggler_detector.told(verdict)
-                except _ClientError as e:
-                    log.debug("progress report failed: %s", e)
+                    if self._report_progress(commit_step, verdict, stepped):
+                        reported, told = commit_step, verdict
+                        self.straggler_detector.told(verdict)
                 except ValueError:
                     if self._stop.is_set():   # finish() closed the client's channel under this call
                         return
