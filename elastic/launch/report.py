@@ -192,15 +192,14 @@ class Reporter:
             self._held = None
             return Line(f"{held.text}; recovered {took:.2f} s after {held.what}", True)
         if now - held.formed_at >= STEP_WAIT_S:
-            self.recoveries.append(held.formed_at - held.since)
-            self._held = None
-            return Line(f"{held.formed_line()}; no training step reported in {STEP_WAIT_S:g} s", True)
-        if view.phase in ("SUCCEEDED", "FAILED"):   # no later answer will say more: said now, as formed
-            self.recoveries.append(held.formed_at - held.since)
-            self._held = None
-            return Line(f"{held.formed_line()}; the job ended before every member reported a training "
-                        f"step in it", True)
-        return None
+            why = f"no training step reported in {STEP_WAIT_S:g} s"
+        elif view.phase in ("SUCCEEDED", "FAILED"):   # no later answer will say more: said now, as formed
+            why = "the job ended before every member reported a training step in it"
+        else:
+            return None
+        self.recoveries.append(held.formed_at - held.since)
+        self._held = None
+        return Line(f"{held.formed_line()}; {why}", True)
 
     def _waiting(self, view: JobStatusInfo, now: float) -> Optional[Line]:
         """Every WAIT_LINE_EVERY_S while the job has fewer workers than min-np (before its first
