@@ -17,20 +17,22 @@ be (the alternative; ReportProgress stands in for one).
     python bench/rendezvous_stream_share.py /tmp/spy/reform-server.txt    # ... split per stream / the rest
 
 How the simulation differs from real workers: every worker is a grpc.aio client in this one
-process (no ring, no training) that acknowledges an abort where it asks (worlds of up to 512), as
-a RendezvousClient does (--no-abort-acks: never); up to 1,024 workers each get their own channel (TCP connection),
-beyond that workers share channels (N/1,024 Watch streams per HTTP/2 connection), because one
-process on this 2-core machine cannot hold 16,384 connections and their keepalive pings. The
-server sees the same RPCs and streams per worker, but fewer connections and pings than N real
-processes would give it. A worker's time is when its own message was read; the bench waits for
-them all through one tally, not a task per worker (see Tally). That one process joins 128 workers at a time, each joined once its
-Watch got its first event, and it shares the 2 cores with the server and etcd, so the server runs
-with a heartbeat timeout of 30 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed
-worker is still seen at once, by its stream breaking. The joins take this process ~35 s at
-16,384, so the server's --settle-max is 60 s: the first world forms once the joins stop, as for
-workers started together (with the default 2 s it forms at min_np and then grows as the last
-ones trickle in, each late one a world more, which measures this one process, not the server). Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of
-framing to each, HTTP/2 a few more). Targets at N = 16,384: form <= 3 s, re-form <= 2 s,
+process (no ring, no training) that acknowledges an abort where it asks (worlds of up to 512),
+as a RendezvousClient does (--no-abort-acks: never); up to 1,024 workers each get their own
+channel (TCP connection), beyond that workers share channels (N/1,024 Watch streams per HTTP/2
+connection), because one process on this 2-core machine cannot hold 16,384 connections and
+their keepalive pings. The server sees the same RPCs and streams per worker, but fewer
+connections and pings than N real processes would give it. A worker's time is when its own
+message was read; the bench waits for them all through one tally, not a task per worker (see
+Tally). That one process joins 128 workers at a time, each joined once its Watch got its first
+event, and it shares the 2 cores with the server and etcd, so the server runs with a heartbeat
+timeout of 30 s and a leader lease of 10 s (instead of 1.2 s and 2 s); a killed worker is still
+seen at once, by its stream breaking. The joins take this process ~35 s at 16,384, so the
+server's --settle-max is 60 s: the first world forms once the joins stop, as for workers
+started together (with the default 2 s it forms at min_np and then grows as the last ones
+trickle in, each late one a world more, which measures this one process, not the server).
+Bytes are the serialized WatchEvent messages (gRPC adds 5 bytes of framing to each, HTTP/2 a
+few more). Targets at N = 16,384: form <= 3 s, re-form <= 2 s,
 <= 4 KiB per worker per world change, CPU exponent <= 1.1. Only our server runs here: no peer.
 """
 from __future__ import annotations
